@@ -1,0 +1,123 @@
+"""Configs and their validation.
+
+Every check raises ``ValueError`` naming the field and the limit it broke, so a user can fix the
+call without reading our code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["hisparse", "gpu-only", "always-host"]
+MODES: tuple[str, ...] = ("hisparse", "gpu-only", "always-host")
+
+# Pages at the tail of a running request that may still be written by an in-flight step (I4).
+ACTIVE_TAIL_PAGES = 2
+
+
+def require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Sizes of the three tiers, in blocks of ``block_size`` tokens.
+
+    ``hot_buffer_size`` is rows per (layer, request); a request in host-read mode leases
+    ``hot_blocks_per_request`` GPU blocks for it (the same block ids in every layer).
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+    num_host_blocks: int
+    num_indexer_blocks: int
+    max_model_len: int
+    index_topk: int
+    hot_buffer_size: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    mode: Mode = "hisparse"
+    enable_prefix_caching: bool = True
+    # Free-block level under which requests are moved to host-read mode; None = default rule.
+    watermark_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "num_indexer_blocks", "max_model_len",
+                     "index_topk", "max_num_seqs", "max_num_batched_tokens"):
+            require_positive(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.hot_buffer_size is None:
+            object.__setattr__(self, "hot_buffer_size", 2 * self.index_topk)
+        require_positive("hot_buffer_size", self.hot_buffer_size)
+        if self.hot_buffer_size < self.index_topk:
+            raise ValueError(
+                f"hot_buffer_size must be >= index_topk ({self.index_topk}), "
+                f"got {self.hot_buffer_size}")
+        pages = self.max_pages_per_request
+        if self.mode != "gpu-only":
+            if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < pages:
+                raise ValueError(
+                    f"num_host_blocks must hold one max-length request "
+                    f"(>= {pages} blocks of {self.block_size} tokens for max_model_len="
+                    f"{self.max_model_len}), got {self.num_host_blocks}")
+            # Prefill reads resident history, so one max-length prompt must fit; decode in
+            # host-read mode needs its hot blocks, its tail and one chunk.
+            min_gpu = max(pages, self.hot_blocks_per_request + ACTIVE_TAIL_PAGES
+                          + self.chunk_pages)
+            if self.num_gpu_blocks < min_gpu:
+                raise ValueError(
+                    f"num_gpu_blocks must be >= {min_gpu} (one max_model_len prompt: {pages}; "
+                    f"hot blocks {self.hot_blocks_per_request} + tail {ACTIVE_TAIL_PAGES} + "
+                    f"one prefill chunk {self.chunk_pages}), got {self.num_gpu_blocks}")
+        elif self.num_gpu_blocks < pages:
+            raise ValueError(
+                f"num_gpu_blocks must hold one max-length request in gpu-only mode "
+                f"(>= {pages}), got {self.num_gpu_blocks}")
+        if self.num_indexer_blocks < pages:
+            raise ValueError(
+                f"num_indexer_blocks must hold one max-length request (>= {pages}), "
+                f"got {self.num_indexer_blocks}")
+        if self.watermark_blocks is not None and self.watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def hot_blocks_per_request(self) -> int:
+        return cdiv(self.hot_buffer_size, self.block_size)
+
+    @property
+    def chunk_pages(self) -> int:
+        """Pages one prefill chunk can touch (it may straddle a page boundary)."""
+        return cdiv(self.max_num_batched_tokens, self.block_size) + 1
+
+    @property
+    def watermark(self) -> int:
+        """Free GPU blocks under which requests are switched to host-read mode."""
+        if self.watermark_blocks is not None:
+            return self.watermark_blocks
+        return max(self.hot_blocks_per_request, self.num_gpu_blocks // 10)
+
+    @property
+    def uses_host(self) -> bool:
+        return self.mode != "gpu-only"
+
+
+def host_blocks_for_gib(host_pool_gib: float, bytes_per_host_block: int) -> int:
+    """Number of host blocks a pool of ``host_pool_gib`` GiB holds."""
+    if not isinstance(host_pool_gib, (int, float)) or not math.isfinite(host_pool_gib) \
+            or host_pool_gib <= 0:
+        raise ValueError(f"host_pool_gib must be a positive number, got {host_pool_gib!r}")
+    return int(host_pool_gib * (1 << 30)) // bytes_per_host_block

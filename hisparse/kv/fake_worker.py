@@ -1,0 +1,178 @@
+"""A CPU stand-in for the GPU worker that executes StepPlans with real byte copies.
+
+It is how tests (and ``hisparse simulate``) exercise the KV core without a model:
+- the "GPU arena", "indexer cache" and "host pool" are CPU tensors ``[layers, rows, width]``,
+  poisoned at start;
+- the "forward" writes, for every scheduled token, a row whose bytes are a function of the
+  request's token prefix and the layer, and reads every history row it is entitled to read
+  (resident rows directly, host-only rows through a per-(slot, layer) hot buffer), checking the
+  bytes;
+- mirror copies are performed *lazily*, when their acknowledgement is released 0..``max_delay``
+  steps later and in random order: a page released before its acknowledgement has no valid host
+  copy, and the checks see it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hisparse.config import KVCacheConfig
+from hisparse.kv.plan import RowCopy, StepPlan
+
+POISON = -7
+
+# (req_id, positions int64 [n]) -> expected row keys int64 [n] (must depend only on the
+# token prefix up to and including each position).
+RowKeyFn = Callable[[str, np.ndarray], np.ndarray]
+
+
+class KVMismatch(AssertionError):
+    pass
+
+
+class FakeWorker:
+    def __init__(self, cfg: KVCacheConfig, row_key: RowKeyFn, num_layers: int = 2,
+                 max_delay: int = 3, seed: int = 0, reads_per_token: int = 8) -> None:
+        self.cfg = cfg
+        self.bs = cfg.block_size
+        self.num_layers = num_layers
+        self.row_key = row_key
+        self.max_delay = max_delay
+        self.reads_per_token = reads_per_token
+        self.rng = random.Random(seed)
+        host_rows = cfg.num_host_blocks * self.bs if cfg.uses_host else 1
+        self.arena = torch.full((num_layers, cfg.num_gpu_blocks * self.bs), POISON,
+                                dtype=torch.int64)
+        self.indexer = torch.full((num_layers, cfg.num_indexer_blocks * self.bs), POISON,
+                                  dtype=torch.int64)
+        self.host = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
+        self.host_indexer = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
+        self.layer_salt = torch.arange(num_layers, dtype=torch.int64)[:, None] * 1_000_003
+        # hot[slot][layer]: {position: key read at fill time}
+        self.hot: dict[int, list[dict[int, int]]] = {}
+        self.in_flight: list[tuple[int, int, RowCopy, RowCopy]] = []  # (due, copy_id, ...)
+        self.step = 0
+        self.hot_hits = self.hot_misses = 0
+        self.h2d_rows = self.d2h_rows = 0
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, plan: StepPlan | None) -> list[int]:
+        """Run one step (or none) and return the copy ids acknowledged now."""
+        self.step += 1
+        if plan is not None:
+            for slot in plan.hot_resets.tolist():
+                self.hot[slot] = [dict() for _ in range(self.num_layers)]
+            self._copy(self.host, self.arena, plan.restores)
+            self._copy(self.host_indexer, self.indexer, plan.indexer_restores)
+            self.h2d_rows += len(plan.restores)
+            for seq in plan.seqs:
+                self._forward_seq(plan, seq)
+            if len(plan.mirrors):
+                due = self.step + self.rng.randint(0, self.max_delay)
+                self.in_flight.append((due, plan.mirrors.copy_id, plan.mirrors,
+                                       plan.indexer_mirrors))
+        return self._release_acks()
+
+    def drain(self) -> list[int]:
+        """Complete every in-flight copy now."""
+        done = [item[1] for item in self.in_flight]
+        for _, _, mirrors, indexer_mirrors in self.in_flight:
+            self._apply_mirror(mirrors, indexer_mirrors)
+        self.in_flight = []
+        return done
+
+    def _release_acks(self) -> list[int]:
+        due = [item for item in self.in_flight if item[0] <= self.step]
+        self.in_flight = [item for item in self.in_flight if item[0] > self.step]
+        self.rng.shuffle(due)
+        for _, _, mirrors, indexer_mirrors in due:
+            self._apply_mirror(mirrors, indexer_mirrors)
+        return [item[1] for item in due]
+
+    def _apply_mirror(self, mirrors: RowCopy, indexer_mirrors: RowCopy) -> None:
+        self._copy(self.arena, self.host, mirrors)
+        self._copy(self.indexer, self.host_indexer, indexer_mirrors)
+        self.d2h_rows += len(mirrors)
+
+    @staticmethod
+    def _copy(src: torch.Tensor, dst: torch.Tensor, op: RowCopy) -> None:
+        if len(op):
+            dst[:, torch.from_numpy(op.dst_rows)] = src[:, torch.from_numpy(op.src_rows)]
+
+    def _expected(self, req_id: str, positions: np.ndarray) -> torch.Tensor:
+        keys = torch.from_numpy(np.asarray(self.row_key(req_id, positions), dtype=np.int64))
+        return keys[None, :] + self.layer_salt
+
+    def _forward_seq(self, plan: StepPlan, seq) -> None:
+        bs = self.bs
+        slot = seq.slot
+        resident = plan.resident_block_table[slot]
+        # Write this step's rows (MLA row and indexer key) in every layer.
+        new_pos = np.arange(seq.start_pos, seq.start_pos + seq.num_tokens, dtype=np.int64)
+        pages, offs = new_pos // bs, new_pos % bs
+        if (resident[pages] < 0).any():
+            raise KVMismatch(f"{seq.req_id}: writing positions without a GPU page")
+        expected_new = self._expected(seq.req_id, new_pos)
+        self.arena[:, torch.from_numpy(resident[pages].astype(np.int64) * bs + offs)] = \
+            expected_new
+        idx_rows = plan.indexer_block_table[slot][pages].astype(np.int64) * bs + offs
+        self.indexer[:, torch.from_numpy(idx_rows)] = expected_new
+        # The indexer reads every history key; attention reads a sample (a fake top-k).
+        hist = np.arange(seq.start_pos, dtype=np.int64)
+        if len(hist):
+            idx_rows = plan.indexer_block_table[slot][hist // bs].astype(np.int64) * bs + hist % bs
+            if not torch.equal(self.indexer[:, torch.from_numpy(idx_rows)],
+                               self._expected(seq.req_id, hist)):
+                raise KVMismatch(f"{seq.req_id}: indexer keys differ from what was written")
+            k = min(len(hist), self.reads_per_token)
+            reads = np.asarray(sorted(self.rng.sample(range(len(hist)), k)), dtype=np.int64)
+            self._read_rows(plan, seq, reads)
+
+    def _read_rows(self, plan: StepPlan, seq, positions: np.ndarray) -> None:
+        bs = self.bs
+        blocks = plan.resident_block_table[seq.slot][positions // bs].astype(np.int64)
+        expected = self._expected(seq.req_id, positions)
+        got = torch.full_like(expected, POISON)
+        is_res = blocks >= 0
+        if is_res.any():
+            rows = torch.from_numpy(blocks[is_res] * bs + positions[is_res] % bs)
+            got[:, torch.from_numpy(is_res)] = self.arena[:, rows]
+        if not is_res.all():
+            if not seq.host_read:
+                raise KVMismatch(f"{seq.req_id}: non-resident history but not in host-read mode")
+            hot = self.hot[seq.slot]
+            host_blocks = plan.host_block_table[seq.slot]
+            for i in np.nonzero(~is_res)[0].tolist():
+                pos = int(positions[i])
+                for layer in range(self.num_layers):
+                    if pos in hot[layer]:
+                        self.hot_hits += 1
+                    else:
+                        self.hot_misses += 1
+                        row = int(host_blocks[pos // bs]) * bs + pos % bs
+                        hot[layer][pos] = int(self.host[layer, row])
+                    got[layer, i] = hot[layer][pos]
+        if not torch.equal(got, expected):
+            bad = (got != expected).any(0).nonzero().flatten()[:5].tolist()
+            raise KVMismatch(f"{seq.req_id}: rows at positions {positions[bad].tolist()} "
+                             f"read back wrong (resident={is_res[bad].tolist()})")
+
+    # ------------------------------------------------------------------ checks
+    def read_back(self, resident: np.ndarray, host: np.ndarray,
+                  positions: np.ndarray) -> torch.Tensor:
+        """What a request's tables say its rows are: GPU copy if resident, else host copy."""
+        bs = self.bs
+        blocks = resident[positions // bs].astype(np.int64)
+        out = torch.full((self.num_layers, len(positions)), POISON, dtype=torch.int64)
+        is_res = blocks >= 0
+        if is_res.any():
+            out[:, torch.from_numpy(is_res)] = self.arena[
+                :, torch.from_numpy(blocks[is_res] * bs + positions[is_res] % bs)]
+        if not is_res.all():
+            hrows = host[positions[~is_res] // bs].astype(np.int64) * bs + positions[~is_res] % bs
+            out[:, torch.from_numpy(~is_res)] = self.host[:, torch.from_numpy(hrows)]
+        return out

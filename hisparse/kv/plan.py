@@ -1,0 +1,70 @@
+"""StepPlan: everything a worker needs to run one step, and nothing it must decide.
+
+Addresses:
+- A *flat row id* is ``block_id * block_size + offset`` inside one layer's view of a pool. Every
+  copy below is applied to the same rows of every layer (block ids are shared by all layers).
+- Tables are ``int32`` with ``-1`` for "no block". They are indexed by a request's *slot*, a row
+  that stays fixed while the request holds KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+EMPTY_ROWS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """One batched copy: ``dst[:, dst_rows[i]] = src[:, src_rows[i]]`` over all layers.
+
+    ``copy_id`` is what the worker acknowledges once the copy is durable (-1: needs no ack).
+    """
+
+    src_rows: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)  # int64 [n]
+    dst_rows: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)  # int64 [n]
+    copy_id: int = -1
+
+    def __len__(self) -> int:
+        return int(self.src_rows.shape[0])
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of the step: tokens ``[start_pos, start_pos + num_tokens)``."""
+
+    req_id: str
+    slot: int
+    start_pos: int
+    num_tokens: int
+    host_read: bool      # history may miss GPU: reads go through the hot buffer
+    sample: bool         # the last token's logits are sampled (prompt finished)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    seqs: list[ScheduledSeq]
+    block_size: int
+    # [max_num_seqs, max_pages] int32: GPU arena block of each logical page, or -1.
+    resident_block_table: np.ndarray
+    # [max_num_seqs, max_pages] int32: host block of each logical page, or -1.
+    host_block_table: np.ndarray
+    # [max_num_seqs, max_pages] int32: indexer-cache block of each logical page, or -1.
+    indexer_block_table: np.ndarray
+    # [max_num_seqs, hot_blocks_per_request] int32: leased hot blocks, or -1 (not host-read).
+    hot_block_table: np.ndarray
+    # Slots whose hot-buffer state (keys and LRU, every layer) is cleared before the forward.
+    hot_resets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # Before the forward: host -> GPU arena, and host indexer keys -> GPU indexer cache.
+    restores: RowCopy = field(default_factory=RowCopy)
+    indexer_restores: RowCopy = field(default_factory=RowCopy)
+    # After the forward, on a copy stream: GPU -> host write-through of every row written.
+    mirrors: RowCopy = field(default_factory=RowCopy)
+    indexer_mirrors: RowCopy = field(default_factory=RowCopy)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)

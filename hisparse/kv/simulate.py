@@ -1,0 +1,183 @@
+"""Drive the scheduler and KV core with the fake worker and check the invariants of DESIGN.md §4.
+
+Used by the property tests and by ``hisparse simulate`` (a model-free tour of the KV core).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hisparse.config import ACTIVE_TAIL_PAGES, KVCacheConfig, cdiv
+from hisparse.engine.request import Request
+from hisparse.engine.scheduler import Scheduler
+from hisparse.kv.fake_worker import FakeWorker
+
+_MOD = (1 << 61) - 1
+
+
+class PrefixKeys:
+    """Row key of position ``p`` = rolling hash of ``tokens[:p + 1]`` (shared prefixes agree)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.cache: dict[str, list[int]] = {}
+
+    def register(self, req_id: str, token_ids: list[int]) -> None:
+        self.tokens[req_id] = token_ids
+        self.cache[req_id] = []
+
+    def __call__(self, req_id: str, positions: np.ndarray) -> np.ndarray:
+        toks, keys = self.tokens[req_id], self.cache[req_id]
+        need = int(positions.max()) + 1 if len(positions) else 0
+        h = keys[-1] if keys else 0
+        for tok in toks[len(keys):need]:
+            h = (h * 1_000_003 + tok + 1) % _MOD
+            keys.append(h)
+        return np.asarray(keys, dtype=np.int64)[positions]
+
+
+@dataclass
+class SimResult:
+    steps: int
+    finished: int
+    stats: dict
+
+
+class Simulation:
+    """A scheduler, its KV core and a fake worker, with token "sampling" from a seeded RNG."""
+
+    def __init__(self, cfg: KVCacheConfig, num_layers: int = 2, seed: int = 0,
+                 max_delay: int = 3, vocab: int = 50) -> None:
+        self.cfg = cfg
+        self.scheduler = Scheduler(cfg)
+        self.keys = PrefixKeys()
+        self.worker = FakeWorker(cfg, self.keys, num_layers=num_layers, max_delay=max_delay,
+                                 seed=seed)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.acks: list[int] = []
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []
+        self._next_id = 0
+
+    @property
+    def kv(self):
+        return self.scheduler.kv
+
+    def add(self, prompt: list[int], max_tokens: int) -> Request:
+        req_id = f"r{self._next_id}"
+        self._next_id += 1
+        max_len = min(len(prompt) + max_tokens, self.cfg.max_model_len)
+        req = Request(req_id, list(prompt), max_tokens=max_tokens, max_len=max_len)
+        self.keys.register(req_id, req.token_ids)
+        self.requests[req_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> bool:
+        """One engine step; False when nothing was scheduled."""
+        plan = self.scheduler.schedule(self.acks)
+        self.acks = self.worker.execute(plan)
+        if plan is None:
+            return False
+        sampled = {s.req_id: self.rng.randrange(self.vocab) for s in plan.seqs if s.sample}
+        self.finished += self.scheduler.update(plan, sampled)
+        return True
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort(req_id)
+
+    def preempt(self, req_id: str) -> None:
+        req = self.requests[req_id]
+        if req in self.scheduler.running:
+            self.scheduler._preempt(req)
+
+    def run_to_completion(self, max_steps: int = 100_000, check: bool = False) -> SimResult:
+        steps = 0
+        while self.scheduler.has_unfinished and steps < max_steps:
+            progressed = self.step()
+            steps += 1
+            if check:
+                self.check_invariants()
+            if not progressed and not self.worker.in_flight and not self.acks:
+                raise RuntimeError("scheduler is stuck: nothing scheduled, nothing in flight")
+        self.settle()
+        return SimResult(steps, len(self.finished), self.stats())
+
+    def settle(self) -> None:
+        """Complete in-flight copies and apply their acknowledgements."""
+        self.scheduler.kv.apply_acks(self.acks + self.worker.drain())
+        self.acks = []
+
+    def stats(self) -> dict:
+        s = vars(self.kv.stats).copy()
+        s.update(hot_hits=self.worker.hot_hits, hot_misses=self.worker.hot_misses,
+                 num_preempted=self.scheduler.num_preempted,
+                 peak_running=self.scheduler.peak_running)
+        return s
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        kv, bs = self.kv, self.cfg.block_size
+        for pool in (kv.gpu_pool, kv.host_pool, kv.indexer_pool):
+            if pool is not None:
+                pool.check_consistency()
+        for req in kv.requests.values():
+            n = req.num_computed
+            positions = np.arange(n, dtype=np.int64)
+            # I1: every computed row reads back, from where the tables say.
+            got = self.worker.read_back(req.resident, req.host, positions)
+            want = self.worker._expected(req.req_id, positions)
+            if not torch.equal(got, want):
+                bad = (got != want).any(0).nonzero().flatten()[:5].tolist()
+                raise AssertionError(f"I1: {req.req_id} rows {bad} unreadable "
+                                     f"(durable={req.num_durable}, computed={n})")
+            num_pages = cdiv(n, bs)
+            for p in range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages):
+                # I4: the last pages are pinned GPU pages.
+                block = int(req.resident[p])
+                if block < 0 or p < req.pinned_start or kv.gpu_pool.ref_counts[block] == 0:
+                    raise AssertionError(f"I4: {req.req_id} tail page {p} not pinned")
+            if req.host_read:
+                # I5: GPU footprint = tail pages + dirty pages + hot blocks.
+                for p in range(req.pinned_start, num_pages - ACTIVE_TAIL_PAGES):
+                    if req.resident[p] >= 0 and (p + 1) * bs <= req.num_durable:
+                        raise AssertionError(f"I5: {req.req_id} holds clean page {p}")
+                if len(req.hot_blocks) != self.cfg.hot_blocks_per_request:
+                    raise AssertionError(f"I5: {req.req_id} host-read without hot blocks")
+            elif req.decoding and (req.resident[:num_pages] < 0).any():
+                raise AssertionError(f"{req.req_id}: host-only pages outside host-read mode")
+        self._check_published()
+
+    def _check_published(self) -> None:
+        """I3: a published host block holds the durable rows of its prefix."""
+        kv, bs = self.kv, self.cfg.block_size
+        if kv.host_pool is None:
+            return
+        expected: dict[int, tuple[str, int]] = {}
+        for req in self.requests.values():
+            for p, h in enumerate(kv._page_hashes(req.token_ids, len(req.token_ids) // bs)):
+                expected.setdefault(h, (req.req_id, p))
+        for h, block in kv.host_pool.hash_to_block.items():
+            req_id, page = expected[h]
+            positions = np.arange(page * bs, (page + 1) * bs, dtype=np.int64)
+            rows = torch.arange(block * bs, (block + 1) * bs)
+            if not torch.equal(self.worker.host[:, rows], self.worker._expected(req_id, positions)):
+                raise AssertionError(f"I3: host block {block} published before durable")
+            if not torch.equal(self.worker.host_indexer[:, rows],
+                               self.worker._expected(req_id, positions)):
+                raise AssertionError(f"I3: host block {block} indexer keys not durable")
+
+    def check_all_free(self) -> None:
+        """I2: with every request gone and copies settled, every pool is whole again."""
+        kv = self.kv
+        for pool in (kv.gpu_pool, kv.host_pool, kv.indexer_pool):
+            if pool is not None and pool.num_free != pool.num_blocks:
+                raise AssertionError(f"I2: {pool.name} pool leaks "
+                                     f"{pool.num_blocks - pool.num_free} blocks")
+        if kv.draining or kv.requests or (kv.hot_table >= 0).any():
+            raise AssertionError("I2: requests still hold KV")

@@ -1,0 +1,191 @@
+"""Load an HF-format DSA checkpoint (config.json + safetensors) into :class:`DSAForCausalLM`.
+
+Checkpoint names are transformers' names; ours are identical except:
+
+- ``...self_attn.kv_b_proj.weight`` ``[H*(nope+v), R]`` -> ``w_uk [H, nope, R]`` and ``w_uv [H, v, R]``;
+- routed experts may be stored per expert (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``,
+  the on-disk format) or fused (``mlp.experts.gate_up_proj`` / ``down_proj``, transformers' in-memory
+  format); both fill our fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
+- ``lm_head.weight`` may be absent when embeddings are tied.
+
+MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped. FP8 block-quantized
+weights (``weight`` in float8_e4m3fn with a ``weight_scale_inv`` companion) are dequantized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+
+from .config import DSAConfig, parse_dtype
+from .dsa import DSAForCausalLM
+
+log = logging.getLogger(__name__)
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+class _TensorSource:
+    """name -> tensor over one or many safetensors files."""
+
+    def __init__(self, path: str, stack: ExitStack):
+        index_file = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index_file):
+            with open(index_file) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors file (and no model.safetensors.index.json) in {path}")
+            weight_map = None
+        self.handles = {}
+        for fname in files:
+            fpath = os.path.join(path, fname)
+            if not os.path.exists(fpath):
+                raise CheckpointError(f"shard {fname} listed in model.safetensors.index.json is missing from {path}")
+            self.handles[fname] = stack.enter_context(safe_open(fpath, framework="pt", device="cpu"))
+        if weight_map is None:
+            weight_map = {k: fname for fname, h in self.handles.items() for k in h.keys()}
+        self.weight_map = weight_map
+
+    def keys(self):
+        return self.weight_map.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.handles[self.weight_map[name]].get_tensor(name)
+
+
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = w.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return w.float() * s
+
+
+def load_state(model: DSAForCausalLM, get: Callable[[str], torch.Tensor], names, *,
+               fp8_block: tuple[int, int] = (128, 128)) -> None:
+    """Fill every parameter of ``model`` from checkpoint tensors ``get(name)``; ``names`` lists
+    the available names. Raises :class:`CheckpointError` naming what is missing or mis-shaped."""
+    cfg = model.config
+    names = set(names)
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    used: set[str] = set()
+
+    def read(name: str) -> torch.Tensor:
+        t = get(name)
+        used.add(name)
+        if t.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+            sname = name + "_scale_inv"
+            if sname not in names:
+                raise CheckpointError(f"{name} is FP8 but {sname} is missing")
+            used.add(sname)
+            t = _dequant_fp8(t, get(sname), fp8_block)
+        return t
+
+    def put(ours: str, t: torch.Tensor, src: str) -> None:
+        p = params.get(ours)
+        if p is None:
+            raise CheckpointError(f"checkpoint tensor {src} maps to {ours}, which the model does not have")
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match {ours} {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        filled.add(ours)
+
+    experts: dict[str, dict[int, dict[str, str]]] = {}
+    for name in sorted(names):
+        if name.endswith("_scale_inv") or name in used:
+            continue
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= cfg.num_layers:
+            continue  # MTP (next-n prediction) layers
+        if "rotary_emb" in name:
+            continue
+        em = _EXPERT_RE.match(name)
+        if em:
+            experts.setdefault(em.group(1), {}).setdefault(int(em.group(2)), {})[em.group(3)] = name
+            continue
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            base = name[: -len("kv_b_proj.weight")]
+            H, nope, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            w = read(name)
+            if tuple(w.shape) != (H * (nope + v), R):
+                raise CheckpointError(f"{name}: shape {tuple(w.shape)} does not match "
+                                      f"({H}*({nope}+{v}), {R})")
+            w = w.view(H, nope + v, R)
+            put(base + "w_uk", w[:, :nope], name)
+            put(base + "w_uv", w[:, nope:], name)
+            continue
+        if name in params:
+            put(name, read(name), name)
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        else:
+            log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+
+    for prefix, per_expert in experts.items():
+        E = cfg.n_routed_experts
+        missing = [f"{prefix}.{e}.{k}.weight" for e in range(E)
+                   for k in ("gate_proj", "up_proj", "down_proj") if k not in per_expert.get(e, {})]
+        if missing:
+            raise CheckpointError(f"missing expert tensors: {missing[:8]}"
+                                  + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        gu, down = params.get(prefix + ".gate_up_proj"), params.get(prefix + ".down_proj")
+        if gu is None:
+            raise CheckpointError(f"{prefix}.*: the model has no routed experts there (dense layer?)")
+        with torch.no_grad():
+            for e in range(E):
+                g, u, d = (read(per_expert[e][k]) for k in ("gate_proj", "up_proj", "down_proj"))
+                gu[e].copy_(torch.cat([g, u], dim=0).to(gu.dtype))
+                down[e].copy_(d.to(down.dtype))
+        filled.update({prefix + ".gate_up_proj", prefix + ".down_proj"})
+
+    if cfg.tie_word_embeddings:
+        filled.add("lm_head.weight")  # shares the embedding tensor
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) for: {missing[:10]}"
+                              + (" ..." if len(missing) > 10 else ""))
+
+
+def load_config(path: str) -> DSAConfig:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise CheckpointError(f"no config.json in {path}")
+    with open(cfg_file) as f:
+        return DSAConfig.from_hf(json.load(f))
+
+
+def load_model(path: str, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu") -> tuple[DSAForCausalLM, DSAConfig]:
+    """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype."""
+    cfg = load_config(path)
+    dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
+    with torch.device("meta"):
+        model = DSAForCausalLM(cfg, dtype=dtype)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    block = tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
+    with ExitStack() as stack:
+        src = _TensorSource(path, stack)
+        load_state(model, src.get, src.keys(), fp8_block=block)
+    model.requires_grad_(False)
+    model.eval()
+    return model, cfg

@@ -1,0 +1,14 @@
+"""Data-plane ops of hisparse: each = PyTorch reference (the spec, any device) + Triton kernel
+(CUDA, or the CPU interpreter with HISPARSE_FORCE_TRITON=1 and TRITON_INTERPRET=1) + dispatcher."""
+
+from .attention import flashmla_available, sparse_mla_attention, sparse_mla_attention_reference
+from .copy import copy_rows, copy_rows_reference, gather_rows
+from .indexer import indexer_topk, indexer_topk_reference
+from .resolve import resolve_rows, resolve_rows_reference
+
+__all__ = [
+    "indexer_topk", "indexer_topk_reference",
+    "resolve_rows", "resolve_rows_reference",
+    "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
+    "copy_rows", "copy_rows_reference", "gather_rows",
+]

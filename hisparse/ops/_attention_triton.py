@@ -1,0 +1,206 @@
+"""Triton sparse MLA attention (imported lazily by attention.py).
+
+One program per (token, block of heads, split of the index list). It gathers BLOCK_N rows of
+``kv`` per step (rows are shared by all heads: MQA), computes logits with two tensor-core dots
+(512-d latent part + 64-d rope part) and accumulates ``p @ kv[:, :512]`` with an online softmax
+in fp32. With several splits (flash-decoding, for small T) partial results go to a workspace and
+a second kernel merges them by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
+                 H, K, N, K_PER_SPLIT, qk_scale,
+                 stride_qt, stride_qh, stride_kv, stride_it,
+                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                 D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DV_BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_dv: tl.constexpr = D_V // DV_BLOCK
+    hblk = hb // n_dv
+    dv0 = (hb % n_dv) * DV_BLOCK
+    offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs_h < H
+    offs_d = tl.arange(0, D_V)
+    offs_p = tl.arange(0, D_PE)
+    offs_v = dv0 + tl.arange(0, DV_BLOCK)
+    q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
+    q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_BLOCK], tl.float32)
+    k_start = sp * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    offs_n = tl.arange(0, BLOCK_N)
+    for k0 in range(k_start, k_end, BLOCK_N):
+        kk = k0 + offs_n
+        idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + kk, mask=kk < k_end, other=-1)
+        valid = (idx >= 0) & (idx < N)
+        rows = tl.where(valid, idx, 0).to(tl.int64) * stride_kv
+        kn = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        kp = tl.load(kv_ptr + rows[:, None] + D_V + offs_p[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q_nope.to(tl.float32), tl.trans(kn.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q_pe.to(tl.float32), tl.trans(kp.to(tl.float32)), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_nope, tl.trans(kn))
+            s = tl.dot(q_pe, tl.trans(kp), s)
+        s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DV_BLOCK == D_V:
+            v = kn
+        else:
+            v = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = o_ptr + sp.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot \
+        + offs_h[:, None] * stride_oh + offs_v[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+    if hb % n_dv == 0:
+        tl.store(lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h,
+                 lse, mask=hm)
+
+
+@triton.jit
+def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
+                    stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
+                    stride_ot, stride_oh, stride_lt,
+                    D_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    sm = offs_s < S
+    l = tl.load(pl_ptr + offs_s * stride_pls + t.to(tl.int64) * stride_plt + h,
+                mask=sm, other=float("-inf"))
+    lmax = tl.max(l, axis=0)
+    lmax_use = tl.where(lmax == float("-inf"), 0.0, lmax)
+    w = tl.exp(l - lmax_use)
+    wsum = tl.sum(w, axis=0)
+    offs_d = tl.arange(0, D_V)
+    po = tl.load(po_ptr + offs_s[:, None] * stride_pos + t.to(tl.int64) * stride_pot
+                 + h * stride_poh + offs_d[None, :], mask=sm[:, None], other=0.0)
+    empty = wsum == 0.0
+    wsum_safe = tl.where(empty, 1.0, wsum)
+    o = tl.sum(po * w[:, None], axis=0) / wsum_safe
+    lse = tl.where(empty, float("-inf"), lmax_use + tl.log(wsum_safe))
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 8
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _NUM_SMS:
+        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _NUM_SMS[key]
+
+
+def _pick_config(T, H, K, device, is_fp32):
+    """(BLOCK_H, BLOCK_N, DV_BLOCK, num_warps, num_stages, splits)."""
+    if is_fp32:  # interpreter / CPU-forced path: small tiles
+        return 16, 32, 512, 4, 1, (2 if K > 64 else 1)
+    if H <= 16:
+        bh, bn, dvb, nw, ns = 16, 64, 512, 4, 2
+    elif H <= 32:
+        bh, bn, dvb, nw, ns = 32, 64, 512, 8, 2
+    else:  # measured on H200 (H=128, K=2048): 0.69x FlashMLA; DV_BLOCK=256 overflows smem
+        bh, bn, dvb, nw, ns = 64, 64, 512, 8, 2
+    programs = T * triton.cdiv(H, bh) * (512 // dvb)
+    target = 2 * _num_sms(device)
+    splits = 1
+    while programs * splits < target and K // (splits * 2) >= 256 and splits < 16:
+        splits *= 2
+    return bh, bn, dvb, nw, ns, splits
+
+
+def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
+    T, H, D = q.shape
+    if d_v != 512 or D != 576:
+        raise ValueError("Triton sparse MLA attention supports d_qk=576, d_v=512")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv.stride(-1) != 1:
+        raise ValueError("kv rows must be contiguous")
+    indices = indices.to(torch.int32)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    K = indices.shape[1]
+    N = kv.shape[0]
+    if out is None:
+        out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    if K == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    # fp32 inputs use IEEE fp32 dots; so does the CPU interpreter for every dtype (its bf16
+    # tl.dot is wrong in triton 3.9), where operands are upcast in the kernel.
+    is_fp32 = q.dtype == torch.float32 or kv.dtype == torch.float32 or not q.is_cuda
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
+    bh, bn, dvb, nw, ns, splits = config or _pick_config(T, H, K, q.device, is_fp32)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), bn) * bn
+    splits = triton.cdiv(K, k_per_split)
+    qk_scale = sm_scale * LOG2E
+    grid = (T, triton.cdiv(H, bh) * (512 // dvb), splits)
+    if splits == 1:
+        po, pl = out, lse
+        sos, sls = 0, 0
+        s_ot, s_oh, s_lt = out.stride(0), out.stride(1), lse.stride(0)
+    else:
+        po = torch.empty((splits, T, H, d_v), dtype=torch.float32, device=q.device)
+        pl = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
+        sos, sls = po.stride(0), pl.stride(0)
+        s_ot, s_oh, s_lt = po.stride(1), po.stride(2), pl.stride(1)
+    _attn_kernel[grid](
+        q, kv, indices, po, pl, H, K, N, k_per_split, qk_scale,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        sos, s_ot, s_oh, sls, s_lt,
+        D_V=512, D_PE=D - 512, BLOCK_H=bh, BLOCK_N=bn, DV_BLOCK=dvb, IEEE=is_fp32,
+        num_warps=nw, num_stages=ns,
+    )
+    if splits > 1:
+        _combine_kernel[(T, H)](
+            po, pl, out, lse, H, splits,
+            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            D_V=512, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,58 @@
+"""Shared helpers for the data-plane ops: backend choice and Triton availability.
+
+Triton kernels live in private ``_*_triton.py`` modules that are imported lazily, on the first
+Triton dispatch. ``triton.jit`` decides at decoration time whether a kernel is compiled or
+interpreted (``TRITON_INTERPRET=1``), so importing kernels lazily lets tests set that variable
+after ``hisparse`` itself was imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+FORCE_TRITON_ENV = "HISPARSE_FORCE_TRITON"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def force_triton() -> bool:
+    return os.environ.get(FORCE_TRITON_ENV, "") not in ("", "0")
+
+
+def want_triton(*tensors: torch.Tensor) -> bool:
+    """Triton when any given tensor is on CUDA (or HISPARSE_FORCE_TRITON=1), and Triton imports."""
+    if not triton_available():
+        return False
+    if force_triton():
+        return True
+    return any(t is not None and t.is_cuda for t in tensors)
+
+
+def next_pow2(n: int) -> int:
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """View a tensor whose last dim is contiguous as 32-bit words when its row bytes allow it.
+
+    Returns (view, bytes_per_word). Falls back to bytes (uint8) when a row is not a multiple of 4 B.
+    """
+    row_bytes = t.shape[-1] * t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError("last dimension must be contiguous")
+    if row_bytes % 4 == 0 and all((s * t.element_size()) % 4 == 0 for s in t.stride()[:-1]) \
+            and t.data_ptr() % 4 == 0:
+        return t.view(torch.int32), 4
+    return t.view(torch.uint8), 1

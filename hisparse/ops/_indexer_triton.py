@@ -1,0 +1,84 @@
+"""Triton scoring kernel of the lightning indexer (imported lazily by indexer.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+
+@triton.jit
+def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
+                         S_MAX, HI, D,
+                         stride_qt, stride_qh, stride_wt, stride_kr, stride_btr, stride_keyt,
+                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    r = tl.load(req_ptr + t)
+    pos = tl.load(pos_ptr + t)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < HI
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    qv = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0)
+    invalid_key = tl.full([BLOCK_S], -9223372036854775808, tl.int64)
+    for i in range(NSUB):
+        sb = tl.program_id(1) * NSUB + i
+        offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+        smask = offs_s < S_MAX
+        key_ptrs = key_ptr + t.to(tl.int64) * stride_keyt + offs_s
+        if (r < 0) | (sb * BLOCK_S > pos):
+            tl.store(key_ptrs, invalid_key, mask=smask)
+        else:
+            valid = smask & (offs_s <= pos)
+            page = offs_s // PAGE
+            blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
+            valid = valid & (blk >= 0)
+            rows = blk.to(tl.int64) * PAGE + (offs_s % PAGE)
+            k = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+            s = tl.maximum(s, 0.0)
+            score = tl.sum(s * w[:, None], axis=0)                   # [BLOCK_S] fp32
+            score = tl.where(score == 0.0, 0.0, score)               # -0.0 -> +0.0
+            bits = score.to(tl.int32, bitcast=True)
+            okey = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)       # order-preserving int32
+            low = (4294967295 - offs_s.to(tl.int64))                 # ties: lower position wins
+            key = (okey.to(tl.int64) << 32) | low
+            key = tl.where(valid, key, invalid_key)
+            tl.store(key_ptrs, key, mask=smask)
+
+
+def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None):
+    """int64 keys [T, P*block_size]: (orderable fp32 score << 32) | (2^32-1-pos); INT64_MIN invalid."""
+    T, HI, D = q.shape
+    s_max = block_table.shape[1] * block_size
+    keys = torch.empty((T, s_max), dtype=torch.int64, device=q.device)
+    if k_cache.dtype != q.dtype and q.dtype != torch.float32:
+        k_cache = k_cache.to(q.dtype)
+    # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
+    ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights.float()
+    block_h = max(16, next_pow2(HI))
+    block_d = max(16, next_pow2(D))
+    if config is None:
+        config = (64, 4, 4) if q.is_cuda else (64, 2, 4)     # (BLOCK_S, NSUB, num_warps)
+    block_s, nsub, nw = config
+    grid = (T, triton.cdiv(s_max, block_s * nsub))
+    _indexer_keys_kernel[grid](
+        q, weights, k_cache, block_table, token_req, token_pos, keys,
+        s_max, HI, D,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), block_table.stride(0),
+        keys.stride(0),
+        PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, NSUB=nsub, IEEE=ieee,
+        num_warps=nw,
+    )
+    return keys

@@ -1,0 +1,283 @@
+"""Triton resolver + zero-copy swap-in kernel (imported lazily by resolve.py).
+
+One program per request group (grid = T; non-leader tokens exit at once). Phases, separated by
+CTA barriers (global writes of a CTA are visible to the CTA after ``bar.sync``):
+
+A  map the usable hot slots' keys into a per-group position map ``M[g, pos] = slot``;
+B  walk the group's entries (token, then k, in blocks): resident rows are written out; a mapped
+   position is a hit (``M = H + slot``, counted once); an unmapped servable one a miss
+   (``M = -2 - ordinal``, ordinal = first-reference order via a block prefix sum);
+C  walk the LRU once: candidates (usable, not hit) get ordinals by prefix sum; the first n_load
+   become victims; every slot's new LRU position is computed in the same pass;
+D  load the misses: keys updated, rows copied host -> arena as flat 16-byte chunks; write the
+   outputs of hot lookups;
+E  copy the new LRU order back and reset the touched entries of ``M`` to -1 (``M`` is a persistent
+   scratch that is all -1 between calls, so no per-call memset).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+_SCRATCH: dict = {}
+
+
+def _position_map(device, g_max: int, s_m: int) -> torch.Tensor:
+    key = (str(device),)
+    m = _SCRATCH.get(key)
+    if m is None or m.shape[0] < g_max or m.shape[1] < s_m:
+        rows = max(g_max, m.shape[0] if m is not None else 0)
+        cols = max(s_m, m.shape[1] if m is not None else 0)
+        m = torch.full((rows, cols), -1, dtype=torch.int32, device=device)
+        _SCRATCH[key] = m
+    return m
+
+
+@triton.jit
+def _resolve_kernel(topk_ptr, req_ptr, gid_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
+                    keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
+                    m_ptr, v_ptr, mp_ptr, nl_ptr,
+                    T, K, P, HB, H, G_MAX,
+                    stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
+                    stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
+                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    CHUNKS: tl.constexpr, VEC: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)
+    r = tl.load(req_ptr + t)
+    prev = tl.load(req_ptr + tl.maximum(t - 1, 0))
+    prev = tl.where(t > 0, prev, -1)
+    g = tl.load(gid_ptr + t)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_h = tl.arange(0, BLOCK_H)
+    if r < 0:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            tl.store(out_ptr + t.to(tl.int64) * stride_out + kk,
+                     tl.full([BLOCK_K], -1, tl.int32), mask=kk < K)
+    elif (prev != r) & (g < G_MAX):
+        r64 = r.to(tl.int64)
+        m_row = m_ptr + g.to(tl.int64) * stride_m
+        v_row = v_ptr + g.to(tl.int64) * stride_scr
+        mp_row = mp_ptr + g.to(tl.int64) * stride_scr
+        nl_row = nl_ptr + g.to(tl.int64) * stride_scr
+        res_row = res_bt_ptr + r64 * stride_res
+        host_row = host_bt_ptr + r64 * stride_host
+        hot_row = hot_bt_ptr + r64 * stride_hot
+        keys_row = keys_ptr + r64 * stride_keys
+        lru_row = lru_ptr + r64 * stride_lru
+        s_max = P * PAGE
+
+        # ---- group length: tokens t .. t + n - 1
+        n = 0
+        done = 0
+        while done == 0:
+            offs = t + n + offs_k
+            v = tl.load(req_ptr + offs, mask=offs < T, other=-2)
+            first = tl.min(tl.where(v != r, offs_k, BLOCK_K))
+            n += first
+            done = (first < BLOCK_K).to(tl.int32)
+
+        # ---- A: map usable slots' keys
+        n_usable = 0
+        for h0 in range(0, H, BLOCK_H):
+            j = h0 + offs_h
+            jm = j < H
+            blk = tl.load(hot_row + j // PAGE, mask=jm & ((j // PAGE) < HB), other=-1)
+            usable = jm & (blk >= 0)
+            key = tl.load(keys_row + j, mask=jm, other=-1)
+            ok = usable & (key >= 0) & (key < s_max)
+            tl.store(m_row + key, j, mask=ok)
+            n_usable += tl.sum(usable.to(tl.int32))
+        tl.debug_barrier()
+
+        # ---- B: lookups in first-reference order
+        n_hit = 0
+        n_miss = 0
+        for tt in range(t, t + n):
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                km = kk < K
+                pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
+                page = pos // PAGE
+                valid = km & (pos >= 0) & (page < P)
+                res = tl.load(res_row + page, mask=valid, other=-1)
+                resident = valid & (res >= 0)
+                row = tl.where(resident, res * PAGE + pos % PAGE, -1)
+                tl.store(out_ptr + tt * stride_out + kk, row, mask=km)
+                nonres = valid & (res < 0)
+                mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                hit_first = nonres & (mval >= 0) & (mval < H)
+                tl.store(m_row + pos, mval + H, mask=hit_first)
+                n_hit += tl.sum(hit_first.to(tl.int32))
+                hb = tl.load(host_row + page, mask=nonres & (mval == -1), other=-1)
+                miss_first = nonres & (mval == -1) & (hb >= 0) & ((hb * 0 + n_usable) > 0)
+                mi = miss_first.to(tl.int32)
+                ordl = n_miss + tl.cumsum(mi, 0) - 1
+                tl.store(m_row + pos, -2 - ordl, mask=miss_first)
+                tl.store(mp_row + ordl, pos, mask=miss_first & (ordl < H))
+                n_miss += tl.sum(mi)
+                tl.debug_barrier()
+
+        # ---- C: one LRU walk: victims and new order
+        n_load = tl.minimum(n_miss, n_usable - n_hit)
+        u_total = H - n_hit - n_load
+        cand_run = 0
+        unt_run = 0
+        hit_run = 0
+        for h0 in range(0, H, BLOCK_H):
+            i = h0 + offs_h
+            im = i < H
+            s = tl.load(lru_row + i, mask=im, other=0)
+            blk = tl.load(hot_row + s // PAGE, mask=im & ((s // PAGE) < HB), other=-1)
+            usable = im & (blk >= 0)
+            key = tl.load(keys_row + s, mask=usable, other=-1)
+            mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
+                         volatile=True)
+            referenced = usable & (key >= 0) & (mk >= H)
+            cand = usable & (~referenced)
+            ci = cand.to(tl.int32)
+            cord = cand_run + tl.cumsum(ci, 0) - 1
+            loaded = cand & (cord < n_load)
+            untouched = im & (~referenced) & (~loaded)
+            ui = untouched.to(tl.int32)
+            hi = referenced.to(tl.int32)
+            uord = unt_run + tl.cumsum(ui, 0) - 1
+            hord = hit_run + tl.cumsum(hi, 0) - 1
+            newpos = tl.where(untouched, uord, tl.where(loaded, u_total + cord, u_total + n_load + hord))
+            tl.store(nl_row + newpos, s, mask=im)
+            tl.store(v_row + cord, s, mask=loaded)
+            # the evicted key is referenced by no entry of this group: safe to unmap now
+            tl.store(m_row + key, -1, mask=loaded & (key >= 0) & (key < s_max))
+            cand_run += tl.sum(ci)
+            unt_run += tl.sum(ui)
+            hit_run += tl.sum(hi)
+        tl.debug_barrier()
+
+        # ---- D1: new keys of the loaded slots
+        for o0 in range(0, n_load, BLOCK_H):
+            o = o0 + offs_h
+            om = o < n_load
+            s = tl.load(v_row + o, mask=om, other=0, volatile=True)
+            p = tl.load(mp_row + o, mask=om, other=-1, volatile=True)
+            tl.store(keys_row + s, p, mask=om)
+        # ---- D2: zero-copy gather of the missed rows, flat 16-byte chunks
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_v = tl.arange(0, VEC)
+        total = n_load * CHUNKS
+        for c0 in range(0, total, BLOCK_C):
+            c = c0 + offs_c
+            cm = c < total
+            o = c // CHUNKS
+            w = c % CHUNKS
+            s = tl.load(v_row + o, mask=cm, other=0, volatile=True)
+            p = tl.load(mp_row + o, mask=cm, other=0, volatile=True)
+            hb = tl.load(host_row + p // PAGE, mask=cm, other=0)
+            ab = tl.load(hot_row + s // PAGE, mask=cm, other=0)
+            src = (hb.to(tl.int64) * PAGE + p % PAGE) * host_row_w + w * VEC
+            dst = (ab.to(tl.int64) * PAGE + s % PAGE) * arena_row_w + w * VEC
+            src = tl.multiple_of(src, VEC)
+            dst = tl.multiple_of(dst, VEC)
+            val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
+            tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+        tl.debug_barrier()
+
+        # ---- D3: outputs of hot lookups
+        for tt in range(t, t + n):
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                km = kk < K
+                pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
+                page = pos // PAGE
+                valid = km & (pos >= 0) & (page < P)
+                res = tl.load(res_row + page, mask=valid, other=-1)
+                nonres = valid & (res < 0)
+                mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                is_hit = nonres & (mval >= H)
+                mord = -2 - mval
+                is_miss = nonres & (mval <= -2) & (mord < n_load)
+                slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
+                slot = tl.where(is_hit, mval - H, slot_m)
+                served = is_hit | is_miss
+                ab = tl.load(hot_row + slot // PAGE, mask=served, other=-1)
+                row = tl.where(served, ab * PAGE + slot % PAGE, -1)
+                tl.store(out_ptr + tt * stride_out + kk, row, mask=nonres)
+        tl.debug_barrier()
+
+        # ---- E: commit LRU, reset the position map
+        for h0 in range(0, H, BLOCK_H):
+            i = h0 + offs_h
+            im = i < H
+            s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
+            tl.store(lru_row + i, s, mask=im)
+            blk = tl.load(hot_row + i // PAGE, mask=im & ((i // PAGE) < HB), other=-1)
+            key = tl.load(keys_row + i, mask=im & (blk >= 0), other=-1, volatile=True)
+            tl.store(m_row + key, -1, mask=im & (blk >= 0) & (key >= 0) & (key < s_max))
+        for tt in range(t, t + n):
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                km = kk < K
+                pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
+                valid = km & (pos >= 0) & (pos < s_max)
+                tl.store(m_row + pos, -1, mask=valid)
+        tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
+        tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
+
+
+def _words(t: torch.Tensor):
+    row_bytes = t.shape[-1] * t.element_size()
+    if row_bytes % 4 != 0:
+        raise ValueError("resolve_rows: row bytes must be a multiple of 4")
+    w = t.view(torch.int32)
+    return w, w.stride(0)
+
+
+def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
+                        hot_keys, hot_lru, arena, host, block_size, counters, block_k=None,
+                        out=None):
+    T, K = topk.shape
+    R, P = resident_block_table.shape
+    HB = hot_block_table.shape[1]
+    H = hot_keys.shape[1]
+    dev = arena.device
+    if out is None:
+        out = torch.empty((T, K), dtype=torch.int32, device=dev)
+    if T == 0:
+        return out
+    if arena.shape[-1] * arena.element_size() != host.shape[-1] * host.element_size():
+        raise ValueError("resolve_rows: arena and host rows must have the same byte size")
+    if arena.is_cuda and not host.is_cuda and not host.is_pinned():
+        raise ValueError("resolve_rows: on CUDA the host tensor must be pinned (zero-copy reads)")
+    for name, x in (("topk", topk), ("hot_keys", hot_keys), ("hot_lru", hot_lru)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"resolve_rows: {name} must have a contiguous last dimension")
+    arena_w, arena_rw = _words(arena)
+    host_w, host_rw = _words(host)
+    words = arena.shape[-1] * arena.element_size() // 4
+    vec = 4 if (words % 4 == 0 and arena_rw % 4 == 0 and host_rw % 4 == 0
+                and arena_w.data_ptr() % 16 == 0 and host_w.data_ptr() % 16 == 0) else 1
+    chunks = words // vec
+    g_max = max(1, min(T, R))
+    s_m = P * block_size
+    m = _position_map(dev, g_max, s_m)
+    scr = torch.empty((3, g_max, max(H, 1)), dtype=torch.int32, device=dev)
+    prev = torch.cat([token_req.new_full((1,), -1), token_req[:-1]])
+    leader = (token_req >= 0) & (token_req != prev)
+    gid = (torch.cumsum(leader.to(torch.int32), 0) - 1).to(torch.int32)
+    if block_k is None:
+        block_k = min(1024, max(32, next_pow2(K)))
+    block_h = min(1024, max(32, next_pow2(H)))
+    _resolve_kernel[(T,)](
+        topk, token_req, gid, resident_block_table, host_block_table, hot_block_table,
+        hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
+        T, K, P, HB, H, g_max,
+        topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
+        hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
+        m.stride(0), scr.stride(1), arena_rw, host_rw,
+        PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
+        BLOCK_C=512, num_warps=8,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""Row copies between tiers: mirrors (GPU -> pinned host), restores (pinned host -> GPU),
+host -> host, and a zero-copy row gather (host rows -> GPU) for the bandwidth benchmark.
+
+``copy_rows(src, dst, src_rows, dst_rows)``: ``dst[:, dst_rows] = src[:, src_rows]`` for every
+layer ``L`` in one launch. ``src``/``dst`` are ``[L, rows, D]`` views (any layer stride: each
+layer is addressed through the view's own stride, so per-layer views into one packed allocation
+keep their offsets). When either side is on CUDA a single Triton kernel moves the rows in flat
+16-byte chunks, reading or writing the pinned host side directly through unified addressing (no
+staging copy, no CPU work, no host sync). Both sides on CPU: one torch indexing op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import want_triton
+
+
+def copy_rows_reference(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                        dst_rows: torch.Tensor) -> None:
+    """``dst[:, dst_rows] = src[:, src_rows]`` with torch indexing (any devices)."""
+    if src_rows.numel() == 0:
+        return
+    vals = src[:, src_rows.to(device=src.device, dtype=torch.long)]
+    dst[:, dst_rows.to(device=dst.device, dtype=torch.long)] = vals.to(device=dst.device,
+                                                                       dtype=dst.dtype)
+
+
+def _zero_copy_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda or t.is_pinned()
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+              dst_rows: torch.Tensor) -> None:
+    """``dst[:, dst_rows] = src[:, src_rows]`` for all layers in one launch.
+
+    Args:
+        src, dst: ``[L, rows, D]`` tensors of one dtype; either may be (pinned) host or CUDA.
+        src_rows, dst_rows: ``[n]`` int64 row ids (moved to the kernel's device if needed).
+    Triton path when either side is CUDA and the other is CUDA or pinned (or with
+    HISPARSE_FORCE_TRITON=1); torch indexing otherwise (e.g. host -> host, unpinned host).
+    """
+    if src.dim() != 3 or dst.dim() != 3:
+        raise ValueError("copy_rows expects [L, rows, D] tensors")
+    if src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2] or src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: incompatible src {tuple(src.shape)} {src.dtype} and "
+                         f"dst {tuple(dst.shape)} {dst.dtype}")
+    if src_rows.numel() != dst_rows.numel():
+        raise ValueError("copy_rows: src_rows and dst_rows differ in length")
+    if src_rows.numel() == 0:
+        return
+    gpu = src.is_cuda or dst.is_cuda
+    if want_triton(src, dst) and (not gpu or (_zero_copy_ok(src) and _zero_copy_ok(dst))) \
+            and (gpu or src.device == dst.device):
+        from ._copy_triton import copy_rows_triton
+        copy_rows_triton(src, dst, src_rows, dst_rows)
+        return
+    copy_rows_reference(src, dst, src_rows, dst_rows)
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[i] = src[rows[i]]``: ``src [N, ...]`` (pinned host on the CUDA path), ``dst [n, ...]``.
+
+    Zero-copy gather in flat 16-byte chunks (656-B FP8 rows = 41 chunks, 1152-B bf16 rows = 72).
+    """
+    src3 = src.reshape(1, src.shape[0], -1)
+    dst3 = dst.reshape(1, dst.shape[0], -1)
+    ident = torch.arange(rows.numel(), device=rows.device, dtype=torch.long)
+    copy_rows(src3, dst3, rows, ident)

@@ -1,0 +1,145 @@
+"""Lightning indexer + top-k over the paged indexer cache.
+
+Semantics (the spec is :func:`indexer_topk_reference`)::
+
+    score(t, s) = sum_h weights[t, h] * relu(q[t, h, :] . k[s, :])        (fp32)
+    candidates(t) = { s : 0 <= s <= token_pos[t], page s // block_size mapped in block_table }
+    selected(t)   = the min(topk, |candidates|) candidates of highest score
+
+Row ``t`` of the output lists ``selected(t)`` as logical positions, ordered by score descending,
+ties broken by the lower position, then ``-1`` padding. When ``token_pos[t] + 1 <= topk`` every
+position ``0..token_pos[t]`` is returned (still in that order). Padding tokens (``token_req == -1``)
+give a row of ``-1``.
+
+Relation to transformers' ``DeepseekV32Indexer`` (models/deepseek_v32/modeling_deepseek_v32.py)::
+
+    scores = relu((q.float() @ k.float().T) * softmax_scale)          # softmax_scale = index_head_dim**-0.5
+    index_scores = (weights_proj(x).float() * index_n_heads**-0.5) @ scores
+
+Because ``relu(c * x) = c * relu(x)`` for ``c > 0``, the caller folds *all* scales into ``weights``::
+
+    weights = weights_proj(x).float() * (index_n_heads ** -0.5) * (index_head_dim ** -0.5)
+
+and passes ``q`` after the indexer's non-interleaved RoPE (the same for ``k_cache`` rows, which
+hold ``k_norm(wk(x))`` with RoPE applied). The result equals transformers' up to fp32 rounding
+(the scale is applied after the dot instead of before the ReLU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import want_triton
+
+INT64_MIN = -(2**63)
+
+
+def _groups(token_req: list[int]):
+    """Maximal runs of consecutive tokens with the same request slot (padding skipped)."""
+    t, T = 0, len(token_req)
+    while t < T:
+        r = token_req[t]
+        if r < 0:
+            t += 1
+            continue
+        t1 = t + 1
+        while t1 < T and token_req[t1] == r:
+            t1 += 1
+        yield r, t, t1
+        t = t1
+
+
+def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                           block_table: torch.Tensor, token_req: torch.Tensor,
+                           token_pos: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+    """Plain PyTorch spec of :func:`indexer_topk` (any device)."""
+    T = q.shape[0]
+    dev = q.device
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
+    P = block_table.shape[1]
+    max_pos = P * block_size
+    req_l = token_req.tolist()
+    pos_l = token_pos.tolist()
+    for r, t0, t1 in _groups(req_l):
+        ps = pos_l[t0:t1]
+        S = min(max(ps) + 1, max_pos)
+        if S <= 0:
+            continue
+        positions = torch.arange(S, device=dev)
+        blk = block_table[r, positions // block_size].long()
+        mapped = blk >= 0
+        rows = blk.clamp(min=0) * block_size + positions % block_size
+        k = k_cache[rows].float()                                   # [S, D]
+        hi = q.shape[1]
+        step = max(1, (1 << 24) // max(1, hi * S))                  # bound the [g, Hi, S] temp
+        for a in range(t0, t1, step):
+            b = min(t1, a + step)
+            qg = q[a:b].float()                                     # [g, Hi, D]
+            s = torch.relu(torch.einsum("ghd,sd->ghs", qg, k))
+            score = torch.einsum("gh,ghs->gs", weights[a:b].float(), s)
+            pg = torch.tensor(pos_l[a:b], device=dev)
+            valid = mapped[None, :] & (positions[None, :] <= pg[:, None])
+            score = torch.where(valid, score, torch.full_like(score, float("-inf")))
+            order = torch.sort(score, dim=1, descending=True, stable=True).indices
+            n_valid = valid.sum(dim=1)
+            kk = min(topk, S)
+            sel = order[:, :kk]
+            keep = torch.arange(kk, device=dev)[None, :] < n_valid[:, None]
+            out[a:b, :kk] = torch.where(keep, sel, torch.full_like(sel, -1)).to(torch.int32)
+    return out
+
+
+def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,
+                         out=None):
+    from ._indexer_triton import indexer_keys
+
+    T = q.shape[0]
+    P = block_table.shape[1]
+    s_max = P * block_size
+    if out is None:
+        out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    kk = min(topk, s_max)
+    # bound the [Tc, s_max] int64 key buffer to ~1 GiB
+    tc = max(1, min(T, (1 << 27) // max(1, s_max)))
+    for a in range(0, T, tc):
+        b = min(T, a + tc)
+        keys = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
+                            token_pos[a:b], block_size)
+        vals, idx = torch.topk(keys, kk, dim=1, largest=True, sorted=True)
+        sel = torch.where(vals == INT64_MIN, torch.full_like(idx, -1), idx).to(torch.int32)
+        out[a:b, :kk] = sel
+        if kk < topk:
+            out[a:b, kk:] = -1
+    return out
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                 block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
+                 block_size: int, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
+
+    Args:
+        q: ``[T, Hi, D]`` bf16/fp32 indexer queries, RoPE applied.
+        weights: ``[T, Hi]`` fp32 per-head weights with all scales folded in (module docstring).
+        k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows).
+        block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
+        token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
+        token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
+        out: optional preallocated ``[T, topk]`` int32 result.
+
+    Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores every position
+    in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE fp32 for fp32 inputs)
+    and packs ``(score, -position)`` into one order-preserving int64 key; ``torch.topk`` on the
+    keys then gives exactly "score descending, ties by lower position" with no host sync.
+    """
+    if want_triton(q, k_cache):
+        return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
+                                    block_size, topk, out=out)
+    res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,
+                                 block_size, topk)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

@@ -1,0 +1,148 @@
+"""Resolver + swap-in: logical top-k positions -> flat GPU arena row ids, per layer.
+
+Spec (:func:`resolve_rows_reference`). Consecutive tokens with the same ``token_req[t] = r >= 0``
+form one *request group*; each request appears in at most one group per call. For a group:
+
+1. Walk its entries in order (token, then k). ``pos < 0`` or ``pos // block_size >= P`` -> ``-1``.
+   A *resident* position (``resident_block_table[r, page] >= 0``) -> its resident row
+   ``block * block_size + pos % block_size``; it touches no hot state and no counter.
+2. Every other position is a *hot lookup*. Slot ``j`` of the hot buffer lives at arena row
+   ``hot_block_table[r, j // block_size] * block_size + j % block_size``; it is *usable* iff that
+   block is ``>= 0`` (unusable slots are never looked up, chosen or changed; keys they hold are
+   ignored). A position held by a usable slot is a *hit*; otherwise, if its host block
+   ``host_block_table[r, page]`` is ``>= 0`` and the group has a usable slot, it is a *miss*;
+   otherwise it is *unservable* and outputs ``-1`` (the scheduler guarantees this never happens).
+   Hits and misses are de-duplicated over the group; misses are numbered in first-reference order.
+3. Candidates = usable slots not hit in this call, in current LRU order (oldest first). Miss ``i``
+   takes candidate ``i``: its key becomes the position and the row is copied from host row
+   ``host_block_table[r, page] * block_size + pos % block_size`` into the slot's arena row.
+   More misses than candidates raises ``ValueError`` in the reference; the Triton kernel loads the
+   first ``#candidates`` misses and outputs ``-1`` for the rest (misses still all counted).
+4. New LRU order = [slots neither hit nor loaded, in old LRU order] + [loaded slots, in miss
+   order] + [hit slots, in old LRU order]. Hits are thus the most recently used.
+5. ``counters[0] += #unique hits``, ``counters[1] += #unique misses`` (resident lookups count in
+   neither).
+
+Padding tokens (``token_req == -1``) output a row of ``-1`` and touch nothing. Within one token's
+row positions must be unique (the indexer guarantees it). ``hot_keys`` must be reset to ``-1``
+whenever the hot blocks change or a host block is reused (DESIGN I6): the op trusts the keys.
+
+The Triton kernel runs one program per request group, entirely on device (no host sync, fixed
+shapes, a fixed number of launches: CUDA-graph capturable once its scratch exists, i.e. after a
+first call with the same ``(R, P * block_size)`` bound). Misses are copied straight from the
+(pinned, on CUDA) ``host`` tensor through unified addressing, in flat 16-byte chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import want_triton
+
+
+def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
+                           hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters):
+    """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
+    T, K = topk.shape
+    bs = block_size
+    P = resident_block_table.shape[1]
+    HB = hot_block_table.shape[1]
+    H = hot_keys.shape[1]
+    out = [[-1] * K for _ in range(T)]
+    topk_l = topk.tolist()
+    req_l = token_req.tolist()
+    n_hits = n_misses = 0
+    t = 0
+    while t < T:
+        r = req_l[t]
+        if r < 0:
+            t += 1
+            continue
+        t1 = t + 1
+        while t1 < T and req_l[t1] == r:
+            t1 += 1
+        res_row = resident_block_table[r].tolist()
+        host_row = host_block_table[r].tolist()
+        hot_row = hot_block_table[r].tolist()
+        keys = hot_keys[r].tolist()
+        lru = hot_lru[r].tolist()
+        usable = [(j // bs) < HB and hot_row[j // bs] >= 0 for j in range(H)]
+        any_usable = any(usable)
+        slot_of = {keys[j]: j for j in range(H) if usable[j] and keys[j] >= 0}
+        hit_slots: set[int] = set()
+        miss_ord: dict[int, int] = {}
+        misses: list[int] = []
+        pending = []                                   # (t, k, pos) hot lookups to fill later
+        for tt in range(t, t1):
+            for k, pos in enumerate(topk_l[tt]):
+                if pos < 0 or pos // bs >= P:
+                    continue
+                page = pos // bs
+                if res_row[page] >= 0:
+                    out[tt][k] = res_row[page] * bs + pos % bs
+                    continue
+                if pos in slot_of:
+                    hit_slots.add(slot_of[pos])
+                    pending.append((tt, k, pos))
+                elif host_row[page] >= 0 and any_usable:
+                    if pos not in miss_ord:
+                        miss_ord[pos] = len(misses)
+                        misses.append(pos)
+                    pending.append((tt, k, pos))
+        cands = [s for s in lru if usable[s] and s not in hit_slots]
+        if len(misses) > len(cands):
+            raise ValueError(
+                f"resolve_rows: request slot {r} needs {len(misses)} new hot rows but only "
+                f"{len(cands)} unreferenced usable hot slots exist (hot buffer too small for the "
+                f"union of its tokens' selections)")
+        victims = cands[:len(misses)]
+        if misses:
+            src = torch.tensor([host_row[p // bs] * bs + p % bs for p in misses],
+                               dtype=torch.long, device=host.device)
+            dst = torch.tensor([hot_row[s // bs] * bs + s % bs for s in victims],
+                               dtype=torch.long, device=arena.device)
+            arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
+            for p, s in zip(misses, victims):
+                if keys[s] >= 0:
+                    slot_of.pop(keys[s], None)
+                keys[s] = p
+                slot_of[p] = s
+        loaded = set(victims)
+        new_lru = ([s for s in lru if s not in hit_slots and s not in loaded] + victims
+                   + [s for s in lru if s in hit_slots])
+        for tt, k, pos in pending:
+            s = slot_of[pos]
+            out[tt][k] = hot_row[s // bs] * bs + s % bs
+        hot_keys[r] = torch.tensor(keys, dtype=hot_keys.dtype, device=hot_keys.device)
+        hot_lru[r] = torch.tensor(new_lru, dtype=hot_lru.dtype, device=hot_lru.device)
+        n_hits += len(hit_slots)
+        n_misses += len(misses)
+        t = t1
+    counters[0] += n_hits
+    counters[1] += n_misses
+    return torch.tensor(out, dtype=torch.int32, device=topk.device).view(T, K)
+
+
+def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_table: torch.Tensor,
+                 host_block_table: torch.Tensor, hot_block_table: torch.Tensor,
+                 hot_keys: torch.Tensor, hot_lru: torch.Tensor, arena: torch.Tensor,
+                 host: torch.Tensor, block_size: int, counters: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Resolve ``topk [T, K]`` logical positions to flat arena rows ``[T, K]`` int32 (``-1`` skip).
+
+    Mutates ``hot_keys``, ``hot_lru``, ``counters`` and the hot rows of ``arena``. See the module
+    docstring for the exact semantics. Triton on CUDA (``host`` must then be pinned CPU memory or
+    a CUDA tensor), the reference otherwise.
+    """
+    if want_triton(arena, topk):
+        from ._resolve_triton import resolve_rows_triton
+        return resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
+                                   hot_block_table, hot_keys, hot_lru, arena, host, block_size,
+                                   counters, out=out)
+    res = resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
+                                 hot_block_table, hot_keys, hot_lru, arena, host, block_size,
+                                 counters)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

@@ -1,0 +1,37 @@
+"""Ops tests: Triton kernels run under the CPU interpreter when there is no CUDA.
+
+``triton.jit`` reads TRITON_INTERPRET when a kernel is *decorated*; hisparse imports its kernel
+modules lazily (on the first Triton dispatch), so setting the variable here, at collection, is
+early enough even if other test packages imported hisparse before.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
+
+
+@pytest.fixture
+def triton_cpu(monkeypatch):
+    """Force the Triton path on CPU tensors (interpreter)."""
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only machines")
+    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+    yield
+
+
+@pytest.fixture
+def no_force(monkeypatch):
+    monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+    yield

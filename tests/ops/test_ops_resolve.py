@@ -1,0 +1,376 @@
+"""Resolver: reference vs an independent LRU oracle, the issue's scenarios on both backends, and
+the Triton kernel (CPU interpreter here, production shapes on the GPU) against the reference."""
+
+import os
+
+import pytest
+import torch
+
+from hisparse.ops import resolve_rows, resolve_rows_reference
+
+D = 576
+BS = 16
+
+
+class Batch:
+    """Request slots with resident/host/hot tables over one or more layers of a packed arena."""
+
+    def __init__(self, R, P, H, layers=1, seed=0, resident_frac=0.0, device="cpu", pin=False,
+                 dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(seed)
+        self.R, self.P, self.H, self.L = R, P, H, layers
+        HB = (H + BS - 1) // BS
+        n_blocks = R * P + R * HB + 3
+        perm = torch.randperm(n_blocks, generator=g).to(torch.int32)
+        self.res = perm[:R * P].view(R, P).clone()
+        self.res[torch.rand(R, P, generator=g) >= resident_frac] = -1
+        self.hot = perm[R * P:R * P + R * HB].view(R, HB).clone()
+        self.hostbt = torch.randperm(R * P, generator=g).to(torch.int32).view(R, P)
+        # packed allocation, one view per layer (each view must carry its own layer offset)
+        self.arena_all = torch.randn(layers, n_blocks * BS, D, generator=g).to(dtype)
+        host = torch.randn(layers, R * P * BS, D, generator=g).to(dtype)
+        self.host_all = host.pin_memory() if pin else host
+        self.keys = [torch.full((R, H), -1, dtype=torch.int32) for _ in range(layers)]
+        self.lru = [torch.stack([torch.randperm(H, generator=g) for _ in range(R)]).to(torch.int32)
+                    for _ in range(layers)]
+        self.counters = [torch.zeros(2, dtype=torch.int64) for _ in range(layers)]
+        dev = torch.device(device)
+        for name in ("res", "hot", "hostbt", "arena_all"):
+            setattr(self, name, getattr(self, name).to(dev))
+        self.keys = [x.to(dev) for x in self.keys]
+        self.lru = [x.to(dev) for x in self.lru]
+        self.counters = [x.to(dev) for x in self.counters]
+        self.device = dev
+
+    def clone(self):
+        c = object.__new__(Batch)
+        c.__dict__.update(self.__dict__)
+        c.arena_all = self.arena_all.clone()
+        c.keys = [x.clone() for x in self.keys]
+        c.lru = [x.clone() for x in self.lru]
+        c.counters = [x.clone() for x in self.counters]
+        return c
+
+    def hot_row(self, r, j):
+        return int(self.hot[r, j // BS]) * BS + j % BS
+
+    def host_row(self, r, p):
+        return int(self.hostbt[r, p // BS]) * BS + p % BS
+
+    def resolve(self, backend, topk, req, layer=0, monkeypatch=None, out=None):
+        args = (topk.to(self.device), req.to(self.device), self.res, self.hostbt, self.hot,
+                self.keys[layer], self.lru[layer], self.arena_all[layer], self.host_all[layer], BS,
+                self.counters[layer])
+        if backend == "reference":
+            return resolve_rows_reference(*args)
+        return resolve_rows(*args, out=out)
+
+
+class Oracle:
+    """Independent LRU model of one (layer, request) hot buffer: an ordered list of
+    (slot, key), most recently used last."""
+
+    def __init__(self, lru, keys):
+        self.order = [(s, keys[s]) for s in lru]
+
+    def step(self, union):
+        present = {k: s for s, k in self.order if k >= 0}
+        hits = [p for p in union if p in present]
+        misses = [p for p in union if p not in present]
+        hit_slots = {present[p] for p in hits}
+        free = [(s, k) for s, k in self.order if s not in hit_slots]
+        assert len(misses) <= len(free)
+        loaded = [(free[i][0], p) for i, p in enumerate(misses)]
+        loaded_slots = {s for s, _ in loaded}
+        stay = [(s, k) for s, k in self.order if s not in hit_slots and s not in loaded_slots]
+        hit_part = [(s, k) for s, k in self.order if s in hit_slots]
+        self.order = stay + loaded + hit_part
+        slot_of = {k: s for s, k in self.order if k >= 0}
+        return len(hits), len(misses), slot_of
+
+    def lru(self):
+        return [s for s, _ in self.order]
+
+    def keys(self, H):
+        k = [-1] * H
+        for s, key in self.order:
+            k[s] = key
+        return k
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        if torch.cuda.is_available():
+            pytest.skip("interpreter variant runs on CPU-only machines (GPU tests cover CUDA)")
+        pytest.importorskip("triton")
+        monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+    else:
+        monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+    return request.param
+
+
+def rand_sel(g, n, lo, hi):
+    return (torch.randperm(hi - lo, generator=g)[:n] + lo).to(torch.int32)
+
+
+def check_against_oracle(b, backend, topk, req, oracles, layer=0):
+    """Run one step; compare outputs, hot state, counters and arena content with the oracle."""
+    before = b.counters[layer].clone()
+    poison = torch.full(topk.shape, -7, dtype=torch.int32, device=b.device)
+    out = b.resolve(backend, topk, req, layer, out=poison if backend == "triton" else None)
+    assert not (out == -7).any()
+    T, K = topk.shape
+    req_l = req.tolist()
+    exp_hits = exp_miss = 0
+    t = 0
+    while t < T:
+        r = req_l[t]
+        if r < 0:
+            assert (out[t] == -1).all()
+            t += 1
+            continue
+        t1 = t
+        while t1 < T and req_l[t1] == r:
+            t1 += 1
+        union = []
+        seen = set()
+        for tt in range(t, t1):
+            for p in topk[tt].tolist():
+                if p >= 0 and int(b.res[r, p // BS]) < 0 and p not in seen:
+                    seen.add(p)
+                    union.append(p)
+        h, m, slot_of = oracles[r].step(union)
+        exp_hits += h
+        exp_miss += m
+        for tt in range(t, t1):
+            for k, p in enumerate(topk[tt].tolist()):
+                if p < 0:
+                    assert out[tt, k] == -1
+                elif int(b.res[r, p // BS]) >= 0:
+                    assert out[tt, k] == int(b.res[r, p // BS]) * BS + p % BS
+                else:
+                    assert out[tt, k] == b.hot_row(r, slot_of[p])
+                    # the served arena row holds the host row of that position
+                    assert torch.equal(b.arena_all[layer][int(out[tt, k])].cpu(),
+                                       b.host_all[layer][b.host_row(r, p)].cpu())
+        assert b.lru[layer][r].tolist() == oracles[r].lru()
+        assert b.keys[layer][r].tolist() == oracles[r].keys(b.H)
+        t = t1
+    assert (b.counters[layer] - before).tolist() == [exp_hits, exp_miss]
+    return out
+
+
+def new_oracles(b, layer=0):
+    return [Oracle(b.lru[layer][r].tolist(), b.keys[layer][r].tolist()) for r in range(b.R)]
+
+
+def test_cold_start_fills_in_lru_order_then_fixed_point(backend):
+    K, H = 24, 48
+    b = Batch(R=2, P=8, H=H, seed=1)
+    g = torch.Generator().manual_seed(5)
+    sel = rand_sel(g, K, 0, 8 * BS)
+    topk = torch.stack([sel, rand_sel(g, K, 0, 8 * BS)])
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    lru0 = b.lru[0][0].tolist()
+    ors = new_oracles(b)
+    check_against_oracle(b, backend, topk, req, ors)
+    # cold start: miss i went to the i-th oldest slot; LRU rotated
+    assert [b.keys[0][0, s].item() for s in lru0[:K]] == sel.tolist()
+    assert b.lru[0][0].tolist() == lru0[K:] + lru0[:K]
+    assert b.counters[0].tolist() == [0, 2 * K]
+    # repeated selection: fixed point, no misses
+    keys1 = b.keys[0].clone()
+    out1 = check_against_oracle(b, backend, topk, req, ors)
+    out2 = check_against_oracle(b, backend, topk, req, ors)
+    assert torch.equal(out1, out2)
+    assert torch.equal(b.keys[0], keys1)
+    assert b.counters[0].tolist() == [4 * K, 2 * K]
+
+
+@pytest.mark.parametrize("mult", [1, 2, 5])
+def test_partial_overlap_evicts_oldest_unreferenced(backend, mult):
+    K = 20
+    H = mult * K
+    b = Batch(R=1, P=16, H=H, seed=2)
+    g = torch.Generator().manual_seed(6)
+    req = torch.tensor([0], dtype=torch.int32)
+    ors = new_oracles(b)
+    positions = torch.randperm(16 * BS, generator=g).to(torch.int32)
+    sel = positions[:K]
+    check_against_oracle(b, backend, sel[None], req, ors)
+    for step in range(4):
+        keep = sel[torch.randperm(K, generator=g)[:K - 7]]
+        new = positions[K + 7 * step:K + 7 * (step + 1)]
+        lru_before = b.lru[0][0].tolist()
+        keys_before = b.keys[0][0].tolist()
+        sel = torch.cat([new[:3], keep, new[3:]])
+        check_against_oracle(b, backend, sel[None], req, ors)
+        referenced = {s for s in range(H) if keys_before[s] in set(keep.tolist())}
+        expected_victims = [s for s in lru_before if s not in referenced][:7]
+        assert [b.keys[0][0, s].item() for s in expected_victims] == \
+            new[:3].tolist() + new[3:].tolist()
+
+
+@pytest.mark.parametrize("K", [1, 31, 32, 33, 63, 64, 65, 128, 2048])
+def test_topk_counts_at_lane_boundaries(backend, K):
+    H = 2 * K
+    P = max(4, (3 * K) // BS + 2)
+    b = Batch(R=2, P=P, H=H, seed=K, resident_frac=0.3)
+    g = torch.Generator().manual_seed(K)
+    req = torch.tensor([0, 1, -1], dtype=torch.int32)
+    ors = new_oracles(b)
+    pos = [torch.randperm(P * BS, generator=g).to(torch.int32) for _ in range(2)]
+    topk = torch.stack([pos[0][:K], pos[1][:K], pos[1][:K]])
+    check_against_oracle(b, backend, topk, req, ors)
+    shift = max(1, K // 3)
+    topk2 = torch.stack([pos[0][shift:K + shift], pos[1][:K], pos[0][:K]])
+    topk2[0, 0] = -1
+    check_against_oracle(b, backend, topk2, req, ors)
+
+
+def test_padding_rows_touch_nothing(backend):
+    b = Batch(R=2, P=8, H=32, seed=3)
+    before = b.clone()
+    g = torch.Generator().manual_seed(7)
+    topk = torch.stack([rand_sel(g, 16, 0, 8 * BS) for _ in range(3)])
+    out = b.resolve(backend, topk, torch.tensor([-1, -1, -1], dtype=torch.int32))
+    assert (out == -1).all()
+    assert torch.equal(b.keys[0], before.keys[0]) and torch.equal(b.lru[0], before.lru[0])
+    assert torch.equal(b.arena_all, before.arena_all)
+    assert b.counters[0].tolist() == [0, 0]
+
+
+def test_multi_token_group_resolves_union(backend):
+    K, H = 16, 40
+    b = Batch(R=2, P=8, H=H, seed=4, resident_frac=0.25)
+    g = torch.Generator().manual_seed(8)
+    pos = torch.randperm(8 * BS, generator=g).to(torch.int32)
+    # request 0 decodes 3 tokens with overlapping selections (union 16 + 8 + 8 = 32 <= H)
+    topk = torch.stack([pos[:16], pos[8:24], pos[16:32], pos[40:56]])
+    req = torch.tensor([0, 0, 0, 1], dtype=torch.int32)
+    ors = new_oracles(b)
+    check_against_oracle(b, backend, topk, req, ors)
+    check_against_oracle(b, backend, topk.roll(1, dims=1), req, ors)
+
+
+def test_independent_state_per_request_and_layer(backend):
+    """Two layers as views into one packed arena: each layer's misses land in its own view."""
+    K, H = 12, 24
+    b = Batch(R=2, P=6, H=H, layers=2, seed=9)
+    g = torch.Generator().manual_seed(9)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    ors = [new_oracles(b, 0), new_oracles(b, 1)]
+    arena1_before = b.arena_all[1].clone()
+    topk_a = torch.stack([rand_sel(g, K, 0, 6 * BS) for _ in range(2)])
+    check_against_oracle(b, backend, topk_a, req, ors[0], layer=0)
+    assert torch.equal(b.arena_all[1], arena1_before)          # layer 1 untouched
+    assert (b.keys[1] == -1).all() and b.counters[1].tolist() == [0, 0]
+    topk_b = torch.stack([rand_sel(g, K, 0, 6 * BS) for _ in range(2)])
+    check_against_oracle(b, backend, topk_b, req, ors[1], layer=1)
+    check_against_oracle(b, backend, topk_a, req, ors[0], layer=0)
+    assert b.counters[0].tolist() == [2 * K, 2 * K]
+
+
+def test_unservable_positions_output_minus_one(backend):
+    b = Batch(R=1, P=4, H=16, seed=10)
+    b.hostbt[0, 1] = -1                      # page 1 has no host copy
+    topk = torch.tensor([[0, 17, 18, 40]], dtype=torch.int32)
+    out = b.resolve(backend, topk, torch.tensor([0], dtype=torch.int32))
+    assert out[0, 1] == -1 and out[0, 2] == -1 and (out[0, [0, 3]] >= 0).all()
+    assert b.counters[0].tolist() == [0, 2]
+    b2 = Batch(R=1, P=4, H=16, seed=10)
+    b2.hot[0] = -1                           # no hot buffer leased
+    out = b2.resolve(backend, topk, torch.tensor([0], dtype=torch.int32))
+    assert (out == -1).all() and b2.counters[0].tolist() == [0, 0]
+
+
+def test_reference_raises_when_union_exceeds_hot_buffer():
+    b = Batch(R=1, P=4, H=16, seed=11)
+    topk = torch.arange(20, dtype=torch.int32)[None]
+    with pytest.raises(ValueError, match="hot"):
+        resolve_rows_reference(topk, torch.tensor([0], dtype=torch.int32), b.res, b.hostbt, b.hot,
+                               b.keys[0], b.lru[0], b.arena_all[0], b.host_all[0], BS,
+                               b.counters[0])
+
+
+def test_triton_interpreter_matches_reference_random_steps(backend):
+    if backend != "triton":
+        pytest.skip("compares the Triton kernel with the reference")
+    b = Batch(R=3, P=10, H=64, seed=12, resident_frac=0.4)
+    ref = b.clone()
+    g = torch.Generator().manual_seed(12)
+    for step in range(4):
+        T = 6
+        req = torch.tensor([0, 0, 2, -1, 1, 1], dtype=torch.int32)
+        topk = torch.stack([rand_sel(g, 20, 0, 10 * BS) for _ in range(T)])
+        topk[torch.rand(T, 20, generator=g) < 0.1] = -1
+        o1 = b.resolve("triton", topk, req)
+        o2 = ref.resolve("reference", topk, req)
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mult", [1, 2, 5])
+def test_gpu_production_shape_matches_reference(mult):
+    R, K = 64, 2048
+    H = mult * K
+    P = (4 * K) // BS + 4
+    b = Batch(R=R, P=P, H=H, seed=13, resident_frac=0.3, device="cuda", pin=True)
+    ref = b.clone()
+    ref.host_all = b.host_all                    # same pinned host rows
+    g = torch.Generator().manual_seed(13)
+    req = torch.arange(R, dtype=torch.int32)
+    req[7] = -1
+    prev = None
+    for step in range(3):
+        topk = torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)]).to(torch.int32)
+        if prev is not None:                      # ~75% overlap with the previous step
+            topk[:, : 3 * K // 4] = prev[:, K // 4:]
+        prev = topk
+        tk = topk.cuda()
+        out = torch.full((R, K), -7, dtype=torch.int32, device="cuda")
+        o1 = resolve_rows(tk, req.cuda(), b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                          b.arena_all[0], b.host_all[0], BS, b.counters[0], out=out)
+        o2 = resolve_rows_reference(tk, req.cuda(), ref.res, ref.hostbt, ref.hot, ref.keys[0],
+                                    ref.lru[0], ref.arena_all[0], ref.host_all[0], BS,
+                                    ref.counters[0])
+        torch.cuda.synchronize()
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_replay():
+    """Fixed shapes, no host sync: capture once, replay with new selections, match the reference."""
+    R, K, H = 8, 256, 512
+    P = 64
+    b = Batch(R=R, P=P, H=H, seed=14, resident_frac=0.2, device="cuda", pin=True)
+    ref = b.clone()
+    g = torch.Generator().manual_seed(14)
+    req = torch.arange(R, dtype=torch.int32, device="cuda")
+    sels = [torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)]).to(torch.int32).cuda()
+            for _ in range(4)]
+    static = sels[0].clone()
+    args = lambda x: (static, req, x.res, x.hostbt, x.hot, x.keys[0], x.lru[0], x.arena_all[0],
+                      x.host_all[0], BS, x.counters[0])
+    o = resolve_rows(*args(b))                                  # warm-up: scratch allocation
+    o_ref = resolve_rows_reference(*args(ref))
+    assert torch.equal(o, o_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = resolve_rows(*args(b))
+    for s in sels[1:]:
+        static.copy_(s)
+        graph.replay()
+        o_ref = resolve_rows_reference(*args(ref))
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_ref)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
