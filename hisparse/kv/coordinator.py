@@ -145,7 +145,7 @@ class KVCoordinator:
                 return num_pages
             # Restores, plus cached hit blocks that leave the free queue when claimed.
             restore = sum(g is None or self.gpu_pool.is_free(g) for _, g in hits)
-            return restore + cdiv(first_chunk, self.bs) + 1
+            return restore + cdiv(first_chunk, self.bs)
 
         # Reclaiming can unpin hit blocks too, so the need is counted again afterwards.
         if not self._ensure_free_gpu(gpu_need()) or self.gpu_pool.num_free < gpu_need():

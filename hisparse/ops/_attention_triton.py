@@ -134,13 +134,13 @@ def _pick_config(T, H, K, device, is_fp32):
     if is_fp32:  # interpreter / CPU-forced path: small tiles
         return 16, 32, 512, 4, 1, (2 if K > 64 else 1)
     if H <= 16:
-        bh, bn, dvb, nw, ns = 16, 64, 512, 4, 2
+        bh, bn, dvb, nw, ns = 16, 32, 512, 4, 2
     elif H <= 32:
         bh, bn, dvb, nw, ns = 32, 64, 512, 8, 2
     else:  # measured on H200 (H=128, K=2048): 0.69x FlashMLA; DV_BLOCK=256 overflows smem
         bh, bn, dvb, nw, ns = 64, 64, 512, 8, 2
     programs = T * triton.cdiv(H, bh) * (512 // dvb)
-    target = 2 * _num_sms(device)
+    target = (2 if bh <= 32 else 1) * _num_sms(device)
     splits = 1
     while programs * splits < target and K // (splits * 2) >= 256 and splits < 16:
         splits *= 2

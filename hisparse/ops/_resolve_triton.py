@@ -38,7 +38,7 @@ def _position_map(device, g_max: int, s_m: int) -> torch.Tensor:
 
 
 @triton.jit
-def _resolve_kernel(topk_ptr, req_ptr, gid_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
+def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
                     m_ptr, v_ptr, mp_ptr, nl_ptr,
                     T, K, P, HB, H, G_MAX,
@@ -50,9 +50,17 @@ def _resolve_kernel(topk_ptr, req_ptr, gid_ptr, res_bt_ptr, host_bt_ptr, hot_bt_
     r = tl.load(req_ptr + t)
     prev = tl.load(req_ptr + tl.maximum(t - 1, 0))
     prev = tl.where(t > 0, prev, -1)
-    g = tl.load(gid_ptr + t)
     offs_k = tl.arange(0, BLOCK_K)
     offs_h = tl.arange(0, BLOCK_H)
+    # group ordinal = number of group leaders before t (only leaders use it)
+    g = t * 0
+    if (r >= 0) & (prev != r):
+        for b0 in range(0, t, BLOCK_K):
+            offs = b0 + offs_k
+            m = offs < t
+            cur = tl.load(req_ptr + offs, mask=m, other=-1)
+            prv = tl.load(req_ptr + offs - 1, mask=m & (offs > 0), other=-1)
+            g += tl.sum((m & (cur >= 0) & (cur != prv)).to(tl.int32))
     if r < 0:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -264,14 +272,11 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     s_m = P * block_size
     m = _position_map(dev, g_max, s_m)
     scr = torch.empty((3, g_max, max(H, 1)), dtype=torch.int32, device=dev)
-    prev = torch.cat([token_req.new_full((1,), -1), token_req[:-1]])
-    leader = (token_req >= 0) & (token_req != prev)
-    gid = (torch.cumsum(leader.to(torch.int32), 0) - 1).to(torch.int32)
     if block_k is None:
         block_k = min(1024, max(32, next_pow2(K)))
     block_h = min(1024, max(32, next_pow2(H)))
     _resolve_kernel[(T,)](
-        topk, token_req, gid, resident_block_table, host_block_table, hot_block_table,
+        topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
         T, K, P, HB, H, g_max,
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),

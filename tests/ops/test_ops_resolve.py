@@ -327,9 +327,16 @@ def test_gpu_production_shape_matches_reference(mult):
     req[7] = -1
     prev = None
     for step in range(3):
-        topk = torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)]).to(torch.int32)
-        if prev is not None:                      # ~75% overlap with the previous step
-            topk[:, : 3 * K // 4] = prev[:, K // 4:]
+        rows = []
+        for r in range(R):
+            perm = torch.randperm(P * BS, generator=g).to(torch.int32)
+            if prev is None:
+                rows.append(perm[:K])
+            else:                                 # 75% overlap, positions unique within a row
+                keep = prev[r, K // 4:]
+                fresh = perm[~torch.isin(perm, keep)][:K // 4]
+                rows.append(torch.cat([keep, fresh]))
+        topk = torch.stack(rows)
         prev = topk
         tk = topk.cuda()
         out = torch.full((R, K), -7, dtype=torch.int32, device="cuda")
