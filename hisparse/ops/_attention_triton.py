@@ -9,7 +9,6 @@ a second kernel merges them by their log-sum-exp.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

@@ -42,17 +42,3 @@ def want_triton(*tensors: torch.Tensor) -> bool:
 def next_pow2(n: int) -> int:
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """View a tensor whose last dim is contiguous as 32-bit words when its row bytes allow it.
-
-    Returns (view, bytes_per_word). Falls back to bytes (uint8) when a row is not a multiple of 4 B.
-    """
-    row_bytes = t.shape[-1] * t.element_size()
-    if t.stride(-1) != 1:
-        raise ValueError("last dimension must be contiguous")
-    if row_bytes % 4 == 0 and all((s * t.element_size()) % 4 == 0 for s in t.stride()[:-1]) \
-            and t.data_ptr() % 4 == 0:
-        return t.view(torch.int32), 4
-    return t.view(torch.uint8), 1

@@ -1,7 +1,6 @@
 """Resolver: reference vs an independent LRU oracle, the issue's scenarios on both backends, and
 the Triton kernel (CPU interpreter here, production shapes on the GPU) against the reference."""
 
-import os
 
 import pytest
 import torch
