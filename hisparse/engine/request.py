@@ -40,6 +40,10 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

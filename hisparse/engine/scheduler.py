@@ -96,16 +96,16 @@ class Scheduler:
         by_id = {r.req_id: r for r in self.running}
         finished = []
         for seq in plan.seqs:
+            token = sampled.get(seq.req_id) if seq.sample else None
             req = by_id.get(seq.req_id)
-            if req is None or not seq.sample or seq.req_id not in sampled:
+            if token is None or req is None:
                 continue
-            token = sampled[seq.req_id]
             req.token_ids.append(token)
             reason = None
-            ignore_eos = getattr(req.sampling, "ignore_eos", False)
-            if token in req.stop_token_ids or (not ignore_eos and token in eos_token_ids):
+            if token in req.stop_token_ids or (token in eos_token_ids and not (
+                    req.sampling is not None and req.sampling.ignore_eos)):
                 reason = "stop"
-            elif len(req.output_token_ids) >= req.max_tokens or len(req.token_ids) >= req.max_len:
+            elif req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= req.max_len:
                 reason = "length"
             if reason is not None:
                 self._leave(req, RequestStatus.FINISHED, reason)

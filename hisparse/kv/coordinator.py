@@ -31,7 +31,7 @@ from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingWrite:
     """Rows ``[.., end)`` of a request written in step ``step_id``; ``acked`` once durable."""
 
@@ -221,26 +221,29 @@ class KVCoordinator:
             raise ValueError(f"request {req_id!r}: cannot schedule tokens [{start}, {end}) "
                              f"with {len(req.token_ids)} known tokens")
         first_page, last_page = start // self.bs, (end - 1) // self.bs
-        new_pages = [p for p in range(first_page, last_page + 1) if req.resident[p] < 0]
+        resident = req.resident
+        if first_page == last_page:  # the decode fast path
+            new_pages = [first_page] if resident[first_page] < 0 else []
+        else:
+            new_pages = [p for p in range(first_page, last_page + 1) if resident[p] < 0]
         if new_pages:
             if not self._ensure_free_gpu(len(new_pages)):
                 return False
-            req.resident[new_pages] = self.gpu_pool.allocate(len(new_pages))
+            resident[new_pages] = self.gpu_pool.allocate(len(new_pages))
         req.num_computed = end
-        if req.host_read:
+        if req.host_read and new_pages:
             self._unpin_clean_pages(req)  # the tail moved on
         self._scheduled.append(ScheduledSeq(req_id, req.slot, start, num_tokens, req.host_read,
-                                            sample=end >= len(req.token_ids)))
+                                            end >= len(req.token_ids)))
         return True
 
     def build_plan(self, step_id: int) -> StepPlan:
         """Emit the plan of the tokens scheduled since the last call."""
         self._switch_to_host_read()
         seqs, self._scheduled = self._scheduled, []
-        # A request may have been switched after it was scheduled: refresh its flag.
-        seqs = [s if s.host_read == self.requests[s.req_id].host_read else
-                ScheduledSeq(s.req_id, s.slot, s.start_pos, s.num_tokens, not s.host_read,
-                             s.sample) for s in seqs]
+        requests = self.requests
+        for s in seqs:  # a request may have been switched after it was scheduled
+            s.host_read = requests[s.req_id].host_read
         mirrors = indexer_mirrors = RowCopy()
         if self.cfg.uses_host and seqs:
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
@@ -259,15 +262,20 @@ class KVCoordinator:
 
     def _plan_mirrors(self, step_id: int, seqs: list[ScheduledSeq]) -> tuple[RowCopy, RowCopy]:
         entries = []
+        requests = self.requests
+        starts, counts, slots = [], [], []
         for s in seqs:
-            req = self.requests[s.req_id]
+            req = requests[s.req_id]
             write = PendingWrite(step_id, s.start_pos + s.num_tokens)
             req.pending.append(write)
             entries.append((req, write))
+            starts.append(s.start_pos)
+            counts.append(s.num_tokens)
+            slots.append(s.slot)
         self.pending_by_step[step_id] = entries
-        counts = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
-        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
+        counts = np.array(counts, dtype=np.int64)
+        starts = np.array(starts, dtype=np.int64)
+        slots = np.array(slots, dtype=np.int64)
         offsets = np.cumsum(counts) - counts
         positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - offsets,
                                                                              counts)
@@ -297,14 +305,16 @@ class KVCoordinator:
                 write.acked = True
                 touched[req.uid] = req
         for req in touched.values():
-            while req.pending and req.pending[0].acked:
-                req.num_durable = req.pending.popleft().end
-            self._publish_durable(req)
-            if req.uid in self.draining:
-                if not req.pending:
-                    self._free_blocks(self.draining.pop(req.uid))
-            elif req.host_read:
-                self._unpin_clean_pages(req)
+            pending = req.pending
+            old_pages = req.num_durable // self.bs
+            while pending and pending[0].acked:
+                req.num_durable = pending.popleft().end
+            if req.num_durable // self.bs > old_pages:  # a page turned clean
+                self._publish_durable(req)
+                if req.host_read:
+                    self._unpin_clean_pages(req)
+            if not pending and req.uid in self.draining:
+                self._free_blocks(self.draining.pop(req.uid))
 
     def _publish_durable(self, req: RequestKV) -> None:
         """Publish prefix hashes of full, durable pages, contiguously from page 0 (I3)."""

@@ -31,7 +31,7 @@ class RowCopy:
         return int(self.src_rows.shape[0])
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
     """One request's share of the step: tokens ``[start_pos, start_pos + num_tokens)``."""
 
