@@ -30,6 +30,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
     finish_reason: str | None = None
+    prompt_text: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

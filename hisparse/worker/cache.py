@@ -1,0 +1,82 @@
+"""Device-side storage of the three tiers plus the hot-buffer state.
+
+- ``arena``: one packed GPU allocation ``[L, num_gpu_blocks * block_size, D]`` of MLA rows;
+  ``arena[l]`` is layer ``l``'s view (its own offset ``l * layer_stride``), addressed by flat
+  row ids ``block * block_size + offset``. Resident pages and hot-buffer blocks share it.
+- ``indexer``: ``[Li, num_indexer_blocks * block_size, Di]`` keys, one layer per *indexer* layer
+  (GLM's shared layers have none).
+- ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
+- ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hisparse.config import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_layers: int
+    row_dim: int                 # kv_lora_rank + qk_rope_head_dim (576 in production)
+    indexer_layers: tuple[int, ...]  # model layers that own an indexer cache
+    index_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes per token: MLA rows of every layer plus indexer keys of indexer layers."""
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return elt * (self.num_layers * self.row_dim
+                      + len(self.indexer_layers) * self.index_head_dim)
+
+    def gpu_bytes_per_block(self, block_size: int) -> int:
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return elt * block_size * self.num_layers * self.row_dim
+
+    def indexer_bytes_per_block(self, block_size: int) -> int:
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return elt * block_size * len(self.indexer_layers) * self.index_head_dim
+
+
+class KVCaches:
+    def __init__(self, cfg: KVCacheConfig, geo: CacheGeometry, device: torch.device) -> None:
+        self.cfg, self.geo, self.device = cfg, geo, device
+        bs = cfg.block_size
+        pin = device.type == "cuda"
+        self.arena = torch.empty(geo.num_layers, cfg.num_gpu_blocks * bs, geo.row_dim,
+                                 dtype=geo.dtype, device=device)
+        n_idx = len(geo.indexer_layers)
+        self.indexer = torch.empty(n_idx, cfg.num_indexer_blocks * bs, geo.index_head_dim,
+                                   dtype=geo.dtype, device=device)
+        self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
+        host_rows = cfg.num_host_blocks * bs if cfg.uses_host else 0
+        self.host = torch.empty(geo.num_layers, host_rows, geo.row_dim, dtype=geo.dtype,
+                                pin_memory=pin)
+        self.host_indexer = torch.empty(n_idx, host_rows, geo.index_head_dim, dtype=geo.dtype,
+                                        pin_memory=pin)
+        R, H = cfg.max_num_seqs, cfg.hot_buffer_size
+        self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
+        self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(
+            geo.num_layers, R, 1)
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # hot hits, misses
+
+    def arena_layer(self, layer: int) -> torch.Tensor:
+        """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""
+        return self.arena[layer]
+
+    def host_layer(self, layer: int) -> torch.Tensor:
+        return self.host[layer]
+
+    def indexer_layer(self, layer: int) -> torch.Tensor:
+        return self.indexer[self.indexer_slot[layer]]
+
+    def reset_hot(self, slots: torch.Tensor) -> None:
+        """Forget every hot row of these request slots, in every layer (DESIGN I6)."""
+        if slots.numel():
+            self.hot_keys[:, slots] = -1
+            self.hot_lru[:, slots] = torch.arange(self.cfg.hot_buffer_size, dtype=torch.int32,
+                                                  device=self.device)

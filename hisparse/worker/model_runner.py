@@ -1,0 +1,176 @@
+"""Executes StepPlans: pre-forward copies, the forward over paged tiered caches, post-forward
+mirrors on a copy stream, and acknowledgements. No policy: every decision is in the plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hisparse import ops
+from hisparse.kv.plan import RowCopy, StepPlan
+from hisparse.worker.cache import KVCaches
+
+
+class PagedContext:
+    """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches."""
+
+    def __init__(self, caches: KVCaches, index_topk: int, kv_lora_rank: int) -> None:
+        self.caches = caches
+        self.index_topk = index_topk
+        self.kv_lora_rank = kv_lora_rank
+        self.bs = caches.cfg.block_size
+
+    def begin(self, plan: StepPlan, tables: dict[str, Tensor], token_slot: Tensor,
+              positions: Tensor) -> None:
+        dev = self.caches.device
+        bs = self.bs
+        self.tables = tables
+        self.token_slot = token_slot
+        self.positions = positions
+        pages, offs = positions // bs, positions % bs
+        slot_l = token_slot.long()
+        self.kv_rows = tables["resident"][slot_l, pages].long() * bs + offs
+        self.idx_rows = tables["indexer"][slot_l, pages].long() * bs + offs
+        self.host_read = any(s.host_read for s in plan.seqs)
+        self.topk: Tensor | None = None
+        self.attn_backend = "auto" if dev.type == "cuda" else "reference"
+
+    def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
+               index_weights: Tensor | None, index_k_new: Tensor | None,
+               sm_scale: float) -> Tensor:
+        c = self.caches
+        arena = c.arena_layer(layer_idx)
+        arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
+        if index_q is not None:
+            keys = c.indexer_layer(layer_idx)
+            keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
+            self.topk = ops.indexer_topk(index_q, index_weights.float(), keys,
+                                         self.tables["indexer"], self.token_slot,
+                                         self.positions.int(), self.bs, self.index_topk)
+        if self.topk is None:
+            raise RuntimeError("layer 0 must own an indexer")
+        rows = self._rows(layer_idx)
+        out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
+                                          d_v=self.kv_lora_rank, backend=self.attn_backend)
+        return out.to(q_latent.dtype)
+
+    def _rows(self, layer: int) -> Tensor:
+        """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
+        c, bs, topk = self.caches, self.bs, self.topk
+        if not self.host_read:  # every page of every request in the batch is resident
+            valid = topk >= 0
+            pos = topk.clamp(min=0).long()
+            blocks = self.tables["resident"][self.token_slot.long()[:, None], pos // bs]
+            return torch.where(valid & (blocks >= 0), blocks * bs + (pos % bs).int(),
+                               torch.full_like(topk, -1))
+        return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
+                                self.tables["host"], self.tables["hot"], c.hot_keys[layer],
+                                c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
+                                bs, c.counters)
+
+
+class ModelRunner:
+    """Owns the model and the caches; ``execute(plan, input_ids)`` runs one step."""
+
+    def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int) -> None:
+        self.model = model
+        self.caches = caches
+        self.device = caches.device
+        self.ctx = PagedContext(caches, index_topk, kv_lora_rank)
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
+        self.last_mirror_event: torch.cuda.Event | None = None
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
+        self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
+
+    def _to_device(self, a: np.ndarray) -> Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _copy(self, src: Tensor, dst: Tensor, op: RowCopy) -> None:
+        if len(op) and src.shape[0]:
+            ops.copy_rows(src, dst, torch.from_numpy(op.src_rows), torch.from_numpy(op.dst_rows))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, input_ids: list[int]) -> tuple[Tensor, list[int]]:
+        """Run ``plan``; return logits ``[n, vocab]`` fp32 of its sampling sequences (in plan
+        order) and the copy ids acknowledged since the last call."""
+        c = self.caches
+        if self.last_mirror_event is not None:
+            # A block released after its mirror may be rewritten now: the mirror must have read it.
+            torch.cuda.current_stream(self.device).wait_event(self.last_mirror_event)
+        if len(plan.hot_resets):
+            c.reset_hot(self._to_device(plan.hot_resets).long())
+        self._copy(c.host, c.arena, plan.restores)
+        self._copy(c.host_indexer, c.indexer, plan.indexer_restores)
+        self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
+        self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
+
+        counts = [s.num_tokens for s in plan.seqs]
+        starts = np.array([s.start_pos for s in plan.seqs], dtype=np.int64)
+        cnt = np.array(counts, dtype=np.int64)
+        offsets = np.cumsum(cnt) - cnt
+        positions = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(starts - offsets, cnt)
+        token_slot = np.repeat(np.array([s.slot for s in plan.seqs], dtype=np.int32), cnt)
+        tables = {"resident": self._to_device(plan.resident_block_table),
+                  "host": self._to_device(plan.host_block_table),
+                  "indexer": self._to_device(plan.indexer_block_table),
+                  "hot": self._to_device(plan.hot_block_table)}
+        pos_t = self._to_device(positions)
+        self.ctx.begin(plan, tables, self._to_device(token_slot), pos_t)
+        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids, pos_t, self.ctx)
+        last = np.cumsum(cnt) - 1
+        sample_idx = [int(last[i]) for i, s in enumerate(plan.seqs) if s.sample]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)]) \
+            if sample_idx else hidden.new_zeros(0, 0).float()
+        self._mirror(plan)
+        return logits, self._poll_acks()
+
+    def _mirror(self, plan: StepPlan) -> None:
+        if not len(plan.mirrors):
+            return
+        c = self.caches
+        n = len(plan.mirrors)
+        self.d2h_bytes += n * (self.row_bytes * c.geo.num_layers
+                               + self.key_bytes * c.indexer.shape[0])
+        if self.copy_stream is None:
+            self._copy(c.arena, c.host, plan.mirrors)
+            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            self.in_flight.append((plan.mirrors.copy_id, None))
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self._copy(c.arena, c.host, plan.mirrors)
+            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.last_mirror_event = event
+        self.in_flight.append((plan.mirrors.copy_id, event))
+
+    def _poll_acks(self) -> list[int]:
+        """Copy ids whose mirrors completed (non-blocking on CUDA)."""
+        done = []
+        while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].query()):
+            done.append(self.in_flight.popleft()[0])
+        return done
+
+    def drain(self) -> list[int]:
+        """Wait for every in-flight mirror; return their copy ids."""
+        done = []
+        while self.in_flight:
+            copy_id, event = self.in_flight.popleft()
+            if event is not None:
+                event.synchronize()
+            done.append(copy_id)
+        return done
+
+    def hot_counters(self) -> tuple[int, int]:
+        hits, misses = self.caches.counters.tolist()
+        return int(hits), int(misses)
