@@ -65,7 +65,9 @@ class RequestKV:
 
     @property
     def decoding(self) -> bool:
-        return self.num_computed >= self.prompt_len
+        """Past its first decode token: every later step computes one token, so it may read
+        history through a hot buffer (a prefill chunk reads resident pages only)."""
+        return self.num_computed > self.prompt_len
 
 
 @dataclass

@@ -110,6 +110,9 @@ class FakeWorker:
     def _forward_seq(self, plan: StepPlan, seq) -> None:
         bs = self.bs
         slot = seq.slot
+        if seq.host_read and seq.num_tokens > 1:
+            raise KVMismatch(f"{seq.req_id}: a multi-token chunk in host-read mode (its union "
+                             "of selections may not fit the hot buffer)")
         resident = plan.resident_block_table[slot]
         # Write this step's rows (MLA row and indexer key) in every layer.
         new_pos = np.arange(seq.start_pos, seq.start_pos + seq.num_tokens, dtype=np.int64)
