@@ -43,9 +43,63 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from hisparse.demo import run_demo
+
+    return 0 if run_demo(num_prompts=args.prompts, max_tokens=args.max_tokens,
+                         device=args.device) else 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hisparse import LLM, SamplingParams
+
+    hisparse_mode = {"on": True, "off": False, "always-host": "always-host"}[args.hisparse]
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+              num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
+              hisparse=hisparse_mode, max_model_len=args.max_model_len)
+    prompts: list = list(args.prompt or [])
+    for ids in args.prompt_ids or []:
+        prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",")]})
+    if not prompts:
+        raise SystemExit("give --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
+    for out in llm.generate(prompts, params, use_tqdm=True):
+        c = out.outputs[0]
+        print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
+                          "token_ids": c.token_ids, "text": c.text,
+                          "finish_reason": c.finish_reason}))
+    print(json.dumps(llm.stats()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="random-weight DSA model, tiny GPU pool, lossless check")
+    demo.add_argument("--prompts", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=_demo)
+    gen = sub.add_parser("generate", help="generate from a checkpoint directory")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer)")
+    gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    gen.add_argument("--block-size", type=int, default=64)
+    gen.add_argument("--num-gpu-blocks", type=int, default=None)
+    gen.add_argument("--host-pool-gib", type=float, default=4.0)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--hisparse", default="on", choices=["on", "off", "always-host"])
+    gen.set_defaults(func=_generate)
     sim = sub.add_parser("simulate", help="drive the KV core with a fake worker (no model)")
     sim.add_argument("--requests", type=int, default=32)
     sim.add_argument("--max-len", type=int, default=512)
