@@ -75,6 +75,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:  # its own argument parser: hisparse bench --help
+        from hisparse.bench.decode import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="random-weight DSA model, tiny GPU pool, lossless check")
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--hisparse", default="on", choices=["on", "off", "always-host"])
     gen.set_defaults(func=_generate)
+    sub.add_parser("bench", help="capacity-bound decode benchmark, three designs (CUDA)",
+                   add_help=False)
     sim = sub.add_parser("simulate", help="drive the KV core with a fake worker (no model)")
     sim.add_argument("--requests", type=int, default=32)
     sim.add_argument("--max-len", type=int, default=512)

@@ -70,14 +70,17 @@ class LLM:
                  hot_buffer_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  num_indexer_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 gpu_memory_utilization: float = 0.9, watermark_blocks: int | None = None):
+                 gpu_memory_utilization: float = 0.9, watermark_blocks: int | None = None,
+                 load_format: str = "auto",
+                 host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         if hisparse not in HISPARSE_MODES:
             raise ValueError(f"hisparse must be True, False or 'always-host', got {hisparse!r}")
         mode = HISPARSE_MODES[hisparse]
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
-        self.model, self.model_config = load_model(model, dtype=dtype, device=self.device)
+        self.model, self.model_config = load_model(model, dtype=dtype, device=self.device,
+                                                   load_format=load_format)
         mc = self.model_config
         self.max_model_len = max_model_len or min(mc.max_position_embeddings, 16384)
         if self.max_model_len > mc.max_position_embeddings:
@@ -93,7 +96,7 @@ class LLM:
         num_host_blocks = 0
         if mode != "gpu-only":
             avail = available_host_memory_bytes()
-            if host_pool_gib * (1 << 30) > avail:
+            if host_buffers is None and host_pool_gib * (1 << 30) > avail:
                 raise ValueError(f"host_pool_gib ({host_pool_gib}) exceeds available host memory "
                                  f"({avail / (1 << 30):.1f} GiB)")
             num_host_blocks = host_blocks_for_gib(host_pool_gib, geo.bytes_per_token * block_size)
@@ -108,7 +111,7 @@ class LLM:
             hot_buffer_size=hot_buffer_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, mode=mode,
             enable_prefix_caching=enable_prefix_caching, watermark_blocks=watermark_blocks)
-        self.caches = KVCaches(self.kv_config, geo, self.device)
+        self.caches = KVCaches(self.kv_config, geo, self.device, host_buffers)
         self.runner = ModelRunner(self.model, self.caches, mc.index_topk, mc.kv_lora_rank)
         self.scheduler = Scheduler(self.kv_config)
         self.tokenizer = self._load_tokenizer(model)

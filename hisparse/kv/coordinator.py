@@ -236,7 +236,7 @@ class KVCoordinator:
         if req.host_read and new_pages:
             self._unpin_clean_pages(req)  # the tail moved on
         self._scheduled.append(ScheduledSeq(req_id, req.slot, start, num_tokens, req.host_read,
-                                            end >= len(req.token_ids)))
+                                            end >= len(req.token_ids), start < req.prompt_len))
         return True
 
     def build_plan(self, step_id: int) -> StepPlan:

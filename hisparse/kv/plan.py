@@ -41,6 +41,7 @@ class ScheduledSeq:
     num_tokens: int
     host_read: bool      # history may miss GPU: reads go through the hot buffer
     sample: bool         # the last token's logits are sampled (prompt finished)
+    prefill: bool = False  # the tokens belong to the prompt (as admitted)
 
 
 @dataclass

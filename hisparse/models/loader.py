@@ -173,10 +173,21 @@ def load_config(path: str) -> DSAConfig:
 
 
 def load_model(path: str, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu") -> tuple[DSAForCausalLM, DSAConfig]:
-    """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype."""
+               device: torch.device | str = "cpu",
+               load_format: str = "auto") -> tuple[DSAForCausalLM, DSAConfig]:
+    """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype.
+
+    ``load_format="dummy"`` reads only config.json and initialises random weights on ``device``
+    (benchmarks of production geometry without a checkpoint, like vLLM's dummy format).
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     cfg = load_config(path)
     dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
+    if load_format == "dummy":
+        with torch.device(device):
+            model = DSAForCausalLM(cfg, dtype=dtype)
+        return model.requires_grad_(False).eval(), cfg
     with torch.device("meta"):
         model = DSAForCausalLM(cfg, dtype=dtype)
     model.to_empty(device=device)

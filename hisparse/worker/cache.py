@@ -43,7 +43,10 @@ class CacheGeometry:
 
 
 class KVCaches:
-    def __init__(self, cfg: KVCacheConfig, geo: CacheGeometry, device: torch.device) -> None:
+    def __init__(self, cfg: KVCacheConfig, geo: CacheGeometry, device: torch.device,
+                 host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``host_buffers``: preallocated ``(host, host_indexer)`` tensors of the right shapes
+        (pinning costs ~0.45 s/GiB, so benchmarks pin one pool and reuse it across engines)."""
         self.cfg, self.geo, self.device = cfg, geo, device
         bs = cfg.block_size
         pin = device.type == "cuda"
@@ -54,10 +57,15 @@ class KVCaches:
                                    dtype=geo.dtype, device=device)
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
         host_rows = cfg.num_host_blocks * bs if cfg.uses_host else 0
-        self.host = torch.empty(geo.num_layers, host_rows, geo.row_dim, dtype=geo.dtype,
-                                pin_memory=pin)
-        self.host_indexer = torch.empty(n_idx, host_rows, geo.index_head_dim, dtype=geo.dtype,
-                                        pin_memory=pin)
+        host_shape = (geo.num_layers, host_rows, geo.row_dim)
+        idx_shape = (n_idx, host_rows, geo.index_head_dim)
+        if host_buffers is not None:
+            self.host, self.host_indexer = host_buffers
+            if self.host.shape != host_shape or self.host_indexer.shape != idx_shape:
+                raise ValueError(f"host_buffers must have shapes {host_shape} and {idx_shape}")
+        else:
+            self.host = torch.empty(host_shape, dtype=geo.dtype, pin_memory=pin)
+            self.host_indexer = torch.empty(idx_shape, dtype=geo.dtype, pin_memory=pin)
         R, H = cfg.max_num_seqs, cfg.hot_buffer_size
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(

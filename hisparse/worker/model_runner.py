@@ -23,8 +23,11 @@ class PagedContext:
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
         self.bs = caches.cfg.block_size
+        # Benchmarks only: (layer, token_slot, positions, indexer_topk) -> replacement top-k,
+        # e.g. a replayed trace of a real model's selections.
+        self.topk_source = None
 
-    def begin(self, plan: StepPlan, tables: dict[str, Tensor], token_slot: Tensor,
+    def begin(self, seqs: list, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor) -> None:
         dev = self.caches.device
         bs = self.bs
@@ -35,7 +38,7 @@ class PagedContext:
         slot_l = token_slot.long()
         self.kv_rows = tables["resident"][slot_l, pages].long() * bs + offs
         self.idx_rows = tables["indexer"][slot_l, pages].long() * bs + offs
-        self.host_read = any(s.host_read for s in plan.seqs)
+        self.host_read = any(s.host_read for s in seqs)
         self.topk: Tensor | None = None
         self.attn_backend = "auto" if dev.type == "cuda" else "reference"
 
@@ -51,6 +54,9 @@ class PagedContext:
             self.topk = ops.indexer_topk(index_q, index_weights.float(), keys,
                                          self.tables["indexer"], self.token_slot,
                                          self.positions.int(), self.bs, self.index_topk)
+            if self.topk_source is not None:
+                self.topk = self.topk_source(layer_idx, self.token_slot, self.positions,
+                                             self.topk)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
@@ -84,10 +90,10 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
-        self.last_mirror_event: torch.cuda.Event | None = None
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
+        self.synthetic_prefill = False
         self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
 
     def _to_device(self, a: np.ndarray) -> Tensor:
@@ -102,36 +108,75 @@ class ModelRunner:
         """Run ``plan``; return logits ``[n, vocab]`` fp32 of its sampling sequences (in plan
         order) and the copy ids acknowledged since the last call."""
         c = self.caches
-        if self.last_mirror_event is not None:
-            # A block released after its mirror may be rewritten now: the mirror must have read it.
-            torch.cuda.current_stream(self.device).wait_event(self.last_mirror_event)
+        # No wait on in-flight mirrors here: a GPU block is handed out again only after the
+        # mirror that reads it was acknowledged (clean pages; finished requests drain first),
+        # and acknowledgements come from completed events.
         if len(plan.hot_resets):
             c.reset_hot(self._to_device(plan.hot_resets).long())
         self._copy(c.host, c.arena, plan.restores)
         self._copy(c.host_indexer, c.indexer, plan.indexer_restores)
         self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
         self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
-
-        counts = [s.num_tokens for s in plan.seqs]
-        starts = np.array([s.start_pos for s in plan.seqs], dtype=np.int64)
-        cnt = np.array(counts, dtype=np.int64)
-        offsets = np.cumsum(cnt) - cnt
-        positions = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(starts - offsets, cnt)
-        token_slot = np.repeat(np.array([s.slot for s in plan.seqs], dtype=np.int32), cnt)
         tables = {"resident": self._to_device(plan.resident_block_table),
                   "host": self._to_device(plan.host_block_table),
                   "indexer": self._to_device(plan.indexer_block_table),
                   "hot": self._to_device(plan.hot_block_table)}
+        if self.synthetic_prefill:
+            logits = self._forward_synthetic(plan, input_ids, tables)
+        else:
+            logits = self._forward(plan, plan.seqs, input_ids, tables)
+        self._mirror(plan)
+        return logits, self._poll_acks()
+
+    def _forward(self, plan: StepPlan, seqs, input_ids: list[int],
+                 tables: dict[str, Tensor]) -> Tensor:
+        """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
+        cnt = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+        starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
+        offsets = np.cumsum(cnt) - cnt
+        positions = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(starts - offsets, cnt)
+        token_slot = np.repeat(np.array([s.slot for s in seqs], dtype=np.int32), cnt)
         pos_t = self._to_device(positions)
-        self.ctx.begin(plan, tables, self._to_device(token_slot), pos_t)
+        self.ctx.begin(seqs, tables, self._to_device(token_slot), pos_t)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos_t, self.ctx)
         last = np.cumsum(cnt) - 1
-        sample_idx = [int(last[i]) for i, s in enumerate(plan.seqs) if s.sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)]) \
-            if sample_idx else hidden.new_zeros(0, 0).float()
-        self._mirror(plan)
-        return logits, self._poll_acks()
+        sample_idx = [int(last[i]) for i, s in enumerate(seqs) if s.sample]
+        if not sample_idx:
+            return hidden.new_zeros(0, 0).float()
+        return self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+
+    def _forward_synthetic(self, plan: StepPlan, input_ids: list[int],
+                           tables: dict[str, Tensor]) -> Tensor:
+        """Benchmarks only: prompt chunks get random KV rows instead of a forward (decode speed
+        is what is measured; a 64k-token prefill per request would not fit the run); decode
+        tokens run the real model. Sampled prompt ends get random logits."""
+        c, bs = self.caches, self.caches.cfg.block_size
+        decode, decode_ids, sample_kinds = [], [], []
+        offset = 0
+        for s in plan.seqs:
+            if s.prefill:
+                pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
+                pages, offs = pos // bs, pos % bs
+                kv_rows = tables["resident"][s.slot, pages].long() * bs + offs
+                idx_rows = tables["indexer"][s.slot, pages].long() * bs + offs
+                c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos), c.arena.shape[2],
+                                                  device=self.device, dtype=c.arena.dtype)
+                c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
+                                                     c.indexer.shape[2], device=self.device,
+                                                     dtype=c.indexer.dtype)
+            else:
+                decode.append(s)
+                decode_ids += input_ids[offset:offset + s.num_tokens]
+            if s.sample:
+                sample_kinds.append(s.prefill)
+            offset += s.num_tokens
+        vocab = self.model.config.vocab_size
+        logits = torch.randn(len(sample_kinds), vocab, device=self.device)
+        if decode:
+            real = self._forward(plan, decode, decode_ids, tables)
+            logits[torch.tensor([not k for k in sample_kinds], device=self.device)] = real
+        return logits
 
     def _mirror(self, plan: StepPlan) -> None:
         if not len(plan.mirrors):
@@ -151,7 +196,6 @@ class ModelRunner:
             self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        self.last_mirror_event = event
         self.in_flight.append((plan.mirrors.copy_id, event))
 
     def _poll_acks(self) -> list[int]:

@@ -1,0 +1,250 @@
+"""Capacity-bound long-context decode: GPU-only vs HiSparse vs always-host in one run.
+
+Model: DeepSeek-V3.2 geometry as one tensor-parallel rank of eight sees it (16 query heads,
+kv_lora_rank 512, rope 64, indexer 64 x 128, index_topk 2048, block 64), random weights (dummy
+load), bf16, dense MLP layers. Prompts get random KV rows instead of a prefill forward (decode
+speed is what is measured; see ``ModelRunner._forward_synthetic``); decode runs the full model.
+
+Top-k sources: ``indexer`` (the model's own indexer: random weights, unrealistic locality),
+``synthetic:<overlap>`` and ``trace:<npz>`` (selections replayed in place of the indexer output;
+the indexer still runs so its cost is counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hisparse.config import cdiv
+
+TP8_GEOMETRY = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432 // 8, q_lora_rank=1536,
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    num_attention_heads=16, num_key_value_heads=16, index_n_heads=64, index_head_dim=128,
+    index_topk=2048, max_position_embeddings=163840, first_k_dense_replace=1000,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+)
+
+
+@dataclass
+class Point:
+    mode: str
+    topk_source: str
+    context: int
+    concurrency: int
+    outputs: int
+    decode_tok_s: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    running_reached: int
+    hot_hit_rate: float
+    h2d_gb_s: float
+    gpu_mem_gib: float
+    host_pool_gib: float
+    num_preempted: int
+    spilled_pages: int
+    wall_s: float
+
+
+def write_config(layers: int) -> str:
+    from hisparse.models.random_checkpoint import make_hf_config
+
+    cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers, **TP8_GEOMETRY).to_dict()
+    cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+    path = tempfile.mkdtemp(prefix="hisparse-bench-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def topk_table(source: str, layers: int, context: int, outputs: int, k: int,
+               streams: int = 4) -> torch.Tensor | None:
+    """``[streams, layers, outputs, k]`` int32 positions selected at each decode step."""
+    if source == "indexer":
+        return None
+    from hisparse.bench import locality
+
+    kind, _, arg = source.partition(":")
+    if kind == "synthetic":
+        src = locality.SyntheticTopk(overlap=float(arg), num_layers=layers, seed=0)
+    elif kind == "trace":
+        src = locality.TraceTopk(arg)
+    else:
+        raise ValueError(f"topk source must be indexer, synthetic:<overlap> or trace:<npz>, "
+                         f"got {source!r}")
+    import numpy as np
+
+    table = np.stack([np.stack([np.stack([src.select(l, d, s, context + s + 1, k)
+                                          for s in range(outputs)]) for l in range(layers)])
+                      for d in range(streams)])
+    return torch.from_numpy(table.astype(np.int32))
+
+
+def make_topk_override(table: torch.Tensor, context: int):
+    streams, layers, steps, _ = table.shape
+
+    def override(layer: int, token_slot: torch.Tensor, positions: torch.Tensor,
+                 computed: torch.Tensor) -> torch.Tensor:
+        step = (positions - context).clamp(0, steps - 1)
+        return table[token_slot.long() % streams, layer % layers, step]
+
+    return override
+
+
+def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
+              outputs: int, gpu_kv_gib: float, host_buffers, host_pool_gib: float,
+              max_seqs: int, block_size: int = 64) -> Point:
+    from hisparse import LLM, SamplingParams
+
+    row_bytes_per_block = block_size * 576 * 2
+    layers = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+    num_gpu_blocks = int(gpu_kv_gib * (1 << 30)) // (row_bytes_per_block * layers)
+    max_len = context + outputs
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
+              num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, hisparse=mode,
+              max_model_len=max_len, max_num_seqs=max_seqs,
+              num_indexer_blocks=max_seqs * cdiv(max_len, block_size),
+              # Prompts are synthetic (random rows): a large budget admits them quickly.
+              max_num_batched_tokens=max(16384, min(262144, 4 * context)),
+              host_buffers=host_buffers if mode is not False else None)
+    llm.runner.synthetic_prefill = True
+    if table is not None:
+        llm.runner.ctx.topk_source = make_topk_override(table.to("cuda"), context)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(concurrency):
+        ids = torch.randint(2, 120000, (context,), generator=g).tolist()
+        llm.add_request({"prompt_token_ids": ids},
+                        SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True))
+    reqs = list(llm._requests.values())
+    first_token: dict[str, float] = {}
+    done_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while llm.has_unfinished_requests():
+        llm.step()
+        now = time.perf_counter()
+        for r in reqs:
+            if r.req_id not in first_token and r.num_output_tokens >= 1:
+                first_token[r.req_id] = now
+            if r.req_id not in done_at and r.finished:
+                done_at[r.req_id] = now
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    start = min(first_token.values())
+    decode_tokens = sum(r.num_output_tokens - 1 for r in reqs)
+    tpots = sorted((done_at[r.req_id] - first_token[r.req_id]) / max(1, outputs - 1) * 1e3
+                   for r in reqs)
+    s = llm.stats()
+    lookups = s["hot_hits"] + s["hot_misses"]
+    point = Point(
+        mode=s["mode"], topk_source=topk_source, context=context, concurrency=concurrency,
+        outputs=outputs, decode_tok_s=decode_tokens / (time.perf_counter() - start),
+        tpot_p50_ms=statistics.median(tpots), tpot_p99_ms=tpots[int(0.99 * (len(tpots) - 1))],
+        running_reached=s["peak_running"],
+        hot_hit_rate=s["hot_hits"] / lookups if lookups else float("nan"),
+        h2d_gb_s=s["h2d_bytes"] / wall / 1e9,
+        gpu_mem_gib=torch.cuda.max_memory_allocated() / (1 << 30),
+        host_pool_gib=host_pool_gib if mode is not False else 0.0,
+        num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall)
+    del llm
+    torch.cuda.empty_cache()
+    return point
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="hisparse bench", description=__doc__)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--contexts", default="65536")
+    p.add_argument("--concurrency", default="8,32,64,max")
+    p.add_argument("--outputs", type=int, default=64)
+    p.add_argument("--gpu-kv-gib", type=float, default=16.0)
+    p.add_argument("--host-pool-gib", type=float, default=64.0)
+    p.add_argument("--modes", default="gpu-only,hisparse,always-host")
+    p.add_argument("--locality", default="",
+                   help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
+    p.add_argument("--locality-concurrency", type=int, default=64)
+    p.add_argument("--out", default=".")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("hisparse bench needs a CUDA device")
+    modes = {"gpu-only": False, "hisparse": True, "always-host": "always-host"}
+    path = write_config(a.layers)
+    geo_bytes_per_token = a.layers * (576 + 128) * 2
+    t = time.perf_counter()
+    host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
+    host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
+                    torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
+    print(f"pinned {a.host_pool_gib} GiB host pool in {time.perf_counter() - t:.1f} s", flush=True)
+    points: list[Point] = []
+    os.makedirs(a.out, exist_ok=True)
+    t = time.perf_counter()
+    for name in a.modes.split(","):  # compile every kernel before timing anything
+        run_point(path, modes[name], "indexer", None, 4096, 4, 8, a.gpu_kv_gib, None, 1.0, 4)
+    print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
+
+    def record(pt: Point) -> None:
+        points.append(pt)
+        print(json.dumps(asdict(pt)), flush=True)
+        with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
+            json.dump([asdict(x) for x in points], f, indent=1)
+
+    for context in [int(c) for c in a.contexts.split(",")]:
+        host_cap = host_rows // (context + a.outputs + 64)
+        levels = sorted({host_cap if c == "max" else min(int(c), host_cap)
+                         for c in a.concurrency.split(",")})
+        for conc in levels:
+            for name in a.modes.split(","):
+                record(run_point(path, modes[name], "indexer", None, context, conc, a.outputs,
+                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels)))
+        for source in filter(None, a.locality.split(",")):
+            table = topk_table(source, a.layers, context, a.outputs, 2048)
+            conc = min(a.locality_concurrency, host_cap)
+            for name in ("hisparse", "always-host"):
+                record(run_point(path, modes[name], source, table, context, conc, a.outputs,
+                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, conc))
+    print_table(points)
+    plot(points, os.path.join(a.out, "bench_decode.png"))
+    return 0
+
+
+def print_table(points: list[Point]) -> None:
+    cols = ["mode", "topk_source", "context", "concurrency", "decode_tok_s", "tpot_p50_ms",
+            "tpot_p99_ms", "running_reached", "hot_hit_rate", "h2d_gb_s", "gpu_mem_gib",
+            "num_preempted"]
+    print(" | ".join(cols))
+    for pt in points:
+        d = asdict(pt)
+        print(" | ".join(f"{d[c]:.3g}" if isinstance(d[c], float) else str(d[c]) for c in cols))
+
+
+def plot(points: list[Point], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("gpu-only", "hisparse", "always-host"):
+        for context in sorted({p.context for p in points}):
+            pts = [p for p in points if p.mode == mode and p.context == context
+                   and p.topk_source == "indexer"]
+            if pts:
+                ax.plot([p.concurrency for p in pts], [p.decode_tok_s for p in pts], marker="o",
+                        label=f"{mode} {context // 1024}k")
+    ax.set_xlabel("concurrent requests submitted")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
