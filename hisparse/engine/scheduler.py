@@ -118,6 +118,14 @@ class Scheduler:
         req.status = status
         req.finish_reason = reason
 
+    def preempt(self, req_id: str) -> bool:
+        """Preempt a running request (its KV is freed; it resumes from the prefix cache)."""
+        for req in self.running:
+            if req.req_id == req_id:
+                self._preempt(req)
+                return True
+        return False
+
     def _preempt(self, req: Request) -> None:
         self.kv.preempt(req.req_id)
         self.running.remove(req)

@@ -92,9 +92,7 @@ class Simulation:
         self.scheduler.abort(req_id)
 
     def preempt(self, req_id: str) -> None:
-        req = self.requests[req_id]
-        if req in self.scheduler.running:
-            self.scheduler._preempt(req)
+        self.scheduler.preempt(req_id)
 
     def run_to_completion(self, max_steps: int = 100_000, check: bool = False) -> SimResult:
         steps = 0

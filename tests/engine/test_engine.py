@@ -151,3 +151,11 @@ def test_bad_engine_config_names_the_field(dsv32_path, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="architectures"):
         LLM(str(bad), device="cpu")
+
+
+def test_glm_shared_indexer_layers_lossless_under_pressure(glm_path):
+    batch = prompts(6, 40, 140, seed=21)
+    want = tokens(unconstrained(glm_path).generate(batch, GREEDY))
+    llm = tiny_pool(glm_path)
+    assert tokens(llm.generate(batch, GREEDY)) == want
+    assert llm.stats()["hot_misses"] > 0
