@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
             json.dump([asdict(x) for x in points], f, indent=1)
 
-    for context in [int(c) for c in a.contexts.split(",")]:
+    contexts = [int(c) for c in a.contexts.split(",")]
+    for context in contexts:
         host_cap = host_rows // (context + a.outputs + 64)
         levels = sorted({host_cap if c == "max" else min(int(c), host_cap)
                          for c in a.concurrency.split(",")})
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in a.modes.split(","):
                 record(run_point(path, modes[name], "indexer", None, context, conc, a.outputs,
                                  a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels)))
-        for source in filter(None, a.locality.split(",")):
+        sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
+        for source in sources:
             table = topk_table(source, a.layers, context, a.outputs, 2048)
             conc = min(a.locality_concurrency, host_cap)
             for name in ("hisparse", "always-host"):
