@@ -26,7 +26,7 @@ Output (npz, default ``~/.cache/hisparse/smollm2_trace.npz``; never commit it):
 ``torch_version``, ``transformers_version``, ``seconds``).
 
 Command used for docs/BENCHMARKS.md (about 3 minutes on 2 CPU cores):
-    python benchmarks/record_trace.py --docs 4 --doc-len 8192 --steps 256
+    python benchmarks/record_trace.py --docs 4 --doc-len 8192 --steps 256 --self-check
 """
 
 from __future__ import annotations

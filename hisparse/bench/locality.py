@@ -52,7 +52,7 @@ class TopkSource(Protocol):
 # --------------------------------------------------------------------------------------------
 
 class _Chain:
-    __slots__ = ("c0", "k", "step", "sel", "rng")
+    __slots__ = ("c0", "k", "step", "sel", "rng", "left")
 
 
 class SyntheticTopk:
@@ -66,11 +66,21 @@ class SyntheticTopk:
       chosen uniformly at random (capped at ``n - 1``: the newest token always enters), and fills
       the rest with the newest token ``context_len - 1`` plus positions *not* in the previous
       selection, so the measured overlap ``|sel_t & sel_{t-1}| / n`` is exactly
-      ``round(overlap * n) / n``.
-    - New positions: with probability ``recent_frac`` a recent one, at distance
-      ``1 + Exponential(recent_scale)`` (default scale ``k``) before the newest token; otherwise a
-      uniform one over the whole context (an old row coming back). Realistic in shape: the newest
-      positions enter, a few old ones return; the exact mixture is a free parameter, not fitted.
+      ``round(overlap * n) / n`` (higher only while fewer than ``n`` old positions are free,
+      i.e. for ``context_len`` just above ``k``).
+    - New positions (besides the newest token), each independently: with probability
+      ``return_frac`` a row that left the selection within the last ``return_window`` steps
+      (churn around the cut); with probability ``recent_frac`` a recent one, at distance
+      ``1 + Exponential(recent_scale)`` (default scale ``k``) before the newest token; otherwise
+      a uniform one over the whole context (an old row coming back after a long time). When too
+      few recently-left rows are free, the shortfall is drawn like the rest.
+
+    Calibration (rough, by hand): in the SmolLM2 trace (``benchmarks/record_trace.py``) ~63% of
+    the rows entering a step's top-k had left it within the last 8 steps, ~33% lie within ``k``
+    positions of the newest token, ~1.4% are the newest token. The defaults (0.5 / 0.25 / rest
+    uniform) are in that range; they are free parameters, not fitted. With ``return_frac = 0``
+    a bigger hot buffer barely helps (rows that leave rarely come back), so hit rates depend on
+    this churn at least as much as on ``overlap``.
 
     Determinism: chain ``(layer, stream)`` is seeded by ``(seed, layer, stream, c0, k)`` with
     ``c0 = context_len - step``, and is advanced one step at a time; the state of the last step
@@ -79,18 +89,24 @@ class SyntheticTopk:
     and independent; ``num_layers`` only satisfies the protocol.
     """
 
-    def __init__(self, overlap: float, num_layers: int, seed: int = 0, recent_frac: float = 0.5,
+    def __init__(self, overlap: float, num_layers: int, seed: int = 0, return_frac: float = 0.5,
+                 recent_frac: float = 0.25, return_window: int = 8,
                  recent_scale: float | None = None):
         if not 0.0 <= overlap <= 1.0:
             raise ValueError(f"SyntheticTopk: overlap must be in [0, 1], got {overlap}")
-        if not 0.0 <= recent_frac <= 1.0:
-            raise ValueError(f"SyntheticTopk: recent_frac must be in [0, 1], got {recent_frac}")
+        if not (0.0 <= return_frac and 0.0 <= recent_frac and return_frac + recent_frac <= 1.0):
+            raise ValueError(f"SyntheticTopk: need return_frac, recent_frac >= 0 with sum <= 1, "
+                             f"got {return_frac}, {recent_frac}")
+        if return_window < 1:
+            raise ValueError(f"SyntheticTopk: return_window must be >= 1, got {return_window}")
         if num_layers < 1:
             raise ValueError(f"SyntheticTopk: num_layers must be >= 1, got {num_layers}")
         self.overlap = float(overlap)
         self.num_layers = int(num_layers)
         self.seed = int(seed)
+        self.return_frac = float(return_frac)
         self.recent_frac = float(recent_frac)
+        self.return_window = int(return_window)
         self.recent_scale = recent_scale
         self._chains: dict[tuple[int, int], _Chain] = {}
         self._owner: np.ndarray | None = None
@@ -104,18 +120,18 @@ class SyntheticTopk:
         ch = self._chains.get(key)
         if ch is None or ch.c0 != c0 or ch.k != k or ch.step > step:
             ch = _Chain()
-            ch.c0, ch.k, ch.step, ch.sel = c0, k, -1, None
+            ch.c0, ch.k, ch.step, ch.sel, ch.left = c0, k, -1, None, []
             ch.rng = np.random.default_rng(
                 [self.seed & 0xFFFFFFFF, layer & 0xFFFFFFFF, stream & 0xFFFFFFFF,
                  c0 & 0xFFFFFFFF, k & 0xFFFFFFFF])
             self._chains[key] = ch
         while ch.step < step:
             ch.step += 1
-            ch.sel = self._advance(ch.rng, ch.sel, c0 + ch.step, k)
+            ch.sel = self._advance(ch, c0 + ch.step, k)
         return ch.sel.copy()
 
-    def _advance(self, rng: np.random.Generator, prev: np.ndarray | None, c: int,
-                 k: int) -> np.ndarray:
+    def _advance(self, ch: _Chain, c: int, k: int) -> np.ndarray:
+        rng, prev = ch.rng, ch.sel
         if c <= k:
             return np.arange(c, dtype=np.int64)
         n = k
@@ -126,17 +142,41 @@ class SyntheticTopk:
             kept = np.empty(0, dtype=np.int64)
         else:
             n_keep = min(int(round(self.overlap * n)), n - 1, len(prev))
+            # just above context_len == k there may be too few unselected old positions
+            n_keep = min(len(prev), max(n_keep, n - 1 - (c - 1 - len(prev))))
             if n_keep >= len(prev):
-                kept = prev
+                kept, left = prev, prev[:0]
             else:                                  # a uniform random n_keep-subset of prev
-                kept = prev[np.argpartition(rng.random(len(prev)), n_keep)[:n_keep]]
+                order = np.argpartition(rng.random(len(prev)), n_keep)
+                kept, left = prev[order[:n_keep]], prev[order[n_keep:]]
             mask[prev] = True                      # new positions avoid the whole previous set
-        fresh = self._sample_new(rng, c, n - 1 - len(kept), mask, k)
-        return np.concatenate([np.array([newest], dtype=np.int64), kept, fresh])
+            ch.left = (ch.left + [left])[-self.return_window:]
+        m = n - 1 - len(kept)
+        back = self._sample_returning(rng, ch.left, m, mask, c)
+        fresh = self._sample_new(rng, c, m - len(back), mask, k)
+        return np.concatenate([np.array([newest], dtype=np.int64), kept, back, fresh])
+
+    def _sample_returning(self, rng: np.random.Generator, left: list[np.ndarray], m: int,
+                          mask: np.ndarray, c: int) -> np.ndarray:
+        """About ``return_frac * m`` rows that left recently and are free; marks them."""
+        if m <= 0 or self.return_frac <= 0.0 or not left:
+            return np.empty(0, dtype=np.int64)
+        want = int(rng.binomial(m, self.return_frac))
+        pool = np.concatenate(left)
+        pool = pool[~mask[pool]]
+        if want <= 0 or len(pool) == 0:
+            return np.empty(0, dtype=np.int64)
+        pool = pool[rng.integers(0, len(pool), want + want // 2 + 8)]   # with repeats
+        idx = np.arange(len(pool))
+        owner = self._scratch(c)
+        owner[pool] = idx
+        back = pool[owner[pool] == idx][:want]
+        mask[back] = True
+        return back
 
     def _scratch(self, c: int) -> np.ndarray:
         if self._owner is None or len(self._owner) < c:
-            self._owner = np.zeros(max(c, 1024), dtype=np.int64)
+            self._owner = np.zeros(max(2 * c, 1024), dtype=np.int64)   # headroom: c grows
         return self._owner
 
     def _sample_new(self, rng: np.random.Generator, c: int, m: int, mask: np.ndarray,
@@ -145,11 +185,13 @@ class SyntheticTopk:
         out: list[np.ndarray] = []
         need = m
         scale = float(self.recent_scale) if self.recent_scale is not None else float(k)
+        rest = 1.0 - self.return_frac                  # the returning share was drawn already
+        p_recent = self.recent_frac / rest if rest > 0 else 1.0
         for _ in range(4):
             if need <= 0:
                 break
             draw = need + need // 4 + 16
-            recent = rng.random(draw) < self.recent_frac
+            recent = rng.random(draw) < p_recent
             dist = 1 + np.floor(rng.exponential(scale, draw)).astype(np.int64)
             uni = rng.integers(0, c - 1, draw)
             cand = np.where(recent & (dist <= c - 1), c - 1 - dist, uni)
@@ -375,25 +417,20 @@ def belady_misses(selections: Sequence[np.ndarray], hot_size: int) -> np.ndarray
     out = np.zeros(T, dtype=np.int64)
     if T == 0:
         return out
-    lens = np.array([len(s) for s in selections])
-    pos = np.concatenate([np.asarray(s, dtype=np.int64) for s in selections])
-    step = np.repeat(np.arange(T, dtype=np.int64), lens)
-    order = np.lexsort((step, pos))
-    ps, ss = pos[order], step[order]
-    nxt_sorted = np.full(len(ps), _NEVER - 1, dtype=np.int64)   # below the empty-slot marker
-    same = ps[1:] == ps[:-1]
-    nxt_sorted[:-1][same] = ss[1:][same]
-    nxt = np.empty_like(nxt_sorted)
-    nxt[order] = nxt_sorted
-    bounds = np.concatenate([[0], np.cumsum(lens)])
+    sels = [np.asarray(s, dtype=np.int64) for s in selections]
+    top = max((int(s.max()) for s in sels if len(s)), default=0) + 1
+    seen = np.full(top, _NEVER - 1, dtype=np.int64)         # "never again": below empty slots
+    nexts: list[np.ndarray] = [None] * T                     # next step each selected row is used
+    for t in range(T - 1, -1, -1):
+        nexts[t] = seen[sels[t]]
+        seen[sels[t]] = t
 
     H = int(hot_size)
     keys = np.full(H, -1, dtype=np.int64)
     slot_next = np.full(H, _NEVER, dtype=np.int64)               # empty slots are taken first
-    slot_of = np.full(int(pos.max()) + 1, -1, dtype=np.int64)
+    slot_of = np.full(top, -1, dtype=np.int64)
     for t in range(T):
-        sel = pos[bounds[t]:bounds[t + 1]]
-        nx = nxt[bounds[t]:bounds[t + 1]]
+        sel, nx = sels[t], nexts[t]
         slots = slot_of[sel]
         hit = slots >= 0
         slot_next[slots[hit]] = nx[hit]
