@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=16.0)
     p.add_argument("--host-pool-gib", type=float, default=64.0)
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
+    p.add_argument("--topk", default="indexer",
+                   help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
     p.add_argument("--locality", default="",
                    help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
     p.add_argument("--locality-concurrency", type=int, default=64)
@@ -201,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         host_cap = host_rows // (context + a.outputs + 64)
         levels = sorted({host_cap if c == "max" else min(int(c), host_cap)
                          for c in a.concurrency.split(",")})
+        table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
         for conc in levels:
             for name in a.modes.split(","):
-                record(run_point(path, modes[name], "indexer", None, context, conc, a.outputs,
+                record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                  a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels)))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
@@ -238,11 +241,12 @@ def plot(points: list[Point], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in ("gpu-only", "hisparse", "always-host"):
         for context in sorted({p.context for p in points}):
-            pts = [p for p in points if p.mode == mode and p.context == context
-                   and p.topk_source == "indexer"]
-            if pts:
-                ax.plot([p.concurrency for p in pts], [p.decode_tok_s for p in pts], marker="o",
-                        label=f"{mode} {context // 1024}k")
+            for source in sorted({p.topk_source for p in points}):
+                pts = [p for p in points if p.mode == mode and p.context == context
+                       and p.topk_source == source]
+                if len(pts) > 1:
+                    ax.plot([p.concurrency for p in pts], [p.decode_tok_s for p in pts],
+                            marker="o", label=f"{mode} {context // 1024}k {source[:12]}")
     ax.set_xlabel("concurrent requests submitted")
     ax.set_ylabel("decode tokens/s")
     ax.set_xscale("log", base=2)
