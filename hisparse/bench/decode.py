@@ -99,7 +99,7 @@ def make_topk_override(table: torch.Tensor, context: int):
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, gpu_kv_gib: float, host_buffers, host_pool_gib: float,
-              max_seqs: int, block_size: int = 64) -> Point:
+              max_seqs: int, block_size: int = 64, enforce_eager: bool = False) -> Point:
     from hisparse import LLM, SamplingParams
 
     row_bytes_per_block = block_size * 576 * 2
@@ -113,10 +113,13 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               num_indexer_blocks=max_seqs * cdiv(max_len, block_size),
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
-              host_buffers=host_buffers if mode is not False else None)
+              host_buffers=host_buffers if mode is not False else None,
+              enforce_eager=enforce_eager)
     llm.runner.synthetic_prefill = True
     if table is not None:
         llm.runner.ctx.topk_source = make_topk_override(table.to("cuda"), context)
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.capture_all((False,) if mode is False else (False, True))
     g = torch.Generator().manual_seed(0)
     for _ in range(concurrency):
         ids = torch.randint(2, 120000, (context,), generator=g).tolist()
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--locality", default="",
                    help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
     p.add_argument("--locality-concurrency", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()
     for name in a.modes.split(","):  # compile every kernel before timing anything
-        run_point(path, modes[name], "indexer", None, 4096, 4, 8, a.gpu_kv_gib, None, 1.0, 4)
+        run_point(path, modes[name], "indexer", None, 4096, 4, 8, a.gpu_kv_gib, None, 1.0, 4,
+                  enforce_eager=a.eager)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
 
     def record(pt: Point) -> None:
@@ -207,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         for conc in levels:
             for name in a.modes.split(","):
                 record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels)))
+                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels),
+                                 enforce_eager=a.eager))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
             table = topk_table(source, a.layers, context, a.outputs, 2048)
             conc = min(a.locality_concurrency, host_cap)
             for name in ("hisparse", "always-host"):
                 record(run_point(path, modes[name], source, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, conc))
+                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, conc,
+                                 enforce_eager=a.eager))
     print_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0

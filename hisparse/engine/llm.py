@@ -61,7 +61,8 @@ class LLM:
     ``hisparse``: True (GPU first, spill under pressure), False (GPU-only baseline: admission
     bounded by GPU blocks) or ``"always-host"`` (every request reads its history through its hot
     buffer once its prompt is done). ``num_gpu_blocks=None`` sizes the GPU arena from free device
-    memory (CUDA) or to hold ``max_num_seqs`` full-length requests (CPU).
+    memory (CUDA) or to hold ``max_num_seqs`` full-length requests (CPU). On CUDA, pure decode
+    steps of dense-MLP models are captured as CUDA graphs unless ``enforce_eager``.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
@@ -72,7 +73,8 @@ class LLM:
                  num_indexer_blocks: int | None = None, enable_prefix_caching: bool = True,
                  gpu_memory_utilization: float = 0.9, watermark_blocks: int | None = None,
                  load_format: str = "auto",
-                 host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 enforce_eager: bool = False):
         if hisparse not in HISPARSE_MODES:
             raise ValueError(f"hisparse must be True, False or 'always-host', got {hisparse!r}")
         mode = HISPARSE_MODES[hisparse]
@@ -112,7 +114,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, mode=mode,
             enable_prefix_caching=enable_prefix_caching, watermark_blocks=watermark_blocks)
         self.caches = KVCaches(self.kv_config, geo, self.device, host_buffers)
-        self.runner = ModelRunner(self.model, self.caches, mc.index_topk, mc.kv_lora_rank)
+        self.runner = ModelRunner(self.model, self.caches, mc.index_topk, mc.kv_lora_rank,
+                                  enforce_eager=enforce_eager)
         self.scheduler = Scheduler(self.kv_config)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}

@@ -256,6 +256,11 @@ class DSAForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """The forward has no host synchronisation (the MoE's expert dispatch has one)."""
+        return "sparse" not in self.config.mlp_layer_types
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Random init (benchmarks without a checkpoint); norms to 1, biases to 0."""

@@ -1,6 +1,7 @@
 """Device-side storage of the three tiers plus the hot-buffer state.
 
-- ``arena``: one packed GPU allocation ``[L, num_gpu_blocks * block_size, D]`` of MLA rows;
+- ``arena``: one packed GPU allocation ``[L, (num_gpu_blocks + 1) * block_size, D]`` of MLA rows
+  (the last block is a write sink for padding tokens);
   ``arena[l]`` is layer ``l``'s view (its own offset ``l * layer_stride``), addressed by flat
   row ids ``block * block_size + offset``. Resident pages and hot-buffer blocks share it.
 - ``indexer``: ``[Li, num_indexer_blocks * block_size, Di]`` keys, one layer per *indexer* layer
@@ -50,11 +51,14 @@ class KVCaches:
         self.cfg, self.geo, self.device = cfg, geo, device
         bs = cfg.block_size
         pin = device.type == "cuda"
-        self.arena = torch.empty(geo.num_layers, cfg.num_gpu_blocks * bs, geo.row_dim,
+        # One extra block per pool is a sink that padding tokens of a captured step write to.
+        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * bs, geo.row_dim,
                                  dtype=geo.dtype, device=device)
         n_idx = len(geo.indexer_layers)
-        self.indexer = torch.empty(n_idx, cfg.num_indexer_blocks * bs, geo.index_head_dim,
+        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * bs, geo.index_head_dim,
                                    dtype=geo.dtype, device=device)
+        self.sink_row = cfg.num_gpu_blocks * bs
+        self.indexer_sink_row = cfg.num_indexer_blocks * bs
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
         host_rows = cfg.num_host_blocks * bs if cfg.uses_host else 0
         host_shape = (geo.num_layers, host_rows, geo.row_dim)

@@ -27,20 +27,24 @@ class PagedContext:
         # e.g. a replayed trace of a real model's selections.
         self.topk_source = None
 
-    def begin(self, seqs: list, tables: dict[str, Tensor], token_slot: Tensor,
+    def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor) -> None:
-        dev = self.caches.device
-        bs = self.bs
+        """Set up one forward. ``token_slot`` ``-1`` marks a padding token: it writes to the
+        sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver)."""
+        c, bs = self.caches, self.bs
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
         pages, offs = positions // bs, positions % bs
-        slot_l = token_slot.long()
-        self.kv_rows = tables["resident"][slot_l, pages].long() * bs + offs
-        self.idx_rows = tables["indexer"][slot_l, pages].long() * bs + offs
-        self.host_read = any(s.host_read for s in seqs)
+        real = token_slot >= 0
+        slot_l = token_slot.clamp(min=0).long()
+        self.kv_rows = torch.where(real, tables["resident"][slot_l, pages].long() * bs + offs,
+                                   c.sink_row)
+        self.idx_rows = torch.where(real, tables["indexer"][slot_l, pages].long() * bs + offs,
+                                    c.indexer_sink_row)
+        self.host_read = host_read
         self.topk: Tensor | None = None
-        self.attn_backend = "auto" if dev.type == "cuda" else "reference"
+        self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
                index_weights: Tensor | None, index_k_new: Tensor | None,
@@ -70,7 +74,8 @@ class PagedContext:
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
-            blocks = self.tables["resident"][self.token_slot.long()[:, None], pos // bs]
+            blocks = self.tables["resident"][self.token_slot.clamp(min=0).long()[:, None],
+                                             pos // bs]
             return torch.where(valid & (blocks >= 0), blocks * bs + (pos % bs).int(),
                                torch.full_like(topk, -1))
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
@@ -82,7 +87,8 @@ class PagedContext:
 class ModelRunner:
     """Owns the model and the caches; ``execute(plan, input_ids)`` runs one step."""
 
-    def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int) -> None:
+    def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int,
+                 enforce_eager: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.device = caches.device
@@ -95,6 +101,10 @@ class ModelRunner:
         self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
         self.synthetic_prefill = False
         self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
+        self.graphs = None
+        if cuda and not enforce_eager and model.cuda_graph_safe:
+            from hisparse.worker.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -117,14 +127,17 @@ class ModelRunner:
         self._copy(c.host_indexer, c.indexer, plan.indexer_restores)
         self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
         self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
-        tables = {"resident": self._to_device(plan.resident_block_table),
-                  "host": self._to_device(plan.host_block_table),
-                  "indexer": self._to_device(plan.indexer_block_table),
-                  "hot": self._to_device(plan.hot_block_table)}
-        if self.synthetic_prefill:
-            logits = self._forward_synthetic(plan, input_ids, tables)
+        if self.graphs is not None and self.graphs.supports(plan):
+            logits = self.graphs.run(plan, input_ids)
         else:
-            logits = self._forward(plan, plan.seqs, input_ids, tables)
+            tables = {"resident": self._to_device(plan.resident_block_table),
+                      "host": self._to_device(plan.host_block_table),
+                      "indexer": self._to_device(plan.indexer_block_table),
+                      "hot": self._to_device(plan.hot_block_table)}
+            if self.synthetic_prefill:
+                logits = self._forward_synthetic(plan, input_ids, tables)
+            else:
+                logits = self._forward(plan, plan.seqs, input_ids, tables)
         self._mirror(plan)
         return logits, self._poll_acks()
 
@@ -137,7 +150,8 @@ class ModelRunner:
         positions = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(starts - offsets, cnt)
         token_slot = np.repeat(np.array([s.slot for s in seqs], dtype=np.int32), cnt)
         pos_t = self._to_device(positions)
-        self.ctx.begin(seqs, tables, self._to_device(token_slot), pos_t)
+        self.ctx.begin(any(s.host_read for s in seqs), tables, self._to_device(token_slot),
+                       pos_t)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos_t, self.ctx)
         last = np.cumsum(cnt) - 1
