@@ -67,6 +67,7 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
+    @torch.inference_mode()
     def capture_all(self, host_read_variants: tuple[bool, ...] = (False, True)) -> None:
         """Capture every batch bucket up front (keeps capture time out of measurements)."""
         for batch in BUCKETS:
