@@ -12,6 +12,7 @@ the indexer still runs so its cost is counted).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -156,6 +157,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         host_pool_gib=host_pool_gib if mode is not False else 0.0,
         num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall)
     del llm
+    gc.collect()  # captured graphs and the runner refer to each other
     torch.cuda.empty_cache()
     return point
 
