@@ -14,8 +14,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     results = {}
     for mode in ("gpu-only", "hisparse", "always-host"):
-        gpu_blocks = args.gpu_blocks if mode != "gpu-only" else args.gpu_blocks
-        cfg = KVCacheConfig(block_size=args.block_size, num_gpu_blocks=gpu_blocks,
+        cfg = KVCacheConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks,
                             num_host_blocks=args.requests * args.max_len // args.block_size + 64,
                             num_indexer_blocks=args.requests * args.max_len // args.block_size,
                             max_model_len=args.max_len, index_topk=args.block_size * 2,
