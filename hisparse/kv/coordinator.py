@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from operator import attrgetter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,15 +30,6 @@ import numpy as np
 from hisparse.config import ACTIVE_TAIL_PAGES, KVCacheConfig, cdiv
 from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan
-
-
-@dataclass(slots=True)
-class PendingWrite:
-    """Rows ``[.., end)`` of a request written in step ``step_id``; ``acked`` once durable."""
-
-    step_id: int
-    end: int
-    acked: bool = False
 
 
 @dataclass
@@ -57,7 +49,8 @@ class RequestKV:
     num_durable: int = 0
     num_published: int = 0          # pages whose hash is published (contiguous from page 0)
     page_hashes: list[int] = field(default_factory=list)
-    pending: deque[PendingWrite] = field(default_factory=deque)
+    # In-flight mirrors, oldest first: [end of the rows written, acknowledged?].
+    pending: deque[list] = field(default_factory=deque)
     host_read: bool = False
     hot_blocks: list[int] = field(default_factory=list)
     # Pages below this index hold no GPU reference of ours (unpinned, lost or never restored).
@@ -98,7 +91,7 @@ class KVCoordinator:
         self.requests: dict[str, RequestKV] = {}
         self.by_uid: dict[int, RequestKV] = {}       # live and draining requests
         self.draining: dict[int, RequestKV] = {}     # finished, waiting for in-flight mirrors
-        self.pending_by_step: dict[int, list[tuple[RequestKV, PendingWrite]]] = {}
+        self.pending_by_step: dict[int, list[tuple[RequestKV, list]]] = {}
         self.stats = KVStats()
         self._uids = itertools.count()
         self._scheduled: list[ScheduledSeq] = []
@@ -265,19 +258,16 @@ class KVCoordinator:
     def _plan_mirrors(self, step_id: int, seqs: list[ScheduledSeq]) -> tuple[RowCopy, RowCopy]:
         entries = []
         requests = self.requests
-        starts, counts, slots = [], [], []
         for s in seqs:
             req = requests[s.req_id]
-            write = PendingWrite(step_id, s.start_pos + s.num_tokens)
+            write = [s.start_pos + s.num_tokens, False]
             req.pending.append(write)
             entries.append((req, write))
-            starts.append(s.start_pos)
-            counts.append(s.num_tokens)
-            slots.append(s.slot)
         self.pending_by_step[step_id] = entries
-        counts = np.array(counts, dtype=np.int64)
-        starts = np.array(starts, dtype=np.int64)
-        slots = np.array(slots, dtype=np.int64)
+        n = len(seqs)
+        counts = np.fromiter(map(attrgetter("num_tokens"), seqs), dtype=np.int64, count=n)
+        starts = np.fromiter(map(attrgetter("start_pos"), seqs), dtype=np.int64, count=n)
+        slots = np.fromiter(map(attrgetter("slot"), seqs), dtype=np.int64, count=n)
         offsets = np.cumsum(counts) - counts
         positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - offsets,
                                                                              counts)
@@ -304,13 +294,13 @@ class KVCoordinator:
         touched = {}
         for step_id in copy_ids:
             for req, write in self.pending_by_step.pop(step_id, ()):
-                write.acked = True
+                write[1] = True
                 touched[req.uid] = req
         for req in touched.values():
             pending = req.pending
             old_pages = req.num_durable // self.bs
-            while pending and pending[0].acked:
-                req.num_durable = pending.popleft().end
+            while pending and pending[0][1]:
+                req.num_durable = pending.popleft()[0]
             if req.num_durable // self.bs > old_pages:  # a page turned clean
                 self._publish_durable(req)
                 if req.host_read:
