@@ -142,9 +142,13 @@ class KVCoordinator:
             restore = sum(g is None or self.gpu_pool.is_free(g) for _, g in hits)
             return restore + cdiv(first_chunk, self.bs)
 
-        # Reclaiming can unpin hit blocks too, so the need is counted again afterwards.
-        if not self._ensure_free_gpu(gpu_need()) or self.gpu_pool.num_free < gpu_need():
-            return None
+        if self.gpu_pool.num_free < gpu_need():
+            self._ensure_free_gpu(gpu_need())
+            # Reclaiming may have handed cached hit blocks to others (as hot blocks) or unpinned
+            # new ones: look the GPU copies up again. The host hits are unchanged.
+            hits = self._lookup_prefix(token_ids)
+            if self.gpu_pool.num_free < gpu_need():
+                return None
 
         slot = self.free_slots.pop()
         req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,

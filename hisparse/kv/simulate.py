@@ -149,7 +149,29 @@ class Simulation:
                     raise AssertionError(f"I5: {req.req_id} host-read without hot blocks")
             elif req.decoding and (req.resident[:num_pages] < 0).any():
                 raise AssertionError(f"{req.req_id}: host-only pages outside host-read mode")
+        self._check_block_owners()
         self._check_published()
+
+    def _check_block_owners(self) -> None:
+        """Every GPU block reference has exactly one holder: a pinned page or a hot block of a
+        live or draining request (a hot block is never also someone's page)."""
+        kv = self.kv
+        holders = [0] * kv.gpu_pool.num_blocks
+        for req in list(kv.requests.values()) + list(kv.draining.values()):
+            for p in range(req.pinned_start, req.num_pages):
+                if req.resident[p] >= 0:
+                    holders[req.resident[p]] += 1
+            for block in req.hot_blocks:
+                holders[block] += 1
+        if holders != kv.gpu_pool.ref_counts:
+            bad = [b for b, (h, r) in enumerate(zip(holders, kv.gpu_pool.ref_counts)) if h != r]
+            raise AssertionError(f"GPU blocks {bad[:5]}: holders and ref counts disagree")
+        for req in kv.requests.values():
+            live_pages = set(req.resident[:cdiv(req.num_computed, self.cfg.block_size)].tolist())
+            for other in kv.requests.values():
+                if live_pages & set(other.hot_blocks):
+                    raise AssertionError(f"{req.req_id} reads a page that is "
+                                         f"{other.req_id}'s hot block")
 
     def _check_published(self) -> None:
         """I3: a published host block holds the durable rows of its prefix."""

@@ -107,3 +107,20 @@ def test_simulated_workload_completes_with_invariants(mode):
     else:
         assert result.stats["spilled_pages"] > 0 and result.stats["hot_misses"] > 0
         assert result.stats["prefix_hit_tokens"] > 0
+
+
+def test_prefix_hit_after_reclaim_never_aliases_a_hot_block():
+    """Reclaim during admission hands cached blocks out as hot blocks: the hits must be looked
+    up again, or a prefix page would alias another request's hot buffer."""
+    c = cfg(num_gpu_blocks=16, num_host_blocks=64, num_indexer_blocks=64, hot_buffer_size=4,
+            max_num_batched_tokens=4, watermark_blocks=0)
+    sim = Simulation(c, seed=0, max_delay=0)
+    a = sim.add(list(range(100, 109)), 3)
+    sim.run_to_completion(check=True)              # A's pages stay cached (GPU and host)
+    b = sim.add(list(range(200, 255)), 8)
+    while b.num_output_tokens < 2:
+        sim.step()
+    sim.add(a.prompt_token_ids[:8] + [999], 3)     # prefix hit while GPU blocks are short
+    sim.run_to_completion(check=True)
+    assert sim.kv.stats.host_read_switches >= 1 and sim.kv.stats.prefix_hit_tokens >= 8
+    sim.check_all_free()

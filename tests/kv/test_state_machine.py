@@ -21,8 +21,9 @@ from hisparse.kv.simulate import Simulation
 class KVCoreMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["hisparse", "always-host", "gpu-only"]),
                 block_size=st.sampled_from([2, 4, 8]),
-                gpu_slack=st.integers(0, 12), seed=st.integers(0, 2**16))
-    def setup(self, mode, block_size, gpu_slack, seed):
+                gpu_slack=st.integers(0, 12), seed=st.integers(0, 2**16),
+                watermark=st.sampled_from([None, 0, 3]))
+    def setup(self, mode, block_size, gpu_slack, seed, watermark):
         max_model_len = 12 * block_size
         hot = 2 * block_size
         chunk = 2 * block_size
@@ -32,7 +33,7 @@ class KVCoreMachine(RuleBasedStateMachine):
             num_host_blocks=3 * max_model_len // block_size + gpu_slack,
             num_indexer_blocks=2 * max_model_len // block_size + gpu_slack,
             max_model_len=max_model_len, index_topk=block_size, hot_buffer_size=hot,
-            max_num_seqs=6, max_num_batched_tokens=chunk, mode=mode)
+            max_num_seqs=6, max_num_batched_tokens=chunk, mode=mode, watermark_blocks=watermark)
         self.sim = Simulation(self.cfg, seed=seed)
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []
