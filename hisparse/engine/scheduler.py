@@ -54,6 +54,7 @@ class Scheduler:
         self.kv.apply_acks(acked_copy_ids)
         budget = self.cfg.max_num_batched_tokens
         scheduled = 0
+        may_preempt = True
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
@@ -61,8 +62,15 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.schedule(req.req_id, n):
+                if not may_preempt:
+                    break
                 victim = self.running[-1]
+                free_before = self.kv.num_free_gpu_blocks
                 self._preempt(victim)
+                # A victim with mirrors in flight frees its pages only once they are acked:
+                # preempting more in this step would only throw away more work.
+                if self.kv.num_free_gpu_blocks == free_before:
+                    may_preempt = False
                 if victim is req:
                     break
             else:
