@@ -93,7 +93,8 @@ def make_topk_override(table: torch.Tensor, context: int):
     def override(layer: int, token_slot: torch.Tensor, positions: torch.Tensor,
                  computed: torch.Tensor) -> torch.Tensor:
         step = (positions - context).clamp(0, steps - 1)
-        return table[token_slot.long() % streams, layer % layers, step]
+        selected = table[token_slot.long() % streams, layer % layers, step]
+        return torch.where(token_slot[:, None] >= 0, selected, -1)  # padding selects nothing
 
     return override
 
