@@ -15,6 +15,7 @@ It is how tests (and ``hisparse simulate``) exercise the KV core without a model
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -52,8 +53,9 @@ class FakeWorker:
         self.host = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
         self.host_indexer = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
         self.layer_salt = torch.arange(num_layers, dtype=torch.int64)[:, None] * 1_000_003
-        # hot[slot][layer]: {position: key read at fill time}
-        self.hot: dict[int, list[dict[int, int]]] = {}
+        # hot[slot][layer]: {position: hot slot index}, in LRU order (oldest first); the rows
+        # themselves live in the arena rows of the slot's leased hot blocks.
+        self.hot: dict[int, list[OrderedDict[int, int]]] = {}
         self.in_flight: list[tuple[int, int, RowCopy, RowCopy]] = []  # (due, copy_id, ...)
         self.step = 0
         self.hot_hits = self.hot_misses = 0
@@ -65,7 +67,7 @@ class FakeWorker:
         self.step += 1
         if plan is not None:
             for slot in plan.hot_resets.tolist():
-                self.hot[slot] = [dict() for _ in range(self.num_layers)]
+                self.hot[slot] = [OrderedDict() for _ in range(self.num_layers)]
             self._copy(self.host, self.arena, plan.restores)
             self._copy(self.host_indexer, self.indexer, plan.indexer_restores)
             self.h2d_rows += len(plan.restores)
@@ -148,21 +150,34 @@ class FakeWorker:
             if not seq.host_read:
                 raise KVMismatch(f"{seq.req_id}: non-resident history but not in host-read mode")
             hot = self.hot[seq.slot]
+            hot_blocks = plan.hot_block_table[seq.slot]
+            capacity = self.cfg.hot_buffer_size
             host_blocks = plan.host_block_table[seq.slot]
             for i in np.nonzero(~is_res)[0].tolist():
                 pos = int(positions[i])
                 for layer in range(self.num_layers):
-                    if pos in hot[layer]:
+                    lru = hot[layer]
+                    if pos in lru:
                         self.hot_hits += 1
+                        lru.move_to_end(pos)
                     else:
                         self.hot_misses += 1
-                        row = int(host_blocks[pos // bs]) * bs + pos % bs
-                        hot[layer][pos] = int(self.host[layer, row])
-                    got[layer, i] = hot[layer][pos]
+                        j = lru.popitem(last=False)[1] if len(lru) >= capacity else len(lru)
+                        lru[pos] = j
+                        host_row = int(host_blocks[pos // bs]) * bs + pos % bs
+                        self.arena[layer, self._hot_row(hot_blocks, j)] = \
+                            self.host[layer, host_row]
+                    got[layer, i] = self.arena[layer, self._hot_row(hot_blocks, lru[pos])]
         if not torch.equal(got, expected):
             bad = (got != expected).any(0).nonzero().flatten()[:5].tolist()
             raise KVMismatch(f"{seq.req_id}: rows at positions {positions[bad].tolist()} "
                              f"read back wrong (resident={is_res[bad].tolist()})")
+
+    def _hot_row(self, hot_blocks: np.ndarray, j: int) -> int:
+        block = int(hot_blocks[j // self.bs])
+        if block < 0:
+            raise KVMismatch("host-read request without leased hot blocks")
+        return block * self.bs + j % self.bs
 
     # ------------------------------------------------------------------ checks
     def read_back(self, resident: np.ndarray, host: np.ndarray,
