@@ -175,6 +175,10 @@ class LLM:
         params = params or SamplingParams()
         text, ids = self._prompt_ids(prompt)
         self._validate(ids, params)
+        return self._enqueue(text, ids, params, request_id)
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> str:
         req_id = request_id or f"req-{next(self._ids)}"
         if req_id in self._requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
@@ -244,9 +248,12 @@ class LLM:
                   else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        prepared = []
         for prompt, p in zip(prompts, params):
-            self._validate(self._prompt_ids(prompt)[1], p or SamplingParams())
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+            text, ids = self._prompt_ids(prompt)
+            self._validate(ids, p or SamplingParams())
+            prepared.append((text, ids, p or SamplingParams()))
+        ids = [self._enqueue(*item) for item in prepared]
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None

@@ -159,3 +159,24 @@ def test_glm_shared_indexer_layers_lossless_under_pressure(glm_path):
     llm = tiny_pool(glm_path)
     assert tokens(llm.generate(batch, GREEDY)) == want
     assert llm.stats()["hot_misses"] > 0
+
+
+def test_text_prompts_and_text_outputs_with_a_tokenizer(dsv32_path, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path / "with_tokenizer"
+    shutil.copytree(dsv32_path, path)
+    vocab = {f"w{i}": i for i in range(384)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, max_model_len=64,
+              max_num_seqs=2, hisparse=False)
+    text = " ".join(f"w{i}" for i in range(5, 25))
+    out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    assert out.prompt == text and out.prompt_token_ids == list(range(5, 25))
+    assert out.outputs[0].text == " ".join(f"w{i}" for i in out.outputs[0].token_ids)
+    ids_out = llm.generate([{"prompt_token_ids": list(range(5, 25))}],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    assert ids_out.outputs[0].token_ids == out.outputs[0].token_ids
