@@ -40,7 +40,6 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
 
 
 def available_host_memory_bytes() -> int:

@@ -37,10 +37,6 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
-
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks (ref 1 each), evicting cached content; raises if short."""
         if n > len(self.free_queue):

@@ -65,7 +65,3 @@ class StepPlan:
     # After the forward, on a copy stream: GPU -> host write-through of every row written.
     mirrors: RowCopy = field(default_factory=RowCopy)
     indexer_mirrors: RowCopy = field(default_factory=RowCopy)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
