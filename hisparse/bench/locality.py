@@ -167,12 +167,17 @@ class SyntheticTopk:
         if want <= 0 or len(pool) == 0:
             return np.empty(0, dtype=np.int64)
         pool = pool[rng.integers(0, len(pool), want + want // 2 + 8)]   # with repeats
-        idx = np.arange(len(pool))
-        owner = self._scratch(c)
-        owner[pool] = idx
-        back = pool[owner[pool] == idx][:want]
+        back = self._first_unique(pool, c)[:want]
         mask[back] = True
         return back
+
+    def _first_unique(self, values: np.ndarray, c: int) -> np.ndarray:
+        """``values`` (in ``[0, c)``) de-duplicated in draw order, with no positional bias:
+        one occurrence per value survives."""
+        idx = np.arange(len(values))
+        owner = self._scratch(c)
+        owner[values] = idx
+        return values[owner[values] == idx]
 
     def _scratch(self, c: int) -> np.ndarray:
         if self._owner is None or len(self._owner) < c:
@@ -196,11 +201,7 @@ class SyntheticTopk:
             uni = rng.integers(0, c - 1, draw)
             cand = np.where(recent & (dist <= c - 1), c - 1 - dist, uni)
             cand = cand[~mask[cand]]
-            # de-duplicate in draw order (no positional bias): one index per value survives
-            idx = np.arange(len(cand))
-            owner = self._scratch(c)
-            owner[cand] = idx
-            cand = cand[owner[cand] == idx][:need]
+            cand = self._first_unique(cand, c)[:need]
             mask[cand] = True
             out.append(cand)
             need -= len(cand)

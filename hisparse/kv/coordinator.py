@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from operator import attrgetter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hisparse.config import ACTIVE_TAIL_PAGES, KVCacheConfig, cdiv
 from hisparse.kv.block_pool import BlockPool
-from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan
+from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan, token_layout
 
 
 @dataclass
@@ -268,14 +267,7 @@ class KVCoordinator:
             req.pending.append(write)
             entries.append((req, write))
         self.pending_by_step[step_id] = entries
-        n = len(seqs)
-        counts = np.fromiter(map(attrgetter("num_tokens"), seqs), dtype=np.int64, count=n)
-        starts = np.fromiter(map(attrgetter("start_pos"), seqs), dtype=np.int64, count=n)
-        slots = np.fromiter(map(attrgetter("slot"), seqs), dtype=np.int64, count=n)
-        offsets = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - offsets,
-                                                                             counts)
-        row_slots = np.repeat(slots, counts)
+        positions, row_slots, _ = token_layout(seqs)
         pages, offs = positions // self.bs, positions % self.bs
         host_rows = self.host_table[row_slots, pages].astype(np.int64) * self.bs + offs
         gpu_rows = self.resident_table[row_slots, pages].astype(np.int64) * self.bs + offs

@@ -10,6 +10,7 @@ Addresses:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -65,3 +66,15 @@ class StepPlan:
     # After the forward, on a copy stream: GPU -> host write-through of every row written.
     mirrors: RowCopy = field(default_factory=RowCopy)
     indexer_mirrors: RowCopy = field(default_factory=RowCopy)
+
+
+def token_layout(seqs: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The flat batch of ``seqs``: per token its position and slot (int64 ``[T]`` each), and
+    per sequence its token count (``[len(seqs)]``)."""
+    n = len(seqs)
+    counts = np.fromiter(map(attrgetter("num_tokens"), seqs), dtype=np.int64, count=n)
+    starts = np.fromiter(map(attrgetter("start_pos"), seqs), dtype=np.int64, count=n)
+    slots = np.fromiter(map(attrgetter("slot"), seqs), dtype=np.int64, count=n)
+    offsets = np.cumsum(counts) - counts
+    positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - offsets, counts)
+    return positions, np.repeat(slots, counts), counts

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from hisparse import ops
-from hisparse.kv.plan import RowCopy, StepPlan
+from hisparse.kv.plan import RowCopy, StepPlan, token_layout
 from hisparse.worker.cache import KVCaches
 
 
@@ -144,11 +144,8 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, seqs, input_ids: list[int],
                  tables: dict[str, Tensor]) -> Tensor:
         """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
-        cnt = np.array([s.num_tokens for s in seqs], dtype=np.int64)
-        starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
-        offsets = np.cumsum(cnt) - cnt
-        positions = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(starts - offsets, cnt)
-        token_slot = np.repeat(np.array([s.slot for s in seqs], dtype=np.int32), cnt)
+        positions, token_slot, cnt = token_layout(seqs)
+        token_slot = token_slot.astype(np.int32)
         pos_t = self._to_device(positions)
         self.ctx.begin(any(s.host_read for s in seqs), tables, self._to_device(token_slot),
                        pos_t)

@@ -1,17 +1,13 @@
 import pytest
-import torch
 
 from hisparse.models.random_checkpoint import make_random_checkpoint
 
 TOPK = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread(single_torch_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
