@@ -6,12 +6,36 @@ call without reading our code.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from typing import Literal
 
-Mode = Literal["hisparse", "gpu-only", "always-host"]
-MODES: tuple[str, ...] = ("hisparse", "gpu-only", "always-host")
+
+class Mode(enum.StrEnum):
+    """Where a request's KV may live.
+
+    ``GPU_ONLY``: no host tier, full-length GPU reservation at admission (the baseline).
+    ``HISPARSE``: GPU pages first; requests switch to host-read mode under pressure.
+    ``ALWAYS_HOST``: every request reads its history through its hot buffer once its prompt is
+    done (SGLang's design).
+    A ``StrEnum``: ``Mode.HISPARSE == "hisparse"`` and ``str(Mode.HISPARSE) == "hisparse"``.
+    """
+
+    GPU_ONLY = "gpu-only"
+    HISPARSE = "hisparse"
+    ALWAYS_HOST = "always-host"
+
+    @classmethod
+    def parse(cls, value: "Mode | str") -> "Mode":
+        """The mode named by ``value``; ValueError naming the field and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"mode must be one of {[m.value for m in cls]}, got {value!r}") \
+                from None
+
+
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 # Pages at the tail of a running request that may still be written by an in-flight step (I4).
 ACTIVE_TAIL_PAGES = 2
@@ -43,7 +67,7 @@ class KVCacheConfig:
     hot_buffer_size: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    mode: Mode = "hisparse"
+    mode: Mode = Mode.HISPARSE
     enable_prefix_caching: bool = True
     # Free-block level under which requests are moved to host-read mode; None = default rule.
     watermark_blocks: int | None = None
@@ -54,8 +78,7 @@ class KVCacheConfig:
             require_positive(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.hot_buffer_size is None:
             object.__setattr__(self, "hot_buffer_size", 2 * self.index_topk)
         require_positive("hot_buffer_size", self.hot_buffer_size)

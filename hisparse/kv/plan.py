@@ -68,6 +68,26 @@ class StepPlan:
     indexer_mirrors: RowCopy = field(default_factory=RowCopy)
 
 
+def flat_rows(table, slots, positions, block_size: int):
+    """Flat row id of each ``(slots[i], positions[i])``:
+    ``table[slot, pos // block_size] * block_size + pos % block_size``, as int64.
+
+    ``table`` is a ``[slots, pages]`` block table (numpy array or torch tensor; the result has the
+    same kind). A ``-1`` block gives a negative row: callers that may meet one mask it. The one
+    place this formula is written outside the kernels (a misplaced offset here corrupts KV).
+    """
+    blocks = table[slots, positions // block_size]
+    blocks = blocks.astype(np.int64) if isinstance(blocks, np.ndarray) else blocks.long()
+    return blocks * block_size + positions % block_size
+
+
+def page_rows(blocks, block_size: int) -> np.ndarray:
+    """Every flat row of each block in ``blocks`` (int64, ``[len(blocks) * block_size]``, in
+    block order)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()
+
+
 def token_layout(seqs: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The flat batch of ``seqs``: per token its position and slot (int64 ``[T]`` each), and
     per sequence its token count (``[len(seqs)]``)."""
