@@ -73,6 +73,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from hisparse.engine.capacity import CapacityInputs, format_plan, load_geometry, plan_capacity
+
+    plan = plan_capacity(load_geometry(args.model), CapacityInputs(
+        context=args.context, gpu_kv_bytes=int(args.gpu_kv_gib * (1 << 30)),
+        host_pool_bytes=int(args.host_pool_gib * (1 << 30)), block_size=args.block_size,
+        hot_buffer_size=args.hot_buffer_size, max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype, hit_rate=args.hit_rate, hbm_gb_s=args.hbm_gb_s,
+        pcie_gb_s=args.pcie_gb_s,
+        weight_bytes=None if args.weight_bytes is None else int(args.weight_bytes * 1e9)))
+    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -116,6 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--check", action="store_true", help="check invariants after every step")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=_simulate)
+    pl = sub.add_parser("plan", help="max running requests per mode (reads config.json)")
+    pl.add_argument("--model", required=True, help="checkpoint directory or config.json")
+    pl.add_argument("--gpu-kv-gib", type=float, required=True, help="GPU arena + indexer cache")
+    pl.add_argument("--host-pool-gib", type=float, required=True)
+    pl.add_argument("--context", type=int, required=True, help="tokens per request")
+    pl.add_argument("--hot-buffer-size", type=int, default=None)
+    pl.add_argument("--block-size", type=int, default=64)
+    pl.add_argument("--max-num-seqs", type=int, default=256)
+    pl.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "fp16", "fp32"])
+    pl.add_argument("--hit-rate", type=float, default=0.9)
+    pl.add_argument("--hbm-gb-s", type=float, default=4800.0)
+    pl.add_argument("--pcie-gb-s", type=float, default=55.0)
+    pl.add_argument("--weight-bytes", type=float, default=None, help="GB read per step")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     return args.func(args)
 

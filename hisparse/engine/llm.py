@@ -292,3 +292,11 @@ class LLM:
             "num_preempted": self.scheduler.num_preempted,
             "peak_running": self.scheduler.peak_running,
         }
+
+    def capacity(self, context: int | None = None, **overrides):
+        """Capacity plan of this engine's real pools, every mode (see
+        ``hisparse.engine.capacity``); ``context`` defaults to ``max_model_len``; ``overrides``
+        replace ``CapacityInputs`` fields (``hit_rate``, ``hbm_gb_s``, ...)."""
+        from hisparse.engine.capacity import plan_for_llm
+
+        return plan_for_llm(self, context, **overrides)
