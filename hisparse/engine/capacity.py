@@ -145,7 +145,7 @@ def count_weight_params(cfg) -> int:
                + h * cfg.index_n_heads + 2 * cfg.index_head_dim)
     dense = 3 * h * cfg.intermediate_size
     moe = (3 * h * cfg.moe_intermediate_size * (cfg.n_routed_experts + cfg.n_shared_experts)
-           + h * cfg.n_routed_experts + cfg.n_routed_experts)
+           + h * cfg.n_routed_experts)
     total = cfg.vocab_size * h + h  # lm_head (read even when tied to the embedding) + final norm
     for layer in range(cfg.num_layers):
         total += attn + (indexer if cfg.layer_has_indexer(layer) else 0)
