@@ -262,8 +262,7 @@ def test_llm_capacity_uses_the_engine_pools(dsv32_path):
     assert llm.capacity(hit_rate=1.0)["always-host"].h2d_bytes_per_step == 0
 
 
-@pytest.mark.parametrize("num_gpu_blocks", [40, 60])
-def test_engine_peak_running_matches_the_plan(dsv32_path, num_gpu_blocks):
+def test_engine_peak_running_matches_the_plan(dsv32_path, num_gpu_blocks=60):
     """gpu-only: the engine's peak is the plan. hisparse: the engine reaches at least the plan
     (it admits past the watermark; the plan leaves the watermark free) and at most the
     always-host figure. always-host: at most the plan and at least one less (the last request
@@ -281,18 +280,14 @@ def test_engine_peak_running_matches_the_plan(dsv32_path, num_gpu_blocks):
     assert peaks["always-host"] > peaks["gpu-only"]
 
 
-@pytest.mark.parametrize("mode", [False, True])
-def test_engine_indexer_and_host_bounds(dsv32_path, mode):
-    llm, plan = _run_engine(dsv32_path, mode, 200, num_indexer_blocks=3 * 14)
-    m = plan[llm.kv_config.mode]
-    assert (m.max_running, m.bound_by) == (3, INDEXER_CACHE)
+def test_engine_indexer_and_host_bounds(dsv32_path):
+    llm, plan = _run_engine(dsv32_path, False, 200, n_requests=6, num_indexer_blocks=3 * 14)
+    assert (plan["gpu-only"].max_running, plan["gpu-only"].bound_by) == (3, INDEXER_CACHE)
     assert llm.stats()["peak_running"] == 3
-    if mode:
-        host_gib = 2.5 * 14 * BS * llm.caches.geo.bytes_per_token / (1 << 30)
-        llm, plan = _run_engine(dsv32_path, mode, 200, host_pool_gib=host_gib)
-        m = plan["hisparse"]
-        assert (m.max_running, m.bound_by) == (2, HOST_POOL)
-        assert llm.stats()["peak_running"] == 2
+    host_gib = 2.5 * 14 * BS * llm.caches.geo.bytes_per_token / (1 << 30)
+    llm, plan = _run_engine(dsv32_path, True, 200, n_requests=6, host_pool_gib=host_gib)
+    assert (plan["hisparse"].max_running, plan["hisparse"].bound_by) == (2, HOST_POOL)
+    assert llm.stats()["peak_running"] == 2
 
 
 def test_format_plan_lists_every_mode():
