@@ -165,8 +165,8 @@ class KVCoordinator:
         block_size = self.block_size
         start = req.num_computed
         end = start + num_tokens
-        if num_tokens <= 0 or req.freed or end > min(len(req.token_ids),
-                                                     req.num_pages * block_size):
+        if (num_tokens <= 0 or req.freed or end > len(req.token_ids)
+                or end > req.num_pages * block_size):
             raise ValueError(f"request {req.req_id!r}: cannot schedule tokens [{start}, {end}) "
                              f"with {len(req.token_ids)} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
@@ -194,12 +194,21 @@ class KVCoordinator:
         """
         self.reclaim.switch_to_host_read()
         scheduled, self._scheduled = self._scheduled, []
-        seqs = [ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
-                             start + n >= len(req.token_ids), start < req.prompt_len)
-                for req, start, n in scheduled if not req.freed]
+        uses_host = self.cfg.uses_host
+        seqs, writes = [], []
+        for req, start, n in scheduled:
+            if req.freed:
+                continue
+            end = start + n
+            seqs.append(ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
+                                     end >= len(req.token_ids), start < req.prompt_len))
+            if uses_host:
+                write = PendingWrite(end)
+                req.pending.append(write)
+                writes.append((req, write))
         mirrors = indexer_mirrors = RowCopy()
-        if self.cfg.uses_host and seqs:
-            self.pending_by_step[step_id] = self._pending_writes(scheduled)
+        if writes:
+            self.pending_by_step[step_id] = writes
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
@@ -213,16 +222,6 @@ class KVCoordinator:
                         hot_block_table=self.hot_table, hot_resets=hot_resets,
                         restores=restores, indexer_restores=indexer_restores,
                         mirrors=mirrors, indexer_mirrors=indexer_mirrors)
-
-    @staticmethod
-    def _pending_writes(scheduled) -> list[tuple[RequestKV, PendingWrite]]:
-        entries = []
-        for req, start, n in scheduled:
-            if not req.freed:
-                write = PendingWrite(start + n)
-                req.pending.append(write)
-                entries.append((req, write))
-        return entries
 
     def _plan_mirrors(self, step_id: int, seqs: list[ScheduledSeq]) -> tuple[RowCopy, RowCopy]:
         block_size = self.block_size
