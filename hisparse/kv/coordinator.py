@@ -242,13 +242,21 @@ class KVCoordinator:
     # ------------------------------------------------------------------ acknowledgements
     def apply_acks(self, copy_ids: Iterable[int]) -> None:
         """The worker reports the mirrors of these steps durable on host (any order)."""
-        touched = {}
-        for step_id in copy_ids:
-            for req, write in self.pending_by_step.pop(step_id, ()):
+        pending_by_step = self.pending_by_step
+        batches = [pending_by_step.pop(step_id, ()) for step_id in copy_ids]
+        if len(batches) == 1:  # the usual case: one step's writes (processing twice is harmless)
+            touched = [req for req, _ in batches[0]]
+            for _, write in batches[0]:
                 write.acked = True
-                touched[req.uid] = req
+        else:
+            by_uid = {}
+            for batch in batches:
+                for req, write in batch:
+                    write.acked = True
+                    by_uid[req.uid] = req
+            touched = by_uid.values()
         block_size = self.block_size
-        for req in touched.values():
+        for req in touched:
             pending = req.pending
             old_pages = req.num_durable // block_size
             while pending and pending[0].acked:
@@ -257,8 +265,7 @@ class KVCoordinator:
                 self.prefix.publish(req)
                 if req.host_read:
                     self.reclaim.unpin_clean_pages(req)
-            if not pending and req.freed:
-                self.draining.pop(req.uid)
+            if not pending and req.freed and self.draining.pop(req.uid, None) is not None:
                 self._free_blocks(req)
 
     # ------------------------------------------------------------------ leaving
