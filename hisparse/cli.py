@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from hisparse.config import KVCacheConfig
-    from hisparse.kv.simulate import Simulation
+    from hisparse.config import Mode
+    from hisparse.engine.simulate import simulate_workload
 
-    results = {}
-    for mode in ("gpu-only", "hisparse", "always-host"):
-        cfg = KVCacheConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks,
-                            num_host_blocks=args.requests * args.max_len // args.block_size + 64,
-                            num_indexer_blocks=args.requests * args.max_len // args.block_size,
-                            max_model_len=args.max_len, index_topk=args.block_size * 2,
-                            max_num_seqs=args.requests, max_num_batched_tokens=256, mode=mode)
-        sim = Simulation(cfg, seed=args.seed)
-        rng = random.Random(args.seed)
-        system_prompt = [rng.randrange(1000) for _ in range(args.max_len // 4)]
-        for _ in range(args.requests):
-            prompt = system_prompt + [rng.randrange(1000)
-                                      for _ in range(rng.randrange(1, args.max_len // 2))]
-            sim.add(prompt, args.max_len - len(prompt))
-        res = sim.run_to_completion(check=args.check)
-        sim.check_all_free()
-        results[mode] = dict(steps=res.steps, finished=res.finished, **res.stats)
+    results = {str(mode): simulate_workload(mode, requests=args.requests, max_len=args.max_len,
+                                            block_size=args.block_size,
+                                            gpu_blocks=args.gpu_blocks, seed=args.seed,
+                                            check=args.check)
+               for mode in (Mode.GPU_ONLY, Mode.HISPARSE, Mode.ALWAYS_HOST)}
     keys = ["steps", "peak_running", "num_preempted", "spilled_pages", "lost_pages",
             "host_read_switches", "hot_hits", "hot_misses", "prefix_hit_tokens", "mirrored_rows"]
     print("Simulated workload through the KV core and the fake worker "

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from hisparse.kv.state import RequestKV
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -14,10 +16,12 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """``token_ids`` is the prompt followed by every sampled token; the KV coordinator holds a
-    reference to the same list. ``num_computed`` tokens have KV; ``max_len`` bounds the total."""
+    """``token_ids`` is the prompt followed by every sampled token (the engine appends; the KV
+    core reads the same list). ``kv`` is the request's KV handle while it is admitted: the KV
+    core owns its progress (``num_computed``), the engine only reads it. ``max_len`` bounds the
+    total length."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -25,16 +29,20 @@ class Request:
     max_len: int
     sampling: Any = None
     stop_token_ids: frozenset[int] = frozenset()
-    arrival: int = 0
     token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed: int = 0
     finish_reason: str | None = None
     prompt_text: str | None = None
+    kv: RequestKV | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens with KV (0 while waiting: a preempted request starts over)."""
+        return self.kv.num_computed if self.kv is not None else 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -4,6 +4,9 @@ Each step: apply the worker's acknowledgements, continue running requests (decod
 prefill chunks, oldest first), admit waiting requests FCFS while the token budget lasts, and emit
 the StepPlan. When a running request cannot get a GPU page even after reclaim, the newest
 running request is preempted (its KV is freed; its durable pages stay in the prefix cache).
+
+Progress (``num_computed``) is owned by the KV core; the scheduler reads it through each
+request's KV handle (``Request.kv``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ class Scheduler:
         self.cfg = cfg
         self.kv = KVCoordinator(cfg)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []          # admission order (the newest is preempted)
+        self._running_by_id: dict[str, Request] = {}
         self.step_id = 0
         self.num_preempted = 0
         self.peak_running = 0
@@ -34,16 +38,38 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> Request | None:
+        """Drop a waiting or running request (status ABORTED); None if it is unknown."""
+        req = self._running_by_id.get(req_id)
+        if req is not None:
+            self._leave(req, RequestStatus.ABORTED, "abort")
+            return req
         for req in self.waiting:
             if req.req_id == req_id:
                 self.waiting.remove(req)
                 req.status = RequestStatus.ABORTED
                 return req
-        for req in self.running:
-            if req.req_id == req_id:
-                self._leave(req, RequestStatus.ABORTED, "abort")
-                return req
         return None
+
+    def finish(self, req_id: str, reason: str = "stop") -> Request | None:
+        """Finish a running request now (status FINISHED); None if it is not running."""
+        req = self._running_by_id.get(req_id)
+        if req is not None:
+            self._leave(req, RequestStatus.FINISHED, reason)
+        return req
+
+    def preempt(self, req_id: str) -> bool:
+        """Preempt a running request: its KV is freed and it goes back to the head of the
+        waiting queue (it resumes from the prefix cache). False if it is not running."""
+        req = self._running_by_id.pop(req_id, None)
+        if req is None:
+            return False
+        self.kv.free(req_id)
+        req.kv = None
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preempted += 1
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -51,60 +77,66 @@ class Scheduler:
 
     def schedule(self, acked_copy_ids: Iterable[int] = ()) -> StepPlan | None:
         """Plan the next step; None when nothing could be scheduled."""
-        self.kv.apply_acks(acked_copy_ids)
+        kv = self.kv
+        kv.apply_acks(acked_copy_ids)
         budget = self.cfg.max_num_batched_tokens
         scheduled = 0
         may_preempt = True
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or budget == 0:
+        running = RequestStatus.RUNNING
+        for req in list(self.running):  # a copy: preemption removes from the list
+            if budget == 0:
+                break
+            handle = req.kv
+            if req.status is not running or handle is None:
                 continue
-            n = min(req.num_uncomputed, budget)
+            n = min(len(req.token_ids) - handle.num_computed, budget)
             if n == 0:
                 continue
-            while not self.kv.schedule(req.req_id, n):
+            while not kv.allocate_slots(handle, n):
                 if not may_preempt:
                     break
                 victim = self.running[-1]
-                free_before = self.kv.num_free_gpu_blocks
-                self._preempt(victim)
+                free_before = kv.num_free_gpu_blocks
+                self.preempt(victim.req_id)
                 # A victim with mirrors in flight frees its pages only once they are acked:
                 # preempting more in this step would only throw away more work.
-                if self.kv.num_free_gpu_blocks == free_before:
+                if kv.num_free_gpu_blocks == free_before:
                     may_preempt = False
                 if victim is req:
                     break
             else:
-                req.num_computed += n
                 budget -= n
                 scheduled += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.admit(req.req_id, req.token_ids, req.max_len)
-            if hit is None:
+            handle = kv.admit(req.req_id, req.token_ids, req.max_len)
+            if handle is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            req.num_computed = hit
+            req.kv = handle
             self.running.append(req)
-            n = min(req.num_uncomputed, budget)
-            if not self.kv.schedule(req.req_id, n):
+            self._running_by_id[req.req_id] = req
+            n = min(len(req.token_ids) - handle.num_computed, budget)
+            if not kv.allocate_slots(handle, n):
                 break
-            req.num_computed += n
             budget -= n
             scheduled += 1
         self.peak_running = max(self.peak_running, len(self.running))
         if scheduled == 0:
             return None
         self.step_id += 1
-        return self.kv.build_plan(self.step_id)
+        return kv.build_plan(self.step_id)
 
     def update(self, plan: StepPlan, sampled: dict[str, int],
                eos_token_ids: frozenset[int] = frozenset()) -> list[Request]:
         """Append each sampled token; return the requests that finished with it."""
-        by_id = {r.req_id: r for r in self.running}
+        by_id = self._running_by_id
         finished = []
         for seq in plan.seqs:
-            token = sampled.get(seq.req_id) if seq.sample else None
+            if not seq.sample:
+                continue
+            token = sampled.get(seq.req_id)
             req = by_id.get(seq.req_id)
             if token is None or req is None:
                 continue
@@ -113,7 +145,8 @@ class Scheduler:
             if token in req.stop_token_ids or (token in eos_token_ids and not (
                     req.sampling is not None and req.sampling.ignore_eos)):
                 reason = "stop"
-            elif req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= req.max_len:
+            elif (len(req.token_ids) - len(req.prompt_token_ids) >= req.max_tokens
+                  or len(req.token_ids) >= req.max_len):
                 reason = "length"
             if reason is not None:
                 self._leave(req, RequestStatus.FINISHED, reason)
@@ -121,23 +154,9 @@ class Scheduler:
         return finished
 
     def _leave(self, req: Request, status: RequestStatus, reason: str) -> None:
-        self.kv.finish(req.req_id)
+        self.kv.free(req.req_id)
+        req.kv = None
         self.running.remove(req)
+        del self._running_by_id[req.req_id]
         req.status = status
         req.finish_reason = reason
-
-    def preempt(self, req_id: str) -> bool:
-        """Preempt a running request (its KV is freed; it resumes from the prefix cache)."""
-        for req in self.running:
-            if req.req_id == req_id:
-                self._preempt(req)
-                return True
-        return False
-
-    def _preempt(self, req: Request) -> None:
-        self.kv.preempt(req.req_id)
-        self.running.remove(req)
-        req.status = RequestStatus.WAITING
-        req.num_computed = 0
-        self.waiting.appendleft(req)
-        self.num_preempted += 1

@@ -34,7 +34,11 @@ class RowCopy:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of the step: tokens ``[start_pos, start_pos + num_tokens)``."""
+    """One request's share of the step: tokens ``[start_pos, start_pos + num_tokens)``.
+
+    ``slot`` is the request's row in every block table (fixed while it holds KV). All fields are
+    final when the plan is emitted (``host_read`` included: reclaim runs before seqs are made).
+    """
 
     req_id: str
     slot: int
@@ -49,7 +53,6 @@ class ScheduledSeq:
 class StepPlan:
     step_id: int
     seqs: list[ScheduledSeq]
-    block_size: int
     # [max_num_seqs, max_pages] int32: GPU arena block of each logical page, or -1.
     resident_block_table: np.ndarray
     # [max_num_seqs, max_pages] int32: host block of each logical page, or -1.
@@ -73,11 +76,12 @@ def flat_rows(table, slots, positions, block_size: int):
     ``table[slot, pos // block_size] * block_size + pos % block_size``, as int64.
 
     ``table`` is a ``[slots, pages]`` block table (numpy array or torch tensor; the result has the
-    same kind). A ``-1`` block gives a negative row: callers that may meet one mask it. The one
-    place this formula is written outside the kernels (a misplaced offset here corrupts KV).
+    same kind; a single numpy position gives a numpy scalar). A ``-1`` block gives a negative
+    row: callers that may meet one mask it. The one place this formula is written outside the
+    kernels (a misplaced offset here corrupts KV).
     """
     blocks = table[slots, positions // block_size]
-    blocks = blocks.astype(np.int64) if isinstance(blocks, np.ndarray) else blocks.long()
+    blocks = blocks.long() if hasattr(blocks, "long") else np.asarray(blocks, dtype=np.int64)
     return blocks * block_size + positions % block_size
 
 

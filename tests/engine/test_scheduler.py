@@ -1,7 +1,7 @@
 """Scheduler policy on the KV core (fake worker, no model)."""
 
 from hisparse.config import KVCacheConfig
-from hisparse.kv.simulate import Simulation
+from hisparse.engine.simulate import Simulation
 
 
 def test_preemption_does_not_cascade_while_victims_drain():
@@ -13,14 +13,15 @@ def test_preemption_does_not_cascade_while_victims_drain():
     sim = Simulation(cfg, seed=0, max_delay=1)
     sim.worker.rng.randint = lambda a, b: 1            # every ack exactly one step late
     events = []
-    preempt = sim.scheduler._preempt
+    preempt = sim.scheduler.preempt
 
-    def recording(req):
+    def recording(req_id):
         before = sim.kv.num_free_gpu_blocks
-        preempt(req)
+        assert preempt(req_id)
         events.append((sim.scheduler.step_id, sim.kv.num_free_gpu_blocks - before))
+        return True
 
-    sim.scheduler._preempt = recording
+    sim.scheduler.preempt = recording
     for i in range(16):
         sim.add([(i * 7 + j) % 50 for j in range(12)], 45)
     sim.run_to_completion(check=True)

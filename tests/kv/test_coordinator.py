@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 
 from hisparse.config import KVCacheConfig
+from hisparse.engine.simulate import Simulation
 from hisparse.kv.coordinator import KVCoordinator
-from hisparse.kv.simulate import Simulation
+from hisparse.kv.plan import flat_rows
 
 
 def cfg(**kw):
@@ -31,13 +32,13 @@ def test_bad_config_names_field_and_limit(field, value, match):
 def test_mirrors_cover_exactly_the_rows_written():
     kv = KVCoordinator(cfg())
     tokens = list(range(10))
-    assert kv.admit("a", tokens, 20) == 0
-    assert kv.schedule("a", 10)
+    req = kv.admit("a", tokens, 20)
+    assert req.num_computed == 0
+    assert kv.allocate_slots(req, 10)
     plan = kv.build_plan(1)
-    req = kv.get("a")
     pos = np.arange(10)
-    want_gpu = req.resident[pos // 4].astype(np.int64) * 4 + pos % 4
-    want_host = req.host[pos // 4].astype(np.int64) * 4 + pos % 4
+    want_gpu = flat_rows(req.resident[None], 0, pos, 4)
+    want_host = flat_rows(req.host[None], 0, pos, 4)
     assert np.array_equal(plan.mirrors.src_rows, want_gpu)
     assert np.array_equal(plan.mirrors.dst_rows, want_host)
     assert plan.mirrors.copy_id == 1 and plan.seqs[0].sample
@@ -45,10 +46,10 @@ def test_mirrors_cover_exactly_the_rows_written():
 
 def test_publication_waits_for_ack_and_follows_the_contiguous_prefix():
     kv = KVCoordinator(cfg())
-    kv.admit("a", list(range(12)), 20)
-    kv.schedule("a", 4)
+    a = kv.admit("a", list(range(12)), 20)
+    kv.allocate_slots(a, 4)
     kv.build_plan(1)
-    kv.schedule("a", 8)
+    kv.allocate_slots(a, 8)
     kv.build_plan(2)
     assert kv.host_pool.hash_to_block == {}
     kv.apply_acks([2])                    # out of order: page 1-2 durable only after step 1
@@ -60,13 +61,11 @@ def test_publication_waits_for_ack_and_follows_the_contiguous_prefix():
 def test_prefix_hit_after_finish_restores_indexer_and_reuses_cached_gpu_pages():
     kv = KVCoordinator(cfg())
     prompt = list(range(13))
-    kv.admit("a", prompt, 20)
-    kv.schedule("a", 13)
+    kv.allocate_slots(kv.admit("a", prompt, 20), 13)
     kv.build_plan(1)
     kv.apply_acks([1])
-    kv.finish("a")
-    hit = kv.admit("b", prompt[:12] + [99, 98], 20)
-    assert hit == 12
+    kv.free("a")
+    assert kv.admit("b", prompt[:12] + [99, 98], 20).num_computed == 12
     plan = kv.build_plan(2)
     assert len(plan.restores) == 0          # GPU copies were still cached
     assert len(plan.indexer_restores) == 12  # indexer keys always come back from host

@@ -10,12 +10,10 @@ import random
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hisparse.config import KVCacheConfig
-from hisparse.engine.request import RequestStatus
-from hisparse.kv.simulate import Simulation
+from hisparse.engine.simulate import Simulation
 
 
 class KVCoreMachine(RuleBasedStateMachine):
@@ -63,7 +61,7 @@ class KVCoreMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000))
     def stop(self, pick):
         req = self._running()[pick % len(self._running())]
-        self.sim.scheduler._leave(req, RequestStatus.FINISHED, "stop")
+        self.sim.finish(req.req_id)
 
     @precondition(lambda self: self.sim.requests)
     @rule(pick=st.integers(0, 1000))

@@ -1,6 +1,7 @@
 """Drive the scheduler and KV core with the fake worker and check the invariants of DESIGN.md §4.
 
-Used by the property tests and by ``hisparse simulate`` (a model-free tour of the KV core).
+Used by the property tests and by ``hisparse simulate`` (a model-free tour of the KV core:
+:func:`simulate_workload`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hisparse.config import ACTIVE_TAIL_PAGES, KVCacheConfig, cdiv
+from hisparse.config import ACTIVE_TAIL_PAGES, KVCacheConfig, Mode, cdiv
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler
-from hisparse.kv.fake_worker import FakeWorker
+from hisparse.kv.plan import page_rows
+from hisparse.worker.fake_worker import FakeWorker
 
 _MOD = (1 << 61) - 1
 
@@ -91,6 +93,9 @@ class Simulation:
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
 
+    def finish(self, req_id: str) -> None:
+        self.scheduler.finish(req_id)
+
     def preempt(self, req_id: str) -> None:
         self.scheduler.preempt(req_id)
 
@@ -120,7 +125,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        kv, bs = self.kv, self.cfg.block_size
+        kv, block_size = self.kv, self.cfg.block_size
         for pool in (kv.gpu_pool, kv.host_pool, kv.indexer_pool):
             if pool is not None:
                 pool.check_consistency()
@@ -129,12 +134,12 @@ class Simulation:
             positions = np.arange(n, dtype=np.int64)
             # I1: every computed row reads back, from where the tables say.
             got = self.worker.read_back(req.resident, req.host, positions)
-            want = self.worker._expected(req.req_id, positions)
+            want = self.worker.expected(req.req_id, positions)
             if not torch.equal(got, want):
                 bad = (got != want).any(0).nonzero().flatten()[:5].tolist()
                 raise AssertionError(f"I1: {req.req_id} rows {bad} unreadable "
                                      f"(durable={req.num_durable}, computed={n})")
-            num_pages = cdiv(n, bs)
+            num_pages = cdiv(n, block_size)
             for p in range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages):
                 # I4: the last pages are pinned GPU pages.
                 block = int(req.resident[p])
@@ -143,7 +148,7 @@ class Simulation:
             if req.host_read:
                 # I5: GPU footprint = tail pages + dirty pages + hot blocks.
                 for p in range(req.pinned_start, num_pages - ACTIVE_TAIL_PAGES):
-                    if req.resident[p] >= 0 and (p + 1) * bs <= req.num_durable:
+                    if req.resident[p] >= 0 and (p + 1) * block_size <= req.num_durable:
                         raise AssertionError(f"I5: {req.req_id} holds clean page {p}")
                 if len(req.hot_blocks) != self.cfg.hot_blocks_per_request:
                     raise AssertionError(f"I5: {req.req_id} host-read without hot blocks")
@@ -175,21 +180,22 @@ class Simulation:
 
     def _check_published(self) -> None:
         """I3: a published host block holds the durable rows of its prefix."""
-        kv, bs = self.kv, self.cfg.block_size
+        kv, block_size = self.kv, self.cfg.block_size
         if kv.host_pool is None:
             return
         expected: dict[int, tuple[str, int]] = {}
         for req in self.requests.values():
-            for p, h in enumerate(kv._page_hashes(req.token_ids, len(req.token_ids) // bs)):
+            num_pages = len(req.token_ids) // block_size
+            for p, h in enumerate(kv.prefix.page_hashes(req.token_ids, num_pages)):
                 expected.setdefault(h, (req.req_id, p))
         for h, block in kv.host_pool.hash_to_block.items():
             req_id, page = expected[h]
-            positions = np.arange(page * bs, (page + 1) * bs, dtype=np.int64)
-            rows = torch.arange(block * bs, (block + 1) * bs)
-            if not torch.equal(self.worker.host[:, rows], self.worker._expected(req_id, positions)):
+            positions = np.arange(page * block_size, (page + 1) * block_size, dtype=np.int64)
+            rows = torch.from_numpy(page_rows([block], block_size))
+            want = self.worker.expected(req_id, positions)
+            if not torch.equal(self.worker.host[:, rows], want):
                 raise AssertionError(f"I3: host block {block} published before durable")
-            if not torch.equal(self.worker.host_indexer[:, rows],
-                               self.worker._expected(req_id, positions)):
+            if not torch.equal(self.worker.host_indexer[:, rows], want):
                 raise AssertionError(f"I3: host block {block} indexer keys not durable")
 
     def check_all_free(self) -> None:
@@ -201,3 +207,30 @@ class Simulation:
                                      f"{pool.num_blocks - pool.num_free} blocks")
         if kv.draining or kv.requests or (kv.hot_table >= 0).any():
             raise AssertionError("I2: requests still hold KV")
+
+
+def shared_prefix_prompts(rng: random.Random, num_requests: int, max_len: int) -> list[list[int]]:
+    """A system prompt of ``max_len // 4`` tokens shared by every request, then a random tail."""
+    system_prompt = [rng.randrange(1000) for _ in range(max_len // 4)]
+    return [system_prompt + [rng.randrange(1000) for _ in range(rng.randrange(1, max_len // 2))]
+            for _ in range(num_requests)]
+
+
+def simulate_workload(mode: Mode | str, *, requests: int = 32, max_len: int = 512,
+                      block_size: int = 16, gpu_blocks: int = 96, seed: int = 0,
+                      check: bool = False) -> dict:
+    """Run the ``hisparse simulate`` workload (:func:`shared_prefix_prompts`, each request
+    generating up to ``max_len``) in one mode; every row is read back and checked, and every
+    pool must be whole at the end. Returns steps, finished and the counters of
+    :meth:`Simulation.stats`."""
+    cfg = KVCacheConfig(block_size=block_size, num_gpu_blocks=gpu_blocks,
+                        num_host_blocks=requests * max_len // block_size + 64,
+                        num_indexer_blocks=requests * max_len // block_size,
+                        max_model_len=max_len, index_topk=block_size * 2,
+                        max_num_seqs=requests, max_num_batched_tokens=256, mode=mode)
+    sim = Simulation(cfg, seed=seed)
+    for prompt in shared_prefix_prompts(random.Random(seed), requests, max_len):
+        sim.add(prompt, max_len - len(prompt))
+    res = sim.run_to_completion(check=check)
+    sim.check_all_free()
+    return dict(steps=res.steps, finished=res.finished, **res.stats)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hisparse.config import KVCacheConfig
-from hisparse.kv.plan import RowCopy, StepPlan
+from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan, flat_rows
 
 POISON = -7
 
@@ -39,16 +39,16 @@ class FakeWorker:
     def __init__(self, cfg: KVCacheConfig, row_key: RowKeyFn, num_layers: int = 2,
                  max_delay: int = 3, seed: int = 0, reads_per_token: int = 8) -> None:
         self.cfg = cfg
-        self.bs = cfg.block_size
+        self.block_size = cfg.block_size
         self.num_layers = num_layers
         self.row_key = row_key
         self.max_delay = max_delay
         self.reads_per_token = reads_per_token
         self.rng = random.Random(seed)
-        host_rows = cfg.num_host_blocks * self.bs if cfg.uses_host else 1
-        self.arena = torch.full((num_layers, cfg.num_gpu_blocks * self.bs), POISON,
+        host_rows = cfg.num_host_blocks * self.block_size if cfg.uses_host else 1
+        self.arena = torch.full((num_layers, cfg.num_gpu_blocks * self.block_size), POISON,
                                 dtype=torch.int64)
-        self.indexer = torch.full((num_layers, cfg.num_indexer_blocks * self.bs), POISON,
+        self.indexer = torch.full((num_layers, cfg.num_indexer_blocks * self.block_size), POISON,
                                   dtype=torch.int64)
         self.host = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
         self.host_indexer = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
@@ -105,54 +105,52 @@ class FakeWorker:
         if len(op):
             dst[:, torch.from_numpy(op.dst_rows)] = src[:, torch.from_numpy(op.src_rows)]
 
-    def _expected(self, req_id: str, positions: np.ndarray) -> torch.Tensor:
+    def expected(self, req_id: str, positions: np.ndarray) -> torch.Tensor:
+        """The rows every layer must hold at ``positions`` of a request (``[layers, n]``)."""
         keys = torch.from_numpy(np.asarray(self.row_key(req_id, positions), dtype=np.int64))
         return keys[None, :] + self.layer_salt
 
-    def _forward_seq(self, plan: StepPlan, seq) -> None:
-        bs = self.bs
+    def _forward_seq(self, plan: StepPlan, seq: ScheduledSeq) -> None:
+        block_size = self.block_size
         slot = seq.slot
         if seq.host_read and seq.num_tokens > 1:
             raise KVMismatch(f"{seq.req_id}: a multi-token chunk in host-read mode (its union "
                              "of selections may not fit the hot buffer)")
-        resident = plan.resident_block_table[slot]
         # Write this step's rows (MLA row and indexer key) in every layer.
         new_pos = np.arange(seq.start_pos, seq.start_pos + seq.num_tokens, dtype=np.int64)
-        pages, offs = new_pos // bs, new_pos % bs
-        if (resident[pages] < 0).any():
+        kv_rows = flat_rows(plan.resident_block_table, slot, new_pos, block_size)
+        if (kv_rows < 0).any():
             raise KVMismatch(f"{seq.req_id}: writing positions without a GPU page")
-        expected_new = self._expected(seq.req_id, new_pos)
-        self.arena[:, torch.from_numpy(resident[pages].astype(np.int64) * bs + offs)] = \
-            expected_new
-        idx_rows = plan.indexer_block_table[slot][pages].astype(np.int64) * bs + offs
+        expected_new = self.expected(seq.req_id, new_pos)
+        self.arena[:, torch.from_numpy(kv_rows)] = expected_new
+        idx_rows = flat_rows(plan.indexer_block_table, slot, new_pos, block_size)
         self.indexer[:, torch.from_numpy(idx_rows)] = expected_new
         # The indexer reads every history key; attention reads a sample (a fake top-k).
         hist = np.arange(seq.start_pos, dtype=np.int64)
         if len(hist):
-            idx_rows = plan.indexer_block_table[slot][hist // bs].astype(np.int64) * bs + hist % bs
+            idx_rows = flat_rows(plan.indexer_block_table, slot, hist, block_size)
             if not torch.equal(self.indexer[:, torch.from_numpy(idx_rows)],
-                               self._expected(seq.req_id, hist)):
+                               self.expected(seq.req_id, hist)):
                 raise KVMismatch(f"{seq.req_id}: indexer keys differ from what was written")
             k = min(len(hist), self.reads_per_token)
             reads = np.asarray(sorted(self.rng.sample(range(len(hist)), k)), dtype=np.int64)
             self._read_rows(plan, seq, reads)
 
-    def _read_rows(self, plan: StepPlan, seq, positions: np.ndarray) -> None:
-        bs = self.bs
-        blocks = plan.resident_block_table[seq.slot][positions // bs].astype(np.int64)
-        expected = self._expected(seq.req_id, positions)
+    def _read_rows(self, plan: StepPlan, seq: ScheduledSeq, positions: np.ndarray) -> None:
+        block_size = self.block_size
+        rows = flat_rows(plan.resident_block_table, seq.slot, positions, block_size)
+        expected = self.expected(seq.req_id, positions)
         got = torch.full_like(expected, POISON)
-        is_res = blocks >= 0
+        is_res = rows >= 0
         if is_res.any():
-            rows = torch.from_numpy(blocks[is_res] * bs + positions[is_res] % bs)
-            got[:, torch.from_numpy(is_res)] = self.arena[:, rows]
+            got[:, torch.from_numpy(is_res)] = self.arena[:, torch.from_numpy(rows[is_res])]
         if not is_res.all():
             if not seq.host_read:
                 raise KVMismatch(f"{seq.req_id}: non-resident history but not in host-read mode")
             hot = self.hot[seq.slot]
             hot_blocks = plan.hot_block_table[seq.slot]
             capacity = self.cfg.hot_buffer_size
-            host_blocks = plan.host_block_table[seq.slot]
+            host_rows = flat_rows(plan.host_block_table, seq.slot, positions, block_size)
             for i in np.nonzero(~is_res)[0].tolist():
                 pos = int(positions[i])
                 for layer in range(self.num_layers):
@@ -164,9 +162,8 @@ class FakeWorker:
                         self.hot_misses += 1
                         j = lru.popitem(last=False)[1] if len(lru) >= capacity else len(lru)
                         lru[pos] = j
-                        host_row = int(host_blocks[pos // bs]) * bs + pos % bs
                         self.arena[layer, self._hot_row(hot_blocks, j)] = \
-                            self.host[layer, host_row]
+                            self.host[layer, int(host_rows[i])]
                     got[layer, i] = self.arena[layer, self._hot_row(hot_blocks, lru[pos])]
         if not torch.equal(got, expected):
             bad = (got != expected).any(0).nonzero().flatten()[:5].tolist()
@@ -174,23 +171,24 @@ class FakeWorker:
                              f"read back wrong (resident={is_res[bad].tolist()})")
 
     def _hot_row(self, hot_blocks: np.ndarray, j: int) -> int:
-        block = int(hot_blocks[j // self.bs])
-        if block < 0:
+        """Flat row of hot slot ``j`` (the buffer's rows in leased-block order)."""
+        row = int(flat_rows(hot_blocks[None], 0, j, self.block_size))
+        if row < 0:
             raise KVMismatch("host-read request without leased hot blocks")
-        return block * self.bs + j % self.bs
+        return row
 
     # ------------------------------------------------------------------ checks
     def read_back(self, resident: np.ndarray, host: np.ndarray,
                   positions: np.ndarray) -> torch.Tensor:
-        """What a request's tables say its rows are: GPU copy if resident, else host copy."""
-        bs = self.bs
-        blocks = resident[positions // bs].astype(np.int64)
+        """What a request's tables say its rows are: GPU copy if resident, else host copy.
+
+        ``resident`` and ``host`` are one request's rows of the block tables."""
+        rows = flat_rows(resident[None], 0, positions, self.block_size)
         out = torch.full((self.num_layers, len(positions)), POISON, dtype=torch.int64)
-        is_res = blocks >= 0
+        is_res = rows >= 0
         if is_res.any():
-            out[:, torch.from_numpy(is_res)] = self.arena[
-                :, torch.from_numpy(blocks[is_res] * bs + positions[is_res] % bs)]
+            out[:, torch.from_numpy(is_res)] = self.arena[:, torch.from_numpy(rows[is_res])]
         if not is_res.all():
-            hrows = host[positions[~is_res] // bs].astype(np.int64) * bs + positions[~is_res] % bs
+            hrows = flat_rows(host[None], 0, positions[~is_res], self.block_size)
             out[:, torch.from_numpy(~is_res)] = self.host[:, torch.from_numpy(hrows)]
         return out

@@ -1,0 +1,64 @@
+"""Per-request KV bookkeeping shared by the coordinator, the prefix cache and the reclaim policy."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class PendingWrite:
+    """One in-flight mirror of a request: rows up to ``end`` written, durable once ``acked``."""
+
+    end: int
+    acked: bool = False
+
+
+@dataclass(eq=False)
+class RequestKV:
+    """KV bookkeeping of one admitted request, and the owner of its progress.
+
+    Per logical page ``p`` (views into the coordinator's tables, indexed by ``slot``):
+    ``resident[p]`` GPU arena block or -1; ``host[p]`` host block; ``indexer[p]`` indexer-cache
+    block. ``token_ids`` is the engine's list (prompt then sampled tokens): read here, never
+    written. ``num_computed`` is the one count of tokens with KV; the engine reads it.
+    """
+
+    req_id: str
+    uid: int
+    slot: int
+    token_ids: list[int]
+    prompt_len: int
+    num_pages: int                  # pages reserved for max length
+    resident: np.ndarray            # views into the coordinator's tables (copies once freed)
+    host: np.ndarray
+    indexer: np.ndarray
+    num_computed: int = 0
+    num_durable: int = 0
+    num_published: int = 0          # pages whose hash is published (contiguous from page 0)
+    page_hashes: list[int] = field(default_factory=list)
+    pending: deque[PendingWrite] = field(default_factory=deque)  # in-flight mirrors, oldest first
+    host_read: bool = False
+    hot_blocks: list[int] = field(default_factory=list)
+    # Pages below this index hold no GPU reference of ours (unpinned, lost or never restored).
+    pinned_start: int = 0
+    freed: bool = False             # its KV was given back (it may still drain mirrors)
+
+    @property
+    def decoding(self) -> bool:
+        """Past its first decode token: every later step computes one token, so it may read
+        history through a hot buffer (a prefill chunk reads resident pages only)."""
+        return self.num_computed > self.prompt_len
+
+
+@dataclass
+class KVStats:
+    spilled_pages: int = 0          # GPU blocks given up by host-read requests (unpinned)
+    lost_pages: int = 0             # unpinned pages whose block was reused by someone else
+    restored_pages: int = 0         # host -> GPU page restores planned
+    prefix_hit_tokens: int = 0
+    host_prefix_hit_tokens: int = 0  # hit tokens whose rows had to come back from host
+    host_read_switches: int = 0
+    mirrored_rows: int = 0
