@@ -8,6 +8,9 @@
   (GLM's shared layers have none).
 - ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
 - ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
+- ``counters``: int64 ``[3]``: hot hits, hot misses, corrupt LRU entries skipped by the resolver.
+- ``workspace``: every kernel workspace a step (and so a captured CUDA graph) touches, allocated
+  here once for the largest batch (DESIGN section 7: never a module global grown on demand).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse.config import KVCacheConfig
+from hisparse.ops import IndexerWorkspace, ResolveWorkspace
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,24 @@ class CacheGeometry:
     def indexer_bytes_per_block(self, block_size: int) -> int:
         elt = torch.empty(0, dtype=self.dtype).element_size()
         return elt * block_size * len(self.indexer_layers) * self.index_head_dim
+
+
+class StepWorkspace:
+    """Kernel state shared by all layers of a step, sized once for the largest batch:
+    the resolver's position map + scratch (``max_num_seqs`` request groups) and the indexer's
+    score-key buffer. Ops receive these explicitly; nothing here is ever reallocated."""
+
+    def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
+        positions = cfg.max_pages_per_request * cfg.block_size
+        self.resolve = ResolveWorkspace(cfg.max_num_seqs, positions, cfg.hot_buffer_size, device)
+        rows = IndexerWorkspace.default_rows(max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                                             positions)
+        self.indexer = IndexerWorkspace(rows, positions, device)
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        """Addresses of every buffer (tests check they never change)."""
+        return (self.resolve.position_map.data_ptr(), self.resolve.scratch.data_ptr(),
+                self.indexer.keys.data_ptr())
 
 
 class KVCaches:
@@ -74,7 +96,9 @@ class KVCaches:
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(
             geo.num_layers, R, 1)
-        self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # hot hits, misses
+        # hot hits, hot misses, corrupt LRU entries skipped (resolver fail-safe)
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self.workspace = StepWorkspace(cfg, device)
 
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""

@@ -57,7 +57,8 @@ class PagedContext:
             keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
             self.topk = ops.indexer_topk(index_q, index_weights.float(), keys,
                                          self.tables["indexer"], self.token_slot,
-                                         self.positions.int(), self.bs, self.index_topk)
+                                         self.positions.int(), self.bs, self.index_topk,
+                                         workspace=c.workspace.indexer)
             if self.topk_source is not None:
                 self.topk = self.topk_source(layer_idx, self.token_slot, self.positions,
                                              self.topk)
@@ -81,7 +82,7 @@ class PagedContext:
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
                                 c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
-                                bs, c.counters)
+                                bs, c.counters, workspace=c.workspace.resolve)
 
 
 class ModelRunner:
@@ -227,5 +228,9 @@ class ModelRunner:
         return done
 
     def hot_counters(self) -> tuple[int, int]:
-        hits, misses = self.caches.counters.tolist()
+        hits, misses = self.caches.counters[:2].tolist()
         return int(hits), int(misses)
+
+    def corrupt_lru_entries(self) -> int:
+        """LRU entries outside ``[0, H)`` the resolver skipped (should stay 0)."""
+        return int(self.caches.counters[2])
