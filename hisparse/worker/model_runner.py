@@ -1,5 +1,12 @@
 """Executes StepPlans: pre-forward copies, the forward over paged tiered caches, post-forward
 mirrors on a copy stream, and acknowledgements. No policy: every decision is in the plan.
+
+Extension seam (benchmarks, experiments): ``LLM(..., runner_cls=...)`` takes a
+:class:`ModelRunner` subclass (or any callable with its constructor's signature, e.g. a
+``functools.partial``). A subclass may override :meth:`ModelRunner.forward_eager` (what an
+eager step computes) and set ``context_cls`` to a :class:`PagedContext` subclass overriding
+:meth:`PagedContext.select_topk`. Nothing benchmark-specific lives here; see
+``hisparse/bench/synthetic.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,6 @@ class PagedContext:
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
         self.bs = caches.cfg.block_size
-        # Benchmarks only: (layer, token_slot, positions, indexer_topk) -> replacement top-k,
-        # e.g. a replayed trace of a real model's selections.
-        self.topk_source = None
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor) -> None:
@@ -55,19 +59,21 @@ class PagedContext:
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
             keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
-            self.topk = ops.indexer_topk(index_q, index_weights.float(), keys,
-                                         self.tables["indexer"], self.token_slot,
-                                         self.positions.int(), self.bs, self.index_topk,
-                                         workspace=c.workspace.indexer)
-            if self.topk_source is not None:
-                self.topk = self.topk_source(layer_idx, self.token_slot, self.positions,
-                                             self.topk)
+            self.topk = self.select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
         out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
                                           d_v=self.kv_lora_rank, backend=self.attn_backend)
         return out.to(q_latent.dtype)
+
+    def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
+                    keys: Tensor) -> Tensor:
+        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
+        stay CUDA-graph safe: fixed shapes, no host sync)."""
+        return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
+                                self.token_slot, self.positions.int(), self.bs, self.index_topk,
+                                workspace=self.caches.workspace.indexer)
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
@@ -88,19 +94,20 @@ class PagedContext:
 class ModelRunner:
     """Owns the model and the caches; ``execute(plan, input_ids)`` runs one step."""
 
+    context_cls = PagedContext
+
     def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int,
                  enforce_eager: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.device = caches.device
-        self.ctx = PagedContext(caches, index_topk, kv_lora_rank)
+        self.ctx = self.context_cls(caches, index_topk, kv_lora_rank)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
-        self.synthetic_prefill = False
         self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
         self.graphs = None
         if cuda and not enforce_eager and model.cuda_graph_safe:
@@ -135,15 +142,17 @@ class ModelRunner:
                       "host": self._to_device(plan.host_block_table),
                       "indexer": self._to_device(plan.indexer_block_table),
                       "hot": self._to_device(plan.hot_block_table)}
-            if self.synthetic_prefill:
-                logits = self._forward_synthetic(plan, input_ids, tables)
-            else:
-                logits = self._forward(plan, plan.seqs, input_ids, tables)
+            logits = self.forward_eager(plan, input_ids, tables)
         self._mirror(plan)
         return logits, self._poll_acks()
 
-    def _forward(self, plan: StepPlan, seqs, input_ids: list[int],
-                 tables: dict[str, Tensor]) -> Tensor:
+    def forward_eager(self, plan: StepPlan, input_ids: list[int],
+                      tables: dict[str, Tensor]) -> Tensor:
+        """An eager (not captured) step: logits ``[n_sample, vocab]`` fp32 of the plan's
+        sampling sequences, in plan order. Override point for benchmarks."""
+        return self.forward_seqs(plan.seqs, input_ids, tables)
+
+    def forward_seqs(self, seqs, input_ids: list[int], tables: dict[str, Tensor]) -> Tensor:
         """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
         positions, token_slot, cnt = token_layout(seqs)
         token_slot = token_slot.astype(np.int32)
@@ -157,38 +166,6 @@ class ModelRunner:
         if not sample_idx:
             return hidden.new_zeros(0, 0).float()
         return self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
-
-    def _forward_synthetic(self, plan: StepPlan, input_ids: list[int],
-                           tables: dict[str, Tensor]) -> Tensor:
-        """Benchmarks only: prompt chunks get random KV rows instead of a forward (decode speed
-        is what is measured; a 64k-token prefill per request would not fit the run); decode
-        tokens run the real model. Sampled prompt ends get random logits."""
-        c, bs = self.caches, self.caches.cfg.block_size
-        decode, decode_ids, sample_kinds = [], [], []
-        offset = 0
-        for s in plan.seqs:
-            if s.prefill:
-                pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
-                pages, offs = pos // bs, pos % bs
-                kv_rows = tables["resident"][s.slot, pages].long() * bs + offs
-                idx_rows = tables["indexer"][s.slot, pages].long() * bs + offs
-                c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos), c.arena.shape[2],
-                                                  device=self.device, dtype=c.arena.dtype)
-                c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
-                                                     c.indexer.shape[2], device=self.device,
-                                                     dtype=c.indexer.dtype)
-            else:
-                decode.append(s)
-                decode_ids += input_ids[offset:offset + s.num_tokens]
-            if s.sample:
-                sample_kinds.append(s.prefill)
-            offset += s.num_tokens
-        vocab = self.model.config.vocab_size
-        logits = torch.randn(len(sample_kinds), vocab, device=self.device)
-        if decode:
-            real = self._forward(plan, decode, decode_ids, tables)
-            logits[torch.tensor([not k for k in sample_kinds], device=self.device)] = real
-        return logits
 
     def _mirror(self, plan: StepPlan) -> None:
         if not len(plan.mirrors):
