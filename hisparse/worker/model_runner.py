@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from hisparse import ops
-from hisparse.kv.plan import RowCopy, StepPlan, token_layout
+from hisparse.kv.plan import StepPlan
 from hisparse.worker.cache import KVCaches
+from hisparse.worker.cuda_graph import BUCKETS
+from hisparse.worker.step_state import StepState
 
 
 class PagedContext:
@@ -109,17 +110,28 @@ class ModelRunner:
         self.d2h_bytes = 0
         self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
         self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
+        cfg = caches.cfg
+        max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                         next((b for b in BUCKETS if b >= cfg.max_num_seqs), BUCKETS[-1]))
+        # persistent device step state shared by the eager path and the captured graphs
+        self.inputs = StepState(cfg, self.device, max_tokens)
         self.graphs = None
         if cuda and not enforce_eager and model.cuda_graph_safe:
             from hisparse.worker.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
-    def _to_device(self, a: np.ndarray) -> Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+    def _copy(self, src: Tensor, dst: Tensor, rows: tuple[Tensor, Tensor]) -> None:
+        src_rows, dst_rows = rows
+        if src_rows.numel() and src.shape[0]:
+            ops.copy_rows(src, dst, src_rows, dst_rows)
 
-    def _copy(self, src: Tensor, dst: Tensor, op: RowCopy) -> None:
-        if len(op) and src.shape[0]:
-            ops.copy_rows(src, dst, torch.from_numpy(op.src_rows), torch.from_numpy(op.dst_rows))
+    def _own(self, rows: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Copies of row lists (on the current stream) that the copy stream may read after the
+        next step's upload overwrote the staging buffer."""
+        owned = tuple(r.clone() for r in rows)
+        for r in owned:
+            r.record_stream(self.copy_stream)
+        return owned
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, input_ids: list[int]) -> tuple[Tensor, list[int]]:
@@ -129,20 +141,18 @@ class ModelRunner:
         # No wait on in-flight mirrors here: a GPU block is handed out again only after the
         # mirror that reads it was acknowledged (clean pages; finished requests drain first),
         # and acknowledgements come from completed events.
+        inputs = self.inputs
+        inputs.stage_plan(plan)   # changed table rows, resets, row lists: one pinned upload
         if len(plan.hot_resets):
-            c.reset_hot(self._to_device(plan.hot_resets).long())
-        self._copy(c.host, c.arena, plan.restores)
-        self._copy(c.host_indexer, c.indexer, plan.indexer_restores)
+            c.reset_hot(inputs.hot_resets)
+        self._copy(c.host, c.arena, inputs.copies["restores"])
+        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
         self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
         self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
         if self.graphs is not None and self.graphs.supports(plan):
             logits = self.graphs.run(plan, input_ids)
         else:
-            tables = {"resident": self._to_device(plan.resident_block_table),
-                      "host": self._to_device(plan.host_block_table),
-                      "indexer": self._to_device(plan.indexer_block_table),
-                      "hot": self._to_device(plan.hot_block_table)}
-            logits = self.forward_eager(plan, input_ids, tables)
+            logits = self.forward_eager(plan, input_ids, inputs.tables)
         self._mirror(plan)
         return logits, self._poll_acks()
 
@@ -154,18 +164,14 @@ class ModelRunner:
 
     def forward_seqs(self, seqs, input_ids: list[int], tables: dict[str, Tensor]) -> Tensor:
         """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
-        positions, token_slot, cnt = token_layout(seqs)
-        token_slot = token_slot.astype(np.int32)
-        pos_t = self._to_device(positions)
-        self.ctx.begin(any(s.host_read for s in seqs), tables, self._to_device(token_slot),
-                       pos_t)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids, pos_t, self.ctx)
-        last = np.cumsum(cnt) - 1
-        sample_idx = [int(last[i]) for i, s in enumerate(seqs) if s.sample]
-        if not sample_idx:
+        inputs = self.inputs
+        T, S = inputs.stage_tokens(seqs, input_ids)
+        pos_t = inputs.positions[:T]
+        self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t)
+        hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+        if not S:
             return hidden.new_zeros(0, 0).float()
-        return self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
 
     def _mirror(self, plan: StepPlan) -> None:
         if not len(plan.mirrors):
@@ -174,15 +180,17 @@ class ModelRunner:
         n = len(plan.mirrors)
         self.d2h_bytes += n * (self.row_bytes * c.geo.num_layers
                                + self.key_bytes * c.indexer.shape[0])
+        copies = self.inputs.copies
         if self.copy_stream is None:
-            self._copy(c.arena, c.host, plan.mirrors)
-            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            self._copy(c.arena, c.host, copies["mirrors"])
+            self._copy(c.indexer, c.host_indexer, copies["indexer_mirrors"])
             self.in_flight.append((plan.mirrors.copy_id, None))
             return
+        rows, idx_rows = self._own(copies["mirrors"]), self._own(copies["indexer_mirrors"])
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            self._copy(c.arena, c.host, plan.mirrors)
-            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            self._copy(c.arena, c.host, rows)
+            self._copy(c.indexer, c.host_indexer, idx_rows)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self.in_flight.append((plan.mirrors.copy_id, event))
