@@ -84,7 +84,6 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                            hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
     T, K = topk.shape
-    bs = block_size
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
     H = hot_keys.shape[1]
@@ -106,7 +105,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         hot_row = hot_block_table[r].tolist()
         keys = hot_keys[r].tolist()
         lru = hot_lru[r].tolist()
-        usable = [(j // bs) < HB and hot_row[j // bs] >= 0 for j in range(H)]
+        usable = [(j // block_size) < HB and hot_row[j // block_size] >= 0 for j in range(H)]
         n_bad += sum(1 for s in lru if not 0 <= s < H)    # corrupt entries: skipped, counted
         any_usable = any(usable)
         slot_of = {keys[j]: j for j in range(H) if usable[j] and keys[j] >= 0}
@@ -116,11 +115,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         pending = []                                   # (t, k, pos) hot lookups to fill later
         for tt in range(t, t1):
             for k, pos in enumerate(topk_l[tt]):
-                if pos < 0 or pos // bs >= P:
+                if pos < 0 or pos // block_size >= P:
                     continue
-                page = pos // bs
+                page = pos // block_size
                 if res_row[page] >= 0:
-                    out[tt][k] = res_row[page] * bs + pos % bs
+                    out[tt][k] = res_row[page] * block_size + pos % block_size
                     continue
                 if pos in slot_of:
                     hit_slots.add(slot_of[pos])
@@ -138,9 +137,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                 f"union of its tokens' selections)")
         victims = cands[:len(misses)]
         if misses:
-            src = torch.tensor([host_row[p // bs] * bs + p % bs for p in misses],
+            src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
+                                for p in misses],
                                dtype=torch.long, device=host.device)
-            dst = torch.tensor([hot_row[s // bs] * bs + s % bs for s in victims],
+            dst = torch.tensor([hot_row[s // block_size] * block_size + s % block_size
+                                for s in victims],
                                dtype=torch.long, device=arena.device)
             arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
             for p, s in zip(misses, victims):
@@ -153,7 +154,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                    + [s for s in lru if s in hit_slots])
         for tt, k, pos in pending:
             s = slot_of[pos]
-            out[tt][k] = hot_row[s // bs] * bs + s % bs
+            out[tt][k] = hot_row[s // block_size] * block_size + s % block_size
         hot_keys[r] = torch.tensor(keys, dtype=hot_keys.dtype, device=hot_keys.device)
         hot_lru[r] = torch.tensor(new_lru, dtype=hot_lru.dtype, device=hot_lru.device)
         n_hits += len(hit_slots)

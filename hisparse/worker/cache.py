@@ -71,18 +71,19 @@ class KVCaches:
         """``host_buffers``: preallocated ``(host, host_indexer)`` tensors of the right shapes
         (pinning costs ~0.45 s/GiB, so benchmarks pin one pool and reuse it across engines)."""
         self.cfg, self.geo, self.device = cfg, geo, device
-        bs = cfg.block_size
+        block_size = cfg.block_size
         pin = device.type == "cuda"
         # One extra block per pool is a sink that padding tokens of a captured step write to.
-        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * bs, geo.row_dim,
+        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * block_size, geo.row_dim,
                                  dtype=geo.dtype, device=device)
         n_idx = len(geo.indexer_layers)
-        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * bs, geo.index_head_dim,
+        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * block_size,
+                                   geo.index_head_dim,
                                    dtype=geo.dtype, device=device)
-        self.sink_row = cfg.num_gpu_blocks * bs
-        self.indexer_sink_row = cfg.num_indexer_blocks * bs
+        self.sink_row = cfg.num_gpu_blocks * block_size
+        self.indexer_sink_row = cfg.num_indexer_blocks * block_size
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
-        host_rows = cfg.num_host_blocks * bs if cfg.uses_host else 0
+        host_rows = cfg.num_host_blocks * block_size if cfg.uses_host else 0
         host_shape = (geo.num_layers, host_rows, geo.row_dim)
         idx_shape = (n_idx, host_rows, geo.index_head_dim)
         if host_buffers is not None:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hisparse import ops
-from hisparse.kv.plan import StepPlan
+from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import BUCKETS
 from hisparse.worker.step_state import StepState
@@ -30,22 +30,23 @@ class PagedContext:
         self.caches = caches
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
-        self.bs = caches.cfg.block_size
+        self.block_size = caches.cfg.block_size
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor) -> None:
         """Set up one forward. ``token_slot`` ``-1`` marks a padding token: it writes to the
         sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver)."""
-        c, bs = self.caches, self.bs
+        c, block_size = self.caches, self.block_size
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
-        pages, offs = positions // bs, positions % bs
         real = token_slot >= 0
         slot_l = token_slot.clamp(min=0).long()
-        self.kv_rows = torch.where(real, tables["resident"][slot_l, pages].long() * bs + offs,
+        self.kv_rows = torch.where(real, flat_rows(tables["resident"], slot_l, positions,
+                                                   block_size),
                                    c.sink_row)
-        self.idx_rows = torch.where(real, tables["indexer"][slot_l, pages].long() * bs + offs,
+        self.idx_rows = torch.where(real, flat_rows(tables["indexer"], slot_l, positions,
+                                                    block_size),
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
@@ -73,23 +74,23 @@ class PagedContext:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
         stay CUDA-graph safe: fixed shapes, no host sync)."""
         return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
-                                self.token_slot, self.positions.int(), self.bs, self.index_topk,
+                                self.token_slot, self.positions.int(), self.block_size,
+                                self.index_topk,
                                 workspace=self.caches.workspace.indexer)
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, bs, topk = self.caches, self.bs, self.topk
+        c, block_size, topk = self.caches, self.block_size, self.topk
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
-            blocks = self.tables["resident"][self.token_slot.clamp(min=0).long()[:, None],
-                                             pos // bs]
-            return torch.where(valid & (blocks >= 0), blocks * bs + (pos % bs).int(),
-                               torch.full_like(topk, -1))
+            rows = flat_rows(self.tables["resident"],
+                             self.token_slot.clamp(min=0).long()[:, None], pos, block_size)
+            return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
                                 c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
-                                bs, c.counters, workspace=c.workspace.resolve)
+                                block_size, c.counters, workspace=c.workspace.resolve)
 
 
 class ModelRunner:
