@@ -10,6 +10,7 @@ import torch
 
 from hisparse import SamplingParams
 from hisparse.bench.decode import write_config
+from hisparse.bench.synthetic import synthetic_runner
 
 
 def main() -> None:
@@ -28,8 +29,7 @@ def main() -> None:
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=64,
               num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200, host_pool_gib=8,
               hisparse=mode, max_model_len=a.context + 64, max_num_seqs=a.requests,
-              max_num_batched_tokens=4 * a.context)
-    llm.runner.synthetic_prefill = True
+              max_num_batched_tokens=4 * a.context, runner_cls=synthetic_runner())
     for i in range(a.requests):
         llm.add_request({"prompt_token_ids": [5 + i] * a.context},
                         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))

@@ -3,7 +3,8 @@
 Model: DeepSeek-V3.2 geometry as one tensor-parallel rank of eight sees it (16 query heads,
 kv_lora_rank 512, rope 64, indexer 64 x 128, index_topk 2048, block 64), random weights (dummy
 load), bf16, dense MLP layers. Prompts get random KV rows instead of a prefill forward (decode
-speed is what is measured; see ``ModelRunner._forward_synthetic``); decode runs the full model.
+speed is what is measured; see :mod:`hisparse.bench.synthetic`, plugged in through
+``LLM(runner_cls=...)``); decode runs the full model. Only the public engine API is used.
 
 Top-k sources: ``indexer`` (the model's own indexer: random weights, unrealistic locality),
 ``synthetic:<overlap>`` and ``trace:<npz>`` (selections replayed in place of the indexer output;
@@ -103,12 +104,15 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               outputs: int, gpu_kv_gib: float, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False) -> Point:
     from hisparse import LLM, SamplingParams
+    from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
     row_bytes_per_block = block_size * 576 * 2
     layers = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
     num_gpu_blocks = int(gpu_kv_gib * (1 << 30)) // (row_bytes_per_block * layers)
     max_len = context + outputs
     torch.cuda.reset_peak_memory_stats()
+    clock = TokenClock()
+    override = None if table is None else make_topk_override(table.to("cuda"), context)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
               num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, hisparse=mode,
               max_model_len=max_len, max_num_seqs=max_seqs,
@@ -116,35 +120,31 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode is not False else None,
-              enforce_eager=enforce_eager)
-    llm.runner.synthetic_prefill = True
-    if table is not None:
-        llm.runner.ctx.topk_source = make_topk_override(table.to("cuda"), context)
-    if llm.runner.graphs is not None:
-        llm.runner.graphs.capture_all((False,) if mode is False else (False, True))
+              enforce_eager=enforce_eager,
+              runner_cls=synthetic_runner(clock=clock, topk_override=override))
+    llm.capture_cuda_graphs()
     g = torch.Generator().manual_seed(0)
+    req_ids = []
     for _ in range(concurrency):
         ids = torch.randint(2, 120000, (context,), generator=g).tolist()
-        llm.add_request({"prompt_token_ids": ids},
-                        SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True))
-    reqs = list(llm._requests.values())
-    first_token: dict[str, float] = {}
+        req_ids.append(llm.add_request(
+            {"prompt_token_ids": ids},
+            SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True)))
     done_at: dict[str, float] = {}
+    n_out: dict[str, int] = {}
     t0 = time.perf_counter()
     while llm.has_unfinished_requests():
-        llm.step()
+        finished = llm.step()
         now = time.perf_counter()
-        for r in reqs:
-            if r.req_id not in first_token and r.num_output_tokens >= 1:
-                first_token[r.req_id] = now
-            if r.req_id not in done_at and r.finished:
-                done_at[r.req_id] = now
+        for out in finished:
+            done_at[out.request_id] = now
+            n_out[out.request_id] = len(out.outputs[0].token_ids)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    first_token = {r: clock.times[r][0] for r in req_ids}
     start = min(first_token.values())
-    decode_tokens = sum(r.num_output_tokens - 1 for r in reqs)
-    tpots = sorted((done_at[r.req_id] - first_token[r.req_id]) / max(1, outputs - 1) * 1e3
-                   for r in reqs)
+    decode_tokens = sum(n_out[r] - 1 for r in req_ids)
+    tpots = sorted((done_at[r] - first_token[r]) / max(1, outputs - 1) * 1e3 for r in req_ids)
     s = llm.stats()
     lookups = s["hot_hits"] + s["hot_misses"]
     point = Point(

@@ -62,6 +62,8 @@ class LLM:
     buffer once its prompt is done). ``num_gpu_blocks=None`` sizes the GPU arena from free device
     memory (CUDA) or to hold ``max_num_seqs`` full-length requests (CPU). On CUDA, pure decode
     steps of dense-MLP models are captured as CUDA graphs unless ``enforce_eager``.
+    ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
+    its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
@@ -73,7 +75,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, watermark_blocks: int | None = None,
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, runner_cls=None):
         if hisparse not in HISPARSE_MODES:
             raise ValueError(f"hisparse must be True, False or 'always-host', got {hisparse!r}")
         mode = HISPARSE_MODES[hisparse]
@@ -113,8 +115,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, mode=mode,
             enable_prefix_caching=enable_prefix_caching, watermark_blocks=watermark_blocks)
         self.caches = KVCaches(self.kv_config, geo, self.device, host_buffers)
-        self.runner = ModelRunner(self.model, self.caches, mc.index_topk, mc.kv_lora_rank,
-                                  enforce_eager=enforce_eager)
+        self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
+                                                  mc.kv_lora_rank, enforce_eager=enforce_eager)
         self.scheduler = Scheduler(self.kv_config)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
@@ -201,6 +203,13 @@ class LLM:
     def _forget(self, req_id: str) -> Request:
         self._generators.pop(req_id, None)
         return self._requests.pop(req_id)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture every decode batch bucket now instead of on first use (keeps capture time out
+        of measurements). No-op when decode is not captured (CPU, eager, MoE models)."""
+        if self.runner.graphs is not None:
+            variants = (False,) if self.kv_config.mode == "gpu-only" else (False, True)
+            self.runner.graphs.capture_all(variants)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

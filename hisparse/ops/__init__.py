@@ -3,12 +3,12 @@
 
 from .attention import flashmla_available, sparse_mla_attention, sparse_mla_attention_reference
 from .copy import copy_rows, copy_rows_reference, gather_rows
-from .indexer import indexer_topk, indexer_topk_reference
-from .resolve import resolve_rows, resolve_rows_reference
+from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
+from .resolve import ResolveWorkspace, resolve_rows, resolve_rows_reference
 
 __all__ = [
-    "indexer_topk", "indexer_topk_reference",
-    "resolve_rows", "resolve_rows_reference",
+    "indexer_topk", "indexer_topk_reference", "IndexerWorkspace",
+    "resolve_rows", "resolve_rows_reference", "ResolveWorkspace",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
     "copy_rows", "copy_rows_reference", "gather_rows",
 ]

@@ -9,7 +9,6 @@ a second kernel merges them by their log-sum-exp.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -22,10 +21,11 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
-                 H, K, N, K_PER_SPLIT, qk_scale,
+                 H, K, N, qk_scale,
                  stride_qt, stride_qh, stride_kv, stride_it,
                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                 D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
+                 K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+                 BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, DV_BLOCK: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -48,8 +48,9 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
     k_start = sp * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     offs_n = tl.arange(0, BLOCK_N)
-    for k0 in range(k_start, k_end, BLOCK_N):
-        kk = k0 + offs_n
+    # constexpr trip count (the Triton 3.6 interpreter rejects tensor-valued range bounds)
+    for i0 in range(0, K_PER_SPLIT, BLOCK_N):
+        kk = k_start + i0 + offs_n
         idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + kk, mask=kk < k_end, other=-1)
         valid = (idx >= 0) & (idx < N)
         rows = tl.where(valid, idx, 0).to(tl.int64) * stride_kv
@@ -112,7 +113,8 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     wsum_safe = tl.where(empty, 1.0, wsum)
     o = tl.sum(po * w[:, None], axis=0) / wsum_safe
     lse = tl.where(empty, float("-inf"), lmax_use + tl.log(wsum_safe))
-    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             o.to(o_ptr.dtype.element_ty))
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
 
 
@@ -189,10 +191,11 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
         sos, sls = po.stride(0), pl.stride(0)
         s_ot, s_oh, s_lt = po.stride(1), po.stride(2), pl.stride(1)
     _attn_kernel[grid](
-        q, kv, indices, po, pl, H, K, N, k_per_split, qk_scale,
+        q, kv, indices, po, pl, H, K, N, qk_scale,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         sos, s_ot, s_oh, sls, s_lt,
-        D_V=512, D_PE=D - 512, BLOCK_H=bh, BLOCK_N=bn, DV_BLOCK=dvb, IEEE=is_fp32,
+        K_PER_SPLIT=k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=bh, BLOCK_N=bn, DV_BLOCK=dvb,
+        IEEE=is_fp32,
         num_warps=nw, num_stages=ns,
     )
     if splits > 1:

@@ -16,7 +16,7 @@ import torch
 FORCE_TRITON_ENV = "HISPARSE_FORCE_TRITON"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

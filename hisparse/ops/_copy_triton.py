@@ -55,8 +55,10 @@ def copy_rows_triton(src, dst, src_rows, dst_rows, block_c: int = 1024, num_warp
     if sw.dtype != dw.dtype:
         sw, dw = src.view(torch.uint8), dst.view(torch.uint8)
     words = sw.shape[-1]
-    aligned = all(x % 4 == 0 for x in (words, sw.stride(0), sw.stride(1), dw.stride(0), dw.stride(1))) \
-        and sw.data_ptr() % (4 * sw.element_size()) == 0 and dw.data_ptr() % (4 * dw.element_size()) == 0
+    aligned = (all(x % 4 == 0 for x in (words, sw.stride(0), sw.stride(1), dw.stride(0),
+                                        dw.stride(1)))
+               and sw.data_ptr() % (4 * sw.element_size()) == 0
+               and dw.data_ptr() % (4 * dw.element_size()) == 0)
     vec = 4 if aligned else 1
     chunks = words // vec
     n = src_rows.numel()

@@ -56,11 +56,20 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
             tl.store(key_ptrs, key, mask=smask)
 
 
-def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None):
-    """int64 keys [T, P*block_size]: (orderable fp32 score << 32) | (2^32-1-pos); INT64_MIN invalid."""
+def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None,
+                 out=None):
+    """int64 keys [T, P*block_size]: (orderable fp32 score << 32) | (2^32-1-pos); INT64_MIN
+    invalid. ``out``: a ``[T, P*block_size]`` int64 buffer with unit column stride (e.g. a
+    workspace view)."""
     T, HI, D = q.shape
     s_max = block_table.shape[1] * block_size
-    keys = torch.empty((T, s_max), dtype=torch.int64, device=q.device)
+    if out is None:
+        keys = torch.empty((T, s_max), dtype=torch.int64, device=q.device)
+    else:
+        if out.shape != (T, s_max) or out.stride(-1) != 1 or out.dtype != torch.int64:
+            raise ValueError("indexer_keys: out must be [T, P*block_size] int64 with unit "
+                             "column stride")
+        keys = out
     if k_cache.dtype != q.dtype and q.dtype != torch.float32:
         k_cache = k_cache.to(q.dtype)
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too

@@ -13,6 +13,10 @@ D  load the misses: keys updated, rows copied host -> arena as flat 16-byte chun
    outputs of hot lookups;
 E  copy the new LRU order back and reset the touched entries of ``M`` to -1 (``M`` is a persistent
    scratch that is all -1 between calls, so no per-call memset).
+
+``M`` and the per-group scratch live in a caller-owned
+:class:`~hisparse.ops.resolve.ResolveWorkspace` (allocated once for the largest call; never a
+module global: DESIGN section 7).
 """
 
 from __future__ import annotations
@@ -23,29 +27,19 @@ import triton.language as tl
 
 from ._common import next_pow2
 
-_SCRATCH: dict = {}
-
-
-def _position_map(device, g_max: int, s_m: int) -> torch.Tensor:
-    key = (str(device),)
-    m = _SCRATCH.get(key)
-    if m is None or m.shape[0] < g_max or m.shape[1] < s_m:
-        rows = max(g_max, m.shape[0] if m is not None else 0)
-        cols = max(s_m, m.shape[1] if m is not None else 0)
-        m = torch.full((rows, cols), -1, dtype=torch.int32, device=device)
-        _SCRATCH[key] = m
-    return m
-
 
 @triton.jit
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
                     m_ptr, v_ptr, mp_ptr, nl_ptr,
-                    T, K, P, HB, H, G_MAX,
+                    T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
-                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                    CHUNKS: tl.constexpr, VEC: tl.constexpr, BLOCK_C: tl.constexpr):
+                    K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
+                    VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr):
+    # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
+    # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     prev = tl.load(req_ptr + tl.maximum(t - 1, 0))
@@ -55,12 +49,14 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
     # group ordinal = number of group leaders before t (only leaders use it)
     g = t * 0
     if (r >= 0) & (prev != r):
-        for b0 in range(0, t, BLOCK_K):
+        b0 = t * 0
+        while b0 < t:
             offs = b0 + offs_k
             m = offs < t
             cur = tl.load(req_ptr + offs, mask=m, other=-1)
             prv = tl.load(req_ptr + offs - 1, mask=m & (offs > 0), other=-1)
             g += tl.sum((m & (cur >= 0) & (cur != prv)).to(tl.int32))
+            b0 += BLOCK_K
     if r < 0:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -105,7 +101,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         # ---- B: lookups in first-reference order
         n_hit = 0
         n_miss = 0
-        for tt in range(t, t + n):
+        tt = t
+        while tt < t + n:
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 km = kk < K
@@ -129,6 +126,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 tl.store(mp_row + ordl, pos, mask=miss_first & (ordl < H))
                 n_miss += tl.sum(mi)
                 tl.debug_barrier()
+            tt += 1
 
         # ---- C: one LRU walk: victims and new order
         n_load = tl.minimum(n_miss, n_usable - n_hit)
@@ -136,12 +134,16 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         cand_run = 0
         unt_run = 0
         hit_run = 0
+        n_bad = 0
         for h0 in range(0, H, BLOCK_H):
             i = h0 + offs_h
             im = i < H
             s = tl.load(lru_row + i, mask=im, other=0)
-            blk = tl.load(hot_row + s // PAGE, mask=im & ((s // PAGE) < HB), other=-1)
-            usable = im & (blk >= 0)
+            # an LRU entry outside [0, H) is corrupt: never read or written through, counted
+            s_ok = im & (s >= 0) & (s < H)
+            n_bad += tl.sum((im & (~s_ok)).to(tl.int32))
+            blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
+            usable = s_ok & (blk >= 0)
             key = tl.load(keys_row + s, mask=usable, other=-1)
             mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
                          volatile=True)
@@ -155,7 +157,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             hi = referenced.to(tl.int32)
             uord = unt_run + tl.cumsum(ui, 0) - 1
             hord = hit_run + tl.cumsum(hi, 0) - 1
-            newpos = tl.where(untouched, uord, tl.where(loaded, u_total + cord, u_total + n_load + hord))
+            newpos = tl.where(untouched, uord,
+                              tl.where(loaded, u_total + cord, u_total + n_load + hord))
             tl.store(nl_row + newpos, s, mask=im)
             tl.store(v_row + cord, s, mask=loaded)
             # the evicted key is referenced by no entry of this group: safe to unmap now
@@ -166,7 +169,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         tl.debug_barrier()
 
         # ---- D1: new keys of the loaded slots
-        for o0 in range(0, n_load, BLOCK_H):
+        for o0 in range(0, H, BLOCK_H):
             o = o0 + offs_h
             om = o < n_load
             s = tl.load(v_row + o, mask=om, other=0, volatile=True)
@@ -176,7 +179,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         offs_c = tl.arange(0, BLOCK_C)
         offs_v = tl.arange(0, VEC)
         total = n_load * CHUNKS
-        for c0 in range(0, total, BLOCK_C):
+        c0 = total * 0
+        while c0 < total:
             c = c0 + offs_c
             cm = c < total
             o = c // CHUNKS
@@ -191,10 +195,12 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             dst = tl.multiple_of(dst, VEC)
             val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
             tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+            c0 += BLOCK_C
         tl.debug_barrier()
 
         # ---- D3: outputs of hot lookups
-        for tt in range(t, t + n):
+        tt = t
+        while tt < t + n:
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 km = kk < K
@@ -213,6 +219,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 ab = tl.load(hot_row + slot // PAGE, mask=served, other=-1)
                 row = tl.where(served, ab * PAGE + slot % PAGE, -1)
                 tl.store(out_ptr + tt * stride_out + kk, row, mask=nonres)
+            tt += 1
         tl.debug_barrier()
 
         # ---- E: commit LRU, reset the position map
@@ -224,15 +231,19 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             blk = tl.load(hot_row + i // PAGE, mask=im & ((i // PAGE) < HB), other=-1)
             key = tl.load(keys_row + i, mask=im & (blk >= 0), other=-1, volatile=True)
             tl.store(m_row + key, -1, mask=im & (blk >= 0) & (key >= 0) & (key < s_max))
-        for tt in range(t, t + n):
+        tt = t
+        while tt < t + n:
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 km = kk < K
                 pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
                 valid = km & (pos >= 0) & (pos < s_max)
                 tl.store(m_row + pos, -1, mask=valid)
+            tt += 1
         tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
         tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
+        if COUNT_BAD:
+            tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
 
 
 def _words(t: torch.Tensor):
@@ -244,8 +255,10 @@ def _words(t: torch.Tensor):
 
 
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
-                        hot_keys, hot_lru, arena, host, block_size, counters, block_k=None,
-                        out=None):
+                        hot_keys, hot_lru, arena, host, block_size, counters, workspace,
+                        block_k=None, out=None):
+    """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
+    call (checked; never grown: a captured graph keeps the addresses it saw)."""
     T, K = topk.shape
     R, P = resident_block_table.shape
     HB = hot_block_table.shape[1]
@@ -268,21 +281,20 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     vec = 4 if (words % 4 == 0 and arena_rw % 4 == 0 and host_rw % 4 == 0
                 and arena_w.data_ptr() % 16 == 0 and host_w.data_ptr() % 16 == 0) else 1
     chunks = words // vec
-    g_max = max(1, min(T, R))
-    s_m = P * block_size
-    m = _position_map(dev, g_max, s_m)
-    scr = torch.empty((3, g_max, max(H, 1)), dtype=torch.int32, device=dev)
+    workspace.check(min(T, R), P * block_size, H, dev)
+    m, scr = workspace.position_map, workspace.scratch
+    g_max = m.shape[0]
     if block_k is None:
         block_k = min(1024, max(32, next_pow2(K)))
     block_h = min(1024, max(32, next_pow2(H)))
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
-        T, K, P, HB, H, g_max,
+        T, P, HB, g_max,
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
         hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
         m.stride(0), scr.stride(1), arena_rw, host_rw,
-        PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
-        BLOCK_C=512, num_warps=8,
+        K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
+        BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, num_warps=8,
     )
     return out

@@ -1,6 +1,7 @@
 """Sparse MLA attention (absorbed form, MQA over 576-d latent rows).
 
-For each query token ``t`` and head ``h``, over the valid rows ``R_t = {kv[i] : i in indices[t], i >= 0}``::
+For each query token ``t`` and head ``h``, over the valid rows
+``R_t = {kv[i] : i in indices[t], i >= 0}``::
 
     logits = sm_scale * q[t, h] . kv[i]                (576-d dot, fp32 accumulation)
     out[t, h] = softmax(logits) @ kv[i][:d_v]           (d_v = 512: the latent c_kv part)
@@ -21,7 +22,8 @@ from ._common import want_triton
 
 def sparse_mla_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                    sm_scale: float, d_v: int = 512):
-    """Plain PyTorch spec (fp32 math; any device). Returns ``(out [T,H,d_v] q.dtype, lse [T,H] fp32)``."""
+    """Plain PyTorch spec (fp32 math; any device).
+    Returns ``(out [T,H,d_v] q.dtype, lse [T,H] fp32)``."""
     T, H, D = q.shape
     out = torch.zeros((T, H, d_v), dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
@@ -46,7 +48,7 @@ def sparse_mla_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: t
     return out, lse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flashmla_module():
     try:
         import flash_mla  # noqa: F401
@@ -120,7 +122,8 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         o, l = sparse_mla_attention_reference(q, kv, indices, sm_scale, d_v)
     elif backend == "flashmla":
         if not flashmla_available():
-            raise RuntimeError("backend='flashmla' but flash_mla (wheel sgl-flash-mla) does not import")
+            raise RuntimeError("backend='flashmla' but flash_mla (wheel sgl-flash-mla) does "
+                               "not import")
         o, l = _flashmla(q, kv, indices, sm_scale, d_v)
     else:
         raise ValueError(f"unknown backend {backend!r}")

@@ -13,10 +13,12 @@ give a row of ``-1``.
 
 Relation to transformers' ``DeepseekV32Indexer`` (models/deepseek_v32/modeling_deepseek_v32.py)::
 
-    scores = relu((q.float() @ k.float().T) * softmax_scale)          # softmax_scale = index_head_dim**-0.5
+    # softmax_scale = index_head_dim**-0.5
+    scores = relu((q.float() @ k.float().T) * softmax_scale)
     index_scores = (weights_proj(x).float() * index_n_heads**-0.5) @ scores
 
-Because ``relu(c * x) = c * relu(x)`` for ``c > 0``, the caller folds *all* scales into ``weights``::
+Because ``relu(c * x) = c * relu(x)`` for ``c > 0``, the caller folds *all* scales into
+``weights``::
 
     weights = weights_proj(x).float() * (index_n_heads ** -0.5) * (index_head_dim ** -0.5)
 
@@ -32,6 +34,26 @@ import torch
 from ._common import want_triton
 
 INT64_MIN = -(2**63)
+
+
+class IndexerWorkspace:
+    """The Triton top-k's score-key buffer ``keys [rows, max_positions]`` int64, owned by the
+    caller and allocated once (a CUDA graph keeps the addresses it captured; DESIGN section 7).
+
+    A call scores ``rows`` tokens at a time (more tokens: several passes); it needs
+    ``P * block_size <= max_positions`` (checked; the buffer is never grown).
+    """
+
+    def __init__(self, rows: int, max_positions: int, device: torch.device | str) -> None:
+        self.rows = max(1, int(rows))
+        self.max_positions = max(1, int(max_positions))
+        self.keys = torch.empty((self.rows, self.max_positions), dtype=torch.int64,
+                                device=torch.device(device))
+
+    @staticmethod
+    def default_rows(max_tokens: int, max_positions: int, budget_bytes: int = 1 << 28) -> int:
+        """Rows for ``max_tokens`` per call within ``budget_bytes`` (256 MiB by default)."""
+        return max(1, min(int(max_tokens), budget_bytes // (8 * max(1, int(max_positions)))))
 
 
 def _groups(token_req: list[int]):
@@ -90,7 +112,7 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,
-                         out=None):
+                         out=None, workspace: IndexerWorkspace | None = None):
     from ._indexer_triton import indexer_keys
 
     T = q.shape[0]
@@ -101,12 +123,19 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
     if T == 0:
         return out
     kk = min(topk, s_max)
-    # bound the [Tc, s_max] int64 key buffer to ~1 GiB
-    tc = max(1, min(T, (1 << 27) // max(1, s_max)))
+    if workspace is not None:
+        if s_max > workspace.max_positions or workspace.keys.device != q.device:
+            raise ValueError(f"indexer_topk: workspace ({workspace.max_positions} positions, "
+                             f"{workspace.keys.device}) is too small for {s_max} positions on "
+                             f"{q.device}; size it for the largest call up front")
+        tc = workspace.rows
+    else:  # bound the [Tc, s_max] int64 key buffer to ~1 GiB
+        tc = max(1, min(T, (1 << 27) // max(1, s_max)))
     for a in range(0, T, tc):
         b = min(T, a + tc)
+        buf = None if workspace is None else workspace.keys[:b - a, :s_max]
         keys = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
-                            token_pos[a:b], block_size)
+                            token_pos[a:b], block_size, out=buf)
         vals, idx = torch.topk(keys, kk, dim=1, largest=True, sorted=True)
         sel = torch.where(vals == INT64_MIN, torch.full_like(idx, -1), idx).to(torch.int32)
         out[a:b, :kk] = sel
@@ -117,7 +146,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                  block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
-                 block_size: int, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 block_size: int, topk: int, out: torch.Tensor | None = None,
+                 workspace: IndexerWorkspace | None = None) -> torch.Tensor:
     """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
 
     Args:
@@ -128,6 +158,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
         out: optional preallocated ``[T, topk]`` int32 result.
+        workspace: the Triton path's key buffer (:class:`IndexerWorkspace`); required for
+            CUDA-graph capture across batch sizes; without one each call allocates its own.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores every position
     in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE fp32 for fp32 inputs)
@@ -136,7 +168,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
     """
     if want_triton(q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
-                                    block_size, topk, out=out)
+                                    block_size, topk, out=out, workspace=workspace)
     res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,
                                  block_size, topk)
     if out is not None:

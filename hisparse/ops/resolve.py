@@ -21,16 +21,23 @@ form one *request group*; each request appears in at most one group per call. Fo
 4. New LRU order = [slots neither hit nor loaded, in old LRU order] + [loaded slots, in miss
    order] + [hit slots, in old LRU order]. Hits are thus the most recently used.
 5. ``counters[0] += #unique hits``, ``counters[1] += #unique misses`` (resident lookups count in
-   neither).
+   neither). If ``counters`` has a third entry, ``counters[2] += #corrupt LRU entries`` (below).
+
+Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
+not a candidate, keeps its place among the untouched entries of the new order, and is counted in
+``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
+hit, the new LRU order is unspecified but stays a list of in-range writes.)
 
 Padding tokens (``token_req == -1``) output a row of ``-1`` and touch nothing. Within one token's
 row positions must be unique (the indexer guarantees it). ``hot_keys`` must be reset to ``-1``
 whenever the hot blocks change or a host block is reused (DESIGN I6): the op trusts the keys.
 
 The Triton kernel runs one program per request group, entirely on device (no host sync, fixed
-shapes, a fixed number of launches: CUDA-graph capturable once its scratch exists, i.e. after a
-first call with the same ``(R, P * block_size)`` bound). Misses are copied straight from the
-(pinned, on CUDA) ``host`` tensor through unified addressing, in flat 16-byte chunks.
+shapes, a fixed number of launches). Its position map and scratch live in a caller-owned
+:class:`ResolveWorkspace`, allocated once for the largest call (as FlashMLA's ``FlashMLASchedMeta``
+holds kernel state for its caller): CUDA-graph capturable, and graphs captured at any batch size
+stay valid. Misses are copied straight from the (pinned, on CUDA) ``host`` tensor through unified
+addressing, in flat 16-byte chunks.
 """
 
 from __future__ import annotations
@@ -40,18 +47,50 @@ import torch
 from ._common import want_triton
 
 
+class ResolveWorkspace:
+    """Device state of the Triton resolver, owned by the caller and allocated once.
+
+    ``position_map [max_groups, max_positions]`` int32 is all ``-1`` between calls (each call
+    resets what it touched); ``scratch [3, max_groups, hot_buffer_size]`` int32. A call needs
+    ``max_groups >= min(T, R)`` (request groups of the call), ``max_positions >= P * block_size``
+    and the same ``H``; a workspace is never grown (a captured CUDA graph keeps its addresses),
+    a call that does not fit raises ``ValueError``. One workspace serves every layer (calls on
+    one stream run in order).
+    """
+
+    def __init__(self, max_groups: int, max_positions: int, hot_buffer_size: int,
+                 device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.max_groups = max(1, int(max_groups))
+        self.max_positions = max(1, int(max_positions))
+        self.hot_buffer_size = max(1, int(hot_buffer_size))
+        self.position_map = torch.full((self.max_groups, self.max_positions), -1,
+                                       dtype=torch.int32, device=self.device)
+        self.scratch = torch.empty((3, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
+                                   device=self.device)
+
+    def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:
+        if (groups > self.max_groups or positions > self.max_positions
+                or max(1, hot_buffer_size) > self.hot_buffer_size
+                or torch.device(device) != self.position_map.device):
+            raise ValueError(
+                f"resolve_rows: workspace ({self.max_groups} groups, {self.max_positions} "
+                f"positions, H={self.hot_buffer_size}, {self.position_map.device}) is too small "
+                f"for a call with {groups} groups, {positions} positions, H={hot_buffer_size} "
+                f"on {device}; size it for the largest batch up front")
+
+
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                            hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
     T, K = topk.shape
-    bs = block_size
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
     H = hot_keys.shape[1]
     out = [[-1] * K for _ in range(T)]
     topk_l = topk.tolist()
     req_l = token_req.tolist()
-    n_hits = n_misses = 0
+    n_hits = n_misses = n_bad = 0
     t = 0
     while t < T:
         r = req_l[t]
@@ -66,7 +105,8 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         hot_row = hot_block_table[r].tolist()
         keys = hot_keys[r].tolist()
         lru = hot_lru[r].tolist()
-        usable = [(j // bs) < HB and hot_row[j // bs] >= 0 for j in range(H)]
+        usable = [(j // block_size) < HB and hot_row[j // block_size] >= 0 for j in range(H)]
+        n_bad += sum(1 for s in lru if not 0 <= s < H)    # corrupt entries: skipped, counted
         any_usable = any(usable)
         slot_of = {keys[j]: j for j in range(H) if usable[j] and keys[j] >= 0}
         hit_slots: set[int] = set()
@@ -75,11 +115,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         pending = []                                   # (t, k, pos) hot lookups to fill later
         for tt in range(t, t1):
             for k, pos in enumerate(topk_l[tt]):
-                if pos < 0 or pos // bs >= P:
+                if pos < 0 or pos // block_size >= P:
                     continue
-                page = pos // bs
+                page = pos // block_size
                 if res_row[page] >= 0:
-                    out[tt][k] = res_row[page] * bs + pos % bs
+                    out[tt][k] = res_row[page] * block_size + pos % block_size
                     continue
                 if pos in slot_of:
                     hit_slots.add(slot_of[pos])
@@ -89,7 +129,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                         miss_ord[pos] = len(misses)
                         misses.append(pos)
                     pending.append((tt, k, pos))
-        cands = [s for s in lru if usable[s] and s not in hit_slots]
+        cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots]
         if len(misses) > len(cands):
             raise ValueError(
                 f"resolve_rows: request slot {r} needs {len(misses)} new hot rows but only "
@@ -97,9 +137,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                 f"union of its tokens' selections)")
         victims = cands[:len(misses)]
         if misses:
-            src = torch.tensor([host_row[p // bs] * bs + p % bs for p in misses],
+            src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
+                                for p in misses],
                                dtype=torch.long, device=host.device)
-            dst = torch.tensor([hot_row[s // bs] * bs + s % bs for s in victims],
+            dst = torch.tensor([hot_row[s // block_size] * block_size + s % block_size
+                                for s in victims],
                                dtype=torch.long, device=arena.device)
             arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
             for p, s in zip(misses, victims):
@@ -112,7 +154,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                    + [s for s in lru if s in hit_slots])
         for tt, k, pos in pending:
             s = slot_of[pos]
-            out[tt][k] = hot_row[s // bs] * bs + s % bs
+            out[tt][k] = hot_row[s // block_size] * block_size + s % block_size
         hot_keys[r] = torch.tensor(keys, dtype=hot_keys.dtype, device=hot_keys.device)
         hot_lru[r] = torch.tensor(new_lru, dtype=hot_lru.dtype, device=hot_lru.device)
         n_hits += len(hit_slots)
@@ -120,6 +162,8 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         t = t1
     counters[0] += n_hits
     counters[1] += n_misses
+    if counters.numel() > 2:
+        counters[2] += n_bad
     return torch.tensor(out, dtype=torch.int32, device=topk.device).view(T, K)
 
 
@@ -127,18 +171,25 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                  host_block_table: torch.Tensor, hot_block_table: torch.Tensor,
                  hot_keys: torch.Tensor, hot_lru: torch.Tensor, arena: torch.Tensor,
                  host: torch.Tensor, block_size: int, counters: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None,
+                 workspace: ResolveWorkspace | None = None) -> torch.Tensor:
     """Resolve ``topk [T, K]`` logical positions to flat arena rows ``[T, K]`` int32 (``-1`` skip).
 
     Mutates ``hot_keys``, ``hot_lru``, ``counters`` and the hot rows of ``arena``. See the module
     docstring for the exact semantics. Triton on CUDA (``host`` must then be pinned CPU memory or
-    a CUDA tensor), the reference otherwise.
+    a CUDA tensor), the reference otherwise. ``workspace``: the Triton kernel's state (see
+    :class:`ResolveWorkspace`); required for CUDA-graph capture; without one a call allocates a
+    temporary workspace sized for itself.
     """
     if want_triton(arena, topk):
         from ._resolve_triton import resolve_rows_triton
+        if workspace is None:
+            workspace = ResolveWorkspace(min(topk.shape[0], resident_block_table.shape[0]),
+                                         resident_block_table.shape[1] * block_size,
+                                         hot_keys.shape[1], arena.device)
         return resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
                                    hot_block_table, hot_keys, hot_lru, arena, host, block_size,
-                                   counters, out=out)
+                                   counters, workspace, out=out)
     res = resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                                  hot_block_table, hot_keys, hot_lru, arena, host, block_size,
                                  counters)

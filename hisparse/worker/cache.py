@@ -8,6 +8,9 @@
   (GLM's shared layers have none).
 - ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
 - ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
+- ``counters``: int64 ``[3]``: hot hits, hot misses, corrupt LRU entries skipped by the resolver.
+- ``workspace``: every kernel workspace a step (and so a captured CUDA graph) touches, allocated
+  here once for the largest batch (DESIGN section 7: never a module global grown on demand).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse.config import KVCacheConfig
+from hisparse.ops import IndexerWorkspace, ResolveWorkspace
 
 
 @dataclass(frozen=True)
@@ -43,24 +47,43 @@ class CacheGeometry:
         return elt * block_size * len(self.indexer_layers) * self.index_head_dim
 
 
+class StepWorkspace:
+    """Kernel state shared by all layers of a step, sized once for the largest batch:
+    the resolver's position map + scratch (``max_num_seqs`` request groups) and the indexer's
+    score-key buffer. Ops receive these explicitly; nothing here is ever reallocated."""
+
+    def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
+        positions = cfg.max_pages_per_request * cfg.block_size
+        self.resolve = ResolveWorkspace(cfg.max_num_seqs, positions, cfg.hot_buffer_size, device)
+        rows = IndexerWorkspace.default_rows(max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                                             positions)
+        self.indexer = IndexerWorkspace(rows, positions, device)
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        """Addresses of every buffer (tests check they never change)."""
+        return (self.resolve.position_map.data_ptr(), self.resolve.scratch.data_ptr(),
+                self.indexer.keys.data_ptr())
+
+
 class KVCaches:
     def __init__(self, cfg: KVCacheConfig, geo: CacheGeometry, device: torch.device,
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``host_buffers``: preallocated ``(host, host_indexer)`` tensors of the right shapes
         (pinning costs ~0.45 s/GiB, so benchmarks pin one pool and reuse it across engines)."""
         self.cfg, self.geo, self.device = cfg, geo, device
-        bs = cfg.block_size
+        block_size = cfg.block_size
         pin = device.type == "cuda"
         # One extra block per pool is a sink that padding tokens of a captured step write to.
-        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * bs, geo.row_dim,
+        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * block_size, geo.row_dim,
                                  dtype=geo.dtype, device=device)
         n_idx = len(geo.indexer_layers)
-        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * bs, geo.index_head_dim,
+        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * block_size,
+                                   geo.index_head_dim,
                                    dtype=geo.dtype, device=device)
-        self.sink_row = cfg.num_gpu_blocks * bs
-        self.indexer_sink_row = cfg.num_indexer_blocks * bs
+        self.sink_row = cfg.num_gpu_blocks * block_size
+        self.indexer_sink_row = cfg.num_indexer_blocks * block_size
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
-        host_rows = cfg.num_host_blocks * bs if cfg.uses_host else 0
+        host_rows = cfg.num_host_blocks * block_size if cfg.uses_host else 0
         host_shape = (geo.num_layers, host_rows, geo.row_dim)
         idx_shape = (n_idx, host_rows, geo.index_head_dim)
         if host_buffers is not None:
@@ -74,7 +97,9 @@ class KVCaches:
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(
             geo.num_layers, R, 1)
-        self.counters = torch.zeros(2, dtype=torch.int64, device=device)  # hot hits, misses
+        # hot hits, hot misses, corrupt LRU entries skipped (resolver fail-safe)
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self.workspace = StepWorkspace(cfg, device)
 
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""

@@ -1,5 +1,10 @@
 """CUDA-graph capture of pure decode steps (one token per request), by padded batch size.
 
+Every buffer a graph touches is allocated before any capture and never reallocated: the
+inputs are the runner's :class:`~hisparse.worker.step_state.StepState` buffers (sized for the
+largest bucket), the kernels' workspaces are ``KVCaches.workspace``, the sink rows are part of
+the arena; each graph's logits live in its own (static) capture pool.
+
 A decode step of the eager model launches ~130 kernels per layer; on a slow host the launches,
 not the GPU, set the step time. A captured step replays them in one call. Inputs live in static
 buffers that each step overwrites; padding tokens carry slot ``-1`` (they write to the sink rows
@@ -10,7 +15,6 @@ One graph per (batch bucket, host-read or not); models with a host sync in their
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,17 +28,13 @@ class DecodeGraphs:
         self.runner = runner
         self.model = runner.model
         self.ctx = runner.ctx
-        dev = runner.device
         cfg = runner.caches.cfg
         self.max_batch = next((b for b in BUCKETS if b >= cfg.max_num_seqs), BUCKETS[-1])
-        self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.full((self.max_batch,), -1, dtype=torch.int32, device=dev)
-        shape = (cfg.max_num_seqs, cfg.max_pages_per_request)
-        self.tables = {name: torch.full(shape, -1, dtype=torch.int32, device=dev)
-                       for name in ("resident", "host", "indexer")}
-        self.tables["hot"] = torch.full((cfg.max_num_seqs, cfg.hot_blocks_per_request), -1,
-                                        dtype=torch.int32, device=dev)
+        # the runner's persistent step state: the eager path and every graph share it
+        inputs = runner.inputs
+        self.inputs = inputs
+        self.ids, self.positions, self.slots = inputs.ids, inputs.positions, inputs.slots
+        self.tables = inputs.tables
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
     def supports(self, plan: StepPlan) -> bool:
@@ -46,20 +46,8 @@ class DecodeGraphs:
         n = len(plan.seqs)
         batch = next(b for b in BUCKETS if b >= n)
         host_read = any(s.host_read for s in plan.seqs)
-        for name, table in (("resident", plan.resident_block_table),
-                            ("host", plan.host_block_table),
-                            ("indexer", plan.indexer_block_table),
-                            ("hot", plan.hot_block_table)):
-            self.tables[name].copy_(torch.from_numpy(table), non_blocking=True)
-        slots = np.full(batch, -1, dtype=np.int32)
-        slots[:n] = [s.slot for s in plan.seqs]
-        positions = np.zeros(batch, dtype=np.int64)
-        positions[:n] = [s.start_pos for s in plan.seqs]
-        ids = np.zeros(batch, dtype=np.int64)
-        ids[:n] = input_ids
-        self.slots[:batch].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.positions[:batch].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.ids[:batch].copy_(torch.from_numpy(ids), non_blocking=True)
+        # tables were staged by the runner (changed rows only); tokens padded to the bucket
+        self.inputs.stage_tokens(plan.seqs, input_ids, pad_to=batch)
         key = (batch, host_read)
         if key not in self.graphs:
             self.graphs[key] = self._capture(batch, host_read)

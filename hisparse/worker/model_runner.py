@@ -1,18 +1,26 @@
 """Executes StepPlans: pre-forward copies, the forward over paged tiered caches, post-forward
 mirrors on a copy stream, and acknowledgements. No policy: every decision is in the plan.
+
+Extension seam (benchmarks, experiments): ``LLM(..., runner_cls=...)`` takes a
+:class:`ModelRunner` subclass (or any callable with its constructor's signature, e.g. a
+``functools.partial``). A subclass may override :meth:`ModelRunner.forward_eager` (what an
+eager step computes) and set ``context_cls`` to a :class:`PagedContext` subclass overriding
+:meth:`PagedContext.select_topk`. Nothing benchmark-specific lives here; see
+``hisparse/bench/synthetic.py``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from hisparse import ops
-from hisparse.kv.plan import RowCopy, StepPlan, token_layout
+from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.worker.cache import KVCaches
+from hisparse.worker.cuda_graph import BUCKETS
+from hisparse.worker.step_state import StepState
 
 
 class PagedContext:
@@ -22,25 +30,23 @@ class PagedContext:
         self.caches = caches
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
-        self.bs = caches.cfg.block_size
-        # Benchmarks only: (layer, token_slot, positions, indexer_topk) -> replacement top-k,
-        # e.g. a replayed trace of a real model's selections.
-        self.topk_source = None
+        self.block_size = caches.cfg.block_size
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor) -> None:
         """Set up one forward. ``token_slot`` ``-1`` marks a padding token: it writes to the
         sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver)."""
-        c, bs = self.caches, self.bs
+        c, block_size = self.caches, self.block_size
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
-        pages, offs = positions // bs, positions % bs
         real = token_slot >= 0
         slot_l = token_slot.clamp(min=0).long()
-        self.kv_rows = torch.where(real, tables["resident"][slot_l, pages].long() * bs + offs,
+        self.kv_rows = torch.where(real, flat_rows(tables["resident"], slot_l, positions,
+                                                   block_size),
                                    c.sink_row)
-        self.idx_rows = torch.where(real, tables["indexer"][slot_l, pages].long() * bs + offs,
+        self.idx_rows = torch.where(real, flat_rows(tables["indexer"], slot_l, positions,
+                                                    block_size),
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
@@ -55,12 +61,7 @@ class PagedContext:
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
             keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
-            self.topk = ops.indexer_topk(index_q, index_weights.float(), keys,
-                                         self.tables["indexer"], self.token_slot,
-                                         self.positions.int(), self.bs, self.index_topk)
-            if self.topk_source is not None:
-                self.topk = self.topk_source(layer_idx, self.token_slot, self.positions,
-                                             self.topk)
+            self.topk = self.select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
@@ -68,50 +69,70 @@ class PagedContext:
                                           d_v=self.kv_lora_rank, backend=self.attn_backend)
         return out.to(q_latent.dtype)
 
+    def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
+                    keys: Tensor) -> Tensor:
+        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
+        stay CUDA-graph safe: fixed shapes, no host sync)."""
+        return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
+                                self.token_slot, self.positions.int(), self.block_size,
+                                self.index_topk,
+                                workspace=self.caches.workspace.indexer)
+
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, bs, topk = self.caches, self.bs, self.topk
+        c, block_size, topk = self.caches, self.block_size, self.topk
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
-            blocks = self.tables["resident"][self.token_slot.clamp(min=0).long()[:, None],
-                                             pos // bs]
-            return torch.where(valid & (blocks >= 0), blocks * bs + (pos % bs).int(),
-                               torch.full_like(topk, -1))
+            rows = flat_rows(self.tables["resident"],
+                             self.token_slot.clamp(min=0).long()[:, None], pos, block_size)
+            return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
                                 c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
-                                bs, c.counters)
+                                block_size, c.counters, workspace=c.workspace.resolve)
 
 
 class ModelRunner:
     """Owns the model and the caches; ``execute(plan, input_ids)`` runs one step."""
+
+    context_cls = PagedContext
 
     def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int,
                  enforce_eager: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.device = caches.device
-        self.ctx = PagedContext(caches, index_topk, kv_lora_rank)
+        self.ctx = self.context_cls(caches, index_topk, kv_lora_rank)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
-        self.synthetic_prefill = False
         self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
+        cfg = caches.cfg
+        max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                         next((b for b in BUCKETS if b >= cfg.max_num_seqs), BUCKETS[-1]))
+        # persistent device step state shared by the eager path and the captured graphs
+        self.inputs = StepState(cfg, self.device, max_tokens)
         self.graphs = None
         if cuda and not enforce_eager and model.cuda_graph_safe:
             from hisparse.worker.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
-    def _to_device(self, a: np.ndarray) -> Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+    def _copy(self, src: Tensor, dst: Tensor, rows: tuple[Tensor, Tensor]) -> None:
+        src_rows, dst_rows = rows
+        if src_rows.numel() and src.shape[0]:
+            ops.copy_rows(src, dst, src_rows, dst_rows)
 
-    def _copy(self, src: Tensor, dst: Tensor, op: RowCopy) -> None:
-        if len(op) and src.shape[0]:
-            ops.copy_rows(src, dst, torch.from_numpy(op.src_rows), torch.from_numpy(op.dst_rows))
+    def _own(self, rows: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Copies of row lists (on the current stream) that the copy stream may read after the
+        next step's upload overwrote the staging buffer."""
+        owned = tuple(r.clone() for r in rows)
+        for r in owned:
+            r.record_stream(self.copy_stream)
+        return owned
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, input_ids: list[int]) -> tuple[Tensor, list[int]]:
@@ -121,73 +142,37 @@ class ModelRunner:
         # No wait on in-flight mirrors here: a GPU block is handed out again only after the
         # mirror that reads it was acknowledged (clean pages; finished requests drain first),
         # and acknowledgements come from completed events.
+        inputs = self.inputs
+        inputs.stage_plan(plan)   # changed table rows, resets, row lists: one pinned upload
         if len(plan.hot_resets):
-            c.reset_hot(self._to_device(plan.hot_resets).long())
-        self._copy(c.host, c.arena, plan.restores)
-        self._copy(c.host_indexer, c.indexer, plan.indexer_restores)
+            c.reset_hot(inputs.hot_resets)
+        self._copy(c.host, c.arena, inputs.copies["restores"])
+        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
         self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
         self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
         if self.graphs is not None and self.graphs.supports(plan):
             logits = self.graphs.run(plan, input_ids)
         else:
-            tables = {"resident": self._to_device(plan.resident_block_table),
-                      "host": self._to_device(plan.host_block_table),
-                      "indexer": self._to_device(plan.indexer_block_table),
-                      "hot": self._to_device(plan.hot_block_table)}
-            if self.synthetic_prefill:
-                logits = self._forward_synthetic(plan, input_ids, tables)
-            else:
-                logits = self._forward(plan, plan.seqs, input_ids, tables)
+            logits = self.forward_eager(plan, input_ids, inputs.tables)
         self._mirror(plan)
         return logits, self._poll_acks()
 
-    def _forward(self, plan: StepPlan, seqs, input_ids: list[int],
-                 tables: dict[str, Tensor]) -> Tensor:
-        """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
-        positions, token_slot, cnt = token_layout(seqs)
-        token_slot = token_slot.astype(np.int32)
-        pos_t = self._to_device(positions)
-        self.ctx.begin(any(s.host_read for s in seqs), tables, self._to_device(token_slot),
-                       pos_t)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids, pos_t, self.ctx)
-        last = np.cumsum(cnt) - 1
-        sample_idx = [int(last[i]) for i, s in enumerate(seqs) if s.sample]
-        if not sample_idx:
-            return hidden.new_zeros(0, 0).float()
-        return self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+    def forward_eager(self, plan: StepPlan, input_ids: list[int],
+                      tables: dict[str, Tensor]) -> Tensor:
+        """An eager (not captured) step: logits ``[n_sample, vocab]`` fp32 of the plan's
+        sampling sequences, in plan order. Override point for benchmarks."""
+        return self.forward_seqs(plan.seqs, input_ids, tables)
 
-    def _forward_synthetic(self, plan: StepPlan, input_ids: list[int],
-                           tables: dict[str, Tensor]) -> Tensor:
-        """Benchmarks only: prompt chunks get random KV rows instead of a forward (decode speed
-        is what is measured; a 64k-token prefill per request would not fit the run); decode
-        tokens run the real model. Sampled prompt ends get random logits."""
-        c, bs = self.caches, self.caches.cfg.block_size
-        decode, decode_ids, sample_kinds = [], [], []
-        offset = 0
-        for s in plan.seqs:
-            if s.prefill:
-                pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
-                pages, offs = pos // bs, pos % bs
-                kv_rows = tables["resident"][s.slot, pages].long() * bs + offs
-                idx_rows = tables["indexer"][s.slot, pages].long() * bs + offs
-                c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos), c.arena.shape[2],
-                                                  device=self.device, dtype=c.arena.dtype)
-                c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
-                                                     c.indexer.shape[2], device=self.device,
-                                                     dtype=c.indexer.dtype)
-            else:
-                decode.append(s)
-                decode_ids += input_ids[offset:offset + s.num_tokens]
-            if s.sample:
-                sample_kinds.append(s.prefill)
-            offset += s.num_tokens
-        vocab = self.model.config.vocab_size
-        logits = torch.randn(len(sample_kinds), vocab, device=self.device)
-        if decode:
-            real = self._forward(plan, decode, decode_ids, tables)
-            logits[torch.tensor([not k for k in sample_kinds], device=self.device)] = real
-        return logits
+    def forward_seqs(self, seqs, input_ids: list[int], tables: dict[str, Tensor]) -> Tensor:
+        """Model forward over ``seqs`` (tokens ``input_ids``); logits of the sampling ones."""
+        inputs = self.inputs
+        T, S = inputs.stage_tokens(seqs, input_ids)
+        pos_t = inputs.positions[:T]
+        self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t)
+        hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+        if not S:
+            return hidden.new_zeros(0, 0).float()
+        return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
 
     def _mirror(self, plan: StepPlan) -> None:
         if not len(plan.mirrors):
@@ -196,15 +181,17 @@ class ModelRunner:
         n = len(plan.mirrors)
         self.d2h_bytes += n * (self.row_bytes * c.geo.num_layers
                                + self.key_bytes * c.indexer.shape[0])
+        copies = self.inputs.copies
         if self.copy_stream is None:
-            self._copy(c.arena, c.host, plan.mirrors)
-            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            self._copy(c.arena, c.host, copies["mirrors"])
+            self._copy(c.indexer, c.host_indexer, copies["indexer_mirrors"])
             self.in_flight.append((plan.mirrors.copy_id, None))
             return
+        rows, idx_rows = self._own(copies["mirrors"]), self._own(copies["indexer_mirrors"])
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            self._copy(c.arena, c.host, plan.mirrors)
-            self._copy(c.indexer, c.host_indexer, plan.indexer_mirrors)
+            self._copy(c.arena, c.host, rows)
+            self._copy(c.indexer, c.host_indexer, idx_rows)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self.in_flight.append((plan.mirrors.copy_id, event))
@@ -227,5 +214,9 @@ class ModelRunner:
         return done
 
     def hot_counters(self) -> tuple[int, int]:
-        hits, misses = self.caches.counters.tolist()
+        hits, misses = self.caches.counters[:2].tolist()
         return int(hits), int(misses)
+
+    def corrupt_lru_entries(self) -> int:
+        """LRU entries outside ``[0, H)`` the resolver skipped (should stay 0)."""
+        return int(self.caches.counters[2])

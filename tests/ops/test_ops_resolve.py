@@ -380,3 +380,116 @@ def test_gpu_cuda_graph_capture_replay():
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.counters[0], ref.counters[0])
+
+
+def guarded(x, guard=8, fill=-7):
+    """``x`` as a view into a wider buffer: reads/writes past its last column land in a guard."""
+    big = torch.full((x.shape[0], x.shape[1] + guard), fill, dtype=x.dtype, device=x.device)
+    big[:, :x.shape[1]] = x
+    return big, big[:, :x.shape[1]]
+
+
+def test_corrupt_lru_entries_are_skipped_and_counted(backend):
+    """An LRU entry outside [0, H) is never read or written through (the old kernel indexed keys
+    and the arena with it; the old reference raised IndexError) and is counted in counters[2]."""
+    H = 32
+    b = Batch(R=2, P=8, H=H, seed=21)
+    keys_big, b.keys[0] = guarded(b.keys[0])
+    lru_big, b.lru[0] = guarded(b.lru[0])
+    b.counters[0] = torch.zeros(3, dtype=torch.int64)
+    # corrupt two entries of request 0 and one of request 1 (their slots then hold no key)
+    b.lru[0][0, 3] = H + 3
+    b.lru[0][0, 10] = -1
+    b.lru[0][1, 0] = 10 ** 6
+    bad = [(0, 3, H + 3), (0, 10, -1), (1, 0, 10 ** 6)]
+    ref = b.clone()
+    ref.counters[0] = b.counters[0].clone()
+    arena_before = b.arena_all.clone()
+    g = torch.Generator().manual_seed(21)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    steps = 3
+    for _ in range(steps):
+        topk = torch.stack([rand_sel(g, 12, 0, 8 * BS) for _ in range(2)])
+        o = b.resolve(backend, topk, req)
+        o_ref = ref.resolve("reference", topk, req)
+        assert torch.equal(o, o_ref)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.counters[0], ref.counters[0])
+    assert b.counters[0][2] == steps * len(bad)
+    for r in range(2):                             # corrupt entries stay, in their order
+        assert [v for v in b.lru[0][r].tolist() if not 0 <= v < H] == [
+            v for rr, _, v in bad if rr == r]
+    assert (keys_big[:, H:] == -7).all() and (lru_big[:, H:] == -7).all()
+    # only hot rows were written
+    hot_rows = {b.hot_row(r, j) for r in range(2) for j in range(H)}
+    changed = (b.arena_all[0] != arena_before[0]).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= hot_rows
+
+
+def test_workspace_is_never_reallocated(triton_cpu):
+    """One caller-owned workspace serves every batch size with the same addresses (a CUDA graph
+    captured at a small batch keeps them); a call that does not fit raises instead of growing."""
+    from hisparse.ops import ResolveWorkspace
+    R, P, H = 4, 6, 32
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    ptrs = (ws.position_map.data_ptr(), ws.scratch.data_ptr())
+    b = Batch(R=R, P=P, H=H, seed=22)
+    ref = b.clone()
+    g = torch.Generator().manual_seed(22)
+    for T in (1, 2, 4, 3, 1):                      # ascending, then smaller again
+        req = torch.randperm(R, generator=g)[:T].to(torch.int32)
+        topk = torch.stack([rand_sel(g, 10, 0, P * BS) for _ in range(T)])
+        args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+                b.host_all[0], BS, b.counters[0])
+        o = resolve_rows(*args, workspace=ws)
+        o_ref = ref.resolve("reference", topk, req)
+        assert torch.equal(o, o_ref)
+        assert (ws.position_map.data_ptr(), ws.scratch.data_ptr()) == ptrs
+        assert (ws.position_map == -1).all()       # left clean for the next call
+    small = ResolveWorkspace(1, P * BS, H, "cpu")
+    with pytest.raises(ValueError, match="workspace"):          # 2 groups do not fit in 1
+        resolve_rows(torch.zeros(2, 10, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                     *args[2:], workspace=small)
+    import hisparse.ops._resolve_triton as kernel_module
+    assert not any(isinstance(v, dict) for k, v in vars(kernel_module).items()
+                   if k.isupper() or k.startswith("_S")), "no module-global scratch"
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_captured_ascending_replay_in_any_order():
+    """Regression (issue 10): capture one graph per batch size in ascending order, all sharing
+    one workspace, then replay them in random order against the reference."""
+    from hisparse.ops import ResolveWorkspace
+    R, K, H, P = 16, 256, 512, 64
+    b = Batch(R=R, P=P, H=H, seed=23, resident_frac=0.2, device="cuda", pin=True)
+    ref = b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cuda")
+    g = torch.Generator().manual_seed(23)
+    graphs = {}
+    for T in (1, 2, 4, 8, 16):
+        static_topk = torch.full((T, K), -1, dtype=torch.int32, device="cuda")
+        static_req = torch.full((T,), -1, dtype=torch.int32, device="cuda")
+        args = (static_topk, static_req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                b.arena_all[0], b.host_all[0], BS, b.counters[0])
+        resolve_rows(*args, workspace=ws)           # warm-up (padding only: touches nothing)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = resolve_rows(*args, workspace=ws)
+        graphs[T] = (graph, static_topk, static_req, out)
+    order = [16, 1, 8, 2, 16, 4, 1, 8, 16, 2]
+    for T in order:
+        graph, static_topk, static_req, out = graphs[T]
+        req = torch.randperm(R, generator=g)[:T].to(torch.int32)
+        topk = torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(T)]).int()
+        static_topk.copy_(topk.cuda())
+        static_req.copy_(req.cuda())
+        graph.replay()
+        o_ref = resolve_rows_reference(topk.cuda(), req.cuda(), ref.res, ref.hostbt, ref.hot,
+                                       ref.keys[0], ref.lru[0], ref.arena_all[0],
+                                       ref.host_all[0], BS, ref.counters[0])
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_ref)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
+        assert (ws.position_map == -1).all()
