@@ -29,7 +29,7 @@ def random_plan(rng, prev, step):
     def copy(n):
         return RowCopy(rng.integers(0, 256, n).astype(np.int64),
                        rng.integers(0, 256, n).astype(np.int64), step)
-    plan = StepPlan(step, [], 4, tables["resident"], tables["host"], tables["indexer"],
+    plan = StepPlan(step, [], tables["resident"], tables["host"], tables["indexer"],
                     tables["hot"], hot_resets=rng.choice(6, rng.integers(0, 3), replace=False)
                     .astype(np.int32), restores=copy(rng.integers(0, 5)),
                     indexer_restores=copy(rng.integers(0, 5)), mirrors=copy(rng.integers(0, 9)),
