@@ -168,21 +168,30 @@ def load_config(path: str) -> DSAConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise CheckpointError(f"no config.json in {path}")
-    with open(cfg_file) as f:
-        return DSAConfig.from_hf(json.load(f))
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot read it as JSON: {e}") from e
+    try:
+        return DSAConfig.from_hf(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
 
 
 def load_model(path: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu",
-               load_format: str = "auto") -> tuple[DSAForCausalLM, DSAConfig]:
+               load_format: str = "auto",
+               config: DSAConfig | None = None) -> tuple[DSAForCausalLM, DSAConfig]:
     """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype.
 
     ``load_format="dummy"`` reads only config.json and initialises random weights on ``device``
     (benchmarks of production geometry without a checkpoint, like vLLM's dummy format).
+    ``config``: the already parsed config.json (skips reading it again).
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    cfg = load_config(path)
+    cfg = config if config is not None else load_config(path)
     dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
     if load_format == "dummy":
         with torch.device(device):
