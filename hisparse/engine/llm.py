@@ -234,6 +234,9 @@ class LLM:
         self._acks: list[int] = []
         self._ids = itertools.count()
         self._fault: BaseException | None = None
+        # Outputs of requests that finished inside generate() but were not its own: the next
+        # step() returns them.
+        self._stashed: list[RequestOutput] = []
 
     # ------------------------------------------------------------------ set-up helpers
     def _host_blocks(self, host_pool_gib: float, host_buffers, geo: CacheGeometry,
@@ -409,7 +412,18 @@ class LLM:
                                "the engine is stopped")
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it (``[]`` when idle)."""
+        """Run one engine step; return the requests that finished in it (``[]`` when idle).
+
+        Also returns requests added with :meth:`add_request` that finished while
+        :meth:`generate` was stepping the engine.
+        """
+        self._check_alive()
+        if self._stashed:
+            stashed, self._stashed = self._stashed, []
+            return stashed
+        return self._step_own()
+
+    def _step_own(self) -> list[RequestOutput]:
         self._check_alive()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
@@ -546,11 +560,13 @@ class LLM:
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         try:
             while wanted - done.keys():
-                for out in self.step():
+                for out in self._step_own():
                     if out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                    else:
+                        self._stashed.append(out)
         finally:
             if bar is not None:
                 bar.close()
