@@ -180,7 +180,9 @@ def filter_mask(logits: Tensor, st: SamplingTensors) -> tuple[Tensor, Tensor]:
     keep_sorted = sorted_x >= kth                       # top-k (ties at the k-th value kept)
     sorted_p = torch.softmax(sorted_x.masked_fill(~keep_sorted, float("-inf")), dim=-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    keep_sorted &= (sorted_p.cumsum(-1) - sorted_p) < st.top_p[:, None]
+    # (top_p == 1 is off: a rounded cumsum must not drop the tail.)
+    keep_sorted &= ((sorted_p.cumsum(-1) - sorted_p) < st.top_p[:, None]) \
+        | (st.top_p >= 1)[:, None]
     keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
     return x, keep
 
