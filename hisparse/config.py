@@ -101,8 +101,9 @@ class KVCacheConfig:
             raise ValueError(
                 f"num_indexer_blocks must hold one max-length request (>= {pages}), "
                 f"got {self.num_indexer_blocks}")
-        if self.watermark_blocks is not None and self.watermark_blocks < 0:
-            raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        wm = self.watermark_blocks
+        if wm is not None and (not isinstance(wm, int) or isinstance(wm, bool) or wm < 0):
+            raise ValueError(f"watermark_blocks must be None or an integer >= 0, got {wm!r}")
 
     @property
     def max_pages_per_request(self) -> int:
