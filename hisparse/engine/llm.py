@@ -271,24 +271,27 @@ class LLM:
 
     def _allocate_caches(self, geo: CacheGeometry, host_buffers, host_pool_gib: float
                          ) -> KVCaches:
+        """Allocate the tiers; a failure names the pool to shrink and leaves nothing behind."""
         cfg = self.kv_config
         try:
             return KVCaches(cfg, geo, self.device, host_buffers)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:   # torch.OutOfMemoryError included
             gib = 1 << 30
-            arena = cfg.num_gpu_blocks * geo.gpu_bytes_per_block(cfg.block_size) / gib
-            idx = cfg.num_indexer_blocks * geo.indexer_bytes_per_block(cfg.block_size) / gib
+            arena = cfg.num_gpu_blocks * geo.gpu_bytes_per_block(cfg.block_size)
+            idx = cfg.num_indexer_blocks * geo.indexer_bytes_per_block(cfg.block_size)
             self._release_partial()
-            raise EngineStartupError(
-                f"out of GPU memory allocating the KV cache: num_gpu_blocks={cfg.num_gpu_blocks}"
-                f" ({arena:.2f} GiB), num_indexer_blocks={cfg.num_indexer_blocks} "
-                f"({idx:.2f} GiB): lower num_gpu_blocks (or gpu_memory_utilization), "
-                f"num_indexer_blocks or max_num_seqs") from e
-        except RuntimeError as e:
-            if not cfg.uses_host or host_buffers is not None:
-                raise
-            avail = available_host_memory_bytes() / (1 << 30)
-            self._release_partial()
+            gpu_short = isinstance(e, torch.OutOfMemoryError) and (
+                self.device.type != "cuda"
+                or torch.cuda.mem_get_info(self.device)[0] < arena + idx)
+            if gpu_short or not cfg.uses_host or host_buffers is not None:
+                if not isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise EngineStartupError(
+                    f"out of GPU memory allocating the KV cache: num_gpu_blocks="
+                    f"{cfg.num_gpu_blocks} ({arena / gib:.2f} GiB), num_indexer_blocks="
+                    f"{cfg.num_indexer_blocks} ({idx / gib:.2f} GiB): lower num_gpu_blocks "
+                    "(or gpu_memory_utilization), num_indexer_blocks or max_num_seqs") from e
+            avail = available_host_memory_bytes() / gib
             raise EngineStartupError(
                 f"could not allocate the {'pinned ' if self.device.type == 'cuda' else ''}host "
                 f"pool (host_pool_gib={host_pool_gib}, {cfg.num_host_blocks} blocks); "
