@@ -135,6 +135,7 @@ class SamplingTensors:
     all_greedy: bool
     any_seeded: bool
     any_unseeded_random: bool
+    any_filter: bool = True   # some sampled row uses top-k or top-p (else no sort is needed)
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int],
@@ -160,13 +161,15 @@ class SamplingTensors:
         return cls(temperature=f[0], top_p=f[1], top_k=i[0], seeds=i[1], seeded=i[2].bool(),
                    steps=i[3], all_greedy=all(greedy),
                    any_seeded=any(p.seed is not None and not p.greedy for p in params),
-                   any_unseeded_random=any(p.seed is None and not p.greedy for p in params))
+                   any_unseeded_random=any(p.seed is None and not p.greedy for p in params),
+                   any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1)
+                                  for p in params))
 
     def row(self, r: int) -> SamplingTensors:
         s = slice(r, r + 1)
         return SamplingTensors(self.temperature[s], self.top_p[s], self.top_k[s], self.seeds[s],
                                self.seeded[s], self.steps[s], self.all_greedy,
-                               self.any_seeded, self.any_unseeded_random)
+                               self.any_seeded, self.any_unseeded_random, self.any_filter)
 
 
 def filter_mask(logits: Tensor, st: SamplingTensors) -> tuple[Tensor, Tensor]:
@@ -174,6 +177,8 @@ def filter_mask(logits: Tensor, st: SamplingTensors) -> tuple[Tensor, Tensor]:
     n, vocab = logits.shape
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     x = logits.float() / temp[:, None]
+    if not st.any_filter:
+        return x, torch.ones_like(x, dtype=torch.bool)
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
     kth = sorted_x.gather(1, (k - 1)[:, None])
