@@ -4,7 +4,6 @@ bad input."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 
