@@ -24,11 +24,11 @@ def main() -> None:
     a = p.parse_args()
     from hisparse import LLM
 
-    mode = {"gpu-only": False, "hisparse": True, "always-host": "always-host"}[a.mode]
+    mode = a.mode
     path = write_config(a.layers)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=64,
               num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200, host_pool_gib=8,
-              hisparse=mode, max_model_len=a.context + 64, max_num_seqs=a.requests,
+              mode=mode, max_model_len=a.context + 64, max_num_seqs=a.requests,
               max_num_batched_tokens=4 * a.context, runner_cls=synthetic_runner())
     for i in range(a.requests):
         llm.add_request({"prompt_token_ids": [5 + i] * a.context},

@@ -32,30 +32,47 @@ def _simulate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from hisparse.demo import run_demo
 
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     return 0 if run_demo(num_prompts=args.prompts, max_tokens=args.max_tokens,
                          device=args.device) else 1
+
+
+def _mode(args: argparse.Namespace) -> str:
+    if args.hisparse is not None:
+        if args.mode is not None:
+            raise ValueError("give --mode only (--hisparse is its deprecated alias)")
+        print("warning: --hisparse is deprecated; use --mode {gpu-only,hisparse,always-host}",
+              file=sys.stderr)
+        return {"on": "hisparse", "off": "gpu-only", "always-host": "always-host"}[args.hisparse]
+    return args.mode or "hisparse"
 
 
 def _generate(args: argparse.Namespace) -> int:
     from hisparse import LLM, SamplingParams
 
-    hisparse_mode = {"on": True, "off": False, "always-host": "always-host"}[args.hisparse]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-              num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
-              hisparse=hisparse_mode, max_model_len=args.max_model_len)
     prompts: list = list(args.prompt or [])
     for ids in args.prompt_ids or []:
-        prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",")]})
+        try:
+            prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",")]})
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {ids!r}") \
+                from None
     if not prompts:
-        raise SystemExit("give --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
+        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+              num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
+              mode=_mode(args), max_model_len=args.max_model_len)
     for out in llm.generate(prompts, params, use_tqdm=True):
         c = out.outputs[0]
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "token_ids": c.token_ids, "text": c.text,
-                          "finish_reason": c.finish_reason}))
+                          "finish_reason": c.finish_reason, "error": c.error}))
     print(json.dumps(llm.stats()))
     return 0
 
@@ -72,6 +89,12 @@ def _plan(args: argparse.Namespace) -> int:
         weight_bytes=None if args.weight_bytes is None else int(args.weight_bytes * 1e9)))
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from hisparse.engine.llm import EngineStartupError
+
+    return (ValueError, EngineStartupError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-gpu-blocks", type=int, default=None)
     gen.add_argument("--host-pool-gib", type=float, default=4.0)
     gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--hisparse", default="on", choices=["on", "off", "always-host"])
+    gen.add_argument("--mode", default=None, choices=["gpu-only", "hisparse", "always-host"],
+                     help="where KV may live (default: hisparse)")
+    gen.add_argument("--hisparse", default=None, choices=["on", "off", "always-host"],
+                     help=argparse.SUPPRESS)  # deprecated alias of --mode
     gen.set_defaults(func=_generate)
     sub.add_parser("bench", help="capacity-bound decode benchmark, three designs (CUDA)",
                    add_help=False)
@@ -133,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        # A user error: one line, exit status 2 (like argparse), no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

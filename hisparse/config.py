@@ -26,7 +26,7 @@ class Mode(enum.StrEnum):
     ALWAYS_HOST = "always-host"
 
     @classmethod
-    def parse(cls, value: "Mode | str") -> "Mode":
+    def parse(cls, value: Mode | str) -> Mode:
         """The mode named by ``value``; ValueError naming the field and the choices otherwise."""
         try:
             return cls(value)
@@ -93,25 +93,17 @@ class KVCacheConfig:
                     f"num_host_blocks must hold one max-length request "
                     f"(>= {pages} blocks of {self.block_size} tokens for max_model_len="
                     f"{self.max_model_len}), got {self.num_host_blocks}")
-            # Prefill reads resident history, so one max-length prompt must fit; decode in
-            # host-read mode needs its hot blocks, its tail and one chunk.
-            min_gpu = max(pages, self.hot_blocks_per_request + ACTIVE_TAIL_PAGES
-                          + self.chunk_pages)
-            if self.num_gpu_blocks < min_gpu:
-                raise ValueError(
-                    f"num_gpu_blocks must be >= {min_gpu} (one max_model_len prompt: {pages}; "
-                    f"hot blocks {self.hot_blocks_per_request} + tail {ACTIVE_TAIL_PAGES} + "
-                    f"one prefill chunk {self.chunk_pages}), got {self.num_gpu_blocks}")
-        elif self.num_gpu_blocks < pages:
-            raise ValueError(
-                f"num_gpu_blocks must hold one max-length request in gpu-only mode "
-                f"(>= {pages}), got {self.num_gpu_blocks}")
+        min_gpu = self.min_gpu_blocks
+        if self.num_gpu_blocks < min_gpu:
+            raise ValueError(f"num_gpu_blocks must be >= {min_gpu} ({self.min_gpu_blocks_why}), "
+                             f"got {self.num_gpu_blocks}")
         if self.num_indexer_blocks < pages:
             raise ValueError(
                 f"num_indexer_blocks must hold one max-length request (>= {pages}), "
                 f"got {self.num_indexer_blocks}")
-        if self.watermark_blocks is not None and self.watermark_blocks < 0:
-            raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        wm = self.watermark_blocks
+        if wm is not None and (not isinstance(wm, int) or isinstance(wm, bool) or wm < 0):
+            raise ValueError(f"watermark_blocks must be None or an integer >= 0, got {wm!r}")
 
     @property
     def max_pages_per_request(self) -> int:
@@ -123,8 +115,33 @@ class KVCacheConfig:
 
     @property
     def chunk_pages(self) -> int:
-        """Pages one prefill chunk can touch (it may straddle a page boundary)."""
-        return cdiv(self.max_num_batched_tokens, self.block_size) + 1
+        """Pages one prefill chunk can touch: a chunk holds at most
+        ``min(max_num_batched_tokens, max_model_len)`` tokens and may straddle a page boundary,
+        and it never touches more pages than one request has."""
+        chunk = min(self.max_num_batched_tokens, self.max_model_len)
+        return min(cdiv(chunk, self.block_size) + 1, self.max_pages_per_request)
+
+    @property
+    def min_gpu_blocks(self) -> int:
+        """The smallest GPU pool that can schedule every admissible request.
+
+        gpu-only: one max-length request stays resident. Otherwise prefill reads resident
+        history, so one max-length prompt must fit; decode in host-read mode needs its hot
+        blocks, its tail and one chunk.
+        """
+        pages = self.max_pages_per_request
+        if self.mode == "gpu-only":
+            return pages
+        return max(pages, self.hot_blocks_per_request + ACTIVE_TAIL_PAGES + self.chunk_pages)
+
+    @property
+    def min_gpu_blocks_why(self) -> str:
+        pages = self.max_pages_per_request
+        if self.mode == "gpu-only":
+            return (f"one max-length request in gpu-only mode: {pages} blocks of "
+                    f"{self.block_size} tokens for max_model_len={self.max_model_len}")
+        return (f"one max_model_len prompt: {pages}; hot blocks {self.hot_blocks_per_request} "
+                f"+ tail {ACTIVE_TAIL_PAGES} + one prefill chunk {self.chunk_pages}")
 
     @property
     def watermark(self) -> int:

@@ -26,6 +26,10 @@ def demo_checkpoint(cache_dir: str | None = None) -> str:
 
 def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
              max_tokens: int = 32, device: str | None = None, seed: int = 0) -> bool:
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     path = demo_checkpoint()
     print(f"Model: {path}\n  DeepSeek-V3.2 architecture (MLA + lightning indexer + MoE) with "
           "RANDOM weights: the text is meaningless; the point is the KV tiering and that "
@@ -43,7 +47,7 @@ def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
           f"tokens each: {total_tokens} tokens of KV; HiSparse GPU pool: {gpu_blocks} blocks x 16 "
           f"= {gpu_blocks * 16} rows (index_topk 32, hot buffer 64 rows per request and layer).")
     t0 = time.perf_counter()
-    llm = LLM(path, hisparse=True, num_gpu_blocks=gpu_blocks, host_pool_gib=0.05, **common)
+    llm = LLM(path, mode="hisparse", num_gpu_blocks=gpu_blocks, host_pool_gib=0.05, **common)
     outs = llm.generate(prompts, params, use_tqdm=True)
     t_hs = time.perf_counter() - t0
     stats = llm.stats()
@@ -53,7 +57,7 @@ def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
                 "prefix_hit_tokens", "num_preempted"):
         print(f"  {key:<20} {stats[key]}")
     print("\nUnconstrained run (GPU-only, a pool that holds everything) for comparison ...")
-    ref = LLM(path, hisparse=False, **common)
+    ref = LLM(path, mode="gpu-only", **common)
     ref_outs = ref.generate(prompts, params, use_tqdm=True)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, ref_outs))
     ok = same == num_prompts

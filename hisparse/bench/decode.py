@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hisparse.config import cdiv
+from hisparse.config import Mode, cdiv
 
 TP8_GEOMETRY = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432 // 8, q_lora_rank=1536,
@@ -114,12 +114,12 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     clock = TokenClock()
     override = None if table is None else make_topk_override(table.to("cuda"), context)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
-              num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, hisparse=mode,
+              num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, mode=mode,
               max_model_len=max_len, max_num_seqs=max_seqs,
               num_indexer_blocks=max_seqs * cdiv(max_len, block_size),
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
-              host_buffers=host_buffers if mode is not False else None,
+              host_buffers=host_buffers if mode != "gpu-only" else None,
               enforce_eager=enforce_eager,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     llm.capture_cuda_graphs()
@@ -155,7 +155,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         hot_hit_rate=s["hot_hits"] / lookups if lookups else float("nan"),
         h2d_gb_s=s["h2d_bytes"] / wall / 1e9,
         gpu_mem_gib=torch.cuda.max_memory_allocated() / (1 << 30),
-        host_pool_gib=host_pool_gib if mode is not False else 0.0,
+        host_pool_gib=host_pool_gib if mode != "gpu-only" else 0.0,
         num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall)
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("hisparse bench needs a CUDA device")
-    modes = {"gpu-only": False, "hisparse": True, "always-host": "always-host"}
+    modes = {m.value: m.value for m in Mode}
     path = write_config(a.layers)
     geo_bytes_per_token = a.layers * (576 + 128) * 2
     t = time.perf_counter()

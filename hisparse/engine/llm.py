@@ -8,22 +8,36 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
+import math
+import numbers
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from hisparse.config import KVCacheConfig, cdiv, host_blocks_for_gib
+from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib
 from hisparse.engine.request import Request
-from hisparse.engine.sampling import SamplingParams, sample
+from hisparse.engine.sampling import SamplingParams, sample, sample_rows
 from hisparse.engine.scheduler import Scheduler
-from hisparse.models.loader import load_model
+from hisparse.models.loader import load_config, load_model
 from hisparse.worker.cache import CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
 
-HISPARSE_MODES = {True: "hisparse", False: "gpu-only", "always-host": "always-host"}
+# The deprecated ``hisparse=`` keyword's values.
+HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
+
+
+class EngineStartupError(RuntimeError):
+    """A resource could not be allocated at start-up; the message names the knob to change."""
+
+
+class EngineDeadError(RuntimeError):
+    """An engine-wide fault (device error, a failed forward) stopped the engine."""
 
 
 @dataclass
@@ -31,7 +45,8 @@ class CompletionOutput:
     index: int
     text: str | None
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None      # "stop" | "length" | "abort" | "error"
+    error: str | None = None       # why, when finish_reason == "error"
 
 
 @dataclass
@@ -54,88 +69,241 @@ def available_host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# ---------------------------------------------------------------------- argument checks
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}"
+                         + (" or None" if optional else "") + f", got {value!r}")
+
+
+def _check_real(name: str, value, lo: float, hi: float, lo_open: bool = True) -> None:
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi)
+    if not ok:
+        raise ValueError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], "
+                         f"got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def resolve_mode(mode: Mode | str | None, hisparse: bool | str | None) -> Mode:
+    """``mode`` (new) or the deprecated ``hisparse`` keyword, mapped once to a :class:`Mode`."""
+    if hisparse is not None:
+        if mode is not None:
+            raise ValueError("pass mode=... only (hisparse=... is its deprecated alias)")
+        warnings.warn("LLM(hisparse=...) is deprecated: use mode='hisparse' | 'gpu-only' | "
+                      "'always-host'", DeprecationWarning, stacklevel=3)
+        if not isinstance(hisparse, (bool, str)) or hisparse not in HISPARSE_MODES:
+            raise ValueError(f"hisparse must be True, False or 'always-host', got {hisparse!r}")
+        return HISPARSE_MODES[hisparse]
+    return Mode.HISPARSE if mode is None else Mode.parse(mode)
+
+
+def _parse_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available on this machine; "
+                             "use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA "
+                             "device(s) exist")
+    return dev
+
+
 class LLM:
     """Continuous-batching DSA engine with lossless HiSparse KV tiering.
 
-    ``hisparse``: True (GPU first, spill under pressure), False (GPU-only baseline: admission
-    bounded by GPU blocks) or ``"always-host"`` (every request reads its history through its hot
-    buffer once its prompt is done). ``num_gpu_blocks=None`` sizes the GPU arena from free device
-    memory (CUDA) or to hold ``max_num_seqs`` full-length requests (CPU). On CUDA, pure decode
-    steps of dense-MLP models are captured as CUDA graphs unless ``enforce_eager``.
+    ``mode`` (a :class:`~hisparse.config.Mode` or its value): ``"hisparse"`` (GPU first, spill
+    under pressure; the default), ``"gpu-only"`` (baseline: admission bounded by GPU blocks) or
+    ``"always-host"`` (every request reads its history through its hot buffer once its prompt is
+    done). ``hisparse=True|False|"always-host"`` is the deprecated spelling.
+    ``num_gpu_blocks=None`` sizes the GPU arena from free device memory (CUDA) or to hold
+    ``max_num_seqs`` full-length requests (CPU), never below what one request needs. On CUDA,
+    pure decode steps of dense-MLP models are captured as CUDA graphs unless ``enforce_eager``.
+
+    Every argument is checked before anything is loaded (ValueError naming the field and the
+    limit). A request that fails (sampling, non-finite logits, detokenizing) finishes with
+    ``finish_reason="error"`` and the engine keeps serving; an engine-wide fault raises
+    :class:`EngineDeadError` from then on.
     ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
     its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
                  block_size: int = 64, num_gpu_blocks: int | None = None,
-                 host_pool_gib: float = 4.0, hisparse: bool | str = True,
+                 host_pool_gib: float = 4.0, hisparse: bool | str | None = None,
                  hot_buffer_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  num_indexer_blocks: int | None = None, enable_prefix_caching: bool = True,
                  gpu_memory_utilization: float = 0.9, watermark_blocks: int | None = None,
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 enforce_eager: bool = False, runner_cls=None):
-        if hisparse not in HISPARSE_MODES:
-            raise ValueError(f"hisparse must be True, False or 'always-host', got {hisparse!r}")
-        mode = HISPARSE_MODES[hisparse]
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                 enforce_eager: bool = False, mode: Mode | str | None = None,
+                 runner_cls=None):
+        # ---- 1. arguments alone (nothing read from disk yet)
+        mode = resolve_mode(mode, hisparse)
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a checkpoint directory path, got {model!r}")
+        model = os.fspath(model)
+        if not os.path.isdir(model):
+            raise ValueError(f"model: no such checkpoint directory {model!r}")
         if dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
-        self.model, self.model_config = load_model(model, dtype=dtype, device=self.device,
-                                                   load_format=load_format)
-        mc = self.model_config
+        _check_int("block_size", block_size)
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        _check_int("num_gpu_blocks", num_gpu_blocks, optional=True)
+        _check_int("hot_buffer_size", hot_buffer_size, optional=True)
+        _check_int("max_model_len", max_model_len, minimum=2, optional=True)
+        _check_int("max_num_seqs", max_num_seqs)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens)
+        _check_int("num_indexer_blocks", num_indexer_blocks, optional=True)
+        _check_int("watermark_blocks", watermark_blocks, minimum=0, optional=True)
+        _check_bool("enable_prefix_caching", enable_prefix_caching)
+        _check_bool("enforce_eager", enforce_eager)
+        _check_real("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0)
+        if mode != Mode.GPU_ONLY:
+            _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        self.device = _parse_device(device)
+
+        # ---- 2. the model's config.json, then every size (still nothing loaded)
+        mc = load_config(model)
+        self.model_config = mc
         self.max_model_len = max_model_len or min(mc.max_position_embeddings, 16384)
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
+        from hisparse.models.config import parse_dtype
         geo = CacheGeometry(num_layers=mc.num_layers, row_dim=mc.kv_row_dim,
                             indexer_layers=tuple(l for l in range(mc.num_layers)
                                                  if mc.layer_has_indexer(l)),
-                            index_head_dim=mc.index_head_dim, dtype=self.model.dtype)
+                            index_head_dim=mc.index_head_dim,
+                            dtype=parse_dtype(dtype) if dtype is not None else mc.dtype)
         pages = cdiv(self.max_model_len, block_size)
         if num_indexer_blocks is None:
             num_indexer_blocks = max_num_seqs * pages
         num_host_blocks = 0
-        if mode != "gpu-only":
-            avail = available_host_memory_bytes()
-            if host_buffers is None and host_pool_gib * (1 << 30) > avail:
-                raise ValueError(f"host_pool_gib ({host_pool_gib}) exceeds available host memory "
-                                 f"({avail / (1 << 30):.1f} GiB)")
-            num_host_blocks = host_blocks_for_gib(host_pool_gib, geo.bytes_per_token * block_size)
+        if mode != Mode.GPU_ONLY:
+            num_host_blocks = self._host_blocks(host_pool_gib, host_buffers, geo, block_size,
+                                                pages)
+        kv_args = dict(block_size=block_size, num_host_blocks=num_host_blocks,
+                       num_indexer_blocks=num_indexer_blocks, max_model_len=self.max_model_len,
+                       index_topk=mc.index_topk, hot_buffer_size=hot_buffer_size,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       mode=mode, enable_prefix_caching=enable_prefix_caching,
+                       watermark_blocks=watermark_blocks)
+        # Validates everything but the GPU pool size; gives the smallest workable pool.
+        probe = KVCacheConfig(num_gpu_blocks=max(num_gpu_blocks or 0, 1 << 40), **kv_args)
+        min_gpu = probe.min_gpu_blocks
+        if num_gpu_blocks is not None:
+            KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)  # names the limit
+        elif self.device.type != "cuda":
+            num_gpu_blocks = max(max_num_seqs * pages, min_gpu)
+
+        # ---- 3. weights, then the caches
+        self.model, _ = load_model(model, dtype=dtype, device=self.device,
+                                   load_format=load_format, config=mc)
         if num_gpu_blocks is None:
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
-                                                      max_num_seqs * pages,
+                                                      max_num_seqs * pages, min_gpu,
                                                       gpu_memory_utilization)
-        self.kv_config = KVCacheConfig(
-            block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            num_host_blocks=num_host_blocks, num_indexer_blocks=num_indexer_blocks,
-            max_model_len=self.max_model_len, index_topk=mc.index_topk,
-            hot_buffer_size=hot_buffer_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, mode=mode,
-            enable_prefix_caching=enable_prefix_caching, watermark_blocks=watermark_blocks)
-        self.caches = KVCaches(self.kv_config, geo, self.device, host_buffers)
+        self.kv_config = KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)
+        self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
         self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
                                                   mc.kv_lora_rank, enforce_eager=enforce_eager)
         self.scheduler = Scheduler(self.kv_config)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._errors: dict[str, str] = {}
         self._acks: list[int] = []
         self._ids = itertools.count()
+        self._fault: BaseException | None = None
+        # Outputs of requests that finished inside generate() but were not its own: the next
+        # step() returns them.
+        self._stashed: list[RequestOutput] = []
 
     # ------------------------------------------------------------------ set-up helpers
+    def _host_blocks(self, host_pool_gib: float, host_buffers, geo: CacheGeometry,
+                     block_size: int, pages: int) -> int:
+        per_block = geo.bytes_per_token * block_size
+        avail = available_host_memory_bytes()
+        if host_buffers is None and host_pool_gib * (1 << 30) > avail:
+            raise ValueError(f"host_pool_gib ({host_pool_gib}) exceeds available host memory "
+                             f"({avail / (1 << 30):.1f} GiB)")
+        blocks = host_blocks_for_gib(host_pool_gib, per_block)
+        if blocks < pages:
+            need = pages * per_block / (1 << 30)
+            raise ValueError(
+                f"host_pool_gib ({host_pool_gib}) holds {blocks} blocks of {block_size} tokens; "
+                f"one max_model_len={self.max_model_len} request needs {pages} "
+                f"(host_pool_gib >= {need:.3g}): raise host_pool_gib or lower max_model_len")
+        return blocks
+
     def _default_gpu_blocks(self, geo: CacheGeometry, block_size: int, num_indexer_blocks: int,
-                            unconstrained: int, utilization: float) -> int:
-        if self.device.type != "cuda":
-            return unconstrained
+                            unconstrained: int, min_gpu: int, utilization: float) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = free * utilization - num_indexer_blocks * geo.indexer_bytes_per_block(block_size)
-        blocks = int(budget // geo.gpu_bytes_per_block(block_size))
-        if blocks <= 0:
-            raise ValueError("not enough free GPU memory for the indexer cache and one KV block: "
-                             "lower max_num_seqs / num_indexer_blocks")
-        return min(blocks, unconstrained)
+        blocks = min(int(budget // geo.gpu_bytes_per_block(block_size)), unconstrained)
+        if blocks < min_gpu:
+            raise ValueError(
+                f"free GPU memory ({free / (1 << 30):.2f} GiB x gpu_memory_utilization="
+                f"{utilization}) holds {max(blocks, 0)} KV blocks after the indexer cache "
+                f"(num_indexer_blocks={num_indexer_blocks}); the engine needs num_gpu_blocks >= "
+                f"{min_gpu}: lower max_model_len / max_num_seqs / num_indexer_blocks or raise "
+                "gpu_memory_utilization")
+        return blocks
+
+    def _allocate_caches(self, geo: CacheGeometry, host_buffers, host_pool_gib: float
+                         ) -> KVCaches:
+        """Allocate the tiers; a failure names the pool to shrink and leaves nothing behind."""
+        cfg = self.kv_config
+        try:
+            return KVCaches(cfg, geo, self.device, host_buffers)
+        except RuntimeError as e:   # torch.OutOfMemoryError included
+            gib = 1 << 30
+            arena = cfg.num_gpu_blocks * geo.gpu_bytes_per_block(cfg.block_size)
+            idx = cfg.num_indexer_blocks * geo.indexer_bytes_per_block(cfg.block_size)
+            self._release_partial()
+            gpu_short = isinstance(e, torch.OutOfMemoryError) and (
+                self.device.type != "cuda"
+                or torch.cuda.mem_get_info(self.device)[0] < arena + idx)
+            if gpu_short or not cfg.uses_host or host_buffers is not None:
+                if not isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise EngineStartupError(
+                    f"out of GPU memory allocating the KV cache: num_gpu_blocks="
+                    f"{cfg.num_gpu_blocks} ({arena / gib:.2f} GiB), num_indexer_blocks="
+                    f"{cfg.num_indexer_blocks} ({idx / gib:.2f} GiB): lower num_gpu_blocks "
+                    "(or gpu_memory_utilization), num_indexer_blocks or max_num_seqs") from e
+            avail = available_host_memory_bytes() / gib
+            raise EngineStartupError(
+                f"could not allocate the {'pinned ' if self.device.type == 'cuda' else ''}host "
+                f"pool (host_pool_gib={host_pool_gib}, {cfg.num_host_blocks} blocks); "
+                f"{avail:.1f} GiB host memory available: lower host_pool_gib ({e})") from e
+
+    def _release_partial(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -151,12 +319,26 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer in the model directory; "
                                  "pass {'prompt_token_ids': [...]} instead")
-            return prompt, list(self.tokenizer.encode(prompt))
+            try:
+                ids = list(self.tokenizer.encode(prompt))
+            except Exception as e:  # noqa: BLE001 - the tokenizer's own error, reported
+                raise ValueError(f"prompt: the tokenizer failed: {e}") from e
+            return prompt, [int(t) for t in ids]
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, [int(t) for t in prompt["prompt_token_ids"]]
+            raw = prompt["prompt_token_ids"]
+            if hasattr(raw, "tolist"):
+                raw = raw.tolist()
+            if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got {raw!r}")
+            raw = list(raw)
+            bad = [t for t in raw if not _is_int(t)]
+            if bad:
+                raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is not an integer")
+            return None, [int(t) for t in raw]
         raise ValueError("a prompt is a string or a dict with 'prompt_token_ids'")
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_request(self, ids: list[int], params) -> SamplingParams:
+        """Validate one request; return the engine's own validated copy of its params."""
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -167,80 +349,175 @@ class LLM:
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
                              f"[0, {vocab})")
+        if params is None:
+            params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        params = dataclasses.replace(params)   # re-validates fields mutated after construction
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
+        return params
+
+    def _check_id(self, request_id, taken: set[str] = frozenset()) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests or request_id in taken:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def _new_id(self, taken: set[str] = frozenset()) -> str:
+        while True:  # auto ids skip ids the caller chose
+            req_id = f"req-{next(self._ids)}"
+            if req_id not in self._requests and req_id not in taken:
+                return req_id
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request; raises ValueError on bad input (other requests are unaffected)."""
-        params = params or SamplingParams()
+        """Queue one request, all or nothing: a ValueError leaves nothing queued."""
+        self._check_alive()
         text, ids = self._prompt_ids(prompt)
-        self._validate(ids, params)
-        return self._enqueue(text, ids, params, request_id)
+        params = self._check_request(ids, params)
+        if request_id is None:
+            request_id = self._new_id()
+        else:
+            self._check_id(request_id)
+        self._enqueue(text, ids, params, request_id)
+        return request_id
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> str:
-        req_id = request_id or f"req-{next(self._ids)}"
-        if req_id in self._requests:
-            raise ValueError(f"request_id {req_id!r} is already in use")
+                 req_id: str) -> None:
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         req = Request(req_id, ids, max_tokens=params.max_tokens, max_len=max_len,
                       sampling=params, stop_token_ids=frozenset(params.stop_token_ids),
                       prompt_text=text)
         self.scheduler.add(req)
         self._requests[req_id] = req
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        self._generators[req_id] = gen
-        return req_id
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
             self._forget(request_id)
 
     def _forget(self, req_id: str) -> Request:
-        self._generators.pop(req_id, None)
         return self._requests.pop(req_id)
 
     def capture_cuda_graphs(self) -> None:
         """Capture every decode batch bucket now instead of on first use (keeps capture time out
         of measurements). No-op when decode is not captured (CPU, eager, MoE models)."""
         if self.runner.graphs is not None:
-            variants = (False,) if self.kv_config.mode == "gpu-only" else (False, True)
+            variants = (False,) if self.kv_config.mode == Mode.GPU_ONLY else (False, True)
             self.runner.graphs.capture_all(variants)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    # ------------------------------------------------------------------ stepping
+    def _check_alive(self) -> None:
+        if self._fault is not None:
+            raise EngineDeadError(f"the engine stopped after an engine-wide fault "
+                                  f"({type(self._fault).__name__}: {self._fault}); create a "
+                                  "new LLM") from self._fault
+
+    def _die(self, exc: BaseException, where: str) -> EngineDeadError:
+        self._fault = exc
+        return EngineDeadError(f"engine-wide fault in {where}: {type(exc).__name__}: {exc}; "
+                               "the engine is stopped")
+
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it."""
+        """Run one engine step; return the requests that finished in it (``[]`` when idle).
+
+        Also returns requests added with :meth:`add_request` that finished while
+        :meth:`generate` was stepping the engine.
+        """
+        self._check_alive()
+        if self._stashed:
+            stashed, self._stashed = self._stashed, []
+            return stashed
+        return self._step_own()
+
+    def _step_own(self) -> list[RequestOutput]:
+        self._check_alive()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
         if plan is None:
-            if not self.runner.in_flight:
-                raise RuntimeError("engine is stuck: requests wait but nothing can be scheduled")
-            self._acks = self.runner.drain()  # finished requests still hold KV until acked
+            if self.runner.in_flight:  # finished requests still hold KV until acked
+                self._acks = self.runner.drain()
+                return []
+            if self.scheduler.has_unfinished:
+                raise self._die(RuntimeError("requests wait but nothing can be scheduled"),
+                                "scheduling")
             return []
-        reqs = [self._requests[s.req_id] for s in plan.seqs]
-        input_ids = [t for s, r in zip(plan.seqs, reqs)
-                     for t in r.token_ids[s.start_pos:s.start_pos + s.num_tokens]]
-        logits, self._acks = self.runner.execute(plan, input_ids)
+        try:
+            reqs = [self._requests[s.req_id] for s in plan.seqs]
+            input_ids = [t for s, r in zip(plan.seqs, reqs)
+                         for t in r.token_ids[s.start_pos:s.start_pos + s.num_tokens]]
+            logits, self._acks = self.runner.execute(plan, input_ids)
+        except Exception as e:
+            raise self._die(e, "the forward") from e
         sampling = [(s, r) for s, r in zip(plan.seqs, reqs) if s.sample]
-        tokens = sample(logits, [r.sampling for _, r in sampling],
-                        [self._generators[s.req_id] for s, _ in sampling])
-        sampled = {s.req_id: tok for (s, _), tok in zip(sampling, tokens)}
-        finished = self.scheduler.update(plan, sampled,
-                                         frozenset(self.model_config.eos_token_ids))
-        return [self._output(self._forget(r.req_id)) for r in finished]
+        sampled, errors = self._sample(logits, [r for _, r in sampling])
+        outputs = [self._fail_request(req_id, msg) for req_id, msg in errors.items()]
+        try:
+            finished = self.scheduler.update(plan, sampled,
+                                             frozenset(self.model_config.eos_token_ids))
+        except Exception as e:
+            raise self._die(e, "the scheduler update") from e
+        outputs += [self._output(self._forget(r.req_id)) for r in finished]
+        if not self.scheduler.has_unfinished:
+            self._release_finished()
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]
+                ) -> tuple[dict[str, int], dict[str, str]]:
+        """Tokens of the sampling rows, and an error message per request that failed."""
+        if not reqs:
+            return {}, {}
+        params = [r.sampling for r in reqs]
+        steps = [r.num_output_tokens for r in reqs]
+        try:
+            tokens: list = sample(logits, params, steps)
+        except Exception as batch_error:
+            tokens = sample_rows(logits, params, steps)  # find the culprit rows
+            if len(tokens) > 1 and all(isinstance(t, Exception) for t in tokens):
+                raise self._die(batch_error, "sampling") from batch_error
+        vocab = self.model_config.vocab_size
+        sampled, errors = {}, {}
+        for r, tok in zip(reqs, tokens):
+            if isinstance(tok, Exception):
+                errors[r.req_id] = f"sampling failed: {type(tok).__name__}: {tok}"
+            elif not 0 <= tok < vocab:
+                errors[r.req_id] = (f"non-finite logits (NaN/inf) at output token "
+                                    f"{r.num_output_tokens}")
+            else:
+                sampled[r.req_id] = tok
+        return sampled, errors
+
+    def _fail_request(self, req_id: str, message: str) -> RequestOutput:
+        """Finish one request with ``finish_reason="error"``; its KV is freed."""
+        self.scheduler.abort(req_id)
+        req = self._forget(req_id)
+        req.finish_reason = "error"
+        self._errors[req_id] = message
+        return self._output(req)
+
+    def _release_finished(self) -> None:
+        """Wait for in-flight mirrors and apply their acks: finished requests free their KV."""
+        self.scheduler.kv.apply_acks(self._acks + self.runner.drain())
+        self._acks = []
 
     def _output(self, req: Request) -> RequestOutput:
         ids = list(req.output_token_ids)
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
-        return RequestOutput(req.req_id, req.prompt_text,
-                             list(req.prompt_token_ids),
-                             [CompletionOutput(0, text, ids, req.finish_reason)])
+        error = self._errors.pop(req.req_id, None)
+        reason = req.finish_reason
+        text = None
+        if self.tokenizer is not None:
+            try:
+                text = self.tokenizer.decode(ids)
+            except Exception as e:  # noqa: BLE001 - one request's failure
+                reason, error = "error", f"detokenizing failed: {type(e).__name__}: {e}"
+        return RequestOutput(req.req_id, req.prompt_text, list(req.prompt_token_ids),
+                             [CompletionOutput(0, text, ids, reason, error)])
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None,
@@ -248,35 +525,65 @@ class LLM:
         """Generate for every prompt; results come back in input order.
 
         Every prompt is validated before any is queued: a bad one raises ValueError and leaves
-        the engine serving whatever else it holds.
+        nothing of the batch queued. A request that fails while running comes back with
+        ``finish_reason="error"``. Finished requests' KV is released before this returns.
         """
+        self._check_alive()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                  else [sampling_params or SamplingParams()] * len(prompts))
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        prepared = []
-        for prompt, p in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
-            self._validate(ids, p or SamplingParams())
-            prepared.append((text, ids, p or SamplingParams()))
-        ids = [self._enqueue(*item) for item in prepared]
+        prepared, taken = [], set()
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                text, ids = self._prompt_ids(prompt)
+                checked = self._check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            req_id = self._new_id(taken)
+            taken.add(req_id)
+            prepared.append((text, ids, checked, req_id))
+        queued: list[str] = []
+        try:
+            for item in prepared:
+                self._enqueue(*item)
+                queued.append(item[3])
+            return self._run_until_done(queued, use_tqdm)
+        except BaseException:
+            if self._fault is None:
+                for req_id in queued:
+                    if req_id in self._requests:
+                        self.abort(req_id)
+            raise
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        while wanted - done.keys():
-            for out in self.step():
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        self._acks += self.runner.drain()
+        try:
+            while wanted - done.keys():
+                for out in self._step_own():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                    else:
+                        self._stashed.append(out)
+        finally:
+            if bar is not None:
+                bar.close()
+        self._release_finished()
         return [done[i] for i in ids]
 
     # ------------------------------------------------------------------ stats
@@ -285,7 +592,7 @@ class LLM:
         hits, misses = self.runner.hot_counters()
         row_bytes = self.runner.row_bytes
         return {
-            "mode": self.kv_config.mode,
+            "mode": str(self.kv_config.mode),
             "num_gpu_blocks": self.kv_config.num_gpu_blocks,
             "num_host_blocks": self.kv_config.num_host_blocks,
             "spilled_pages": kv.stats.spilled_pages,
@@ -300,6 +607,9 @@ class LLM:
             "host_prefix_hit_tokens": kv.stats.host_prefix_hit_tokens,
             "num_preempted": self.scheduler.num_preempted,
             "peak_running": self.scheduler.peak_running,
+            "free_gpu_blocks": kv.gpu_pool.num_free,
+            "free_host_blocks": kv.host_pool.num_free if kv.host_pool is not None else 0,
+            "free_indexer_blocks": kv.indexer_pool.num_free,
         }
 
     def capacity(self, context: int | None = None, **overrides):

@@ -139,7 +139,8 @@ class DSAConfig:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def layer_has_indexer(self, layer_idx: int) -> bool:
-        """Whether layer ``layer_idx`` computes its own top-k (False: reuses the previous layer's)."""
+        """Whether layer ``layer_idx`` computes its own top-k (False: reuses the previous
+        layer's)."""
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
         return self.indexer_types[layer_idx] == "full"
@@ -149,7 +150,8 @@ class DSAConfig:
         dim = self.qk_rope_head_dim
         base = self.rope_theta
         p = self.rope_parameters
-        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim)
+        exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32)
+        pos_freqs = base ** (exps / dim)
         if self.rope_type == "default":
             return 1.0 / pos_freqs
         if self.rope_type == "linear":
@@ -170,7 +172,8 @@ class DSAConfig:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+        idx = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+        ramp = torch.clamp((idx - low) / (high - low), 0, 1)
         extrap = 1.0 - ramp
         inv_extra = 1.0 / pos_freqs
         inv_inter = 1.0 / (factor * pos_freqs)
@@ -178,147 +181,178 @@ class DSAConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DSAConfig":
+    def from_hf(cls, cfg: dict) -> DSAConfig:
         """Parse a transformers ``config.json`` dict (as saved by ``save_pretrained``)."""
         if not isinstance(cfg, dict):
-            raise ValueError(f"config must be a dict (parsed config.json), got {type(cfg).__name__}")
-        archs = cfg.get("architectures")
-        supported = sorted(SUPPORTED_ARCHITECTURES)
-        if archs:
-            if isinstance(archs, str):
-                archs = [archs]
-            known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-            if not known:
-                raise ValueError(f"architectures must contain one of {supported}, got {archs!r}")
-            arch = known[0]
-            model_type = SUPPORTED_ARCHITECTURES[arch]
-            if cfg.get("model_type", model_type) != model_type:
-                raise ValueError(f"model_type must be {model_type!r} for architecture {arch}, "
-                                 f"got {cfg.get('model_type')!r}")
-        else:
-            model_type = cfg.get("model_type")
-            if model_type not in _MODEL_TYPE_TO_ARCH:
-                raise ValueError(f"architectures must contain one of {supported} "
-                                 f"(or model_type one of {sorted(_MODEL_TYPE_TO_ARCH)}), "
-                                 f"got architectures={archs!r} model_type={model_type!r}")
-            arch = _MODEL_TYPE_TO_ARCH[model_type]
-
-        d = dict(_DEFAULTS[model_type])
-        d.update({k: v for k, v in cfg.items() if v is not None or k in ("q_lora_rank", "pad_token_id")})
-        if "num_local_experts" in cfg and "n_routed_experts" not in cfg:
-            d["n_routed_experts"] = cfg["num_local_experts"]
-        if cfg.get("num_experts") is not None:
-            d["n_routed_experts"] = cfg["num_experts"]
-
-        def pos_int(name: str) -> int:
-            v = d.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-            return v
-
-        n_layers = pos_int("num_hidden_layers")
-        num_heads = pos_int("num_attention_heads")
+            raise ValueError(f"config must be a dict (parsed config.json), "
+                             f"got {type(cfg).__name__}")
+        arch, model_type = _resolve_architecture(cfg)
+        d = _merged_fields(cfg, model_type)
+        n_layers = _pos_int(d, "num_hidden_layers")
         q_lora_rank = d.get("q_lora_rank")
         if q_lora_rank is not None:
-            q_lora_rank = pos_int("q_lora_rank")
-        rope_dim = pos_int("qk_rope_head_dim")
+            q_lora_rank = _pos_int(d, "q_lora_rank")
+        rope_dim = _pos_int(d, "qk_rope_head_dim")
         if rope_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {rope_dim}")
-        index_head_dim = pos_int("index_head_dim")
+        index_head_dim = _pos_int(d, "index_head_dim")
         if index_head_dim < rope_dim:
-            raise ValueError(f"index_head_dim must be >= qk_rope_head_dim ({rope_dim}), got {index_head_dim}")
-
-        # --- per-layer indexer types
-        if model_type == "glm_moe_dsa":
-            indexer_types = _glm_indexer_types(cfg, n_layers)
-        else:
-            indexer_types = ["full"] * n_layers
-        if len(indexer_types) != n_layers:
-            raise ValueError(f"indexer_types must have num_hidden_layers={n_layers} entries, "
-                             f"got {len(indexer_types)}")
-        bad = [t for t in indexer_types if t not in ("full", "shared")]
-        if bad:
-            raise ValueError(f"indexer_types entries must be 'full' or 'shared', got {bad[0]!r}")
-        if indexer_types[0] != "full":
-            raise ValueError("indexer_types[0] must be 'full' (a shared layer reuses a previous layer's top-k)")
-
-        # --- per-layer MLP types
-        mlp_layer_types = d.get("mlp_layer_types")
-        if mlp_layer_types is None:
-            n_dense = min(int(d["first_k_dense_replace"]), n_layers)
-            mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
-        mlp_layer_types = list(mlp_layer_types)
-        if len(mlp_layer_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_layer_types):
-            raise ValueError(f"mlp_layer_types must be {n_layers} entries of 'dense'/'sparse', "
-                             f"got {mlp_layer_types!r}")
-        n_experts = pos_int("n_routed_experts") if "sparse" in mlp_layer_types else int(d["n_routed_experts"])
-        if "sparse" in mlp_layer_types:
-            n_group = pos_int("n_group")
-            if n_experts % n_group:
-                raise ValueError(f"n_group must divide n_routed_experts ({n_experts}), got {n_group}")
-            if not 0 < int(d["topk_group"]) <= n_group:
-                raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {d['topk_group']!r}")
-            if not 0 < int(d["num_experts_per_tok"]) <= n_experts:
-                raise ValueError(f"num_experts_per_tok must be in [1, {n_experts}], "
-                                 f"got {d['num_experts_per_tok']!r}")
-
-        # --- RoPE
-        max_pos = pos_int("max_position_embeddings")
-        rope = _standardize_rope(cfg, max_pos)
-        rope_type = rope["rope_type"]
-        qk_head_dim = int(d["qk_nope_head_dim"]) + rope_dim
-        softmax_scale = qk_head_dim ** -0.5
-        attention_factor = 1.0
-        if rope_type == "yarn":
-            factor = _yarn_factor(rope, max_pos)
-            attention_factor = rope.get("attention_factor")
-            if attention_factor is None:
-                ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
-                if ms and ms_all:
-                    attention_factor = float(yarn_mscale(factor, ms) / yarn_mscale(factor, ms_all))
-                else:
-                    attention_factor = yarn_mscale(factor)
-        if rope_type != "default":
-            # transformers' MLA multiplies the softmax scale by mscale(factor, mscale_all_dim)**2.
-            ms_all = rope.get("mscale_all_dim", 0)
-            if ms_all:
-                m = yarn_mscale(_yarn_factor(rope, max_pos), ms_all)
-                softmax_scale = softmax_scale * m * m
-
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
-            () if eos is None else (int(eos),))
-        dtype_val = cfg.get("dtype", cfg.get("torch_dtype")) or "bfloat16"
+            raise ValueError(f"index_head_dim must be >= qk_rope_head_dim ({rope_dim}), "
+                             f"got {index_head_dim}")
+        indexer_types = _indexer_types(cfg, model_type, n_layers)
+        mlp_layer_types, n_experts = _mlp_layer_types(d, n_layers)
+        max_pos = _pos_int(d, "max_position_embeddings")
+        rope, attention_factor, softmax_scale = _rope_scales(cfg, d, rope_dim, max_pos)
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "gelu", "relu"):
             raise ValueError(f"hidden_act must be one of ['gelu', 'relu', 'silu'], got {act!r}")
-
+        dtype_val = cfg.get("dtype", cfg.get("torch_dtype")) or "bfloat16"
         return cls(
             architecture=arch, model_type=model_type,
-            vocab_size=pos_int("vocab_size"), hidden_size=pos_int("hidden_size"),
-            num_layers=n_layers, num_heads=num_heads, q_lora_rank=q_lora_rank,
-            kv_lora_rank=pos_int("kv_lora_rank"), qk_nope_head_dim=pos_int("qk_nope_head_dim"),
-            qk_rope_head_dim=rope_dim, v_head_dim=pos_int("v_head_dim"),
-            index_n_heads=pos_int("index_n_heads"), index_head_dim=index_head_dim,
-            index_topk=pos_int("index_topk"), indexer_types=tuple(indexer_types),
+            vocab_size=_pos_int(d, "vocab_size"), hidden_size=_pos_int(d, "hidden_size"),
+            num_layers=n_layers, num_heads=_pos_int(d, "num_attention_heads"),
+            q_lora_rank=q_lora_rank, kv_lora_rank=_pos_int(d, "kv_lora_rank"),
+            qk_nope_head_dim=_pos_int(d, "qk_nope_head_dim"),
+            qk_rope_head_dim=rope_dim, v_head_dim=_pos_int(d, "v_head_dim"),
+            index_n_heads=_pos_int(d, "index_n_heads"), index_head_dim=index_head_dim,
+            index_topk=_pos_int(d, "index_topk"), indexer_types=tuple(indexer_types),
             indexer_rope_interleaved=(model_type == "glm_moe_dsa"),
-            intermediate_size=pos_int("intermediate_size"),
+            intermediate_size=_pos_int(d, "intermediate_size"),
             moe_intermediate_size=int(d["moe_intermediate_size"]),
             mlp_layer_types=tuple(mlp_layer_types), n_routed_experts=n_experts,
             n_shared_experts=int(d.get("n_shared_experts") or 0),
             num_experts_per_tok=int(d["num_experts_per_tok"]), n_group=int(d["n_group"]),
             topk_group=int(d["topk_group"]), norm_topk_prob=bool(d["norm_topk_prob"]),
             routed_scaling_factor=float(d["routed_scaling_factor"]), hidden_act=act,
-            rope_theta=float(rope["rope_theta"]), rope_type=rope_type, rope_parameters=rope,
-            rope_attention_factor=float(attention_factor), softmax_scale=float(softmax_scale),
-            rms_norm_eps=float(d["rms_norm_eps"]), attention_bias=bool(d.get("attention_bias", False)),
+            rope_theta=float(rope["rope_theta"]), rope_type=rope["rope_type"],
+            rope_parameters=rope, rope_attention_factor=float(attention_factor),
+            softmax_scale=float(softmax_scale), rms_norm_eps=float(d["rms_norm_eps"]),
+            attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_pos, eos_token_ids=eos_ids,
+            max_position_embeddings=max_pos, eos_token_ids=_eos_ids(d),
             bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
             dtype=parse_dtype(dtype_val, "dtype"),
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
             quantization_config=cfg.get("quantization_config"),
         )
+
+
+# ---------------------------------------------------------------------- from_hf sections
+def _resolve_architecture(cfg: dict) -> tuple[str, str]:
+    """``(architecture, model_type)`` from ``architectures`` (or ``model_type`` alone)."""
+    archs = cfg.get("architectures")
+    supported = sorted(SUPPORTED_ARCHITECTURES)
+    if archs:
+        if isinstance(archs, str):
+            archs = [archs]
+        known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not known:
+            raise ValueError(f"architectures must contain one of {supported}, got {archs!r}")
+        arch = known[0]
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("model_type", model_type) != model_type:
+            raise ValueError(f"model_type must be {model_type!r} for architecture {arch}, "
+                             f"got {cfg.get('model_type')!r}")
+        return arch, model_type
+    model_type = cfg.get("model_type")
+    if model_type not in _MODEL_TYPE_TO_ARCH:
+        raise ValueError(f"architectures must contain one of {supported} "
+                         f"(or model_type one of {sorted(_MODEL_TYPE_TO_ARCH)}), "
+                         f"got architectures={archs!r} model_type={model_type!r}")
+    return _MODEL_TYPE_TO_ARCH[model_type], model_type
+
+
+def _merged_fields(cfg: dict, model_type: str) -> dict[str, Any]:
+    """The architecture's defaults overlaid with config.json (expert-count aliases mapped)."""
+    d = dict(_DEFAULTS[model_type])
+    d.update({k: v for k, v in cfg.items()
+              if v is not None or k in ("q_lora_rank", "pad_token_id")})
+    if "num_local_experts" in cfg and "n_routed_experts" not in cfg:
+        d["n_routed_experts"] = cfg["num_local_experts"]
+    if cfg.get("num_experts") is not None:
+        d["n_routed_experts"] = cfg["num_experts"]
+    return d
+
+
+def _pos_int(d: dict, name: str) -> int:
+    v = d.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+def _indexer_types(cfg: dict, model_type: str, n_layers: int) -> list[str]:
+    """Per layer: "full" (own indexer) or "shared" (reuses the previous full layer's top-k)."""
+    if model_type == "glm_moe_dsa":
+        indexer_types = _glm_indexer_types(cfg, n_layers)
+    else:
+        indexer_types = ["full"] * n_layers
+    if len(indexer_types) != n_layers:
+        raise ValueError(f"indexer_types must have num_hidden_layers={n_layers} entries, "
+                         f"got {len(indexer_types)}")
+    bad = [t for t in indexer_types if t not in ("full", "shared")]
+    if bad:
+        raise ValueError(f"indexer_types entries must be 'full' or 'shared', got {bad[0]!r}")
+    if indexer_types[0] != "full":
+        raise ValueError("indexer_types[0] must be 'full' "
+                         "(a shared layer reuses a previous layer's top-k)")
+    return indexer_types
+
+
+def _mlp_layer_types(d: dict, n_layers: int) -> tuple[list[str], int]:
+    """Per-layer "dense" / "sparse" MLPs and the routed-expert count (checked when used)."""
+    types = d.get("mlp_layer_types")
+    if types is None:
+        n_dense = min(int(d["first_k_dense_replace"]), n_layers)
+        types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
+    types = list(types)
+    if len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+        raise ValueError(f"mlp_layer_types must be {n_layers} entries of 'dense'/'sparse', "
+                         f"got {types!r}")
+    if "sparse" not in types:
+        return types, int(d["n_routed_experts"])
+    n_experts = _pos_int(d, "n_routed_experts")
+    n_group = _pos_int(d, "n_group")
+    if n_experts % n_group:
+        raise ValueError(f"n_group must divide n_routed_experts ({n_experts}), got {n_group}")
+    if not 0 < int(d["topk_group"]) <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], "
+                         f"got {d['topk_group']!r}")
+    if not 0 < int(d["num_experts_per_tok"]) <= n_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, {n_experts}], "
+                         f"got {d['num_experts_per_tok']!r}")
+    return types, n_experts
+
+
+def _rope_scales(cfg: dict, d: dict, rope_dim: int, max_pos: int) -> tuple[dict, float, float]:
+    """Standardized RoPE parameters, the cos/sin attention factor and the softmax scale."""
+    rope = _standardize_rope(cfg, max_pos)
+    rope_type = rope["rope_type"]
+    softmax_scale = (int(d["qk_nope_head_dim"]) + rope_dim) ** -0.5
+    attention_factor = 1.0
+    if rope_type == "yarn":
+        factor = _yarn_factor(rope, max_pos)
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            if ms and ms_all:
+                attention_factor = float(yarn_mscale(factor, ms) / yarn_mscale(factor, ms_all))
+            else:
+                attention_factor = yarn_mscale(factor)
+    if rope_type != "default":
+        # transformers' MLA multiplies the softmax scale by mscale(factor, mscale_all_dim)**2.
+        ms_all = rope.get("mscale_all_dim", 0)
+        if ms_all:
+            m = yarn_mscale(_yarn_factor(rope, max_pos), ms_all)
+            softmax_scale = softmax_scale * m * m
+    return rope, attention_factor, softmax_scale
+
+
+def _eos_ids(d: dict) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+        return tuple(int(e) for e in eos)
+    return () if eos is None else (int(eos),)
 
 
 def _yarn_factor(rope: dict, max_pos: int) -> float:
@@ -363,7 +397,8 @@ def _glm_indexer_types(cfg: dict, n_layers: int) -> list[str]:
             try:
                 return [{"F": "full", "S": "shared"}[c] for c in pattern]
             except KeyError as e:
-                raise ValueError(f"index_topk_pattern must consist of 'F'/'S', got {pattern!r}") from e
+                raise ValueError(f"index_topk_pattern must consist of 'F'/'S', "
+                                 f"got {pattern!r}") from e
         return list(pattern)
     freq = max(int(cfg.get("index_topk_freq", 1) or 1), 1)
     offset = int(cfg.get("index_skip_topk_offset", 2))

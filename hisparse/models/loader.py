@@ -2,10 +2,12 @@
 
 Checkpoint names are transformers' names; ours are identical except:
 
-- ``...self_attn.kv_b_proj.weight`` ``[H*(nope+v), R]`` -> ``w_uk [H, nope, R]`` and ``w_uv [H, v, R]``;
-- routed experts may be stored per expert (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``,
-  the on-disk format) or fused (``mlp.experts.gate_up_proj`` / ``down_proj``, transformers' in-memory
-  format); both fill our fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
+- ``...self_attn.kv_b_proj.weight`` ``[H*(nope+v), R]`` -> ``w_uk [H, nope, R]`` and
+  ``w_uv [H, v, R]``;
+- routed experts may be stored per expert
+  (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``, the on-disk format) or fused
+  (``mlp.experts.gate_up_proj`` / ``down_proj``, transformers' in-memory format); both fill
+  our fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
 - ``lm_head.weight`` may be absent when embeddings are tied.
 
 MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped. FP8 block-quantized
@@ -30,7 +32,8 @@ from .dsa import DSAForCausalLM
 log = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -49,14 +52,17 @@ class _TensorSource:
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
-                raise CheckpointError(f"no *.safetensors file (and no model.safetensors.index.json) in {path}")
+                raise CheckpointError(f"no *.safetensors file (and no "
+                                      f"model.safetensors.index.json) in {path}")
             weight_map = None
         self.handles = {}
         for fname in files:
             fpath = os.path.join(path, fname)
             if not os.path.exists(fpath):
-                raise CheckpointError(f"shard {fname} listed in model.safetensors.index.json is missing from {path}")
-            self.handles[fname] = stack.enter_context(safe_open(fpath, framework="pt", device="cpu"))
+                raise CheckpointError(f"shard {fname} listed in model.safetensors.index.json "
+                                      f"is missing from {path}")
+            self.handles[fname] = stack.enter_context(
+                safe_open(fpath, framework="pt", device="cpu"))
         if weight_map is None:
             weight_map = {k: fname for fname, h in self.handles.items() for k in h.keys()}
         self.weight_map = weight_map
@@ -73,7 +79,8 @@ class _TensorSource:
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    s = s[:rows, :cols]
     return w.float() * s
 
 
@@ -81,108 +88,149 @@ def load_state(model: DSAForCausalLM, get: Callable[[str], torch.Tensor], names,
                fp8_block: tuple[int, int] = (128, 128)) -> None:
     """Fill every parameter of ``model`` from checkpoint tensors ``get(name)``; ``names`` lists
     the available names. Raises :class:`CheckpointError` naming what is missing or mis-shaped."""
-    cfg = model.config
-    names = set(names)
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
-    used: set[str] = set()
+    loader = _StateLoader(model, get, set(names), fp8_block)
+    experts = loader.load_plain_tensors()
+    loader.load_experts(experts)
+    loader.check_complete()
 
-    def read(name: str) -> torch.Tensor:
-        t = get(name)
-        used.add(name)
-        if t.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+
+class _StateLoader:
+    """The sections of :func:`load_state`: plain tensors (and the split ``kv_b_proj``), fused
+    routed experts, and the completeness check."""
+
+    def __init__(self, model: DSAForCausalLM, get: Callable[[str], torch.Tensor],
+                 names: set[str], fp8_block: tuple[int, int]) -> None:
+        self.cfg = model.config
+        self.get = get
+        self.names = names
+        self.fp8_block = fp8_block
+        self.params = dict(model.named_parameters())
+        self.filled: set[str] = set()
+        self.used: set[str] = set()
+
+    def read(self, name: str) -> torch.Tensor:
+        """One checkpoint tensor, FP8 block-dequantized when it has a scale companion."""
+        t = self.get(name)
+        self.used.add(name)
+        if t.dtype in (getattr(torch, "float8_e4m3fn", None),
+                       getattr(torch, "float8_e5m2", None)):
             sname = name + "_scale_inv"
-            if sname not in names:
+            if sname not in self.names:
                 raise CheckpointError(f"{name} is FP8 but {sname} is missing")
-            used.add(sname)
-            t = _dequant_fp8(t, get(sname), fp8_block)
+            self.used.add(sname)
+            t = _dequant_fp8(t, self.get(sname), self.fp8_block)
         return t
 
-    def put(ours: str, t: torch.Tensor, src: str) -> None:
-        p = params.get(ours)
+    def put(self, ours: str, t: torch.Tensor, src: str) -> None:
+        p = self.params.get(ours)
         if p is None:
-            raise CheckpointError(f"checkpoint tensor {src} maps to {ours}, which the model does not have")
+            raise CheckpointError(f"checkpoint tensor {src} maps to {ours}, "
+                                  "which the model does not have")
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match {ours} {tuple(p.shape)}")
+            raise CheckpointError(f"{src}: shape {tuple(t.shape)} does not match {ours} "
+                                  f"{tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(t.to(p.dtype))
-        filled.add(ours)
+        self.filled.add(ours)
 
-    experts: dict[str, dict[int, dict[str, str]]] = {}
-    for name in sorted(names):
-        if name.endswith("_scale_inv") or name in used:
-            continue
-        m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) >= cfg.num_layers:
-            continue  # MTP (next-n prediction) layers
-        if "rotary_emb" in name:
-            continue
-        em = _EXPERT_RE.match(name)
-        if em:
-            experts.setdefault(em.group(1), {}).setdefault(int(em.group(2)), {})[em.group(3)] = name
-            continue
-        if name.endswith("self_attn.kv_b_proj.weight"):
-            base = name[: -len("kv_b_proj.weight")]
-            H, nope, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-            w = read(name)
-            if tuple(w.shape) != (H * (nope + v), R):
-                raise CheckpointError(f"{name}: shape {tuple(w.shape)} does not match "
-                                      f"({H}*({nope}+{v}), {R})")
-            w = w.view(H, nope + v, R)
-            put(base + "w_uk", w[:, :nope], name)
-            put(base + "w_uv", w[:, nope:], name)
-            continue
-        if name in params:
-            put(name, read(name), name)
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        else:
-            log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+    def load_plain_tensors(self) -> dict[str, dict[int, dict[str, str]]]:
+        """Every non-expert tensor; returns per-expert tensor names grouped by MoE prefix."""
+        cfg = self.cfg
+        experts: dict[str, dict[int, dict[str, str]]] = {}
+        for name in sorted(self.names):
+            if name.endswith("_scale_inv") or name in self.used:
+                continue
+            m = _LAYER_RE.match(name)
+            if m and int(m.group(1)) >= cfg.num_layers:
+                continue  # MTP (next-n prediction) layers
+            if "rotary_emb" in name:
+                continue
+            em = _EXPERT_RE.match(name)
+            if em:
+                experts.setdefault(em.group(1), {}).setdefault(
+                    int(em.group(2)), {})[em.group(3)] = name
+            elif name.endswith("self_attn.kv_b_proj.weight"):
+                self.load_kv_b_proj(name)
+            elif name in self.params:
+                self.put(name, self.read(name), name)
+            elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+        return experts
 
-    for prefix, per_expert in experts.items():
-        E = cfg.n_routed_experts
-        missing = [f"{prefix}.{e}.{k}.weight" for e in range(E)
-                   for k in ("gate_proj", "up_proj", "down_proj") if k not in per_expert.get(e, {})]
+    def load_kv_b_proj(self, name: str) -> None:
+        """``kv_b_proj [H*(nope+v), R]`` -> our absorbed ``w_uk`` and ``w_uv``."""
+        cfg = self.cfg
+        base = name[: -len("kv_b_proj.weight")]
+        H, nope, v, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        w = self.read(name)
+        if tuple(w.shape) != (H * (nope + v), R):
+            raise CheckpointError(f"{name}: shape {tuple(w.shape)} does not match "
+                                  f"({H}*({nope}+{v}), {R})")
+        w = w.view(H, nope + v, R)
+        self.put(base + "w_uk", w[:, :nope], name)
+        self.put(base + "w_uv", w[:, nope:], name)
+
+    def load_experts(self, experts: dict[str, dict[int, dict[str, str]]]) -> None:
+        """Per-expert on-disk tensors into our fused ``gate_up_proj`` / ``down_proj``."""
+        E = self.cfg.n_routed_experts
+        for prefix, per_expert in experts.items():
+            missing = [f"{prefix}.{e}.{k}.weight" for e in range(E)
+                       for k in ("gate_proj", "up_proj", "down_proj")
+                       if k not in per_expert.get(e, {})]
+            if missing:
+                raise CheckpointError(f"missing expert tensors: {missing[:8]}"
+                                      + (f" (+{len(missing) - 8} more)"
+                                         if len(missing) > 8 else ""))
+            gu = self.params.get(prefix + ".gate_up_proj")
+            down = self.params.get(prefix + ".down_proj")
+            if gu is None:
+                raise CheckpointError(f"{prefix}.*: the model has no routed experts there "
+                                      "(dense layer?)")
+            with torch.no_grad():
+                for e in range(E):
+                    g, u, d = (self.read(per_expert[e][k])
+                               for k in ("gate_proj", "up_proj", "down_proj"))
+                    gu[e].copy_(torch.cat([g, u], dim=0).to(gu.dtype))
+                    down[e].copy_(d.to(down.dtype))
+            self.filled.update({prefix + ".gate_up_proj", prefix + ".down_proj"})
+
+    def check_complete(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.filled.add("lm_head.weight")  # shares the embedding tensor
+        missing = sorted(set(self.params) - self.filled)
         if missing:
-            raise CheckpointError(f"missing expert tensors: {missing[:8]}"
-                                  + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
-        gu, down = params.get(prefix + ".gate_up_proj"), params.get(prefix + ".down_proj")
-        if gu is None:
-            raise CheckpointError(f"{prefix}.*: the model has no routed experts there (dense layer?)")
-        with torch.no_grad():
-            for e in range(E):
-                g, u, d = (read(per_expert[e][k]) for k in ("gate_proj", "up_proj", "down_proj"))
-                gu[e].copy_(torch.cat([g, u], dim=0).to(gu.dtype))
-                down[e].copy_(d.to(down.dtype))
-        filled.update({prefix + ".gate_up_proj", prefix + ".down_proj"})
-
-    if cfg.tie_word_embeddings:
-        filled.add("lm_head.weight")  # shares the embedding tensor
-    missing = sorted(set(params) - filled)
-    if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) for: {missing[:10]}"
-                              + (" ..." if len(missing) > 10 else ""))
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) for: "
+                                  f"{missing[:10]}" + (" ..." if len(missing) > 10 else ""))
 
 
 def load_config(path: str) -> DSAConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise CheckpointError(f"no config.json in {path}")
-    with open(cfg_file) as f:
-        return DSAConfig.from_hf(json.load(f))
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot read it as JSON: {e}") from e
+    try:
+        return DSAConfig.from_hf(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
 
 
 def load_model(path: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu",
-               load_format: str = "auto") -> tuple[DSAForCausalLM, DSAConfig]:
+               load_format: str = "auto",
+               config: DSAConfig | None = None) -> tuple[DSAForCausalLM, DSAConfig]:
     """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype.
 
     ``load_format="dummy"`` reads only config.json and initialises random weights on ``device``
     (benchmarks of production geometry without a checkpoint, like vLLM's dummy format).
+    ``config``: the already parsed config.json (skips reading it again).
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    cfg = load_config(path)
+    cfg = config if config is not None else load_config(path)
     dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
     if load_format == "dummy":
         with torch.device(device):

@@ -229,7 +229,7 @@ def _run_engine(path, mode, num_gpu_blocks, n_requests=12, **kw):
                 max_num_seqs=16, num_gpu_blocks=num_gpu_blocks, hot_buffer_size=HOT,
                 host_pool_gib=0.05, max_num_batched_tokens=64, enable_prefix_caching=False)
     base.update(kw)
-    llm = LLM(path, hisparse=mode, **base)
+    llm = LLM(path, mode=mode, **base)
     plan = llm.capacity()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(PROMPT)]}
@@ -268,8 +268,8 @@ def test_engine_peak_running_matches_the_plan(dsv32_path, num_gpu_blocks=60):
     always-host figure. always-host: at most the plan and at least one less (the last request
     prefills its prompt pages resident before it shrinks to hot buffer + tail)."""
     peaks, plans = {}, {}
-    for mode, flag in zip(MODES, (False, True, "always-host")):
-        llm, plan = _run_engine(dsv32_path, flag, num_gpu_blocks)
+    for mode in MODES:
+        llm, plan = _run_engine(dsv32_path, mode, num_gpu_blocks)
         peaks[mode], plans[mode] = llm.stats()["peak_running"], plan
         assert plan[mode].bound_by in (GPU_PAGES, HOT_BUFFERS)
     assert peaks["gpu-only"] == plans["gpu-only"]["gpu-only"].max_running
@@ -281,11 +281,11 @@ def test_engine_peak_running_matches_the_plan(dsv32_path, num_gpu_blocks=60):
 
 
 def test_engine_indexer_and_host_bounds(dsv32_path):
-    llm, plan = _run_engine(dsv32_path, False, 200, n_requests=6, num_indexer_blocks=3 * 14)
+    llm, plan = _run_engine(dsv32_path, "gpu-only", 200, n_requests=6, num_indexer_blocks=3 * 14)
     assert (plan["gpu-only"].max_running, plan["gpu-only"].bound_by) == (3, INDEXER_CACHE)
     assert llm.stats()["peak_running"] == 3
     host_gib = 2.5 * 14 * BS * llm.caches.geo.bytes_per_token / (1 << 30)
-    llm, plan = _run_engine(dsv32_path, True, 200, n_requests=6, host_pool_gib=host_gib)
+    llm, plan = _run_engine(dsv32_path, "hisparse", 200, n_requests=6, host_pool_gib=host_gib)
     assert (plan["hisparse"].max_running, plan["hisparse"].bound_by) == (2, HOST_POOL)
     assert llm.stats()["peak_running"] == 2
 

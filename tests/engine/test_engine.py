@@ -4,7 +4,6 @@ bad input."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 
@@ -31,15 +30,15 @@ def tokens(outs):
 def unconstrained(path, **kw):
     base = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192, max_num_seqs=8)
     base.update(kw)
-    return LLM(path, hisparse=False, **base)
+    return LLM(path, mode="gpu-only", **base)
 
 
-def tiny_pool(path, mode=True, **kw):
+def tiny_pool(path, mode="hisparse", **kw):
     base = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192, max_num_seqs=8,
                 num_gpu_blocks=30, hot_buffer_size=32, host_pool_gib=0.02,
                 max_num_batched_tokens=64)
     base.update(kw)
-    return LLM(path, hisparse=mode, **base)
+    return LLM(path, mode=mode, **base)
 
 
 @pytest.mark.parametrize("arch", ["dsv32", "glm"])
@@ -66,7 +65,7 @@ def test_oracle_greedy_tokens_and_logits_match_transformers(arch, request):
     torch.testing.assert_close(logits[0], ref_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", [True, "always-host"])
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
 def test_lossless_under_a_tiny_gpu_pool(dsv32_path, mode):
     ref = unconstrained(dsv32_path)
     for seed, (n, lo, hi) in enumerate([(8, 20, 120), (5, 90, 150), (12, 3, 40)]):
@@ -127,7 +126,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(dsv32_path):
         llm.generate([{"prompt_token_ids": []}], GREEDY)
     with pytest.raises(ValueError, match=r"token id 384 is outside the vocabulary \[0, 384\)"):
         llm.generate([good[1], {"prompt_token_ids": [3, 384]}], GREEDY)
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         SamplingParams(max_tokens=0)
     out = llm.generate([good[1]], GREEDY)       # still serving, including the queued request
     assert len(out[0].outputs[0].token_ids) == 16
@@ -172,7 +171,7 @@ def test_text_prompts_and_text_outputs_with_a_tokenizer(dsv32_path, tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, max_model_len=64,
-              max_num_seqs=2, hisparse=False)
+              max_num_seqs=2, mode="gpu-only")
     text = " ".join(f"w{i}" for i in range(5, 25))
     out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert out.prompt == text and out.prompt_token_ids == list(range(5, 25))

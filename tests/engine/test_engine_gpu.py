@@ -37,9 +37,9 @@ def lossless_run(path, mode, num_prompts, gpu_blocks, seed):
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     common = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
                   max_num_seqs=num_prompts, max_num_batched_tokens=256)
-    eager = LLM(path, hisparse=False, enforce_eager=True, **common)
+    eager = LLM(path, mode="gpu-only", enforce_eager=True, **common)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
-    llm = LLM(path, hisparse=mode, num_gpu_blocks=gpu_blocks, hot_buffer_size=128,
+    llm = LLM(path, mode=mode, num_gpu_blocks=gpu_blocks, hot_buffer_size=128,
               host_pool_gib=0.5, **common)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     s = llm.stats()
@@ -48,13 +48,13 @@ def lossless_run(path, mode, num_prompts, gpu_blocks, seed):
     return llm
 
 
-@pytest.mark.parametrize("mode", [True, "always-host"])
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
 def test_lossless_on_gpu_bf16_moe_eager(moe_path, mode):
     llm = lossless_run(moe_path, mode, num_prompts=8, gpu_blocks=60, seed=0)
     assert llm.runner.graphs is None  # the MoE dispatch syncs with the host: not captured
 
 
-@pytest.mark.parametrize("mode", [True, "always-host"])
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
 def test_cuda_graph_decode_is_lossless(dense_path, mode):
     llm = lossless_run(dense_path, mode, num_prompts=11, gpu_blocks=70, seed=1)
     assert llm.runner.graphs is not None and any(k[1] for k in llm.runner.graphs.graphs)

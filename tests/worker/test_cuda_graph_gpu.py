@@ -26,11 +26,11 @@ def dense_path(tmp_path_factory):
                                   num_hidden_layers=3, first_k_dense_replace=100, **geo)
 
 
-@pytest.mark.parametrize("mode", [True, "always-host"])
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
 def test_graphs_captured_ascending_replay_in_any_order(dense_path, mode):
     n = 12
     llm = LLM(dense_path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
-              max_num_seqs=n, max_num_batched_tokens=256, hisparse=mode, num_gpu_blocks=80,
+              max_num_seqs=n, max_num_batched_tokens=256, mode=mode, num_gpu_blocks=80,
               hot_buffer_size=128, host_pool_gib=0.5)
     graphs = llm.runner.graphs
     assert graphs is not None

@@ -28,7 +28,7 @@ def test_synthetic_runner_through_the_public_api(path):
         return computed          # same selection: outputs stay those of the real indexer
 
     llm = LLM(path, device="cpu", block_size=8, max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=64, hisparse="always-host", host_pool_gib=0.01,
+              max_num_batched_tokens=64, mode="always-host", host_pool_gib=0.01,
               hot_buffer_size=32,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     assert type(llm.runner).__name__ == "SyntheticPrefillRunner"
@@ -50,7 +50,7 @@ def test_synthetic_runner_through_the_public_api(path):
 
 def test_default_runner_is_model_runner(path):
     llm = LLM(path, device="cpu", block_size=8, max_model_len=64, max_num_seqs=2,
-              hisparse=False)
+              mode="gpu-only")
     assert type(llm.runner) is ModelRunner
     out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}],
                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))

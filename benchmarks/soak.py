@@ -1,0 +1,241 @@
+"""Randomized soak of the real engine: many requests through a tiny tiered pool with arrivals
+over time, aborts, forced preemptions, stop ids, seeded sampling and failing requests.
+
+Checks, at the end: every request finished exactly once with the expected reason; outputs of
+completed requests equal an unconstrained (GPU-only, big pool) run of the same requests (stop
+ids applied to its outputs); failing requests finished with ``finish_reason="error"`` without
+disturbing the others; every pool is back to full (no leaked block).
+
+    PYTHONPATH=. python benchmarks/soak.py        # release check: 3000 requests, all modes
+    PYTHONPATH=. python benchmarks/soak.py --requests 300 --modes hisparse --seed 3 --rounds 5
+
+``tests/engine/test_soak.py`` runs a short version in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hisparse import LLM, SamplingParams
+from hisparse.config import KVCacheConfig
+
+
+@dataclass
+class SoakReport:
+    mode: str
+    requests: int
+    steps: int = 0
+    completed: int = 0
+    aborted: int = 0
+    errored: int = 0
+    preemptions: int = 0
+    stopped_by_stop_id: int = 0
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Spec:
+    prompt: list[int]
+    params: SamplingParams
+    compare: bool            # seeded or greedy: must equal the reference
+    poison: bool             # its logits turn NaN: must finish with an error
+    stop_pick: float | None  # where in the reference output to take a stop id from
+
+
+def _specs(n: int, rng: random.Random, vocab: int, max_prompt: int, max_tokens: int
+           ) -> list[_Spec]:
+    shared = [[rng.randrange(2, vocab) for _ in range(rng.randrange(8, max_prompt // 2))]
+              for _ in range(3)]
+    specs = []
+    for _ in range(n):
+        length = rng.randrange(1, max_prompt)
+        prompt = [rng.randrange(2, vocab) for _ in range(length)]
+        if rng.random() < 0.3:                       # prefix-cache traffic
+            prompt = (rng.choice(shared) + prompt)[:max_prompt]
+        kind = rng.random()
+        mt = rng.randrange(1, max_tokens + 1)
+        ignore_eos = rng.random() < 0.8
+        if kind < 0.5:
+            params = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=ignore_eos)
+        elif kind < 0.8:
+            params = SamplingParams(temperature=rng.choice([0.6, 1.0, 1.3]),
+                                    top_k=rng.choice([-1, 1, 5, 50]),
+                                    top_p=rng.choice([1.0, 0.9, 0.5]),
+                                    seed=rng.randrange(1 << 40), max_tokens=mt,
+                                    ignore_eos=ignore_eos)
+        else:  # unseeded sampling: traffic only, not comparable
+            params = SamplingParams(temperature=1.0, max_tokens=mt, ignore_eos=ignore_eos)
+        compare = params.greedy or params.seed is not None
+        stop_pick = rng.random() if compare and mt > 1 and rng.random() < 0.3 else None
+        specs.append(_Spec(prompt, params, compare, rng.random() < 0.02, stop_pick))
+    return specs
+
+
+def _expected(ref_tokens: list[int], stop_ids: list[int]) -> tuple[list[int], str | None]:
+    for i, t in enumerate(ref_tokens):
+        if t in stop_ids:
+            return ref_tokens[:i + 1], "stop"
+    return ref_tokens, None
+
+
+def run_soak(path: str, requests: int = 300, seed: int = 0, mode: str = "hisparse",
+             max_prompt: int = 60, max_tokens: int = 12, block_size: int = 8,
+             num_gpu_blocks: int | None = None, abort_rate: float = 0.03,
+             preempt_rate: float = 0.05, device: str = "cpu",
+             verbose: bool = False) -> SoakReport:
+    """Run one soak; raise AssertionError on any mismatch, leak or lost request."""
+    rng = random.Random(seed)
+    max_len = max_prompt + max_tokens + 8
+    common = dict(device=device, dtype="float32", block_size=block_size, max_model_len=max_len,
+                  max_num_batched_tokens=64)
+    ref = LLM(path, mode="gpu-only", max_num_seqs=64, **common)
+    vocab = ref.model_config.vocab_size
+    specs = _specs(requests, rng, vocab, max_prompt, max_tokens)
+
+    # Reference outputs (no stop ids; they are applied to these outputs afterwards).
+    idx = [i for i, s in enumerate(specs) if s.compare and not s.poison]
+    ref_outs = ref.generate([{"prompt_token_ids": specs[i].prompt} for i in idx],
+                            [specs[i].params for i in idx])
+    want: dict[int, tuple[list[int], str | None]] = {}
+    for i, out in zip(idx, ref_outs):
+        toks = out.outputs[0].token_ids
+        s = specs[i]
+        if s.stop_pick is not None and toks:
+            stop = toks[int(s.stop_pick * len(toks))]
+            s.params = SamplingParams(**{**vars(s.params), "stop_token_ids": [stop]})
+            toks, reason = _expected(toks, [stop])
+            want[i] = (toks, reason or out.outputs[0].finish_reason)
+        else:
+            want[i] = (toks, out.outputs[0].finish_reason)
+    del ref
+
+    hot = 2 * ref_topk(path)
+    if num_gpu_blocks is None:   # tiny: the smallest workable pool plus a little
+        num_gpu_blocks = KVCacheConfig(
+            block_size=block_size, num_gpu_blocks=1 << 30, num_host_blocks=1 << 30,
+            num_indexer_blocks=1 << 30, max_model_len=max_len, index_topk=hot // 2,
+            hot_buffer_size=hot, max_num_batched_tokens=common["max_num_batched_tokens"],
+            mode=mode).min_gpu_blocks + 4
+    llm = LLM(path, mode=mode, max_num_seqs=8, hot_buffer_size=hot, host_pool_gib=0.05,
+              num_gpu_blocks=num_gpu_blocks, **common)
+    poison_ids: set[str] = set()
+    real_execute = llm.runner.execute
+
+    def execute(plan, input_ids):
+        logits, acks = real_execute(plan, input_ids)
+        rows = [s.req_id for s in plan.seqs if s.sample]
+        bad = [r for r, rid in enumerate(rows) if rid in poison_ids]
+        if bad:
+            logits = logits.clone()
+            logits[bad] = float("nan")
+        return logits, acks
+
+    llm.runner.execute = execute
+    report = SoakReport(mode=mode, requests=requests)
+    t0 = time.perf_counter()
+    pending = list(range(requests))
+    live: dict[str, int] = {}
+    aborted: set[int] = set()
+    results: dict[int, object] = {}
+    while pending or llm.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 4) if pending else 0):
+            if not pending:
+                break
+            i = pending.pop(0)
+            rid = llm.add_request({"prompt_token_ids": specs[i].prompt}, specs[i].params)
+            live[rid] = i
+            if specs[i].poison:
+                poison_ids.add(rid)
+        if live and rng.random() < abort_rate:
+            rid = rng.choice(sorted(live))
+            llm.abort(rid)
+            aborted.add(live.pop(rid))
+            report.aborted += 1
+        if llm.scheduler.running and rng.random() < preempt_rate:
+            victim = rng.choice(llm.scheduler.running)
+            if llm.scheduler.preempt(victim.req_id):
+                report.preemptions += 1
+        for out in llm.step():
+            i = live.pop(out.request_id)
+            assert i not in results, f"request {out.request_id} finished twice"
+            results[i] = out
+        report.steps += 1
+        assert report.steps < 200 * requests, "the soak does not make progress"
+    report.seconds = time.perf_counter() - t0
+
+    assert not live, f"requests never finished: {sorted(live)[:5]}"
+    assert len(results) + len(aborted) == requests
+    for i, out in results.items():
+        c = out.outputs[0]
+        s = specs[i]
+        if s.poison:
+            assert c.finish_reason == "error" and "non-finite" in c.error, (i, c)
+            report.errored += 1
+            continue
+        assert c.error is None and c.finish_reason in ("stop", "length"), (i, c)
+        report.completed += 1
+        if i in want:
+            toks, reason = want[i]
+            assert c.token_ids == toks, (f"request {i} ({s.params}): {c.token_ids} != {toks}")
+            assert c.finish_reason == reason, (i, c.finish_reason, reason)
+            report.stopped_by_stop_id += bool(s.params.stop_token_ids and reason == "stop")
+    st = llm.stats()
+    cfg = llm.kv_config
+    assert st["free_gpu_blocks"] == cfg.num_gpu_blocks, "GPU blocks leaked"
+    assert st["free_indexer_blocks"] == cfg.num_indexer_blocks, "indexer blocks leaked"
+    if cfg.uses_host:
+        assert st["free_host_blocks"] == cfg.num_host_blocks, "host blocks leaked"
+    report.stats = st
+    if verbose:
+        print(report)
+    return report
+
+
+def ref_topk(path: str) -> int:
+    from hisparse.models.loader import load_config
+
+    return load_config(path).index_topk
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint dir (default: a tiny random one)")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="seeds seed..seed+rounds-1")
+    p.add_argument("--modes", nargs="+", default=["hisparse", "always-host", "gpu-only"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (tiny models: more threads only contend)")
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    path = a.model
+    if path is None:
+        import tempfile
+
+        from hisparse.models.random_checkpoint import make_random_checkpoint
+        path = make_random_checkpoint(tempfile.mkdtemp(prefix="hisparse-soak-"),
+                                      "deepseek_v32", seed=11, index_topk=16,
+                                      num_hidden_layers=3)
+    for r in range(a.rounds):
+        for mode in a.modes:
+            rep = run_soak(path, requests=a.requests, seed=a.seed + r, mode=mode,
+                           device=a.device)
+            print(f"seed {a.seed + r} {mode:<12} {rep.requests} requests in {rep.seconds:.1f} s"
+                  f" ({rep.steps} steps): {rep.completed} completed, {rep.aborted} aborted, "
+                  f"{rep.errored} errored, {rep.preemptions} preemptions, "
+                  f"{rep.stopped_by_stop_id} stop-id stops; spilled "
+                  f"{rep.stats['spilled_pages']}, hot misses {rep.stats['hot_misses']}; "
+                  "pools full, outputs equal the unconstrained run", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""KVCacheConfig validation: every error names the field and the limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse.config import ACTIVE_TAIL_PAGES, MODES, KVCacheConfig, Mode, cdiv, host_blocks_for_gib
+
+BASE = dict(block_size=16, num_gpu_blocks=64, num_host_blocks=64, num_indexer_blocks=64,
+            max_model_len=512, index_topk=32, max_num_seqs=4, max_num_batched_tokens=256)
+
+
+def cfg(**kw):
+    return KVCacheConfig(**{**BASE, **kw})
+
+
+def test_defaults_and_derived_sizes():
+    c = cfg()
+    assert c.mode is Mode.HISPARSE and c.hot_buffer_size == 64
+    assert c.max_pages_per_request == 32 and c.hot_blocks_per_request == 4
+    assert c.chunk_pages == 256 // 16 + 1
+    assert c.watermark == max(4, 64 // 10) and c.uses_host
+    assert c.min_gpu_blocks == max(32, 4 + ACTIVE_TAIL_PAGES + 17)
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_gpu_blocks", "num_indexer_blocks",
+                                   "max_model_len", "index_topk", "max_num_seqs",
+                                   "max_num_batched_tokens", "hot_buffer_size"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_sizes_must_be_positive_integers(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got"):
+        cfg(**{field: value})
+
+
+def test_block_size_power_of_two():
+    with pytest.raises(ValueError, match="block_size must be a power of two, got 24"):
+        cfg(block_size=24)
+
+
+def test_hot_buffer_at_least_index_topk():
+    with pytest.raises(ValueError, match=r"hot_buffer_size must be >= index_topk \(32\), got 16"):
+        cfg(hot_buffer_size=16)
+
+
+def test_mode_parsing():
+    assert cfg(mode="gpu-only").mode is Mode.GPU_ONLY
+    assert cfg(mode=Mode.ALWAYS_HOST).mode == "always-host"
+    assert MODES == ("gpu-only", "hisparse", "always-host")
+    with pytest.raises(ValueError, match=r"mode must be one of \['gpu-only', 'hisparse', "
+                                         r"'always-host'\], got 'on'"):
+        cfg(mode="on")
+
+
+def test_host_pool_must_hold_one_request_unless_gpu_only():
+    with pytest.raises(ValueError, match=r"num_host_blocks must hold one max-length request "
+                                         r"\(>= 32 blocks"):
+        cfg(num_host_blocks=31)
+    assert cfg(num_host_blocks=0, mode="gpu-only").num_host_blocks == 0
+
+
+def test_gpu_minimum_counts_the_chunk_that_can_actually_be_scheduled():
+    # A 2048-token chunk can never exceed max_model_len=128 tokens.
+    c = cfg(block_size=8, max_model_len=128, max_num_batched_tokens=2048, index_topk=16,
+            num_gpu_blocks=64, num_indexer_blocks=16, num_host_blocks=16)
+    assert c.chunk_pages == 16                       # min(cdiv(128, 8) + 1, 16 pages)
+    assert c.min_gpu_blocks == max(16, 4 + ACTIVE_TAIL_PAGES + 16)
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 22 \(one max_model_len "
+                                         r"prompt: 16; hot blocks 4 \+ tail 2 \+ one prefill "
+                                         r"chunk 16\), got 21"):
+        cfg(block_size=8, max_model_len=128, max_num_batched_tokens=2048, index_topk=16,
+            num_gpu_blocks=21, num_indexer_blocks=16, num_host_blocks=16)
+
+
+def test_gpu_only_minimum_is_one_full_request():
+    assert cfg(mode="gpu-only", num_gpu_blocks=32).min_gpu_blocks == 32
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 32 \(one max-length "
+                                         r"request in gpu-only mode"):
+        cfg(mode="gpu-only", num_gpu_blocks=31)
+
+
+def test_indexer_pool_must_hold_one_request():
+    with pytest.raises(ValueError, match=r"num_indexer_blocks must hold one max-length request "
+                                         r"\(>= 32\), got 31"):
+        cfg(num_indexer_blocks=31)
+
+
+def test_watermark():
+    assert cfg(watermark_blocks=0).watermark == 0
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=f"watermark_blocks must be None or an integer "
+                                             f">= 0, got {bad}"):
+            cfg(watermark_blocks=bad)
+
+
+@pytest.mark.parametrize("gib", [0, -1, float("nan"), float("inf"), "1"])
+def test_host_pool_gib(gib):
+    with pytest.raises(ValueError, match="host_pool_gib must be a positive number"):
+        host_blocks_for_gib(gib, 1024)
+
+
+def test_host_blocks_for_gib_and_cdiv():
+    assert host_blocks_for_gib(1, 1 << 20) == 1024
+    assert cdiv(7, 2) == 4 and cdiv(8, 2) == 4
