@@ -41,14 +41,14 @@ def run(requests: int, context: int, block_size: int, steps: int, mode: str) -> 
     while sched.waiting or any(r.num_uncomputed > 1 for r in sched.running):
         plan = sched.schedule(acks)
         acks = [plan.step_id]
-        sched.update(plan, {s.req_id: 1 for s in plan.seqs if s.sample})
+        sched.update(plan, [1 for s in plan.seqs if s.sample])
         prefill_steps += 1
     setup_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         plan = sched.schedule(acks)
-        sched.update(plan, {s.req_id: 1 for s in plan.seqs if s.sample})
+        sched.update(plan, [1 for s in plan.seqs if s.sample])
         times.append(time.perf_counter() - t)
         acks = [plan.step_id]
         assert len(plan.seqs) == requests, "every request decodes each step"

@@ -86,14 +86,18 @@ def _expected(ref_tokens: list[int], stop_ids: list[int]) -> tuple[list[int], st
 def run_soak(path: str, requests: int = 300, seed: int = 0, mode: str = "hisparse",
              max_prompt: int = 60, max_tokens: int = 12, block_size: int = 8,
              num_gpu_blocks: int | None = None, abort_rate: float = 0.03,
-             preempt_rate: float = 0.05, device: str = "cpu",
+             preempt_rate: float = 0.05, device: str = "cpu", async_scheduling: bool = True,
              verbose: bool = False) -> SoakReport:
-    """Run one soak; raise AssertionError on any mismatch, leak or lost request."""
+    """Run one soak; raise AssertionError on any mismatch, leak or lost request.
+
+    The reference is an unconstrained GPU-only engine with the synchronous loop; the engine
+    under test uses ``mode`` on a tiny pool and the overlapped loop when ``async_scheduling``.
+    """
     rng = random.Random(seed)
     max_len = max_prompt + max_tokens + 8
     common = dict(device=device, dtype="float32", block_size=block_size, max_model_len=max_len,
                   max_num_batched_tokens=64)
-    ref = LLM(path, mode="gpu-only", max_num_seqs=64, **common)
+    ref = LLM(path, mode="gpu-only", max_num_seqs=64, async_scheduling=False, **common)
     vocab = ref.model_config.vocab_size
     specs = _specs(requests, rng, vocab, max_prompt, max_tokens)
 
@@ -122,7 +126,7 @@ def run_soak(path: str, requests: int = 300, seed: int = 0, mode: str = "hispars
             hot_buffer_size=hot, max_num_batched_tokens=common["max_num_batched_tokens"],
             mode=mode).min_gpu_blocks + 4
     llm = LLM(path, mode=mode, max_num_seqs=8, hot_buffer_size=hot, host_pool_gib=0.05,
-              num_gpu_blocks=num_gpu_blocks, **common)
+              num_gpu_blocks=num_gpu_blocks, async_scheduling=async_scheduling, **common)
     poison_ids: set[str] = set()
     real_execute = llm.runner.execute
 
@@ -161,6 +165,8 @@ def run_soak(path: str, requests: int = 300, seed: int = 0, mode: str = "hispars
             if llm.scheduler.preempt(victim.req_id):
                 report.preemptions += 1
         for out in llm.step():
+            if not out.finished:
+                continue
             i = live.pop(out.request_id)
             assert i not in results, f"request {out.request_id} finished twice"
             results[i] = out

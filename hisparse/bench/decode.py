@@ -134,7 +134,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     n_out: dict[str, int] = {}
     t0 = time.perf_counter()
     while llm.has_unfinished_requests():
-        finished = llm.step()
+        finished = [out for out in llm.step() if out.finished]
         now = time.perf_counter()
         for out in finished:
             done_at[out.request_id] = now

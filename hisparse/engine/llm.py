@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib
+from hisparse.engine.core import EngineCore
 from hisparse.engine.request import Request
-from hisparse.engine.sampling import SamplingParams, sample, sample_rows
+from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
 from hisparse.models.loader import load_config, load_model
 from hisparse.worker.cache import CacheGeometry, KVCaches
@@ -55,6 +56,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True          # False: a streaming update (tokens so far) of a running one
 
 
 def available_host_memory_bytes() -> int:
@@ -156,7 +158,7 @@ class LLM:
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
-                 runner_cls=None):
+                 runner_cls=None, async_scheduling: bool = True):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if not isinstance(model, (str, os.PathLike)):
@@ -178,6 +180,7 @@ class LLM:
         _check_int("watermark_blocks", watermark_blocks, minimum=0, optional=True)
         _check_bool("enable_prefix_caching", enable_prefix_caching)
         _check_bool("enforce_eager", enforce_eager)
+        _check_bool("async_scheduling", async_scheduling)
         _check_real("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0)
         if mode != Mode.GPU_ONLY:
             _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
@@ -231,10 +234,11 @@ class LLM:
         self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
                                                   mc.kv_lora_rank, enforce_eager=enforce_eager)
         self.scheduler = Scheduler(self.kv_config)
+        self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
+                               async_scheduling)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
-        self._acks: list[int] = []
         self._ids = itertools.count()
         self._fault: BaseException | None = None
         # Outputs of requests that finished inside generate() but were not its own: the next
@@ -425,10 +429,13 @@ class LLM:
                                "the engine is stopped")
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it (``[]`` when idle).
+        """Run one engine step; return an output for every request that got a token in it (its
+        tokens so far; ``finished`` once it is done) and for every request that failed. ``[]``
+        when idle.
 
-        Also returns requests added with :meth:`add_request` that finished while
-        :meth:`generate` was stepping the engine.
+        With ``async_scheduling`` a call launches a step and returns the results of the one
+        before it. Also returns outputs of requests added with :meth:`add_request` that
+        :meth:`generate` stepped.
         """
         self._check_alive()
         if self._stashed:
@@ -438,73 +445,25 @@ class LLM:
 
     def _step_own(self) -> list[RequestOutput]:
         self._check_alive()
-        plan = self.scheduler.schedule(self._acks)
-        self._acks = []
-        if plan is None:
-            if self.runner.in_flight:  # finished requests still hold KV until acked
-                self._acks = self.runner.drain()
-                return []
-            if self.scheduler.has_unfinished:
-                raise self._die(RuntimeError("requests wait but nothing can be scheduled"),
-                                "scheduling")
-            return []
         try:
-            reqs = [self._requests[s.req_id] for s in plan.seqs]
-            input_ids = [t for s, r in zip(plan.seqs, reqs)
-                         for t in r.token_ids[s.start_pos:s.start_pos + s.num_tokens]]
-            logits, self._acks = self.runner.execute(plan, input_ids)
+            update, errors = self.core.step()
         except Exception as e:
-            raise self._die(e, "the forward") from e
-        sampling = [(s, r) for s, r in zip(plan.seqs, reqs) if s.sample]
-        sampled, errors = self._sample(logits, [r for _, r in sampling])
-        outputs = [self._fail_request(req_id, msg) for req_id, msg in errors.items()]
-        try:
-            finished = self.scheduler.update(plan, sampled,
-                                             frozenset(self.model_config.eos_token_ids))
-        except Exception as e:
-            raise self._die(e, "the scheduler update") from e
-        outputs += [self._output(self._forget(r.req_id)) for r in finished]
+            raise self._die(e, "the engine step") from e
+        self._errors.update(errors)
+        outputs = [self._output(req) for req in update.progressed if not req.finished]
+        outputs += [self._output(self._forget(req.req_id))
+                    for req in update.finished + update.failed]
         if not self.scheduler.has_unfinished:
             self._release_finished()
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]
-                ) -> tuple[dict[str, int], dict[str, str]]:
-        """Tokens of the sampling rows, and an error message per request that failed."""
-        if not reqs:
-            return {}, {}
-        params = [r.sampling for r in reqs]
-        steps = [r.num_output_tokens for r in reqs]
-        try:
-            tokens: list = sample(logits, params, steps)
-        except Exception as batch_error:
-            tokens = sample_rows(logits, params, steps)  # find the culprit rows
-            if len(tokens) > 1 and all(isinstance(t, Exception) for t in tokens):
-                raise self._die(batch_error, "sampling") from batch_error
-        vocab = self.model_config.vocab_size
-        sampled, errors = {}, {}
-        for r, tok in zip(reqs, tokens):
-            if isinstance(tok, Exception):
-                errors[r.req_id] = f"sampling failed: {type(tok).__name__}: {tok}"
-            elif not 0 <= tok < vocab:
-                errors[r.req_id] = (f"non-finite logits (NaN/inf) at output token "
-                                    f"{r.num_output_tokens}")
-            else:
-                sampled[r.req_id] = tok
-        return sampled, errors
-
-    def _fail_request(self, req_id: str, message: str) -> RequestOutput:
-        """Finish one request with ``finish_reason="error"``; its KV is freed."""
-        self.scheduler.abort(req_id)
-        req = self._forget(req_id)
-        req.finish_reason = "error"
-        self._errors[req_id] = message
-        return self._output(req)
-
     def _release_finished(self) -> None:
-        """Wait for in-flight mirrors and apply their acks: finished requests free their KV."""
-        self.scheduler.kv.apply_acks(self._acks + self.runner.drain())
-        self._acks = []
+        """No request left: wait for the step and the mirrors in flight, so finished requests'
+        KV is back in the pools."""
+        try:
+            self.core.release()
+        except Exception as e:
+            raise self._die(e, "releasing finished requests") from e
 
     def _output(self, req: Request) -> RequestOutput:
         ids = list(req.output_token_ids)
@@ -517,7 +476,8 @@ class LLM:
             except Exception as e:  # noqa: BLE001 - one request's failure
                 reason, error = "error", f"detokenizing failed: {type(e).__name__}: {e}"
         return RequestOutput(req.req_id, req.prompt_text, list(req.prompt_token_ids),
-                             [CompletionOutput(0, text, ids, reason, error)])
+                             [CompletionOutput(0, text, ids, reason, error)],
+                             finished=req.finished)
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None,
@@ -574,16 +534,17 @@ class LLM:
         try:
             while wanted - done.keys():
                 for out in self._step_own():
-                    if out.request_id in wanted:
+                    if out.request_id not in wanted:
+                        self._stashed.append(out)
+                    elif out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-                    else:
-                        self._stashed.append(out)
         finally:
             if bar is not None:
                 bar.close()
-        self._release_finished()
+        if not self.scheduler.has_unfinished:
+            self._release_finished()
         return [done[i] for i in ids]
 
     # ------------------------------------------------------------------ stats

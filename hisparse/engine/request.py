@@ -54,7 +54,10 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        """Known tokens (pending ones included) without KV."""
+        if self.kv is None:
+            return len(self.token_ids)
+        return self.kv.num_tokens - self.kv.num_computed
 
     @property
     def finished(self) -> bool:

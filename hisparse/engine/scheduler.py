@@ -7,17 +7,36 @@ running request is preempted (its KV is freed; its durable pages stay in the pre
 
 Progress (``num_computed``) is owned by the KV core; the scheduler reads it through each
 request's KV handle (``Request.kv``).
+
+Overlapped steps: the engine may plan step n+1 before step n's sampled tokens are back. A token
+that a planned step samples is *pending* (``RequestKV.num_pending_tokens``) until
+:meth:`Scheduler.update` appends it; the next step may already compute it (its id comes from the
+device). A request whose pending tokens will end it by length is not scheduled again, and results
+for a request that finished, was aborted or was preempted after the plan are dropped.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from hisparse.config import KVCacheConfig
 from hisparse.engine.request import Request, RequestStatus
 from hisparse.kv.coordinator import KVCoordinator
 from hisparse.kv.plan import StepPlan
+from hisparse.kv.state import RequestKV
+
+
+@dataclass
+class StepUpdate:
+    """What one step's sampled tokens did: requests that got a token (still running or not),
+    those that finished with it (``finish_reason`` set), and those whose sampling failed
+    (finished with ``finish_reason="error"``)."""
+
+    progressed: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -28,6 +47,8 @@ class Scheduler:
         self.running: list[Request] = []          # admission order (the newest is preempted)
         self._running_by_id: dict[str, Request] = {}
         self.step_id = 0
+        # Per planned step: the request and KV handle of each sampling sequence, in plan order.
+        self._samplers: dict[int, list[tuple[Request, RequestKV]]] = {}
         self.num_preempted = 0
         self.peak_running = 0
 
@@ -89,8 +110,8 @@ class Scheduler:
             handle = req.kv
             if req.status is not running or handle is None:
                 continue
-            n = min(len(req.token_ids) - handle.num_computed, budget)
-            if n == 0:
+            n = min(handle.num_tokens - handle.num_computed, budget)
+            if n == 0 or (handle.num_pending_tokens and self._ends_by_length(req, handle)):
                 continue
             while not kv.allocate_slots(handle, n):
                 if not may_preempt:
@@ -126,21 +147,46 @@ class Scheduler:
         if scheduled == 0:
             return None
         self.step_id += 1
-        return kv.build_plan(self.step_id)
-
-    def update(self, plan: StepPlan, sampled: dict[str, int],
-               eos_token_ids: frozenset[int] = frozenset()) -> list[Request]:
-        """Append each sampled token; return the requests that finished with it."""
+        plan = kv.build_plan(self.step_id)
         by_id = self._running_by_id
-        finished = []
-        for seq in plan.seqs:
-            if not seq.sample:
+        self._samplers[plan.step_id] = [(r, r.kv) for r in
+                                        (by_id[s.req_id] for s in plan.seqs if s.sample)]
+        return plan
+
+    @staticmethod
+    def _ends_by_length(req: Request, handle: RequestKV) -> bool:
+        """Its pending tokens alone will finish it (max_tokens or max_len)."""
+        total = handle.num_tokens
+        return total >= req.max_len or total - len(req.prompt_token_ids) >= req.max_tokens
+
+    def running_requests(self, plan: StepPlan) -> list[Request]:
+        """The requests of ``plan``'s sequences, in plan order (call before any of them
+        leaves)."""
+        by_id = self._running_by_id
+        return [by_id[s.req_id] for s in plan.seqs]
+
+    def sampling_requests(self, plan: StepPlan) -> list[Request]:
+        """The requests of ``plan``'s sampling sequences, in plan order."""
+        return [r for r, _ in self._samplers[plan.step_id]]
+
+    def update(self, plan: StepPlan, tokens: Sequence[int],
+               eos_token_ids: frozenset[int] = frozenset()) -> StepUpdate:
+        """Apply ``plan``'s results: ``tokens[i]`` was sampled for its i-th sampling sequence
+        (``-1``: sampling failed for that row). Each token is appended and its request finished
+        on a stop id or its length; entries of requests that left (or were preempted) since the
+        plan are dropped."""
+        out = StepUpdate()
+        running = RequestStatus.RUNNING
+        for (req, handle), token in zip(self._samplers.pop(plan.step_id), tokens, strict=True):
+            handle.num_pending_tokens -= 1
+            if req.kv is not handle or req.status is not running:
                 continue
-            token = sampled.get(seq.req_id)
-            req = by_id.get(seq.req_id)
-            if token is None or req is None:
+            if token < 0:
+                self._leave(req, RequestStatus.FINISHED, "error")
+                out.failed.append(req)
                 continue
             req.token_ids.append(token)
+            out.progressed.append(req)
             reason = None
             if token in req.stop_token_ids or (token in eos_token_ids and not (
                     req.sampling is not None and req.sampling.ignore_eos)):
@@ -150,8 +196,8 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self._leave(req, RequestStatus.FINISHED, reason)
-                finished.append(req)
-        return finished
+                out.finished.append(req)
+        return out
 
     def _leave(self, req: Request, status: RequestStatus, reason: str) -> None:
         self.kv.free(req.req_id)

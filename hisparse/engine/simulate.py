@@ -86,8 +86,8 @@ class Simulation:
         self.acks = self.worker.execute(plan)
         if plan is None:
             return False
-        sampled = {s.req_id: self.rng.randrange(self.vocab) for s in plan.seqs if s.sample}
-        self.finished += self.scheduler.update(plan, sampled)
+        tokens = [self.rng.randrange(self.vocab) for s in plan.seqs if s.sample]
+        self.finished += self.scheduler.update(plan, tokens).finished
         return True
 
     def abort(self, req_id: str) -> None:

@@ -165,10 +165,10 @@ class KVCoordinator:
         block_size = self.block_size
         start = req.num_computed
         end = start + num_tokens
-        if (num_tokens <= 0 or req.freed or end > len(req.token_ids)
+        if (num_tokens <= 0 or req.freed or end > req.num_tokens
                 or end > req.num_pages * block_size):
             raise ValueError(f"request {req.req_id!r}: cannot schedule tokens [{start}, {end}) "
-                             f"with {len(req.token_ids)} known tokens (freed={req.freed})")
+                             f"with {req.num_tokens} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
         resident = req.resident
         if first_page == last_page:  # the decode fast path
@@ -200,8 +200,11 @@ class KVCoordinator:
             if req.freed:
                 continue
             end = start + n
+            sample = end >= req.num_tokens
             seqs.append(ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
-                                     end >= len(req.token_ids), start < req.prompt_len))
+                                     sample, start < req.prompt_len))
+            if sample:  # the engine appends it when the step's result comes back
+                req.num_pending_tokens += 1
             if uses_host:
                 write = PendingWrite(end)
                 req.pending.append(write)

@@ -48,7 +48,9 @@ class PrefixCache:
         """Publish the hashes of a request's full durable pages, contiguously from page 0."""
         if not self.enabled:
             return
-        num_full = req.num_durable // self.block_size
+        # Only pages whose tokens are all appended: a durable row whose token the engine later
+        # discarded (an overlapped step past a request's end) must never be hashed.
+        num_full = min(req.num_durable, len(req.token_ids)) // self.block_size
         if num_full <= req.num_published:
             return
         hashes = req.page_hashes

@@ -45,6 +45,15 @@ class RequestKV:
     # Pages below this index hold no GPU reference of ours (unpinned, lost or never restored).
     pinned_start: int = 0
     freed: bool = False             # its KV was given back (it may still drain mirrors)
+    # Tokens that planned steps sample but the engine has not appended to ``token_ids`` yet
+    # (one while an overlapped step is in flight): they count as known tokens here, so the
+    # next step can already compute them (their ids come from the device).
+    num_pending_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: ``token_ids`` plus those sampled by planned steps."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def decoding(self) -> bool:

@@ -174,6 +174,11 @@ class ModelRunner:
             return hidden.new_zeros(0, 0).float()
         return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
 
+    def commit_sampled(self, tokens: Tensor) -> None:
+        """The tokens sampled from the last :meth:`execute`'s logits (device, plan order): the
+        inputs of the next step's decode tokens whose ids the host does not know yet."""
+        self.inputs.commit_sampled(tokens)
+
     def _mirror(self, plan: StepPlan) -> None:
         if not len(plan.mirrors):
             return

@@ -87,6 +87,10 @@ class StepState:
         self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
         self.slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
         self.sample_idx = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
+        self.sample_slots: Tensor = self.tables["hot"].new_zeros(0, dtype=torch.long)
+        # The token each request slot sampled last (device-side): the input of a decode token
+        # whose id the host does not know yet (an overlapped step; ``-1`` in ``input_ids``).
+        self.last_sampled = torch.zeros(R, dtype=torch.long, device=device)
         fixed = sum(R * (1 + w) for w in widths.values()) + R
         self._plan_staging = _Staging(device, fixed + 4096)
         self._token_staging = _Staging(device, 4 * self.max_tokens)
@@ -107,6 +111,8 @@ class StepState:
             n += rows.size * (1 + new.shape[1])
         resets = np.asarray(plan.hot_resets, dtype=np.int64)
         n += resets.size
+        sample_slots = np.fromiter((s.slot for s in plan.seqs if s.sample), dtype=np.int64)
+        n += sample_slots.size
         ops = [getattr(plan, c) for c in COPIES]
         n += sum(2 * len(op) for op in ops)
         buf = self._plan_staging.begin(n)
@@ -125,6 +131,9 @@ class StepState:
         buf[o:o + resets.size] = resets
         reset_span = (o, resets.size)
         o += resets.size
+        buf[o:o + sample_slots.size] = sample_slots
+        sample_span = (o, sample_slots.size)
+        o += sample_slots.size
         copy_spans = {}
         for c, op in zip(COPIES, ops):
             k = len(op)
@@ -139,13 +148,16 @@ class StepState:
             self.rows_uploaded += k
         o, k = reset_span
         self.hot_resets = dev[o:o + k]
+        o, k = sample_span
+        self.sample_slots = dev[o:o + k]
         self.copies = {c: (dev[o:o + k], dev[o + k:o + 2 * k]) for c, (o, k) in copy_spans.items()}
 
     def stage_tokens(self, seqs: list[ScheduledSeq], input_ids: list[int],
                      pad_to: int | None = None) -> tuple[int, int]:
         """Fill ``ids``, ``positions``, ``slots`` (padding: slot -1, position 0, id 0 up to
         ``pad_to``) and ``sample_idx`` (flat index of each sampling sequence's last token).
-        Returns ``(num_tokens, num_sampled)``."""
+        An id of ``-1`` is the token its slot sampled last (:meth:`commit_sampled`), still on
+        the device. Returns ``(num_tokens, num_sampled)``."""
         positions, token_slot, counts = token_layout(seqs)
         T = positions.size
         Tp = max(T, pad_to or 0)
@@ -158,6 +170,7 @@ class StepState:
         S = sidx.size
         buf = self._token_staging.begin(3 * Tp + S)
         buf[:T] = input_ids
+        from_device = bool((buf[:T] < 0).any())
         buf[T:Tp] = 0
         buf[Tp:Tp + T] = positions
         buf[Tp + T:2 * Tp] = 0
@@ -169,4 +182,17 @@ class StepState:
         self.positions[:Tp].copy_(dev[Tp:2 * Tp])
         self.slots[:Tp].copy_(dev[2 * Tp:3 * Tp])
         self.sample_idx[:S].copy_(dev[3 * Tp:])
+        if from_device:
+            ids = self.ids[:T]
+            ids.copy_(torch.where(ids < 0, self.last_sampled[self.slots[:T].long().clamp(min=0)],
+                                  ids))
         return T, S
+
+    def commit_sampled(self, tokens: Tensor) -> None:
+        """Record the tokens sampled for the staged plan's sampling sequences (int64, device,
+        plan order) as their slots' last tokens; call before the next :meth:`stage_plan`."""
+        if self.sample_slots.numel():
+            # A failed row (-1) still feeds a valid id to a step already queued for it (whose
+            # result is dropped): an out-of-range embedding index would fault the device.
+            self.last_sampled.index_copy_(0, self.sample_slots,
+                                          tokens.to(torch.long).clamp(min=0))
