@@ -9,6 +9,13 @@ speed is what is measured; see :mod:`hisparse.bench.synthetic`, plugged in throu
 Top-k sources: ``indexer`` (the model's own indexer: random weights, unrealistic locality),
 ``synthetic:<overlap>`` and ``trace:<npz>`` (selections replayed in place of the indexer output;
 the indexer still runs so its cost is counted).
+
+Profiles (``--profile``): ``default`` is the 8-layer model above. ``tp8-rank`` has the per-step
+cost shape of one TP-8 rank of DeepSeek-V3.2 at high batch (DESIGN section 7): 4 layers whose
+dense MLP has intermediate 32768 (~1.4 GB of bf16 weights read per layer per step, standing in
+for a real rank's MoE expert traffic until real MoE/FP8 weights run), a GPU KV budget of 690k
+tokens (what a real rank keeps after its weights), 32k and 64k prompts, synthetic top-k with 0.8
+step-to-step overlap, concurrency swept up to the host-pool and hot-buffer limits.
 """
 
 from __future__ import annotations
@@ -52,12 +59,29 @@ class Point:
     num_preempted: int
     spilled_pages: int
     wall_s: float
+    wall_ms_per_step: float = float("nan")   # pure decode steps at full concurrency
+    gpu_ms_per_step: float = float("nan")    # CUDA events around each such step
+    planned_max_running: int = 0             # the capacity planner's prediction
+    planned_bound_by: str = ""
 
 
-def write_config(layers: int) -> str:
+PROFILES = {
+    "default": dict(layers=8, contexts="65536", concurrency="8,32,64,max", outputs=64,
+                    gpu_kv_gib=16.0, gpu_kv_tokens=None, intermediate_size=None,
+                    topk="indexer"),
+    "tp8-rank": dict(layers=4, contexts="32768,65536", concurrency="8,21,64,128,max",
+                     outputs=64, gpu_kv_gib=None, gpu_kv_tokens=690_000,
+                     intermediate_size=32768, topk="synthetic:0.8"),
+}
+
+
+def write_config(layers: int, intermediate_size: int | None = None) -> str:
     from hisparse.models.random_checkpoint import make_hf_config
 
-    cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers, **TP8_GEOMETRY).to_dict()
+    geometry = dict(TP8_GEOMETRY)
+    if intermediate_size is not None:
+        geometry["intermediate_size"] = intermediate_size
+    cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers, **geometry).to_dict()
     cfg["architectures"] = ["DeepseekV32ForCausalLM"]
     path = tempfile.mkdtemp(prefix="hisparse-bench-")
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -101,14 +125,11 @@ def make_topk_override(table: torch.Tensor, context: int):
 
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
-              outputs: int, gpu_kv_gib: float, host_buffers, host_pool_gib: float,
+              outputs: int, num_gpu_blocks: int, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False) -> Point:
     from hisparse import LLM, SamplingParams
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
-    row_bytes_per_block = block_size * 576 * 2
-    layers = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
-    num_gpu_blocks = int(gpu_kv_gib * (1 << 30)) // (row_bytes_per_block * layers)
     max_len = context + outputs
     torch.cuda.reset_peak_memory_stats()
     clock = TokenClock()
@@ -123,6 +144,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               enforce_eager=enforce_eager,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     llm.capture_cuda_graphs()
+    planned = llm.capacity(context=max_len)[str(mode)]
     g = torch.Generator().manual_seed(0)
     req_ids = []
     for _ in range(concurrency):
@@ -146,6 +168,8 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     decode_tokens = sum(n_out[r] - 1 for r in req_ids)
     tpots = sorted((done_at[r] - first_token[r]) / max(1, outputs - 1) * 1e3 for r in req_ids)
     s = llm.stats()
+    # Steady state: decode steps with (nearly) every running request in them.
+    steps = clock.decode_step_stats(min_running=max(1, int(0.9 * s["peak_running"])))
     lookups = s["hot_hits"] + s["hot_misses"]
     point = Point(
         mode=s["mode"], topk_source=topk_source, context=context, concurrency=concurrency,
@@ -156,7 +180,9 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         h2d_gb_s=s["h2d_bytes"] / wall / 1e9,
         gpu_mem_gib=torch.cuda.max_memory_allocated() / (1 << 30),
         host_pool_gib=host_pool_gib if mode != "gpu-only" else 0.0,
-        num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall)
+        num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall,
+        wall_ms_per_step=steps["wall_ms_per_step"], gpu_ms_per_step=steps["gpu_ms_per_step"],
+        planned_max_running=planned.max_running, planned_bound_by=planned.bound_by)
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
     torch.cuda.empty_cache()
@@ -166,15 +192,22 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="hisparse bench", description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--contexts", default="65536")
-    p.add_argument("--concurrency", default="8,32,64,max")
-    p.add_argument("--outputs", type=int, default=64)
-    p.add_argument("--gpu-kv-gib", type=float, default=16.0)
+    p = argparse.ArgumentParser(prog="hisparse bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=sorted(PROFILES), default="default",
+                   help="workload shape; the options below override its values")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--intermediate-size", type=int, default=None, help="dense MLP width")
+    p.add_argument("--contexts", default=None)
+    p.add_argument("--concurrency", default=None,
+                   help="comma list; 'max' = what the host pool and hot buffers allow")
+    p.add_argument("--outputs", type=int, default=None)
+    p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU arena of MLA rows")
+    p.add_argument("--gpu-kv-tokens", type=int, default=None,
+                   help="GPU arena size in tokens (instead of --gpu-kv-gib)")
     p.add_argument("--host-pool-gib", type=float, default=64.0)
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
-    p.add_argument("--topk", default="indexer",
+    p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
     p.add_argument("--locality", default="",
                    help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
@@ -182,10 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
+    for key, value in PROFILES[a.profile].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     if not torch.cuda.is_available():
         raise SystemExit("hisparse bench needs a CUDA device")
     modes = {m.value: m.value for m in Mode}
-    path = write_config(a.layers)
+    path = write_config(a.layers, a.intermediate_size)
+    block_size = 64
+    if a.gpu_kv_tokens is not None:
+        num_gpu_blocks = a.gpu_kv_tokens // block_size
+    else:
+        num_gpu_blocks = int(a.gpu_kv_gib * (1 << 30)) // (block_size * 576 * 2 * a.layers)
+    print(f"profile {a.profile}: {a.layers} layers, GPU arena {num_gpu_blocks} blocks "
+          f"({num_gpu_blocks * block_size} tokens)", flush=True)
     geo_bytes_per_token = a.layers * (576 + 128) * 2
     t = time.perf_counter()
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
@@ -196,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()
     for name in a.modes.split(","):  # compile every kernel before timing anything
-        run_point(path, modes[name], "indexer", None, 4096, 4, 8, a.gpu_kv_gib, None, 1.0, 4,
+        run_point(path, modes[name], "indexer", None, 4096, 4, 8, num_gpu_blocks, None, 1.0, 4,
                   enforce_eager=a.eager)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
 
@@ -209,21 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in a.contexts.split(",")]
     for context in contexts:
         host_cap = host_rows // (context + a.outputs + 64)
-        levels = sorted({host_cap if c == "max" else min(int(c), host_cap)
+        # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
+        # blocks, and 10% of the blocks stay free (the watermark).
+        hot_cap = int(num_gpu_blocks * 0.9) // (2 * 2048 // block_size + 2)
+        cap = min(host_cap, max(hot_cap, 1))
+        levels = sorted({cap if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
         table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
         for conc in levels:
             for name in a.modes.split(","):
                 record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels),
+                                 num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                  enforce_eager=a.eager))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
             table = topk_table(source, a.layers, context, a.outputs, 2048)
-            conc = min(a.locality_concurrency, host_cap)
+            conc = min(a.locality_concurrency, cap)
             for name in ("hisparse", "always-host"):
                 record(run_point(path, modes[name], source, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, conc,
+                                 num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                  enforce_eager=a.eager))
     print_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
@@ -231,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(points: list[Point]) -> None:
-    cols = ["mode", "topk_source", "context", "concurrency", "decode_tok_s", "tpot_p50_ms",
-            "tpot_p99_ms", "running_reached", "hot_hit_rate", "h2d_gb_s", "gpu_mem_gib",
-            "num_preempted"]
+    cols = ["mode", "context", "concurrency", "decode_tok_s", "tpot_p50_ms", "tpot_p99_ms",
+            "wall_ms_per_step", "gpu_ms_per_step", "running_reached", "planned_max_running",
+            "planned_bound_by", "hot_hit_rate", "h2d_gb_s", "num_preempted"]
     print(" | ".join(cols))
     for pt in points:
         d = asdict(pt)

@@ -8,7 +8,8 @@
   indexer's selection (e.g. a replayed trace of a real model's selections); the indexer still
   runs so its cost is counted. Must be CUDA-graph safe (fixed shapes, no host sync).
 - :class:`TokenClock`: wall time of every sampled token per request, recorded by the runner (so
-  the benchmark needs nothing from the engine but its public API).
+  the benchmark needs nothing from the engine but its public API), and per pure decode step the
+  wall time between step launches and the GPU time of the step (CUDA events around it).
 
 Usage::
 
@@ -30,16 +31,43 @@ from hisparse.worker.model_runner import ModelRunner, PagedContext
 
 
 class TokenClock:
-    """``times[req_id]``: ``time.perf_counter()`` at each step that sampled a token for it."""
+    """``times[req_id]``: ``time.perf_counter()`` at each step that sampled a token for it.
+
+    ``steps``: per pure decode step (no prompt tokens), its launch wall time, the number of
+    requests in it and, on CUDA, events recorded before its first and after its last kernel.
+    """
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = defaultdict(list)
+        self.steps: list[tuple[float, int, object, object]] = []
 
     def record(self, plan: StepPlan) -> None:
         now = time.perf_counter()
         for s in plan.seqs:
             if s.sample:
                 self.times[s.req_id].append(now)
+
+    def step(self, plan: StepPlan, launched_at: float, start, end) -> None:
+        if not any(s.prefill for s in plan.seqs):
+            self.steps.append((launched_at, len(plan.seqs), start, end))
+
+    def decode_step_stats(self, min_running: int = 1) -> dict[str, float]:
+        """Mean wall ms between consecutive decode step launches and mean GPU ms per decode
+        step (event to event), over steps with at least ``min_running`` requests. Synchronizes
+        the device."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        steps = self.steps
+        walls, gpus = [], []
+        for (t0, n, start, end), (t1, _, _, _) in zip(steps, steps[1:]):
+            if n < min_running:
+                continue
+            walls.append((t1 - t0) * 1e3)
+            if start is not None:
+                gpus.append(start.elapsed_time(end))
+        mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
+        return {"wall_ms_per_step": mean(walls), "gpu_ms_per_step": mean(gpus),
+                "timed_steps": len(walls)}
 
 
 class ReplayTopkContext(PagedContext):
@@ -64,9 +92,18 @@ class SyntheticPrefillRunner(ModelRunner):
         self.ctx.topk_override = topk_override
 
     def execute(self, plan: StepPlan, input_ids: list[int]):
+        if self.clock is None:
+            return super().execute(plan, input_ids)
+        launched_at = time.perf_counter()
+        start = end = None
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         out = super().execute(plan, input_ids)
-        if self.clock is not None:
-            self.clock.record(plan)
+        if end is not None:
+            end.record()
+        self.clock.record(plan)
+        self.clock.step(plan, launched_at, start, end)
         return out
 
     def forward_eager(self, plan: StepPlan, input_ids: list[int],
