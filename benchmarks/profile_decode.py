@@ -16,6 +16,7 @@ from hisparse.bench.synthetic import synthetic_runner
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--mode", default="gpu-only")
@@ -25,7 +26,7 @@ def main() -> None:
     from hisparse import LLM
 
     mode = a.mode
-    path = write_config(a.layers)
+    path = write_config(a.layers, a.intermediate_size)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=64,
               num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200, host_pool_gib=8,
               mode=mode, max_model_len=a.context + 64, max_num_seqs=a.requests,
@@ -41,6 +42,13 @@ def main() -> None:
         llm.step()
     torch.cuda.synchronize()
     print(f"step {1e3 * (time.perf_counter() - t) / a.steps:.2f} ms (no profiler)")
+    import cProfile
+    import pstats
+    with cProfile.Profile() as cprof:   # host side: where the CPU time of a step goes
+        for _ in range(a.steps):
+            llm.step()
+        torch.cuda.synchronize()
+    pstats.Stats(cprof).sort_stats("tottime").print_stats(25)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):

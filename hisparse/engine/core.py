@@ -59,6 +59,7 @@ class EngineCore:
         n = scheduler.cfg.max_num_seqs
         self._token_bufs = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
+        self._sampling_staging = sampling.SamplingStaging(n, self.device)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> tuple[StepUpdate, dict[str, str]]:
@@ -113,8 +114,8 @@ class EngineCore:
         # The output index of the token each row samples (the seeded RNG's counter).
         steps = [r.num_output_tokens + r.kv.num_pending_tokens - 1 for r in samplers]
         try:
-            tokens = sampling.sample_tensor(
-                logits, sampling.SamplingTensors.build(params, steps, logits.device))
+            tokens = sampling.sample_tensor(logits, sampling.SamplingTensors.build(
+                params, steps, logits.device, self._sampling_staging))
         except Exception:  # noqa: BLE001 - find the rows that fail, one by one
             tokens = self._sample_rows(logits, launched, params, steps)
         self.runner.commit_sampled(tokens)

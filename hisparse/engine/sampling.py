@@ -122,6 +122,25 @@ def counter_uniform(seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------- per-step tensors
+class SamplingStaging:
+    """Host buffers (pinned on CUDA) for :meth:`SamplingTensors.build`, allocated once: two
+    turns, so a step's parameters are written while the previous step's copy may be in flight
+    (a turn is reused two steps later, after the engine waited for that step's tokens)."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        pin = torch.device(device).type == "cuda"
+        self.max_rows = max_rows
+        self.floats = [torch.empty(2, max_rows, dtype=torch.float32, pin_memory=pin)
+                       for _ in range(2)]
+        self.ints = [torch.empty(4, max_rows, dtype=torch.int64, pin_memory=pin)
+                     for _ in range(2)]
+        self.turn = 0
+
+    def take(self, n: int) -> tuple[Tensor, Tensor]:
+        self.turn ^= 1
+        return self.floats[self.turn][:, :n], self.ints[self.turn][:, :n]
+
+
 @dataclass
 class SamplingTensors:
     """Per-step sampling parameters as device tensors, one row per sampled request."""
@@ -139,13 +158,25 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int],
-              device: torch.device | str = "cpu") -> SamplingTensors:
-        """Pack every row's parameters into two host tensors and move them in two copies."""
+              device: torch.device | str = "cpu",
+              staging: SamplingStaging | None = None) -> SamplingTensors:
+        """Pack every row's parameters into two host tensors and move them in two copies
+        (none when every row is greedy: only ``all_greedy`` is read then)."""
         device = torch.device(device)
-        pin = device.type == "cuda"
         n = len(params)
-        f = torch.empty(2, n, dtype=torch.float32, pin_memory=pin)
-        i = torch.empty(4, n, dtype=torch.int64, pin_memory=pin)
+        if all(p.greedy for p in params):
+            f = torch.empty(0, device=device)
+            i = torch.empty(0, dtype=torch.int64, device=device)
+            return cls(temperature=f, top_p=f, top_k=i, seeds=i,
+                       seeded=torch.empty(0, dtype=torch.bool, device=device), steps=i,
+                       all_greedy=True, any_seeded=False, any_unseeded_random=False,
+                       any_filter=False)
+        if staging is not None and n <= staging.max_rows:
+            f, i = staging.take(n)
+        else:
+            pin = device.type == "cuda"
+            f = torch.empty(2, n, dtype=torch.float32, pin_memory=pin)
+            i = torch.empty(4, n, dtype=torch.int64, pin_memory=pin)
         fv = f.numpy()
         iv = i.numpy()
         fv[0] = [p.temperature for p in params]
