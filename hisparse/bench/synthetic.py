@@ -33,13 +33,14 @@ from hisparse.worker.model_runner import ModelRunner, PagedContext
 class TokenClock:
     """``times[req_id]``: ``time.perf_counter()`` at each step that sampled a token for it.
 
-    ``steps``: per pure decode step (no prompt tokens), its launch wall time, the number of
-    requests in it and, on CUDA, events recorded before its first and after its last kernel.
+    ``steps``: per step, its launch wall time, the number of requests in it, whether it was a
+    pure decode step (no prompt tokens) and, on CUDA, events recorded before its first and after
+    its last kernel.
     """
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = defaultdict(list)
-        self.steps: list[tuple[float, int, object, object]] = []
+        self.steps: list[tuple[float, int, bool, object, object]] = []
 
     def record(self, plan: StepPlan) -> None:
         now = time.perf_counter()
@@ -48,19 +49,19 @@ class TokenClock:
                 self.times[s.req_id].append(now)
 
     def step(self, plan: StepPlan, launched_at: float, start, end) -> None:
-        if not any(s.prefill for s in plan.seqs):
-            self.steps.append((launched_at, len(plan.seqs), start, end))
+        decode = not any(s.prefill for s in plan.seqs)
+        self.steps.append((launched_at, len(plan.seqs), decode, start, end))
 
     def decode_step_stats(self, min_running: int = 1) -> dict[str, float]:
-        """Mean wall ms between consecutive decode step launches and mean GPU ms per decode
-        step (event to event), over steps with at least ``min_running`` requests. Synchronizes
-        the device."""
+        """Mean wall ms from a decode step's launch to the next step's (also a decode step) and
+        mean GPU ms of those steps (event to event), over steps with at least ``min_running``
+        requests. Synchronizes the device."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         steps = self.steps
         walls, gpus = [], []
-        for (t0, n, start, end), (t1, _, _, _) in zip(steps, steps[1:]):
-            if n < min_running:
+        for (t0, n, decode, start, end), (t1, _, next_decode, _, _) in zip(steps, steps[1:]):
+            if n < min_running or not (decode and next_decode):
                 continue
             walls.append((t1 - t0) * 1e3)
             if start is not None:

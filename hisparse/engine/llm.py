@@ -441,16 +441,20 @@ class LLM:
         if self._stashed:
             stashed, self._stashed = self._stashed, []
             return stashed
-        return self._step_own()
+        return self._step_own(progress=True)
 
-    def _step_own(self) -> list[RequestOutput]:
+    def _step_own(self, progress: bool) -> list[RequestOutput]:
+        """One step; outputs of finished requests, and of the others that got a token when
+        ``progress`` (streaming)."""
         self._check_alive()
         try:
             update, errors = self.core.step()
         except Exception as e:
             raise self._die(e, "the engine step") from e
         self._errors.update(errors)
-        outputs = [self._output(req) for req in update.progressed if not req.finished]
+        outputs = []
+        if progress:
+            outputs = [self._output(req) for req in update.progressed if not req.finished]
         outputs += [self._output(self._forget(req.req_id))
                     for req in update.finished + update.failed]
         if not self.scheduler.has_unfinished:
@@ -533,7 +537,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         try:
             while wanted - done.keys():
-                for out in self._step_own():
+                for out in self._step_own(progress=False):
                     if out.request_id not in wanted:
                         self._stashed.append(out)
                     elif out.finished:
