@@ -1,16 +1,38 @@
-"""Profile a few decode steps of the decode benchmark's model (CUDA): where does a step go?
+"""Profile decode steps of the decode benchmark's model (CUDA): where does a step's time go?
 
-    python benchmarks/profile_decode.py --context 65536 --requests 8 --mode gpu-only
+    python benchmarks/profile_decode.py --layers 4 --intermediate-size 32768 --context 16384 \
+        --requests 128 --mode always-host
+
+Prints the wall time per step split into the engine's phases (schedule + plan, launch, waiting
+for the previous step's tokens, applying them), a host cProfile of the steady state, and a
+torch profiler table of the GPU kernels.
 """
 
 import argparse
+import cProfile
+import pstats
 import time
+from collections import defaultdict
 
 import torch
 
 from hisparse import SamplingParams
 from hisparse.bench.decode import write_config
 from hisparse.bench.synthetic import synthetic_runner
+
+
+def timed(obj, name: str, acc: dict) -> None:
+    """Accumulate the wall time of ``obj.name`` calls into ``acc[name]``."""
+    real = getattr(obj, name)
+
+    def wrapper(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return real(*args, **kw)
+        finally:
+            acc[name] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
 
 
 def main() -> None:
@@ -21,41 +43,49 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--mode", default="gpu-only")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--out", default=".")
+    p.add_argument("--host-pool-gib", type=float, default=8.0)
     a = p.parse_args()
     from hisparse import LLM
 
-    mode = a.mode
     path = write_config(a.layers, a.intermediate_size)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=64,
-              num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200, host_pool_gib=8,
-              mode=mode, max_model_len=a.context + 64, max_num_seqs=a.requests,
-              max_num_batched_tokens=4 * a.context, runner_cls=synthetic_runner())
+              num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200,
+              host_pool_gib=a.host_pool_gib, mode=a.mode, max_model_len=a.context + 64,
+              max_num_seqs=a.requests, max_num_batched_tokens=4 * a.context,
+              runner_cls=synthetic_runner())
+    llm.capture_cuda_graphs()
     for i in range(a.requests):
         llm.add_request({"prompt_token_ids": [5 + i] * a.context},
-                        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for _ in range(8):  # prompts + warm-up decode steps
-        llm.step()
+                        SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    for _ in range(400):  # prompts, until (nearly) every request decodes
+        got = {out.request_id for out in llm.step()}
+        if len(got) >= 0.95 * a.requests:
+            break
+    print(f"decoding: {len(got)} requests; stats {llm.stats()}")
+    acc: dict[str, float] = defaultdict(float)
+    timed(llm.scheduler, "schedule", acc)
+    timed(llm.runner, "execute", acc)
+    timed(llm.core, "_apply", acc)
+    timed(llm.core, "_launch", acc)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(a.steps):
         llm.step()
     torch.cuda.synchronize()
-    print(f"step {1e3 * (time.perf_counter() - t) / a.steps:.2f} ms (no profiler)")
-    import cProfile
-    import pstats
+    wall = (time.perf_counter() - t) / a.steps
+    print(f"step {1e3 * wall:.2f} ms: " + ", ".join(
+        f"{k} {1e3 * v / a.steps:.2f}" for k, v in acc.items()) + " (ms per step)")
     with cProfile.Profile() as cprof:   # host side: where the CPU time of a step goes
         for _ in range(a.steps):
             llm.step()
         torch.cuda.synchronize()
-    pstats.Stats(cprof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(cprof).sort_stats("tottime").print_stats(20)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
             llm.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
