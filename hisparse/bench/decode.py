@@ -59,6 +59,7 @@ class Point:
     num_preempted: int
     spilled_pages: int
     wall_s: float
+    steady_tok_s: float = float("nan")       # decode tok/s of those steps (running / wall)
     wall_ms_per_step: float = float("nan")   # pure decode steps at full concurrency
     gpu_ms_per_step: float = float("nan")    # CUDA events around each such step
     planned_max_running: int = 0             # the capacity planner's prediction
@@ -181,7 +182,8 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         gpu_mem_gib=torch.cuda.max_memory_allocated() / (1 << 30),
         host_pool_gib=host_pool_gib if mode != "gpu-only" else 0.0,
         num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall,
-        wall_ms_per_step=steps["wall_ms_per_step"], gpu_ms_per_step=steps["gpu_ms_per_step"],
+        steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
+        gpu_ms_per_step=steps["gpu_ms_per_step"],
         planned_max_running=planned.max_running, planned_bound_by=planned.bound_by)
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
@@ -278,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(points: list[Point]) -> None:
-    cols = ["mode", "context", "concurrency", "decode_tok_s", "tpot_p50_ms", "tpot_p99_ms",
-            "wall_ms_per_step", "gpu_ms_per_step", "running_reached", "planned_max_running",
+    cols = ["mode", "context", "concurrency", "decode_tok_s", "steady_tok_s", "tpot_p50_ms",
+            "tpot_p99_ms", "wall_ms_per_step", "gpu_ms_per_step", "running_reached", "planned_max_running",
             "planned_bound_by", "hot_hit_rate", "h2d_gb_s", "num_preempted"]
     print(" | ".join(cols))
     for pt in points:

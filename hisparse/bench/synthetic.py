@@ -53,21 +53,25 @@ class TokenClock:
         self.steps.append((launched_at, len(plan.seqs), decode, start, end))
 
     def decode_step_stats(self, min_running: int = 1) -> dict[str, float]:
-        """Mean wall ms from a decode step's launch to the next step's (also a decode step) and
-        mean GPU ms of those steps (event to event), over steps with at least ``min_running``
-        requests. Synchronizes the device."""
+        """Steady-state decode: over steps with at least ``min_running`` requests whose
+        neighbours are decode steps too (the overlapped loop waits for the previous step inside
+        a step's launch interval), the mean wall ms from its launch to the next launch, the mean
+        GPU ms (event to event) and the tokens per second (requests / wall). Synchronizes the
+        device."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         steps = self.steps
-        walls, gpus = [], []
-        for (t0, n, decode, start, end), (t1, _, next_decode, _, _) in zip(steps, steps[1:]):
-            if n < min_running or not (decode and next_decode):
+        walls, gpus, tokens = [], [], 0
+        for prev, (t0, n, decode, start, end), nxt in zip(steps, steps[1:], steps[2:]):
+            if n < min_running or not (prev[2] and decode and nxt[2]):
                 continue
-            walls.append((t1 - t0) * 1e3)
+            walls.append((nxt[0] - t0) * 1e3)
+            tokens += n
             if start is not None:
                 gpus.append(start.elapsed_time(end))
         mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
         return {"wall_ms_per_step": mean(walls), "gpu_ms_per_step": mean(gpus),
+                "steady_tok_s": tokens / (sum(walls) / 1e3) if walls else float("nan"),
                 "timed_steps": len(walls)}
 
 
