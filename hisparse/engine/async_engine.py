@@ -122,7 +122,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="hisparse-engine", daemon=True)
         self._last_log = time.monotonic()
         self._last_logged_stats: dict = {}
-        self._last_warn = 0.0
+        self._last_warn: dict[str, float] = {}
         self._warned_stats: dict = {}
         self._tokens_since_log = 0
         self._publish(force=True)
@@ -348,16 +348,15 @@ class AsyncLLM:
         now = time.monotonic()
         stats = self.snapshot.stats
         # Warnings (rate-limited): requests switching to host-read mode, preemptions.
-        if now - self._last_warn >= 10.0:
-            for key, what in (("host_read_switches", "switched to host-read mode (GPU pool "
-                               "under the watermark)"),
-                              ("num_preempted", "preempted (pools exhausted; they restart from "
-                               "their cached prefix)")):
-                delta = stats.get(key, 0) - self._warned_stats.get(key, 0)
-                if delta > 0:
-                    logger.warning("%d request(s) %s", delta, what)
-                    self._warned_stats[key] = stats.get(key, 0)
-                    self._last_warn = now
+        for key, what in (("host_read_switches", "switched to host-read mode (GPU pool "
+                           "under the watermark, or mode=always-host)"),
+                          ("num_preempted", "preempted (pools exhausted; they restart from "
+                           "their cached prefix)")):
+            delta = stats.get(key, 0) - self._warned_stats.get(key, 0)
+            if delta > 0 and now - self._last_warn.get(key, -1e9) >= 10.0:
+                logger.warning("%d request(s) %s", delta, what)
+                self._warned_stats[key] = stats.get(key, 0)
+                self._last_warn[key] = now
         if self.log_interval <= 0 or now - self._last_log < self.log_interval:
             return
         prev = self._last_logged_stats

@@ -254,20 +254,23 @@ class LLM:
     def _log_summary(self, geo: CacheGeometry) -> None:
         """One start-up summary: the model, the pools in tokens and bytes, mode, graphs."""
         cfg, mc, bs = self.kv_config, self.model_config, self.kv_config.block_size
-        gib = 1 << 30
         graphs = self.runner.graphs
+
+        def size(n: float) -> str:
+            return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
         buckets = ("off" if graphs is None else
                    f"decode batches up to {graphs.max_batch}")
         logger.info("model %s: %d layers, vocab %d, index_topk %d, dtype %s, device %s",
                     self.model_dir, mc.num_layers, mc.vocab_size, mc.index_topk,
                     str(geo.dtype).removeprefix("torch."), self.device)
         logger.info(
-            "mode %s | GPU pool %d blocks x %d = %d tokens (%.2f GiB) | host pool %d tokens "
-            "(%.2f GiB) | indexer %d tokens | hot buffer %d rows/layer/request | "
+            "mode %s | GPU pool %d blocks x %d = %d tokens (%s) | host pool %d tokens "
+            "(%s) | indexer %d tokens | hot buffer %d rows/layer/request | "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d | CUDA graphs %s",
             cfg.mode, cfg.num_gpu_blocks, bs, cfg.num_gpu_blocks * bs,
-            cfg.num_gpu_blocks * geo.gpu_bytes_per_block(bs) / gib, cfg.num_host_blocks * bs,
-            cfg.num_host_blocks * geo.bytes_per_token * bs / gib, cfg.num_indexer_blocks * bs,
+            size(cfg.num_gpu_blocks * geo.gpu_bytes_per_block(bs)), cfg.num_host_blocks * bs,
+            size(cfg.num_host_blocks * geo.bytes_per_token * bs), cfg.num_indexer_blocks * bs,
             cfg.hot_buffer_size, self.max_model_len, cfg.max_num_seqs,
             cfg.max_num_batched_tokens, buckets)
         try:

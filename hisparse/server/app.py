@@ -350,11 +350,19 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
         choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.outputs[0].text or ""),
                               finish_reason=o.outputs[0].finish_reason, token_ids=tok_ids(o))
                    for i, o in enumerate(finals)]
-        return ChatCompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
-    choices = [CompletionChoice(index=i, text=o.outputs[0].text or "",
-                                finish_reason=o.outputs[0].finish_reason, token_ids=tok_ids(o))
-               for i, o in enumerate(finals)]
-    return CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
+        resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices,
+                                      usage=usage)
+    else:
+        choices = [CompletionChoice(index=i, text=o.outputs[0].text or "",
+                                    finish_reason=o.outputs[0].finish_reason,
+                                    token_ids=tok_ids(o))
+                   for i, o in enumerate(finals)]
+        resp = CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
+    body = resp.model_dump()
+    if not req.return_token_ids:
+        for c in body["choices"]:
+            c.pop("token_ids", None)
+    return JSONResponse(body)
 
 
 async def _last(st: _State, sub) -> RequestOutput:
