@@ -169,8 +169,8 @@ class AsyncLLM:
                      stop: list[str] | tuple[str, ...] | None = None
                      ) -> tuple[str, _Stream]:
         """The first half of :meth:`generate`: queue the request, return (id, stream)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if self.dead is not None or self._stopping.is_set():
+            raise EngineDeadError(f"the engine stopped: {self.dead or 'shut down'}")
         stop = tuple(s for s in (stop or ()) if s)
         with self._lock:
             if self._num_unfinished >= self.max_unfinished:
@@ -260,6 +260,8 @@ class AsyncLLM:
         kind = cmd[0]
         if kind == "add":
             _, prompt, params, request_id, stream, done = cmd
+            if not done.set_running_or_notify_cancel():   # the caller went away meanwhile
+                return
             try:
                 self.llm.add_request(prompt, params, request_id=request_id)
             except BaseException as e:  # noqa: BLE001 - the caller's error
@@ -308,7 +310,14 @@ class AsyncLLM:
         if out.finished:
             del self._streams[out.request_id]
             self._finished(out.request_id, stream, len(comp.token_ids), comp.finish_reason)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:   # the caller's event loop is closed: nobody reads this stream
+            if not out.finished:
+                self._streams.pop(out.request_id, None)
+                self.llm.abort(out.request_id)
+                self._needs_release = True
+                self._finished(out.request_id, stream, len(comp.token_ids), "abort")
 
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}

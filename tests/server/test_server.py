@@ -300,3 +300,38 @@ def test_32_concurrent_streams_under_a_tiny_gpu_pool(model_dir):
         assert _value(fams, "hisparse_requests_finished", finished_reason="length") == 32
     finally:
         s.close()
+
+
+def test_async_engine_directly_streams_aborts_and_dies_cleanly(srv, ref):
+    """AsyncLLM without HTTP: cumulative outputs, abort on close, a dead engine fails fast."""
+    from hisparse.engine.llm import EngineDeadError
+
+    p = rand_prompts(1, 30, 31, seed=9)[0]
+    want = ref.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+
+    async def run():
+        outs = [o async for o in srv.engine.generate({"prompt_token_ids": p}, GREEDY)]
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+        assert [len(o.outputs[0].token_ids) for o in outs] == sorted(
+            len(o.outputs[0].token_ids) for o in outs)
+        gen = srv.engine.generate({"prompt_token_ids": p}, SamplingParams(
+            temperature=0, max_tokens=150, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()                       # a reader that went away: aborted
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            async for _ in srv.engine.generate({"prompt_token_ids": p},
+                                               SamplingParams(top_k=5, max_tokens=1,
+                                                              stop_token_ids=[10**6])):
+                pass
+
+    asyncio.run(run())
+    srv.wait_idle()
+    eng = AsyncLLM(ref, log_interval=0)
+    eng.shutdown()
+
+    async def after():
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate({"prompt_token_ids": p}, GREEDY):
+                pass
+
+    asyncio.run(after())
