@@ -1,4 +1,4 @@
-"""Command line: ``hisparse demo | generate | simulate | bench``."""
+"""Command line: ``hisparse demo | generate | serve | bench | bench-serve | plan | simulate``."""
 
 from __future__ import annotations
 
@@ -91,6 +91,70 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from hisparse.engine.arg_utils import engine_kwargs
+    from hisparse.logging_utils import set_cpu_threads
+
+    try:
+        import uvicorn
+
+        from hisparse.server.app import create_app
+    except ModuleNotFoundError as e:
+        raise ValueError(f"hisparse serve needs {e.name}: pip install 'hisparse[serve]'") \
+            from None
+    from hisparse import LLM
+    from hisparse.engine.async_engine import AsyncLLM
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    set_cpu_threads(args.device, args.threads)
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests,
+                      log_interval=args.log_interval)
+    try:
+        app = create_app(engine, model_name=args.served_model_name)
+        logging.getLogger("hisparse.server").info(
+            "serving %s on http://%s:%d (OpenAI API under /v1, metrics at /metrics)",
+            args.served_model_name or args.model, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port,
+                    log_level="debug" if args.debug else "warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    from hisparse.engine.arg_utils import add_engine_args
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                         description="Serve MODEL over an OpenAI-compatible HTTP API: "
+                         "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    srv.add_argument("model", help="checkpoint directory (config.json + safetensors)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name in the API (default: the directory's name)")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="requests queued beyond --max-num-seqs before answering 503 "
+                     "(default: %(default)s)")
+    srv.add_argument("--log-interval", type=float, default=10.0,
+                     help="seconds between throughput / tier log lines while busy, 0: off "
+                     "(default: %(default)s)")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hisparse")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from hisparse.engine.llm import EngineStartupError
 
@@ -100,11 +164,38 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    argv = list(argv)
+    debug = "--debug" in argv    # anywhere on the line: tracebacks and debug logs
+    if debug:
+        argv.remove("--debug")
+    from hisparse.logging_utils import setup_logging
+
+    setup_logging(debug)
+    try:
+        return _main(argv, debug)
+    except _user_errors() as e:
+        if debug:
+            raise
+        # A user error: one line, exit status 2 (like argparse), no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str], debug: bool) -> int:
     if argv[:1] == ["bench"]:  # its own argument parser: hisparse bench --help
         from hisparse.bench.decode import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["bench-serve"]:
+        from hisparse.bench.serve import main as bench_serve_main
+
+        return bench_serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hisparse {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks and debug logs (anywhere on the line)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="random-weight DSA model, tiny GPU pool, lossless check")
     demo.add_argument("--prompts", type=int, default=16)
@@ -134,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     sub.add_parser("bench", help="capacity-bound decode benchmark, three designs (CUDA)",
                    add_help=False)
+    _add_serve_parser(sub)
+    sub.add_parser("bench-serve", help="serving benchmark over HTTP: Poisson arrivals, TTFT / "
+                   "TPOT percentiles per mode", add_help=False)
     sim = sub.add_parser("simulate", help="drive the KV core with a fake worker (no model)")
     sim.add_argument("--requests", type=int, default=32)
     sim.add_argument("--max-len", type=int, default=512)
@@ -159,12 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except _user_errors() as e:
-        # A user error: one line, exit status 2 (like argparse), no traceback.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args.debug = debug
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import logging
 import math
 import numbers
 import os
@@ -28,6 +29,8 @@ from hisparse.engine.scheduler import Scheduler
 from hisparse.models.loader import load_config, load_model
 from hisparse.worker.cache import CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("hisparse.engine")
 
 # The deprecated ``hisparse=`` keyword's values.
 HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
@@ -244,6 +247,38 @@ class LLM:
         # Outputs of requests that finished inside generate() but were not its own: the next
         # step() returns them.
         self._stashed: list[RequestOutput] = []
+        self.model_dir = model
+        if logger.isEnabledFor(logging.INFO):
+            self._log_summary(geo)
+
+    def _log_summary(self, geo: CacheGeometry) -> None:
+        """One start-up summary: the model, the pools in tokens and bytes, mode, graphs."""
+        cfg, mc, bs = self.kv_config, self.model_config, self.kv_config.block_size
+        graphs = self.runner.graphs
+
+        def size(n: float) -> str:
+            return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+        buckets = ("off" if graphs is None else
+                   f"decode batches up to {graphs.max_batch}")
+        logger.info("model %s: %d layers, vocab %d, index_topk %d, dtype %s, device %s",
+                    self.model_dir, mc.num_layers, mc.vocab_size, mc.index_topk,
+                    str(geo.dtype).removeprefix("torch."), self.device)
+        logger.info(
+            "mode %s | GPU pool %d blocks x %d = %d tokens (%s) | host pool %d tokens "
+            "(%s) | indexer %d tokens | hot buffer %d rows/layer/request | "
+            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d | CUDA graphs %s",
+            cfg.mode, cfg.num_gpu_blocks, bs, cfg.num_gpu_blocks * bs,
+            size(cfg.num_gpu_blocks * geo.gpu_bytes_per_block(bs)), cfg.num_host_blocks * bs,
+            size(cfg.num_host_blocks * geo.bytes_per_token * bs), cfg.num_indexer_blocks * bs,
+            cfg.hot_buffer_size, self.max_model_len, cfg.max_num_seqs,
+            cfg.max_num_batched_tokens, buckets)
+        try:
+            plan = self.capacity()
+            logger.info("capacity at %d tokens/request: %s", self.max_model_len, ", ".join(
+                f"{m} {mp.max_running} running ({mp.bound_by})" for m, mp in plan.modes.items()))
+        except Exception as e:  # noqa: BLE001 - the summary must not stop start-up
+            logger.debug("capacity plan unavailable: %s", e)
 
     # ------------------------------------------------------------------ set-up helpers
     def _host_blocks(self, host_pool_gib: float, host_buffers, geo: CacheGeometry,

@@ -68,6 +68,25 @@ class KVCoordinator:
     def num_free_gpu_blocks(self) -> int:
         return self.gpu_pool.num_free
 
+    def page_state_counts(self) -> dict[str, int]:
+        """Computed pages of live requests by state (DESIGN.md §4): ``dirty`` (GPU copy only),
+        ``clean`` (GPU block and a durable host copy), ``host_only`` (no GPU block of ours)."""
+        reqs = list(self.requests.values())
+        if not reqs:
+            return {"dirty": 0, "clean": 0, "host_only": 0}
+        bs = self.block_size
+        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        computed = np.fromiter((r.num_computed for r in reqs), np.int64, len(reqs))
+        durable = np.fromiter((r.num_durable for r in reqs), np.int64, len(reqs)) // bs
+        pinned = np.fromiter((r.pinned_start for r in reqs), np.int64, len(reqs))
+        page = np.arange(self.resident_table.shape[1])[None, :]
+        valid = page < -(-computed // bs)[:, None]
+        on_gpu = (self.resident_table[slots] >= 0) & (page >= pinned[:, None]) & valid
+        clean = on_gpu & (page < durable[:, None])
+        n_gpu, n_clean = int(on_gpu.sum()), int(clean.sum())
+        return {"dirty": n_gpu - n_clean, "clean": n_clean,
+                "host_only": int(valid.sum()) - n_gpu}
+
     def get(self, req_id: str) -> RequestKV:
         try:
             return self.requests[req_id]

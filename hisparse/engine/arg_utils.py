@@ -1,0 +1,73 @@
+"""Command-line flags of the engine (``LLM``'s arguments), shared by ``hisparse serve``,
+``hisparse bench-serve`` and anything else that builds an engine from flags."""
+
+from __future__ import annotations
+
+import argparse
+
+MODES = ("gpu-only", "hisparse", "always-host")
+
+
+def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
+    """Every ``LLM`` knob as a flag, with help text and its default."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights and KV dtype (default: the checkpoint's)")
+    if with_mode:
+        g.add_argument("--mode", default="hisparse", choices=MODES,
+                       help="where KV may live: hisparse (GPU first, spill to host under "
+                       "pressure), gpu-only (baseline), always-host (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=64,
+                   help="tokens per KV page, a power of two (default: %(default)s)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="GPU KV pages (default: from free GPU memory x "
+                   "--gpu-memory-utilization on CUDA; max_num_seqs full requests on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of free GPU memory the KV cache may take (default: "
+                   "%(default)s)")
+    g.add_argument("--host-pool-gib", type=float, default=4.0,
+                   help="pinned host pool, GiB (default: %(default)s)")
+    g.add_argument("--hot-buffer-size", type=int, default=None,
+                   help="hot-buffer rows per layer and request, >= index_topk "
+                   "(default: 2 x index_topk)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest request in tokens (default: min(model max, 16384))")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step (prefill chunk budget) (default: %(default)s)")
+    g.add_argument("--num-indexer-blocks", type=int, default=None,
+                   help="indexer-cache pages (default: max_num_seqs full requests)")
+    g.add_argument("--watermark-blocks", type=int, default=None,
+                   help="free GPU pages under which requests switch to host-read mode "
+                   "(default: max(hot blocks per request, num_gpu_blocks / 10))")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="disable prefix caching (default: enabled)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (default: capture decode steps)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="do not overlap scheduling with the GPU step (default: overlapped)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights, config only (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: half the cores, at most 4)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLM`` keyword arguments from :func:`add_engine_args` flags."""
+    kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+              num_gpu_blocks=args.num_gpu_blocks,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              host_pool_gib=args.host_pool_gib, hot_buffer_size=args.hot_buffer_size,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              num_indexer_blocks=args.num_indexer_blocks,
+              watermark_blocks=args.watermark_blocks,
+              enable_prefix_caching=args.enable_prefix_caching,
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              load_format=args.load_format)
+    if getattr(args, "mode", None) is not None:
+        kw["mode"] = args.mode
+    return kw

@@ -1,0 +1,488 @@
+"""OpenAI-compatible HTTP server over :class:`~hisparse.engine.async_engine.AsyncLLM`.
+
+    engine = AsyncLLM(LLM(model_dir, ...))
+    app = create_app(engine, model_name="my-model")
+    uvicorn.run(app, host="0.0.0.0", port=8000)
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Bad requests get 400 with an OpenAI-style error naming the
+field (``{"error": {"message", "type", "param", "code"}}``); a full queue gets 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hisparse.engine.async_engine import AsyncLLM, Overloaded
+from hisparse.engine.llm import EngineDeadError, RequestOutput
+from hisparse.engine.sampling import SamplingParams
+from hisparse.server.metrics import ServerMetrics
+from hisparse.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    error_body,
+)
+
+logger = logging.getLogger("hisparse.server")
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
+                    "ignore_eos", "n", "stop", "logprobs", "top_logprobs", "model", "messages",
+                    "prompt", "stream_options", "max_completion_tokens")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+def _param_of(message: str, prompt_field: str) -> str | None:
+    """The request field an engine ValueError names (its messages start with the field)."""
+    m = re.match(r"\s*(?:prompt \d+: )?([a-z_]+)", message)
+    if not m:
+        return None
+    word = m.group(1)
+    if word in ("prompt_token_ids", "prompt", "text"):
+        return prompt_field
+    return word if word in _SAMPLING_FIELDS else None
+
+
+def _bad(e: ValueError, prompt_field: str) -> APIError:
+    return APIError(400, str(e), _param_of(str(e), prompt_field))
+
+
+class _State:
+    def __init__(self, engine: AsyncLLM, model_name: str, tokenizer, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_model_len = engine.llm.max_model_len
+
+
+def _server_tokenizer(engine: AsyncLLM):
+    """A tokenizer of the server's own: the engine thread detokenizes with the engine's, and
+    HF fast tokenizers must not be used from two threads at once."""
+    tok = engine.tokenizer
+    if tok is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tok.name_or_path)
+    except Exception:  # noqa: BLE001 - fall back to a deep copy
+        import copy
+
+        return copy.deepcopy(tok)
+
+
+def create_app(engine: AsyncLLM, model_name: str | None = None,
+               metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``model_name`` (default: the model directory's
+    name). Owns nothing: the caller shuts the engine down."""
+    import os
+
+    model_name = model_name or os.path.basename(os.path.normpath(engine.llm.model_dir))
+    if metrics is None:
+        metrics = ServerMetrics(model_name)
+    metrics.attach(engine)
+    prev = engine.on_request_finished
+    if prev is None:
+        engine.on_request_finished = metrics.on_request_finished
+    else:
+        def both(m, prev=prev):
+            prev(m)
+            metrics.on_request_finished(m)
+        engine.on_request_finished = both
+    st = _State(engine, model_name, _server_tokenizer(engine), metrics)
+    app = FastAPI(title="hisparse", version=_version())
+    app.state.hisparse = st
+
+    def error_response(e: APIError) -> JSONResponse:
+        if e.status in (400, 503):
+            metrics.rejected.labels(model_name, str(e.status)).inc()
+        return JSONResponse(error_body(e.message, e.param, e.type, e.status),
+                            status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        msg = f"{where}: {first.get('msg', 'invalid value')}" if where else \
+            first.get("msg", "invalid request body")
+        if first.get("input") is not None and not isinstance(first.get("input"), (dict, list)):
+            msg += f" (got {first['input']!r})"
+        return error_response(APIError(400, msg, param))
+
+    @app.get("/health")
+    async def health():
+        if engine.dead is not None:
+            return JSONResponse(error_body(f"engine stopped: {engine.dead}", None,
+                                           "server_error", 503), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=st.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        _check_common(st, req)
+        if req.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompts = _completion_prompts(st, req.prompt)
+        params = _sampling(req, req.max_tokens if req.max_tokens is not None else 16)
+        return await _serve(st, req, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        _check_common(st, req)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if req.top_logprobs is not None:
+            raise APIError(400, "logprobs are not supported (top_logprobs)", "top_logprobs")
+        prompt = _chat_prompt(st, req)
+        max_tokens = req.max_completion_tokens or req.max_tokens or st.max_model_len
+        params = _sampling(req, max_tokens)
+        return await _serve(st, req, [prompt], params, chat=True)
+
+    return app
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hisparse")
+    except Exception:  # noqa: BLE001
+        return "0"
+
+
+# ---------------------------------------------------------------------- request preparation
+def _check_common(st: _State, req) -> None:
+    if req.model is not None and req.model != st.model_name:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                       f"{st.model_name!r}", "model", "not_found_error")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if req.stop is not None:
+        if any(not s for s in req.stop_strings()):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        if st.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer in the model directory; use "
+                           "stop_token_ids", "stop")
+
+
+def _sampling(req, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              seed=req.seed, max_tokens=max_tokens,
+                              stop_token_ids=list(req.stop_token_ids or []),
+                              ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise _bad(e, "prompt") from None
+
+
+def _encode(st: _State, text: str, field: str, special: bool = True) -> dict:
+    if st.tokenizer is None:
+        raise APIError(400, "text prompts need a tokenizer in the model directory; send token "
+                       "ids", field)
+    try:
+        ids = st.tokenizer.encode(text, add_special_tokens=special)
+    except Exception as e:  # noqa: BLE001 - the tokenizer's own error
+        raise APIError(400, f"{field}: the tokenizer failed: {e}", field) from None
+    return {"prompt_token_ids": [int(t) for t in ids], "text": text}
+
+
+def _completion_prompts(st: _State, prompt) -> list[dict]:
+    if isinstance(prompt, str):
+        return [_encode(st, prompt, "prompt")]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [_encode(st, p, "prompt") for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt), "text": None}]
+    return [{"prompt_token_ids": list(p), "text": None} for p in prompt]
+
+
+def _chat_prompt(st: _State, req: ChatCompletionRequest) -> dict:
+    tok = st.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template (tokenizer_config.json "
+                       "chat_template): use /v1/completions", "messages")
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            parts = [p.get("text", "") for p in content if p.get("type") == "text"]
+            if len(parts) != len(content):
+                raise APIError(400, "messages: only text content parts are supported",
+                               "messages")
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - the template's own error
+        raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+    return _encode(st, text, "messages", special=False)
+
+
+# ---------------------------------------------------------------------- running requests
+async def _submit_all(st: _State, prompts: list[dict], params: SamplingParams, n: int,
+                      stop: list[str], prompt_field: str) -> list[tuple[str, object]]:
+    """Queue prompts x n requests, all or nothing."""
+    subs: list[tuple[str, object]] = []
+    try:
+        for prompt in prompts:
+            for j in range(n):
+                p = params
+                if n > 1 and params.seed is not None:   # n distinct, reproducible samples
+                    p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                subs.append(await st.engine.submit(
+                    {"prompt_token_ids": prompt["prompt_token_ids"]}, p, stop=stop))
+    except BaseException as e:
+        for rid, _ in subs:
+            st.engine.abort(rid)
+        if isinstance(e, ValueError):
+            raise _bad(e, prompt_field) from None
+        if isinstance(e, Overloaded):
+            raise APIError(503, str(e), None, "overloaded_error") from None
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, str(e), None, "server_error") from None
+        raise
+    return subs
+
+
+class _Delta:
+    """Text not yet sent of one choice; holds back what may still become a stop string or an
+    incomplete UTF-8 sequence."""
+
+    def __init__(self, holdback: int) -> None:
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.holdback = holdback
+
+    def take(self, out: RequestOutput) -> tuple[str, list[int]]:
+        comp = out.outputs[0]
+        text = comp.text or ""
+        end = len(text)
+        if not out.finished:
+            end = max(self.sent_text, end - self.holdback)
+            while end > self.sent_text and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self.sent_text:end]
+        self.sent_text = end
+        toks = comp.token_ids[self.sent_tokens:]
+        self.sent_tokens = len(comp.token_ids)
+        return delta, toks
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.outputs[0].finish_reason if out.finished else None
+
+
+async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, chat: bool):
+    prompt_field = "messages" if chat else "prompt"
+    stop = req.stop_strings()
+    subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field)
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts for _ in range(req.n)]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        holdback = max((len(s) for s in stop), default=1) - 1
+        return StreamingResponse(
+            _stream(st, subs, rid, chat, prompt_lens, include_usage, holdback,
+                    req.return_token_ids),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        finals = await asyncio.gather(*(_last(st, s) for s in subs))
+    except asyncio.CancelledError:
+        for r, _ in subs:
+            st.engine.abort(r)
+        raise
+    failed = [o for o in finals if o.outputs[0].finish_reason == "error"]
+    if failed and len(failed) == len(finals):
+        raise APIError(500, f"generation failed: {failed[0].outputs[0].error}", None,
+                       "server_error")
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    usage = Usage(prompt_tokens=sum(len(p["prompt_token_ids"]) for p in prompts),
+                  completion_tokens=completion)
+    usage.total_tokens = usage.prompt_tokens + completion
+    tok_ids = (lambda o: o.outputs[0].token_ids) if req.return_token_ids else (lambda o: None)
+    if chat:
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.outputs[0].text or ""),
+                              finish_reason=o.outputs[0].finish_reason, token_ids=tok_ids(o))
+                   for i, o in enumerate(finals)]
+        resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices,
+                                      usage=usage)
+    else:
+        choices = [CompletionChoice(index=i, text=o.outputs[0].text or "",
+                                    finish_reason=o.outputs[0].finish_reason,
+                                    token_ids=tok_ids(o))
+                   for i, o in enumerate(finals)]
+        resp = CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
+    body = resp.model_dump()
+    if not req.return_token_ids:
+        for c in body["choices"]:
+            c.pop("token_ids", None)
+    return JSONResponse(body)
+
+
+async def _last(st: _State, sub) -> RequestOutput:
+    last = None
+    try:
+        async for out in st.engine.stream(*sub):
+            last = out
+    except EngineDeadError as e:
+        raise APIError(503, str(e), None, "server_error") from None
+    return last
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int],
+                  include_usage: bool, holdback: int, return_token_ids: bool
+                  ) -> AsyncIterator[str]:
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    merged: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, sub) -> None:
+        try:
+            async for out in st.engine.stream(*sub):
+                await merged.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - reported in the stream
+            await merged.put((i, e))
+        finally:
+            await merged.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+    deltas = [_Delta(holdback) for _ in subs]
+    completion = [0] * len(subs)
+    left = len(subs)
+
+    def chunk(choices, usage=None):
+        body = {"id": rid, "object": obj, "created": created, "model": st.model_name,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None} for i in range(len(subs))])
+        while left:
+            i, item = await merged.get()
+            if item is done:
+                left -= 1
+                continue
+            if isinstance(item, BaseException):
+                msg = str(item) if isinstance(item, EngineDeadError) else \
+                    f"{type(item).__name__}: {item}"
+                yield _sse(error_body(msg, None, "server_error", 500))
+                continue
+            text, toks = deltas[i].take(item)
+            completion[i] = len(item.outputs[0].token_ids)
+            reason = _finish_reason(item)
+            if not text and not toks and reason is None:
+                continue
+            if chat:
+                choice = {"index": i, "delta": {"content": text} if text else {},
+                          "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            if return_token_ids:
+                choice["token_ids"] = toks
+            yield chunk([choice])
+        if include_usage:
+            p, c = sum(prompt_lens), sum(completion)
+            yield chunk([], {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:   # a client that went away: its requests are aborted
+            t.cancel()
+
+
+# ---------------------------------------------------------------------- in-process server
+class ServerThread:
+    """Run ``app`` under uvicorn in a background thread (tests, benchmarks)::
+
+        with ServerThread(app) as srv:
+            url = srv.url          # http://127.0.0.1:<free port>
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                     lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name="hisparse-http",
+                                       daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
