@@ -25,6 +25,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.worker.model_runner import ModelRunner, PagedContext
 
@@ -79,11 +80,21 @@ class SyntheticPrefillRunner(ModelRunner):
                 pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
                 kv_rows = flat_rows(tables["resident"], s.slot, pos, block_size)
                 idx_rows = flat_rows(tables["indexer"], s.slot, pos, block_size)
-                c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos), c.arena.shape[2],
-                                                  device=self.device, dtype=c.arena.dtype)
-                c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
-                                                     c.indexer.shape[2], device=self.device,
-                                                     dtype=c.indexer.dtype)
+                if c.geo.fp8:   # valid FP8 rows/keys of random values
+                    L, Li, n = c.arena.shape[0], c.indexer.shape[0], len(pos)
+                    rows = ops.quantize_mla_rows_reference(
+                        torch.randn(L * n, c.geo.row_dim, device=self.device), c.geo.kv_lora_rank)
+                    c.arena[:, kv_rows] = rows.view(L, n, -1)
+                    keys = ops.quantize_index_keys_reference(
+                        torch.randn(Li * n, c.geo.index_head_dim, device=self.device))
+                    c.indexer[:, idx_rows] = keys.view(Li, n, -1)
+                else:
+                    c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos),
+                                                      c.arena.shape[2], device=self.device,
+                                                      dtype=c.arena.dtype)
+                    c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
+                                                         c.indexer.shape[2], device=self.device,
+                                                         dtype=c.indexer.dtype)
             else:
                 decode.append(s)
                 decode_ids += input_ids[offset:offset + s.num_tokens]

@@ -86,7 +86,7 @@ def quantize_mla_rows_reference(kv: torch.Tensor, d_nope: int) -> torch.Tensor:
 
 def dequantize_mla_rows_reference(rows: torch.Tensor, d_nope: int, d_rope: int,
                                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 rows ``[N, row_bytes]`` uint8 -> ``[N, d_nope + d_rope]`` ``dtype`` (exact in bf16/fp32)."""
+    """FP8 rows ``[N, row_bytes]`` uint8 -> ``[N, d_nope + d_rope]`` ``dtype`` (exact in bf16)."""
     N = rows.shape[0]
     tile = fp8_tile(d_nope)
     nt = d_nope // tile

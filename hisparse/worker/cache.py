@@ -24,7 +24,6 @@ import torch
 from hisparse.config import KVCacheConfig
 from hisparse.ops import IndexerWorkspace, ResolveWorkspace
 
-
 KV_CACHE_DTYPES = ("bf16", "fp8")
 
 

@@ -66,7 +66,8 @@ def test_index_key_round_trip():
     assert ((back - k.float()).abs() <= k.float().abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
 
 
-@pytest.mark.parametrize("d_nope,d_rope,dtype", [(512, 64, torch.bfloat16), (32, 16, torch.float32)])
+@pytest.mark.parametrize("d_nope,d_rope,dtype",
+                         [(512, 64, torch.bfloat16), (32, 16, torch.float32)])
 def test_triton_quantize_write_is_bit_exact(triton_cpu, d_nope, d_rope, dtype):
     x = _rows(9, d_nope + d_rope, seed=5, dtype=dtype)
     rb = Q.mla_row_bytes(d_nope, d_rope)
