@@ -152,3 +152,18 @@ def test_fp8_accuracy_vs_bf16_kv(arch, request, capsys):
     # prefill top-1.
     assert rel < 0.5, rels
     assert sum(top1) >= 2, (rate, top1)
+
+
+def test_fp8_pool_sizes_match_the_capacity_planner(glm_path):
+    from hisparse.engine.capacity import plan_for_llm
+
+    llm = engine(glm_path, "hisparse", tiny=True)
+    geo, c = llm.caches.geo, llm.caches
+    plan = plan_for_llm(llm)["hisparse"]
+    assert plan.bytes_per_token["gpu_arena"] == geo.num_layers * geo.row_bytes
+    assert plan.bytes_per_token["gpu_indexer"] == len(geo.indexer_layers) * geo.key_bytes
+    assert plan.bytes_per_token["host"] == geo.bytes_per_token
+    host_rows = llm.kv_config.num_host_blocks * llm.kv_config.block_size
+    real = c.host.numel() * c.host.element_size() + c.host_indexer.numel()
+    assert real == host_rows * geo.bytes_per_token
+    assert llm.stats()["h2d_bytes"] == 0
