@@ -167,3 +167,23 @@ def test_fp8_pool_sizes_match_the_capacity_planner(glm_path):
     real = c.host.numel() * c.host.element_size() + c.host_indexer.numel()
     assert real == host_rows * geo.bytes_per_token
     assert llm.stats()["h2d_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_fp8_lossless_through_the_triton_kernels(dsv32_path, monkeypatch):
+    """Every Triton kernel of the FP8 path under the CPU interpreter (quantize-and-write, FP8
+    indexer, resolver over int32 views of the byte rows, FP8 attention, row copies):
+    always-host under a tiny pool == gpu-only, identical greedy tokens."""
+    import os
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test (CPU only, TRITON_INTERPRET=1 set by tests/ops/conftest)")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+    batch = prompts(2, 60, 90, seed=70)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = tokens(engine(dsv32_path, "gpu-only", tiny=False, max_model_len=96).generate(batch, sp))
+    llm = engine(dsv32_path, "always-host", tiny=True, max_model_len=96, num_gpu_blocks=16,
+                 hot_buffer_size=16, max_num_batched_tokens=32)
+    assert tokens(llm.generate(batch, sp)) == want
+    assert llm.stats()["hot_misses"] > 0
