@@ -80,14 +80,16 @@ class SyntheticPrefillRunner(ModelRunner):
                 pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
                 kv_rows = flat_rows(tables["resident"], s.slot, pos, block_size)
                 idx_rows = flat_rows(tables["indexer"], s.slot, pos, block_size)
-                if c.geo.fp8:   # valid FP8 rows/keys of random values
-                    L, Li, n = c.arena.shape[0], c.indexer.shape[0], len(pos)
-                    rows = ops.quantize_mla_rows_reference(
-                        torch.randn(L * n, c.geo.row_dim, device=self.device), c.geo.kv_lora_rank)
-                    c.arena[:, kv_rows] = rows.view(L, n, -1)
-                    keys = ops.quantize_index_keys_reference(
-                        torch.randn(Li * n, c.geo.index_head_dim, device=self.device))
-                    c.indexer[:, idx_rows] = keys.view(Li, n, -1)
+                if c.geo.fp8:   # valid FP8 rows/keys of random values, a layer at a time
+                    n, dt = len(pos), c.geo.dtype
+                    for layer in range(c.arena.shape[0]):
+                        ops.quantize_write_mla_rows(
+                            torch.randn(n, c.geo.row_dim, device=self.device, dtype=dt),
+                            c.arena[layer], kv_rows, c.geo.kv_lora_rank)
+                    for i in range(c.indexer.shape[0]):
+                        ops.quantize_write_index_keys(
+                            torch.randn(n, c.geo.index_head_dim, device=self.device, dtype=dt),
+                            c.indexer[i], idx_rows)
                 else:
                     c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos),
                                                       c.arena.shape[2], device=self.device,
