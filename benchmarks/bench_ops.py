@@ -329,8 +329,10 @@ def bench_attention(res, sweep):
             cands[("fp8", "flashmla fresh sched_meta")] = lambda: sparse_mla_attention_fp8(
                 q, kv8, idx, scale, backend="flashmla")
         if sweep:
-            cfgs = [(16, 32, 4, 2, 8), (16, 64, 4, 2, 8), (32, 64, 8, 2, 4), (64, 64, 8, 2, 1),
-                    (64, 32, 4, 2, 1), (64, 64, 8, 3, 2), (64, 32, 8, 2, 2)]
+            # (BLOCK_H, BLOCK_N, num_warps, num_stages, splits)
+            cfgs = [(16, 32, 4, 2, 8), (16, 64, 4, 2, 8), (16, 32, 4, 3, 4), (32, 64, 8, 2, 4),
+                    (64, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 64, 8, 3, 2), (64, 32, 8, 2, 2),
+                    (128, 32, 8, 2, 2), (128, 32, 16, 2, 2), (128, 64, 16, 2, 1)]
             for cfg in cfgs:
                 if cfg[0] > max(16, H):
                     continue
