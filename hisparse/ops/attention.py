@@ -138,6 +138,14 @@ def sparse_mla_attention_fp8_reference(q: torch.Tensor, kv: torch.Tensor, indice
     return sparse_mla_attention_reference(q, rows, local, sm_scale, d_v)
 
 
+def flashmla_sched_meta():
+    """A fresh FlashMLA scheduler-metadata object (``get_mla_metadata()[0]``) for
+    :func:`sparse_mla_attention_fp8`'s ``sched_meta``: reuse one across the calls of one shape
+    (e.g. every layer of a step), as engines do; ``None`` when flash_mla does not import."""
+    fm = _flashmla_module()
+    return None if fm is None else fm.get_mla_metadata()[0]
+
+
 def _fp8_flashmla_supported(q, kv, indices, d_v) -> bool:
     # no per-call op: heads exactly 64 or 128, rows viewable as 64-row pages
     return (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 576 and d_v == 512

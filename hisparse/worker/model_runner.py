@@ -18,6 +18,7 @@ from torch import Tensor
 
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
+from hisparse.ops.attention import flashmla_sched_meta
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import BUCKETS
 from hisparse.worker.step_state import StepState
@@ -50,6 +51,8 @@ class PagedContext:
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
+        # FlashMLA FP8 decode: one scheduler metadata per forward, shared by every layer
+        self.flashmla_meta = None
         self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
@@ -72,10 +75,16 @@ class PagedContext:
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
-        # FP8: queries stay in the compute dtype; the kernels dequantize the rows
-        out, _ = ops.sparse_mla_attention(q_latent.to(c.geo.dtype if fp8 else arena.dtype), arena,
-                                          rows, sm_scale, d_v=self.kv_lora_rank,
-                                          backend=self.attn_backend)
+        if fp8:     # queries stay in the compute dtype; the kernels dequantize the rows
+            if self.flashmla_meta is None and c.device.type == "cuda":
+                self.flashmla_meta = flashmla_sched_meta()
+            out, _ = ops.sparse_mla_attention_fp8(q_latent.to(c.geo.dtype), arena, rows,
+                                                  sm_scale, d_v=self.kv_lora_rank,
+                                                  backend=self.attn_backend,
+                                                  sched_meta=self.flashmla_meta)
+        else:
+            out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
+                                              d_v=self.kv_lora_rank, backend=self.attn_backend)
         return out.to(q_latent.dtype)
 
     def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
