@@ -37,7 +37,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     return 0 if run_demo(num_prompts=args.prompts, max_tokens=args.max_tokens,
-                         device=args.device) else 1
+                         device=args.device, kv_cache_dtype=args.kv_cache_dtype) else 1
 
 
 def _mode(args: argparse.Namespace) -> str:
@@ -67,7 +67,8 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
               num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
-              mode=_mode(args), max_model_len=args.max_model_len)
+              mode=_mode(args), max_model_len=args.max_model_len,
+              kv_cache_dtype=args.kv_cache_dtype)
     for out in llm.generate(prompts, params, use_tqdm=True):
         c = out.outputs[0]
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
@@ -201,6 +202,7 @@ def _main(argv: list[str], debug: bool) -> int:
     demo.add_argument("--prompts", type=int, default=16)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--device", default=None)
+    demo.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"])
     demo.set_defaults(func=_demo)
     gen = sub.add_parser("generate", help="generate from a checkpoint directory")
     gen.add_argument("--model", required=True)
@@ -215,6 +217,8 @@ def _main(argv: list[str], debug: bool) -> int:
     gen.add_argument("--device", default=None)
     gen.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     gen.add_argument("--block-size", type=int, default=64)
+    gen.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
+                     help="bf16: exact rows; fp8: FlashMLA's 656-B rows + 132-B indexer keys")
     gen.add_argument("--num-gpu-blocks", type=int, default=None)
     gen.add_argument("--host-pool-gib", type=float, default=4.0)
     gen.add_argument("--max-model-len", type=int, default=None)

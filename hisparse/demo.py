@@ -25,7 +25,8 @@ def demo_checkpoint(cache_dir: str | None = None) -> str:
 
 
 def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
-             max_tokens: int = 32, device: str | None = None, seed: int = 0) -> bool:
+             max_tokens: int = 32, device: str | None = None, seed: int = 0,
+             kv_cache_dtype: str = "bf16") -> bool:
     if not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
     if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -40,7 +41,8 @@ def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
                for _ in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     common = dict(device=device, dtype="float32", block_size=16, max_model_len=1024,
-                  max_num_seqs=num_prompts, max_num_batched_tokens=512)
+                  max_num_seqs=num_prompts, max_num_batched_tokens=512,
+                  kv_cache_dtype=kv_cache_dtype)
     total_tokens = sum(len(p["prompt_token_ids"]) for p in prompts) + num_prompts * max_tokens
     gpu_blocks = 96  # ~1.5k token rows of GPU KV for ~10k tokens of live context
     print(f"\n{num_prompts} prompts of {prompt_len[0]}-{prompt_len[1]} tokens, {max_tokens} new "

@@ -125,9 +125,18 @@ def make_topk_override(table: torch.Tensor, context: int):
     return override
 
 
+def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
+    """(row, key) bytes per token and layer of the benchmark model (576-d rows, 128-d keys)."""
+    if kv_cache_dtype == "fp8":
+        from hisparse.ops import index_key_bytes, mla_row_bytes
+        return mla_row_bytes(512, 64), index_key_bytes(128)
+    return 576 * 2, 128 * 2
+
+
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int, host_buffers, host_pool_gib: float,
-              max_seqs: int, block_size: int = 64, enforce_eager: bool = False) -> Point:
+              max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
+              kv_cache_dtype: str = "bf16") -> Point:
     from hisparse import LLM, SamplingParams
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
@@ -142,7 +151,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode != "gpu-only" else None,
-              enforce_eager=enforce_eager,
+              enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     llm.capture_cuda_graphs()
     planned = llm.capacity(context=max_len)[str(mode)]
@@ -215,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
     p.add_argument("--locality-concurrency", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
     for key, value in PROFILES[a.profile].items():
@@ -225,24 +236,33 @@ def main(argv: list[str] | None = None) -> int:
     modes = {m.value: m.value for m in Mode}
     path = write_config(a.layers, a.intermediate_size)
     block_size = 64
+    row_b, key_b = kv_bytes(a.kv_cache_dtype)
     if a.gpu_kv_tokens is not None:
         num_gpu_blocks = a.gpu_kv_tokens // block_size
     else:
-        num_gpu_blocks = int(a.gpu_kv_gib * (1 << 30)) // (block_size * 576 * 2 * a.layers)
+        num_gpu_blocks = int(a.gpu_kv_gib * (1 << 30)) // (block_size * row_b * a.layers)
     print(f"profile {a.profile}: {a.layers} layers, GPU arena {num_gpu_blocks} blocks "
-          f"({num_gpu_blocks * block_size} tokens)", flush=True)
-    geo_bytes_per_token = a.layers * (576 + 128) * 2
+          f"({num_gpu_blocks * block_size} tokens), KV {a.kv_cache_dtype}", flush=True)
+    geo_bytes_per_token = a.layers * (row_b + key_b)
     t = time.perf_counter()
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
-    host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
-                    torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
+    if a.kv_cache_dtype == "fp8":
+        host_buffers = (torch.empty(a.layers, host_rows, row_b, dtype=torch.uint8,
+                                    pin_memory=True),
+                        torch.empty(a.layers, host_rows, key_b, dtype=torch.uint8,
+                                    pin_memory=True))
+    else:
+        host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16,
+                                    pin_memory=True),
+                        torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16,
+                                    pin_memory=True))
     print(f"pinned {a.host_pool_gib} GiB host pool in {time.perf_counter() - t:.1f} s", flush=True)
     points: list[Point] = []
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()
     for name in a.modes.split(","):  # compile every kernel before timing anything
         run_point(path, modes[name], "indexer", None, 4096, 4, 8, num_gpu_blocks, None, 1.0, 4,
-                  enforce_eager=a.eager)
+                  enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
 
     def record(pt: Point) -> None:
@@ -265,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in a.modes.split(","):
                 record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                  num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
-                                 enforce_eager=a.eager))
+                                 enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
             table = topk_table(source, a.layers, context, a.outputs, 2048)
@@ -273,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("hisparse", "always-host"):
                 record(run_point(path, modes[name], source, table, context, conc, a.outputs,
                                  num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
-                                 enforce_eager=a.eager))
+                                 enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype))
     print_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0

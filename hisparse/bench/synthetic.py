@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.worker.model_runner import ModelRunner, PagedContext
 
@@ -121,11 +122,23 @@ class SyntheticPrefillRunner(ModelRunner):
                 pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens, device=self.device)
                 kv_rows = flat_rows(tables["resident"], s.slot, pos, block_size)
                 idx_rows = flat_rows(tables["indexer"], s.slot, pos, block_size)
-                c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos), c.arena.shape[2],
-                                                  device=self.device, dtype=c.arena.dtype)
-                c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
-                                                     c.indexer.shape[2], device=self.device,
-                                                     dtype=c.indexer.dtype)
+                if c.geo.fp8:   # valid FP8 rows/keys of random values, a layer at a time
+                    n, dt = len(pos), c.geo.dtype
+                    for layer in range(c.arena.shape[0]):
+                        ops.quantize_write_mla_rows(
+                            torch.randn(n, c.geo.row_dim, device=self.device, dtype=dt),
+                            c.arena[layer], kv_rows, c.geo.kv_lora_rank)
+                    for i in range(c.indexer.shape[0]):
+                        ops.quantize_write_index_keys(
+                            torch.randn(n, c.geo.index_head_dim, device=self.device, dtype=dt),
+                            c.indexer[i], idx_rows)
+                else:
+                    c.arena[:, kv_rows] = torch.randn(c.arena.shape[0], len(pos),
+                                                      c.arena.shape[2], device=self.device,
+                                                      dtype=c.arena.dtype)
+                    c.indexer[:, idx_rows] = torch.randn(c.indexer.shape[0], len(pos),
+                                                         c.indexer.shape[2], device=self.device,
+                                                         dtype=c.indexer.dtype)
             else:
                 decode.append(s)
                 decode_ids += input_ids[offset:offset + s.num_tokens]

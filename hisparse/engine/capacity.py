@@ -425,7 +425,8 @@ def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
     inputs = CapacityInputs(
         context=context or kv.max_model_len, block_size=kv.block_size,
         hot_buffer_size=kv.hot_buffer_size, max_num_seqs=kv.max_num_seqs,
-        kv_cache_dtype=str(llm.caches.geo.dtype).removeprefix("torch."),
+        kv_cache_dtype=("fp8" if llm.caches.geo.fp8
+                        else str(llm.caches.geo.dtype).removeprefix("torch.")),
         num_gpu_blocks=kv.num_gpu_blocks, num_indexer_blocks=kv.num_indexer_blocks,
         num_host_blocks=num_host, watermark_blocks=kv.watermark_blocks)
     return plan_capacity(geometry_from_config(llm.model_config), replace(inputs, **overrides))

@@ -27,7 +27,7 @@ from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
 from hisparse.models.loader import load_config, load_model
-from hisparse.worker.cache import CacheGeometry, KVCaches
+from hisparse.worker.cache import KV_CACHE_DTYPES, CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("hisparse.engine")
@@ -147,6 +147,9 @@ class LLM:
     limit). A request that fails (sampling, non-finite logits, detokenizing) finishes with
     ``finish_reason="error"`` and the engine keeps serving; an engine-wide fault raises
     :class:`EngineDeadError` from then on.
+    ``kv_cache_dtype``: ``"bf16"`` (rows and indexer keys unquantized in the model dtype: the
+    exact format, the default for now) or ``"fp8"`` (FlashMLA's 656-B FP8 rows and 132-B FP8
+    indexer keys, the deployment format; :mod:`hisparse.ops.quant`).
     ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
     its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
     """
@@ -161,7 +164,7 @@ class LLM:
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
-                 runner_cls=None, async_scheduling: bool = True):
+                 runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16"):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if not isinstance(model, (str, os.PathLike)):
@@ -171,6 +174,9 @@ class LLM:
             raise ValueError(f"model: no such checkpoint directory {model!r}")
         if dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{kv_cache_dtype!r}")
         _check_int("block_size", block_size)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -203,7 +209,8 @@ class LLM:
                             indexer_layers=tuple(l for l in range(mc.num_layers)
                                                  if mc.layer_has_indexer(l)),
                             index_head_dim=mc.index_head_dim,
-                            dtype=parse_dtype(dtype) if dtype is not None else mc.dtype)
+                            dtype=parse_dtype(dtype) if dtype is not None else mc.dtype,
+                            kv_cache_dtype=kv_cache_dtype, rope_dim=mc.qk_rope_head_dim)
         pages = cdiv(self.max_model_len, block_size)
         if num_indexer_blocks is None:
             num_indexer_blocks = max_num_seqs * pages

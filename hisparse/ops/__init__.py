@@ -1,9 +1,25 @@
 """Data-plane ops of hisparse: each = PyTorch reference (the spec, any device) + Triton kernel
 (CUDA, or the CPU interpreter with HISPARSE_FORCE_TRITON=1 and TRITON_INTERPRET=1) + dispatcher."""
 
-from .attention import flashmla_available, sparse_mla_attention, sparse_mla_attention_reference
+from .attention import (
+    flashmla_available,
+    sparse_mla_attention,
+    sparse_mla_attention_fp8,
+    sparse_mla_attention_fp8_reference,
+    sparse_mla_attention_reference,
+)
 from .copy import copy_rows, copy_rows_reference, gather_rows
 from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
+from .quant import (
+    dequantize_index_keys_reference,
+    dequantize_mla_rows_reference,
+    index_key_bytes,
+    mla_row_bytes,
+    quantize_index_keys_reference,
+    quantize_mla_rows_reference,
+    quantize_write_index_keys,
+    quantize_write_mla_rows,
+)
 from .resolve import ResolveWorkspace, resolve_rows, resolve_rows_reference
 
 __all__ = [
@@ -11,4 +27,8 @@ __all__ = [
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
     "copy_rows", "copy_rows_reference", "gather_rows",
+    "sparse_mla_attention_fp8", "sparse_mla_attention_fp8_reference",
+    "quantize_write_mla_rows", "quantize_write_index_keys", "quantize_mla_rows_reference",
+    "dequantize_mla_rows_reference", "quantize_index_keys_reference",
+    "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes",
 ]

@@ -206,3 +206,163 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
             D_V=512, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 rows (hisparse.ops.quant format): [d_v e4m3 | NT fp32 scales | d_pe bf16] bytes per row.
+
+@triton.jit
+def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
+                     H, K, N, qk_scale,
+                     stride_qt, stride_qh, stride_row, stride_it,
+                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                     K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+                     TILE: tl.constexpr, NT: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
+    the tile's power-of-two scale (exact in bf16), rope read as bf16."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs_h < H
+    offs_d = tl.arange(0, D_V)
+    offs_p = tl.arange(0, D_PE)
+    offs_s = tl.arange(0, NT)
+    q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
+    q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
+    if IEEE:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    k_start = sp * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    offs_n = tl.arange(0, BLOCK_N)
+    for i0 in range(0, K_PER_SPLIT, BLOCK_N):
+        kk = k_start + i0 + offs_n
+        idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + kk, mask=kk < k_end, other=-1)
+        valid = (idx >= 0) & (idx < N)
+        rows = tl.where(valid, idx, 0).to(tl.int64) * stride_row            # byte offsets
+        raw = tl.load(kv_u8 + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+        sc = tl.load(kv_f32 + (rows // 4)[:, None] + D_V // 4 + offs_s[None, :],
+                     mask=valid[:, None], other=0.0)
+        kp = tl.load(kv_bf16 + (rows // 2)[:, None] + (D_V + 4 * NT) // 2 + offs_p[None, :],
+                     mask=valid[:, None], other=0.0)
+        f8 = raw.to(tl.float8e4nv, bitcast=True)
+        if IEEE:
+            kn = tl.reshape(tl.reshape(f8.to(tl.float32), [BLOCK_N, NT, TILE])
+                            * sc[:, :, None], [BLOCK_N, D_V])
+            kp = kp.to(tl.float32)
+            s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
+        else:
+            kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
+                            * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
+            s = tl.dot(q_nope, tl.trans(kn))
+            s = tl.dot(q_pe, tl.trans(kp), s)
+        s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p, kn, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = o_ptr + sp.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot \
+        + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+    tl.store(lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h,
+             lse, mask=hm)
+
+
+def _pick_config_fp8(T, H, K, device, is_fp32):
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, splits); first guess, tune with bench_ops."""
+    if is_fp32:
+        return 16, 16, 4, 1, (2 if K > 32 else 1)
+    if H <= 16:
+        bh, bn, nw, ns = 16, 32, 4, 2
+    elif H <= 32:
+        bh, bn, nw, ns = 32, 64, 8, 2
+    else:
+        bh, bn, nw, ns = 64, 64, 8, 2
+    programs = T * triton.cdiv(H, bh)
+    target = (2 if bh <= 32 else 1) * _num_sms(device)
+    splits = 1
+    while programs * splits < target and K // (splits * 2) >= 256 and splits < 16:
+        splits *= 2
+    return bh, bn, nw, ns, splits
+
+
+def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
+                                    lse=None):
+    """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout)."""
+    from .quant import fp8_tile, mla_row_bytes
+
+    T, H, D = q.shape
+    d_pe = D - d_v
+    tile = fp8_tile(d_v)
+    nt = d_v // tile
+    if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != mla_row_bytes(d_v, d_pe):
+        raise ValueError(f"FP8 attention: kv must be uint8 [N, {mla_row_bytes(d_v, d_pe)}]")
+    if kv.stride(1) != 1 or kv.stride(0) % 4 or kv.storage_offset() % 4:
+        raise ValueError("FP8 attention: kv rows must be contiguous and 4-byte aligned")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    indices = indices.to(torch.int32)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    K = indices.shape[1]
+    N = kv.shape[0]
+    if out is None:
+        out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    if K == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    is_fp32 = q.dtype == torch.float32 or not q.is_cuda
+    bh, bn, nw, ns, splits = config or _pick_config_fp8(T, H, K, q.device, is_fp32)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), bn) * bn
+    splits = triton.cdiv(K, k_per_split)
+    grid = (T, triton.cdiv(H, bh), splits)
+    if splits == 1:
+        po, pl = out, lse
+        sos, sls = 0, 0
+        s_ot, s_oh, s_lt = out.stride(0), out.stride(1), lse.stride(0)
+    else:
+        po = torch.empty((splits, T, H, d_v), dtype=torch.float32, device=q.device)
+        pl = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
+        sos, sls = po.stride(0), pl.stride(0)
+        s_ot, s_oh, s_lt = po.stride(1), po.stride(2), pl.stride(1)
+    _attn_fp8_kernel[grid](
+        q, kv, kv.view(torch.float32), kv.view(torch.bfloat16), indices, po, pl,
+        H, K, N, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        sos, s_ot, s_oh, sls, s_lt,
+        K_PER_SPLIT=k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=bh,
+        BLOCK_N=bn, IEEE=is_fp32, num_warps=nw, num_stages=ns,
+    )
+    if splits > 1:
+        _combine_kernel[(T, H)](
+            po, pl, out, lse, H, splits,
+            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        )
+    return out, lse

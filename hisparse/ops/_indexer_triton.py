@@ -10,11 +10,14 @@ from ._common import next_pow2
 
 
 @triton.jit
-def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
+def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
                          S_MAX, HI, D,
                          stride_qt, stride_qh, stride_wt, stride_kr, stride_btr, stride_keyt,
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr,
+                         FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr):
+    """``FP8``: ``k_ptr`` is uint8 key bytes (row stride ``stride_kr`` bytes), ``ks_ptr`` the
+    same memory as fp32; key = e4m3 (BLOCK_D == D) times its tile's power-of-two scale."""
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     pos = tl.load(pos_ptr + t)
@@ -39,8 +42,21 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
             blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
             valid = valid & (blk >= 0)
             rows = blk.to(tl.int64) * PAGE + (offs_s % PAGE)
-            k = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            if FP8:
+                raw = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
+                              mask=valid[:, None], other=0)
+                sc = tl.load(ks_ptr + (rows * stride_kr // 4)[:, None] + D // 4
+                             + tl.arange(0, NT)[None, :], mask=valid[:, None], other=0.0)
+                f8 = raw.to(tl.float8e4nv, bitcast=True)
+                if IEEE:
+                    k = tl.reshape(tl.reshape(f8.to(tl.float32), [BLOCK_S, NT, TILE])
+                                   * sc[:, :, None], [BLOCK_S, BLOCK_D])
+                else:
+                    k = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_S, NT, TILE])
+                                   * sc.to(tl.bfloat16)[:, :, None], [BLOCK_S, BLOCK_D])
+            else:
+                k = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
+                            mask=valid[:, None] & dmask[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -70,10 +86,23 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
             raise ValueError("indexer_keys: out must be [T, P*block_size] int64 with unit "
                              "column stride")
         keys = out
-    if k_cache.dtype != q.dtype and q.dtype != torch.float32:
+    fp8 = k_cache.dtype == torch.uint8
+    tile = nt = 1
+    if fp8:
+        from .quant import fp8_tile, index_key_bytes
+        tile = fp8_tile(D)
+        nt = D // tile
+        if (k_cache.shape[-1] != index_key_bytes(D) or k_cache.stride(-1) != 1
+                or k_cache.stride(0) % 4 or k_cache.storage_offset() % 4 or D & (D - 1)):
+            raise ValueError(f"indexer_keys: FP8 keys must be uint8 [rows, {index_key_bytes(D)}]"
+                             " contiguous, 4-byte aligned, with a power-of-two head dim")
+        k_scale = k_cache.view(torch.float32)
+    elif k_cache.dtype != q.dtype and q.dtype != torch.float32:
         k_cache = k_cache.to(q.dtype)
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
+    if not fp8:
+        k_scale = k_cache
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float()
     block_h = max(16, next_pow2(HI))
@@ -84,11 +113,11 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     block_s, nsub, nw = config
     grid = (T, triton.cdiv(s_max, block_s * nsub))
     _indexer_keys_kernel[grid](
-        q, weights, k_cache, block_table, token_req, token_pos, keys,
+        q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys,
         s_max, HI, D,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), block_table.stride(0),
         keys.stride(0),
         PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, NSUB=nsub, IEEE=ieee,
-        num_warps=nw,
+        FP8=fp8, TILE=tile, NT=nt, num_warps=nw,
     )
     return keys

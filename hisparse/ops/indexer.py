@@ -91,7 +91,11 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
         blk = block_table[r, positions // block_size].long()
         mapped = blk >= 0
         rows = blk.clamp(min=0) * block_size + positions % block_size
-        k = k_cache[rows].float()                                   # [S, D]
+        if k_cache.dtype == torch.uint8:                            # FP8 keys (quant.py)
+            from .quant import dequantize_index_keys_reference
+            k = dequantize_index_keys_reference(k_cache[rows], q.shape[-1])
+        else:
+            k = k_cache[rows].float()                               # [S, D]
         hi = q.shape[1]
         step = max(1, (1 << 24) // max(1, hi * S))                  # bound the [g, Hi, S] temp
         for a in range(t0, t1, step):
@@ -153,7 +157,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
     Args:
         q: ``[T, Hi, D]`` bf16/fp32 indexer queries, RoPE applied.
         weights: ``[T, Hi]`` fp32 per-head weights with all scales folded in (module docstring).
-        k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows).
+        k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows), or
+            FP8 keys ``[rows, index_key_bytes(D)]`` uint8 (:mod:`hisparse.ops.quant`: e4m3 + fp32
+            scale; scored as their dequantized values, exact in bf16).
         block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.

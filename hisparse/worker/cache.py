@@ -1,7 +1,9 @@
 """Device-side storage of the three tiers plus the hot-buffer state.
 
 - ``arena``: one packed GPU allocation ``[L, (num_gpu_blocks + 1) * block_size, D]`` of MLA rows
-  (the last block is a write sink for padding tokens);
+  (the last block is a write sink for padding tokens); with ``kv_cache_dtype="fp8"`` it is uint8
+  ``[L, rows, 656]`` byte rows (and the indexer cache uint8 ``[Li, rows, 132]``), so every copy,
+  mirror, restore and the resolver's gather move opaque bytes;
   ``arena[l]`` is layer ``l``'s view (its own offset ``l * layer_stride``), addressed by flat
   row ids ``block * block_size + offset``. Resident pages and hot-buffer blocks share it.
 - ``indexer``: ``[Li, num_indexer_blocks * block_size, Di]`` keys, one layer per *indexer* layer
@@ -22,29 +24,81 @@ import torch
 from hisparse.config import KVCacheConfig
 from hisparse.ops import IndexerWorkspace, ResolveWorkspace
 
+KV_CACHE_DTYPES = ("bf16", "fp8")
+
 
 @dataclass(frozen=True)
 class CacheGeometry:
+    """Sizes of the cached rows. ``kv_cache_dtype``: ``"bf16"`` stores rows and keys unquantized
+    in ``dtype`` (the model dtype: bf16 on CUDA, fp32 in CPU tests); ``"fp8"`` stores FlashMLA's
+    FP8 rows (``[rope_dim..]``: 512 e4m3 + 4 fp32 scales + 64 bf16 = 656 B) and FP8 indexer keys
+    (128 e4m3 + 1 fp32 scale = 132 B) as opaque uint8 bytes (:mod:`hisparse.ops.quant`)."""
+
     num_layers: int
     row_dim: int                 # kv_lora_rank + qk_rope_head_dim (576 in production)
     indexer_layers: tuple[int, ...]  # model layers that own an indexer cache
     index_head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype           # compute (model) dtype; the storage dtype of "bf16" caches
+    kv_cache_dtype: str = "bf16"
+    rope_dim: int = 64           # qk_rope_head_dim (the FP8 row keeps it in bf16)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.fp8:
+            from hisparse.ops.quant import index_key_bytes, mla_row_bytes
+            mla_row_bytes(self.row_dim - self.rope_dim, self.rope_dim)   # validates the tiles
+            index_key_bytes(self.index_head_dim)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.row_dim - self.rope_dim
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element type of the arena, indexer cache and host pool tensors."""
+        return torch.uint8 if self.fp8 else self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """Last dimension of the arena / host pool: bytes (FP8) or values (bf16)."""
+        if self.fp8:
+            from hisparse.ops.quant import mla_row_bytes
+            return mla_row_bytes(self.kv_lora_rank, self.rope_dim)
+        return self.row_dim
+
+    @property
+    def key_width(self) -> int:
+        if self.fp8:
+            from hisparse.ops.quant import index_key_bytes
+            return index_key_bytes(self.index_head_dim)
+        return self.index_head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one MLA row (one token, one layer): 656 FP8, 1152 bf16 (576-d rows)."""
+        return self.row_width * torch.empty(0, dtype=self.storage_dtype).element_size()
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one indexer key (one token, one indexer layer): 132 FP8, 256 bf16."""
+        return self.key_width * torch.empty(0, dtype=self.storage_dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
         """Host bytes per token: MLA rows of every layer plus indexer keys of indexer layers."""
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return elt * (self.num_layers * self.row_dim
-                      + len(self.indexer_layers) * self.index_head_dim)
+        return self.num_layers * self.row_bytes + len(self.indexer_layers) * self.key_bytes
 
     def gpu_bytes_per_block(self, block_size: int) -> int:
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return elt * block_size * self.num_layers * self.row_dim
+        return block_size * self.num_layers * self.row_bytes
 
     def indexer_bytes_per_block(self, block_size: int) -> int:
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return elt * block_size * len(self.indexer_layers) * self.index_head_dim
+        return block_size * len(self.indexer_layers) * self.key_bytes
 
 
 class StepWorkspace:
@@ -74,25 +128,27 @@ class KVCaches:
         block_size = cfg.block_size
         pin = device.type == "cuda"
         # One extra block per pool is a sink that padding tokens of a captured step write to.
-        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * block_size, geo.row_dim,
-                                 dtype=geo.dtype, device=device)
+        sdt = geo.storage_dtype
+        self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * block_size,
+                                 geo.row_width, dtype=sdt, device=device)
         n_idx = len(geo.indexer_layers)
         self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * block_size,
-                                   geo.index_head_dim,
-                                   dtype=geo.dtype, device=device)
+                                   geo.key_width, dtype=sdt, device=device)
         self.sink_row = cfg.num_gpu_blocks * block_size
         self.indexer_sink_row = cfg.num_indexer_blocks * block_size
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
         host_rows = cfg.num_host_blocks * block_size if cfg.uses_host else 0
-        host_shape = (geo.num_layers, host_rows, geo.row_dim)
-        idx_shape = (n_idx, host_rows, geo.index_head_dim)
+        host_shape = (geo.num_layers, host_rows, geo.row_width)
+        idx_shape = (n_idx, host_rows, geo.key_width)
         if host_buffers is not None:
             self.host, self.host_indexer = host_buffers
-            if self.host.shape != host_shape or self.host_indexer.shape != idx_shape:
-                raise ValueError(f"host_buffers must have shapes {host_shape} and {idx_shape}")
+            if (self.host.shape != host_shape or self.host_indexer.shape != idx_shape
+                    or self.host.dtype != sdt or self.host_indexer.dtype != sdt):
+                raise ValueError(f"host_buffers must be {sdt} tensors of shapes {host_shape} and "
+                                 f"{idx_shape}")
         else:
-            self.host = torch.empty(host_shape, dtype=geo.dtype, pin_memory=pin)
-            self.host_indexer = torch.empty(idx_shape, dtype=geo.dtype, pin_memory=pin)
+            self.host = torch.empty(host_shape, dtype=sdt, pin_memory=pin)
+            self.host_indexer = torch.empty(idx_shape, dtype=sdt, pin_memory=pin)
         R, H = cfg.max_num_seqs, cfg.hot_buffer_size
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(
@@ -104,6 +160,11 @@ class KVCaches:
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""
         return self.arena[layer]
+
+    def resolve_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """The resolver's view of one layer's rows: FP8 byte rows as int32 words
+        (``[N, 164]`` for 656 B), unquantized rows as they are."""
+        return rows.view(torch.int32) if self.geo.fp8 else rows
 
     def host_layer(self, layer: int) -> torch.Tensor:
         return self.host[layer]

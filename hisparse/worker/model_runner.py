@@ -18,6 +18,7 @@ from torch import Tensor
 
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
+from hisparse.ops.attention import flashmla_sched_meta
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import BUCKETS
 from hisparse.worker.step_state import StepState
@@ -50,6 +51,8 @@ class PagedContext:
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
+        # FlashMLA FP8 decode: one scheduler metadata per forward, shared by every layer
+        self.flashmla_meta = None
         self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
@@ -57,16 +60,31 @@ class PagedContext:
                sm_scale: float) -> Tensor:
         c = self.caches
         arena = c.arena_layer(layer_idx)
-        arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
+        fp8 = c.geo.fp8
+        if fp8:     # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
+            ops.quantize_write_mla_rows(kv_new, arena, self.kv_rows, self.kv_lora_rank)
+        else:
+            arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
-            keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
+            if fp8:
+                ops.quantize_write_index_keys(index_k_new, keys, self.idx_rows)
+            else:
+                keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
             self.topk = self.select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
-        out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
-                                          d_v=self.kv_lora_rank, backend=self.attn_backend)
+        if fp8:     # queries stay in the compute dtype; the kernels dequantize the rows
+            if self.flashmla_meta is None and c.device.type == "cuda":
+                self.flashmla_meta = flashmla_sched_meta()
+            out, _ = ops.sparse_mla_attention_fp8(q_latent.to(c.geo.dtype), arena, rows,
+                                                  sm_scale, d_v=self.kv_lora_rank,
+                                                  backend=self.attn_backend,
+                                                  sched_meta=self.flashmla_meta)
+        else:
+            out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
+                                              d_v=self.kv_lora_rank, backend=self.attn_backend)
         return out.to(q_latent.dtype)
 
     def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
@@ -89,7 +107,8 @@ class PagedContext:
             return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
-                                c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
+                                c.hot_lru[layer], c.resolve_view(c.arena_layer(layer)),
+                                c.resolve_view(c.host_layer(layer)),
                                 block_size, c.counters, workspace=c.workspace.resolve)
 
 
@@ -109,8 +128,8 @@ class ModelRunner:
         self.in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
         self.h2d_bytes = 0
         self.d2h_bytes = 0
-        self.row_bytes = caches.geo.row_dim * caches.arena.element_size()
-        self.key_bytes = caches.geo.index_head_dim * caches.indexer.element_size()
+        self.row_bytes = caches.geo.row_bytes
+        self.key_bytes = caches.geo.key_bytes
         cfg = caches.cfg
         max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                          next((b for b in BUCKETS if b >= cfg.max_num_seqs), BUCKETS[-1]))

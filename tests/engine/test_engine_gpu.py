@@ -30,13 +30,14 @@ def dense_path(tmp_path_factory):
                       first_k_dense_replace=100)
 
 
-def lossless_run(path, mode, num_prompts, gpu_blocks, seed):
+def lossless_run(path, mode, num_prompts, gpu_blocks, seed, kv_cache_dtype="bf16"):
     rng = random.Random(seed)
     prompts = [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(rng.randrange(150, 400))]}
                for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     common = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
-                  max_num_seqs=num_prompts, max_num_batched_tokens=256)
+                  max_num_seqs=num_prompts, max_num_batched_tokens=256,
+                  kv_cache_dtype=kv_cache_dtype)
     eager = LLM(path, mode="gpu-only", enforce_eager=True, **common)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
     llm = LLM(path, mode=mode, num_gpu_blocks=gpu_blocks, hot_buffer_size=128,
@@ -58,3 +59,14 @@ def test_lossless_on_gpu_bf16_moe_eager(moe_path, mode):
 def test_cuda_graph_decode_is_lossless(dense_path, mode):
     llm = lossless_run(dense_path, mode, num_prompts=11, gpu_blocks=70, seed=1)
     assert llm.runner.graphs is not None and any(k[1] for k in llm.runner.graphs.graphs)
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
+def test_fp8_kv_lossless_on_gpu(dense_path, moe_path, mode):
+    """kv_cache_dtype="fp8" (656-B rows, 132-B keys): tiering on vs off, eager vs CUDA graphs,
+    identical greedy tokens."""
+    llm = lossless_run(dense_path, mode, num_prompts=11, gpu_blocks=70, seed=2,
+                       kv_cache_dtype="fp8")
+    assert llm.caches.arena.shape[-1] == 656 and llm.caches.indexer.shape[-1] == 132
+    assert llm.runner.graphs is not None and any(k[1] for k in llm.runner.graphs.graphs)
+    lossless_run(moe_path, mode, num_prompts=8, gpu_blocks=60, seed=3, kv_cache_dtype="fp8")

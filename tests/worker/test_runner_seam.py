@@ -18,7 +18,8 @@ def path(tmp_path_factory, single_torch_thread):
                                   index_topk=TOPK, num_hidden_layers=2)
 
 
-def test_synthetic_runner_through_the_public_api(path):
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_synthetic_runner_through_the_public_api(path, kv_cache_dtype):
     clock = TokenClock()
     calls = []
 
@@ -29,7 +30,7 @@ def test_synthetic_runner_through_the_public_api(path):
 
     llm = LLM(path, device="cpu", block_size=8, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, mode="always-host", host_pool_gib=0.01,
-              hot_buffer_size=32,
+              hot_buffer_size=32, kv_cache_dtype=kv_cache_dtype,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     assert type(llm.runner).__name__ == "SyntheticPrefillRunner"
     assert isinstance(llm.runner, ModelRunner) and isinstance(llm.runner.ctx, PagedContext)

@@ -1,0 +1,86 @@
+"""Triton quantize-and-write of FP8 rows and keys (imported lazily by quant.py).
+
+One program per token: it loads the token's values, computes each tile's power-of-two scale and
+writes ``[e4m3 | fp32 scales | bf16 rope]`` bytes into its flat row. The e4m3 and bf16 encodings
+are done with integer bit operations (round to nearest even), so the kernel is bit-exact against
+the PyTorch reference on the GPU and under the CPU interpreter (whose fp8 casts are not).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import fp8_tile
+
+
+@triton.jit
+def _e4m3_code(y):
+    """fp32 ``y`` with ``|y| <= 448`` -> float8_e4m3fn bit pattern (int32 0..255), RNE."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a_bits = bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    # normal range (a >= 2^-6): round the fp32 mantissa to 3 bits, then rebias 127 -> 7
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - 960
+    # subnormal range: code = RNE(a * 2^9) (8 rolls over into the smallest normal, as it should)
+    t = a * 512.0
+    fl = t.to(tl.int32)
+    frac = t - fl.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
+    sub = fl + up.to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    return code | sign
+
+
+@triton.jit
+def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, stride_row,
+                        D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
+                        NT: tl.constexpr):
+    t = tl.program_id(0)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    x_base = x_ptr + t.to(tl.int64) * stride_xt
+    offs_i = tl.arange(0, NT)
+    offs_j = tl.arange(0, TILE)
+    offs = offs_i[:, None] * TILE + offs_j[None, :]
+    x = tl.load(x_base + offs).to(tl.float32)                         # [NT, TILE]
+    amax = tl.max(tl.abs(x), axis=1)                                   # [NT]
+    s = tl.maximum(tl.math.div_rn(amax, tl.full([NT], 448.0, tl.float32)), 1e-4)
+    sb = s.to(tl.int32, bitcast=True)
+    e = sb & 0x7F800000
+    sb = tl.where((sb & 0x7FFFFF) != 0, e + 0x800000, e)               # round up to 2^k
+    scale = sb.to(tl.float32, bitcast=True)
+    inv = ((254 << 23) - sb).to(tl.float32, bitcast=True)              # exact 2^-k
+    code = _e4m3_code(x * inv[:, None])
+    base = row * stride_row
+    tl.store(dst_u8 + base + offs, code.to(tl.uint8))
+    tl.store(dst_f32 + (base + D_NOPE) // 4 + offs_i, scale)
+    if D_ROPE > 0:
+        offs_r = tl.arange(0, D_ROPE)
+        r = tl.load(x_base + D_NOPE + offs_r).to(tl.float32)
+        rb = r.to(tl.int32, bitcast=True)
+        bf = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16                     # fp32 -> bf16, RNE
+        tl.store(dst_i16 + (base + D_NOPE + 4 * NT) // 2 + offs_r, bf.to(tl.int16))
+
+
+def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int) -> None:
+    T, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tile = fp8_tile(d_nope)
+    d_rope = D - d_nope
+    if d_rope & (d_rope - 1):
+        raise ValueError(f"FP8 rows: the rope part ({d_rope}) must be a power of two")
+    rows = rows.to(device=dst.device, dtype=torch.int64)
+    _quant_write_kernel[(T,)](
+        x, rows, dst, dst.view(torch.float32), dst.view(torch.int16), x.stride(0), dst.stride(0),
+        D_NOPE=d_nope, D_ROPE=d_rope, TILE=tile, NT=d_nope // tile, num_warps=4)
+
+
+def quantize_write_mla_triton(kv, dst, rows, d_nope: int) -> None:
+    _launch(kv, dst, rows, d_nope)
+
+
+def quantize_write_keys_triton(k, dst, rows) -> None:
+    _launch(k, dst, rows, k.shape[1])

@@ -1,0 +1,200 @@
+"""FP8 KV format: quantize/dequantize spec, Triton quantize-and-write (bit-exact), FP8 sparse
+attention and FP8 indexer scoring (Triton under the interpreter vs the reference; GPU at
+production shapes; FlashMLA's FP8 decode vs the Triton kernel)."""
+
+import pytest
+import torch
+
+from hisparse import ops
+from hisparse.ops import quant as Q
+
+
+def _flashmla_style_quantize(x: torch.Tensor, d_nope: int) -> torch.Tensor:
+    """FlashMLA tests/quant.py formula (log2/ceil), re-derived: the format's definition."""
+    tile = min(128, d_nope)
+    T = x.shape[0]
+    out = []
+    scales = []
+    for i in range(d_nope // tile):
+        part = x[:, i * tile:(i + 1) * tile].float()
+        s = torch.pow(2, torch.clamp_min(part.abs().amax(-1) / 448.0, 1e-4).log2().ceil())
+        scales.append(s)
+        out.append((part / s[:, None]).to(torch.float8_e4m3fn).view(torch.uint8))
+    rope = x[:, d_nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    sc = torch.stack(scales, 1).contiguous().view(torch.uint8)
+    return torch.cat(out + [sc.reshape(T, -1), rope.reshape(T, -1)], dim=1)
+
+
+def _rows(T, D, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g) * torch.logspace(-5, 4, T)[:, None]
+    x[0] = 0.0                                  # all-zero row: scale clamps to 2^-13
+    x[1, :7] = 448.0 * 2.0 ** 3                 # amax / 448 an exact power of two
+    x[2, 3] = -1e-30                            # tiny values: e4m3 subnormals / zero
+    return x.to(dtype)
+
+
+def test_format_sizes():
+    assert Q.mla_row_bytes(512, 64) == 656 and Q.index_key_bytes(128) == 132
+    assert Q.mla_row_bytes(32, 16) == 32 + 4 + 32 and Q.index_key_bytes(32) == 36
+    with pytest.raises(ValueError):
+        Q.fp8_tile(384)                        # 3 tiles: not a power of two
+
+
+@pytest.mark.parametrize("d_nope,d_rope", [(512, 64), (32, 16)])
+def test_quantize_reference_matches_flashmla_formula_and_round_trips(d_nope, d_rope):
+    x = _rows(24, d_nope + d_rope)
+    q = Q.quantize_mla_rows_reference(x, d_nope)
+    assert q.dtype == torch.uint8 and q.shape == (24, Q.mla_row_bytes(d_nope, d_rope))
+    assert torch.equal(q, _flashmla_style_quantize(x, d_nope))
+    deq = Q.dequantize_mla_rows_reference(q, d_nope, d_rope)
+    tile = min(128, d_nope)
+    xt = x.float()[:, :d_nope].reshape(24, -1, tile)
+    err = (deq[:, :d_nope].reshape(24, -1, tile) - xt).abs()
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 of the value; absolute <= the tile amax/16
+    assert (err <= xt.abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
+    assert torch.equal(deq[:, d_nope:], x.float()[:, d_nope:])       # rope exact (bf16)
+    assert torch.equal(Q.dequantize_mla_rows_reference(q, d_nope, d_rope, torch.bfloat16).float(),
+                       deq)
+
+
+def test_index_key_round_trip():
+    k = _rows(16, 128, seed=3)
+    b = Q.quantize_index_keys_reference(k)
+    assert b.shape == (16, 132)
+    back = Q.dequantize_index_keys_reference(b, 128)
+    assert ((back - k.float()).abs() <= k.float().abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
+
+
+@pytest.mark.parametrize("d_nope,d_rope,dtype",
+                         [(512, 64, torch.bfloat16), (32, 16, torch.float32)])
+def test_triton_quantize_write_is_bit_exact(triton_cpu, d_nope, d_rope, dtype):
+    x = _rows(9, d_nope + d_rope, seed=5, dtype=dtype)
+    rb = Q.mla_row_bytes(d_nope, d_rope)
+    dst = torch.zeros(3, 20, rb, dtype=torch.uint8)         # packed layers: write layer 1 only
+    rows = torch.tensor([4, 0, 19, 7, 8, 9, 1, 2, 3])
+    ops.quantize_write_mla_rows(x, dst[1], rows, d_nope)
+    assert torch.equal(dst[1][rows], Q.quantize_mla_rows_reference(x, d_nope))
+    assert not dst[0].any() and not dst[2].any()
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[rows] = False
+    assert not dst[1][untouched].any()
+    k = _rows(9, 128, seed=6, dtype=dtype)
+    kd = torch.zeros(2, 20, 132, dtype=torch.uint8)
+    ops.quantize_write_index_keys(k, kd[1], rows)
+    assert torch.equal(kd[1][rows], Q.quantize_index_keys_reference(k)) and not kd[0].any()
+
+
+def _fp8_case(T, H, K, N, d_nope=512, d_rope=64, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(N, d_nope + d_rope, generator=g)
+    rows = Q.quantize_mla_rows_reference(kv, d_nope)
+    rows[N // 2:] = 0x7F                      # e4m3 NaN / garbage: never referenced
+    q = torch.randn(T, H, d_nope + d_rope, generator=g).to(dtype)
+    idx = torch.randint(0, N // 2, (T, K), generator=g).to(torch.int32)
+    idx[torch.rand(T, K, generator=g) < 0.25] = -1
+    idx[min(1, T - 1)] = -1                   # a token with no valid index
+    return q.to(device), rows.to(device), idx.to(device)
+
+
+def test_fp8_reference_is_attention_over_dequantized_rows():
+    q, rows, idx = _fp8_case(3, 4, 40, 80, dtype=torch.float32)
+    o, l = ops.sparse_mla_attention_fp8_reference(q, rows, idx, 0.05)
+    deq = Q.dequantize_mla_rows_reference(rows[:40], 512, 64)
+    ro, rl = ops.sparse_mla_attention_reference(q, deq, idx, 0.05)
+    assert torch.allclose(o, ro, atol=1e-6) and torch.equal(torch.isneginf(l), torch.isneginf(rl))
+    assert (o[1] == 0).all() and torch.isneginf(l[1]).all()
+    # the dispatcher routes uint8 rows to the FP8 path
+    o2, _ = ops.sparse_mla_attention(q, rows, idx, 0.05, backend="reference")
+    assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize("T,H,K,d_nope,d_rope,dtype", [
+    (3, 4, 40, 32, 16, torch.float32), (2, 16, 64, 512, 64, torch.bfloat16),
+    (2, 20, 40, 512, 64, torch.float32)])
+def test_fp8_attention_triton_interpreter(triton_cpu, T, H, K, d_nope, d_rope, dtype):
+    q, rows, idx = _fp8_case(T, H, K, 2 * K, d_nope, d_rope, dtype, seed=K)
+    o, l = ops.sparse_mla_attention_fp8(q, rows, idx, 0.07, d_v=d_nope, backend="triton")
+    ro, rl = ops.sparse_mla_attention_fp8_reference(q, rows, idx, 0.07, d_v=d_nope)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (o.float() - ro.float()).abs().max() < tol
+    assert torch.equal(torch.isneginf(l), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    assert (l[fin] - rl[fin]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("D,dtype", [(32, torch.float32), (128, torch.bfloat16)])
+def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype):
+    g = torch.Generator().manual_seed(D)
+    bs = 8
+    keys = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
+    bt = torch.tensor([[3, 1, 5, -1], [0, 2, 4, 6]], dtype=torch.int32)
+    q = torch.randn(3, 32, D, generator=g).to(dtype)
+    w = torch.rand(3, 32, generator=g)
+    req = torch.tensor([0, 1, -1], dtype=torch.int32)
+    pos = torch.tensor([20, 30, 5], dtype=torch.int32)
+    got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 8)
+    monkeypatch.delenv("HISPARSE_FORCE_TRITON")
+    want = ops.indexer_topk_reference(q, w, keys, bt, req, pos, bs, 8)
+    assert torch.equal(got, want)
+    deq = Q.dequantize_index_keys_reference(keys, D)
+    assert torch.equal(ops.indexer_topk_reference(q, w, deq, bt, req, pos, bs, 8), want)
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_quantize_write_bit_exact_production():
+    x = _rows(4096, 576, seed=1).cuda()
+    dst = torch.zeros(2, 8192, 656, dtype=torch.uint8, device="cuda")
+    rows = torch.randperm(8192, device="cuda")[:4096]
+    ops.quantize_write_mla_rows(x, dst[1], rows, 512)
+    assert torch.equal(dst[1][rows].cpu(), Q.quantize_mla_rows_reference(x.cpu(), 512))
+    k = _rows(4096, 128, seed=2).cuda()
+    kd = torch.zeros(2, 8192, 132, dtype=torch.uint8, device="cuda")
+    ops.quantize_write_index_keys(k, kd[1], rows)
+    assert torch.equal(kd[1][rows].cpu(), Q.quantize_index_keys_reference(k.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [(64, 16), (64, 64), (64, 128), (3, 16), (257, 64)])
+def test_gpu_fp8_attention_triton_production(T, H):
+    q, rows, idx = _fp8_case(T, H, 2048, 64 * 2048, device="cuda", seed=H)
+    o, l = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5, backend="triton")
+    ro, rl = ops.sparse_mla_attention_fp8_reference(q, rows, idx, 576 ** -0.5)
+    assert not torch.isnan(o).any()
+    assert (o.float() - ro.float()).abs().max().item() < 2e-2
+    assert torch.equal(torch.isneginf(l), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    assert (l[fin] - rl[fin]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.flashmla_available(), reason="flash_mla not importable")
+@pytest.mark.parametrize("T,H", [(64, 64), (64, 128), (64, 16)])
+def test_gpu_flashmla_fp8_matches_triton(T, H):
+    q, rows, idx = _fp8_case(T, H, 2048, 64 * 2048, device="cuda", seed=H + 7)
+    o, l = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5, backend="flashmla")
+    to, tl_ = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5, backend="triton")
+    assert (o.float() - to.float()).abs().max().item() < 2e-2
+    valid = (idx >= 0).any(1)
+    assert (o[~valid] == 0).all()
+    assert (l[valid] - tl_[valid]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_indexer_production():
+    bs, P, R = 64, 1024, 2
+    D = 128
+    keys = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()
+    bt = torch.arange(R * P, dtype=torch.int32, device="cuda").view(R, P)
+    q = torch.randn(8, 64, D, device="cuda").bfloat16()
+    w = torch.rand(8, 64, device="cuda")
+    req = torch.tensor([0] * 4 + [1] * 4, dtype=torch.int32, device="cuda")
+    pos = torch.tensor([60000, 60001, 60002, 60003, 3000, 3001, 3002, 65535], dtype=torch.int32,
+                       device="cuda")
+    got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 2048)
+    deq = Q.dequantize_index_keys_reference(keys, D, torch.bfloat16)
+    want = ops.indexer_topk(q, w, deq, bt, req, pos, bs, 2048)   # bf16 Triton path
+    # same scores (dequantized keys are exact in bf16): same selection up to fp32 ties
+    agree = (torch.sort(got, 1).values == torch.sort(want, 1).values).float().mean().item()
+    assert agree > 0.999, agree
