@@ -3,7 +3,15 @@
 
 from .attention import flashmla_available, sparse_mla_attention, sparse_mla_attention_reference
 from .copy import copy_rows, copy_rows_reference, gather_rows
+from .gemm import (
+    dequantize_fp8_weight,
+    fp8_block_linear,
+    fp8_block_linear_reference,
+    quantize_fp8_act,
+    quantize_fp8_weight,
+)
 from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
+from .moe import fused_moe, fused_moe_reference, moe_align
 from .resolve import ResolveWorkspace, resolve_rows, resolve_rows_reference
 
 __all__ = [
@@ -11,4 +19,6 @@ __all__ = [
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
     "copy_rows", "copy_rows_reference", "gather_rows",
+    "fp8_block_linear", "fp8_block_linear_reference", "quantize_fp8_act", "quantize_fp8_weight",
+    "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
 ]
