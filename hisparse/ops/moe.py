@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import want_triton
-from .gemm import cdiv, dequantize_fp8_weight
+from .gemm import cdiv, dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_act
 
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -50,19 +50,30 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
                         gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu", *,
                         gate_up_scale: torch.Tensor | None = None,
                         down_scale: torch.Tensor | None = None,
-                        block: tuple[int, int] | None = None) -> torch.Tensor:
+                        block: tuple[int, int] | None = None,
+                        quantize_input: bool = False) -> torch.Tensor:
     """Loop over the experts hit (syncs with the host). FP8 experts are dequantized and run in
-    fp32; plain experts run in their dtype (as the model's original loop)."""
+    fp32; plain experts run in their dtype (as the model's original loop). ``quantize_input``
+    (FP8 only): pass both GEMMs' activations through the per-tile FP8 quantization the fused
+    path applies (the intermediate first rounded to ``x.dtype``, as the fused path stores it)."""
     out = torch.zeros_like(x)
     I = down.shape[-1]
     f = _ACT[act]
+    q = quantize_input and gate_up_scale is not None
+
+    def fake_quant(a: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8_act(*quantize_fp8_act(a, block[1]), block[1]) if q else a
+
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.where(topk_ids == e)
         gu = _expert_weight(gate_up, gate_up_scale, e, block, rows_split=I)
         dn = _expert_weight(down, down_scale, e, block)
-        xs = x[tok].to(gu.dtype)
+        xs = fake_quant(x[tok]).to(gu.dtype)
         gate, up = F.linear(xs, gu).chunk(2, dim=-1)
-        y = F.linear(f(gate) * up, dn) * topk_weights[tok, slot, None].to(dn.dtype)
+        h = f(gate) * up
+        if q:
+            h = fake_quant(h.to(x.dtype)).to(dn.dtype)
+        y = F.linear(h, dn) * topk_weights[tok, slot, None].to(dn.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
