@@ -177,3 +177,22 @@ def test_tp_shard_shapes(tp):
 def test_tp_shard_rejects_non_divisor():
     with pytest.raises(ValueError, match="tp_rank_of=3 must divide num_attention_heads"):
         make_hf_config("deepseek_v32", tp_rank_of=3)
+
+
+def test_fp8_dummy_load_on_cpu(tmp_path):
+    import json
+
+    from hisparse.models.random_checkpoint import fp8_quantization_config
+
+    cfg = make_hf_config("deepseek_v32", num_hidden_layers=2).to_dict()
+    cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+    cfg["quantization_config"] = fp8_quantization_config((16, 16))
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    model, mcfg = load_model(str(tmp_path), "float32", load_format="dummy")
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.gate_up_proj.float().std() > 20
+    assert torch.all(experts.gate_up_proj_scale_inv == 0.02 / 32)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+    out = _logits(model, mcfg, _ids(12, mcfg.vocab_size, 0))
+    assert torch.isfinite(out).all() and out.std() > 0
