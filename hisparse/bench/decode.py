@@ -6,6 +6,21 @@ load), bf16, dense MLP layers. Prompts get random KV rows instead of a prefill f
 speed is what is measured; see :mod:`hisparse.bench.synthetic`, plugged in through
 ``LLM(runner_cls=...)``); decode runs the full model. Only the public engine API is used.
 
+``--model-shape`` picks the model: ``tp8-stand-in`` (the default above: ``--layers`` dense layers)
+or a real rank, ``deepseek-v3.2-tp8-rank`` (all 61 layers of one TP-8 rank of DeepSeek-V3.2: 3
+dense then 58 MoE layers of 256 experts, top 8, expert intermediate 2048 / 8 = 256, 16 heads,
+indexer replicated (64 heads), FP8 block-quantized weights drawn directly in FP8 on the GPU,
+~89 GB) or ``glm-5-tp8-rank`` (78 layers, 64 / 8 heads, GLM-5's shared-indexer pattern from the
+config defaults; ~82 GB). See :mod:`hisparse.models.random_checkpoint` for the TP-shard rules
+(vocab kept whole; the all-reduce is not exercised). The KV cache stays bf16 until the FP8-KV
+option lands. ``--gpu-kv-gib auto`` (the default for real ranks): the engine sizes the KV arena
+from the free GPU memory after weights (``gpu_memory_utilization``).
+
+Per point, beyond throughput: ``step_span_ms_p50`` (CUDA events on the compute stream around each
+``LLM.step``: GPU time plus whatever host gaps fall inside a step; under CUDA graphs mostly the
+replay), and the capacity planner's predicted step time / tok/s for that mode and concurrency
+(weights read per step = dense weights + the expected bytes of the experts a batch touches).
+
 Top-k sources: ``indexer`` (the model's own indexer: random weights, unrealistic locality),
 ``synthetic:<overlap>`` and ``trace:<npz>`` (selections replayed in place of the indexer output;
 the indexer still runs so its cost is counted).
@@ -34,6 +49,54 @@ TP8_GEOMETRY = dict(
 )
 
 
+MODEL_SHAPES = ("tp8-stand-in", "deepseek-v3.2-tp8-rank", "glm-5-tp8-rank")
+
+
+def model_shape_config(shape: str, layers: int | None = None) -> dict:
+    """The config.json dict of ``shape`` (see the module doc); ``layers`` overrides the depth."""
+    from hisparse.models.random_checkpoint import (
+        DEEPSEEK_V32_SHAPE,
+        GLM5_SHAPE,
+        fp8_quantization_config,
+        make_hf_config,
+    )
+
+    if shape == "tp8-stand-in":
+        cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers or 8,
+                             **TP8_GEOMETRY).to_dict()
+        cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+        return cfg
+    if shape == "deepseek-v3.2-tp8-rank":
+        arch, full, name = "deepseek_v32", DEEPSEEK_V32_SHAPE, "DeepseekV32ForCausalLM"
+    elif shape == "glm-5-tp8-rank":
+        arch, full, name = "glm_moe_dsa", GLM5_SHAPE, "GlmMoeDsaForCausalLM"
+    else:
+        raise ValueError(f"--model-shape must be one of {list(MODEL_SHAPES)}, got {shape!r}")
+    over = dict(full)
+    if layers:
+        over["num_hidden_layers"] = layers
+    cfg = make_hf_config(arch, tp_rank_of=8, **over).to_dict()
+    cfg["architectures"] = [name]
+    cfg["quantization_config"] = fp8_quantization_config((128, 128))
+    return cfg
+
+
+def touched_weight_bytes(cfg, batch: int) -> int:
+    """Expected weight bytes one decode step of ``batch`` tokens reads: every non-routed weight
+    plus, per MoE layer, the experts hit (uniform routing: ``E * (1 - (1 - k/E) ** batch)``)."""
+    from hisparse.engine.capacity import geometry_from_config
+
+    total = geometry_from_config(cfg).weight_bytes
+    n_moe = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    if not n_moe:
+        return int(total)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (
+        1 if cfg.fp8_block else cfg.dtype.itemsize)
+    hit = E * (1.0 - (1.0 - k / E) ** max(batch, 1))
+    return int(total - n_moe * (E - hit) * per_expert)
+
+
 @dataclass
 class Point:
     mode: str
@@ -52,13 +115,16 @@ class Point:
     num_preempted: int
     spilled_pages: int
     wall_s: float
+    model_shape: str = "tp8-stand-in"
+    weights_gib: float = 0.0
+    num_gpu_blocks: int = 0
+    step_span_ms_p50: float = float("nan")
+    plan_step_ms: float = float("nan")
+    plan_tok_s: float = float("nan")
 
 
-def write_config(layers: int) -> str:
-    from hisparse.models.random_checkpoint import make_hf_config
-
-    cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers, **TP8_GEOMETRY).to_dict()
-    cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+def write_config(layers: int | None, shape: str = "tp8-stand-in") -> str:
+    cfg = model_shape_config(shape, layers)
     path = tempfile.mkdtemp(prefix="hisparse-bench-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -101,14 +167,16 @@ def make_topk_override(table: torch.Tensor, context: int):
 
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
-              outputs: int, gpu_kv_gib: float, host_buffers, host_pool_gib: float,
-              max_seqs: int, block_size: int = 64, enforce_eager: bool = False) -> Point:
+              outputs: int, gpu_kv_gib: float | None, host_buffers, host_pool_gib: float,
+              max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
+              model_shape: str = "tp8-stand-in") -> Point:
     from hisparse import LLM, SamplingParams
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
     row_bytes_per_block = block_size * 576 * 2
     layers = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
-    num_gpu_blocks = int(gpu_kv_gib * (1 << 30)) // (row_bytes_per_block * layers)
+    num_gpu_blocks = (None if gpu_kv_gib is None
+                      else int(gpu_kv_gib * (1 << 30)) // (row_bytes_per_block * layers))
     max_len = context + outputs
     torch.cuda.reset_peak_memory_stats()
     clock = TokenClock()
@@ -132,9 +200,15 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
             SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True)))
     done_at: dict[str, float] = {}
     n_out: dict[str, int] = {}
+    weights_gib = sum(p.numel() * p.element_size() for p in llm.model.parameters()) / (1 << 30)
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     t0 = time.perf_counter()
     while llm.has_unfinished_requests():
+        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        ev[0].record()
         finished = llm.step()
+        ev[1].record()
+        spans.append(ev)
         now = time.perf_counter()
         for out in finished:
             done_at[out.request_id] = now
@@ -146,6 +220,16 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     decode_tokens = sum(n_out[r] - 1 for r in req_ids)
     tpots = sorted((done_at[r] - first_token[r]) / max(1, outputs - 1) * 1e3 for r in req_ids)
     s = llm.stats()
+    # decode steps only: the last outputs-1 steps of the run (prompts are admitted first)
+    span_ms = sorted(a.elapsed_time(b) for a, b in spans[-max(1, outputs - 1):])
+    plan_ms = plan_tok = float("nan")
+    try:
+        mc = llm.model_config
+        mp = llm.capacity(context + outputs,
+                          weight_bytes=touched_weight_bytes(mc, concurrency))[str(s["mode"])]
+        plan_ms, plan_tok = mp.step_time_ms, mp.decode_tok_s
+    except Exception as e:  # the planner is advisory here
+        print(f"planner: {e}", flush=True)
     lookups = s["hot_hits"] + s["hot_misses"]
     point = Point(
         mode=s["mode"], topk_source=topk_source, context=context, concurrency=concurrency,
@@ -156,7 +240,10 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         h2d_gb_s=s["h2d_bytes"] / wall / 1e9,
         gpu_mem_gib=torch.cuda.max_memory_allocated() / (1 << 30),
         host_pool_gib=host_pool_gib if mode != "gpu-only" else 0.0,
-        num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall)
+        num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall,
+        model_shape=model_shape, weights_gib=weights_gib, num_gpu_blocks=s["num_gpu_blocks"],
+        step_span_ms_p50=span_ms[len(span_ms) // 2] if span_ms else float("nan"),
+        plan_step_ms=plan_ms, plan_tok_s=plan_tok)
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
     torch.cuda.empty_cache()
@@ -167,11 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="hisparse bench", description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--model-shape", default="tp8-stand-in", choices=MODEL_SHAPES,
+                   help="tp8-stand-in (dense, --layers) or a real TP-8 rank (FP8 weights)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="depth (default: 8 for the stand-in, the real depth for real ranks)")
     p.add_argument("--contexts", default="65536")
     p.add_argument("--concurrency", default="8,32,64,max")
     p.add_argument("--outputs", type=int, default=64)
-    p.add_argument("--gpu-kv-gib", type=float, default=16.0)
+    p.add_argument("--gpu-kv-gib", default=None,
+                   help="GPU KV arena GiB, or 'auto' (free memory after weights); default 16 "
+                        "for the stand-in, auto for real ranks")
     p.add_argument("--host-pool-gib", type=float, default=64.0)
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
     p.add_argument("--topk", default="indexer",
@@ -185,19 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("hisparse bench needs a CUDA device")
     modes = {m.value: m.value for m in Mode}
-    path = write_config(a.layers)
-    geo_bytes_per_token = a.layers * (576 + 128) * 2
+    path = write_config(a.layers, a.model_shape)
+    layers = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+    stand_in = a.model_shape == "tp8-stand-in"
+    kv_arg = a.gpu_kv_gib or ("16" if stand_in else "auto")
+    gpu_kv = None if kv_arg == "auto" else float(kv_arg)
+    geo_bytes_per_token = layers * (576 + 128) * 2
     t = time.perf_counter()
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
-    host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
-                    torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
+    host_buffers = (torch.empty(layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
+                    torch.empty(layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
     print(f"pinned {a.host_pool_gib} GiB host pool in {time.perf_counter() - t:.1f} s", flush=True)
     points: list[Point] = []
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()
     for name in a.modes.split(","):  # compile every kernel before timing anything
-        run_point(path, modes[name], "indexer", None, 4096, 4, 8, a.gpu_kv_gib, None, 1.0, 4,
-                  enforce_eager=a.eager)
+        run_point(path, modes[name], "indexer", None, 4096, 4, 8, gpu_kv, None, 1.0, 4,
+                  enforce_eager=a.eager, model_shape=a.model_shape)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
 
     def record(pt: Point) -> None:
@@ -211,20 +307,20 @@ def main(argv: list[str] | None = None) -> int:
         host_cap = host_rows // (context + a.outputs + 64)
         levels = sorted({host_cap if c == "max" else min(int(c), host_cap)
                          for c in a.concurrency.split(",")})
-        table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
+        table = topk_table(a.topk, layers, context, a.outputs, 2048)
         for conc in levels:
             for name in a.modes.split(","):
                 record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, max(levels),
-                                 enforce_eager=a.eager))
+                                 gpu_kv, host_buffers, a.host_pool_gib, max(levels),
+                                 enforce_eager=a.eager, model_shape=a.model_shape))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
-            table = topk_table(source, a.layers, context, a.outputs, 2048)
+            table = topk_table(source, layers, context, a.outputs, 2048)
             conc = min(a.locality_concurrency, host_cap)
             for name in ("hisparse", "always-host"):
                 record(run_point(path, modes[name], source, table, context, conc, a.outputs,
-                                 a.gpu_kv_gib, host_buffers, a.host_pool_gib, conc,
-                                 enforce_eager=a.eager))
+                                 gpu_kv, host_buffers, a.host_pool_gib, conc,
+                                 enforce_eager=a.eager, model_shape=a.model_shape))
     print_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0
@@ -233,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(points: list[Point]) -> None:
     cols = ["mode", "topk_source", "context", "concurrency", "decode_tok_s", "tpot_p50_ms",
             "tpot_p99_ms", "running_reached", "hot_hit_rate", "h2d_gb_s", "gpu_mem_gib",
-            "num_preempted"]
+            "num_preempted", "step_span_ms_p50", "plan_step_ms", "plan_tok_s"]
     print(" | ".join(cols))
     for pt in points:
         d = asdict(pt)
