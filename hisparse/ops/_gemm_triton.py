@@ -8,11 +8,17 @@ weight tile on the tensor cores (fp32 accumulate), and scaled by ``a_scale[m] * 
 ``BLOCK_N`` divides ``bn`` so a tile has one weight scale per K block. With several K splits,
 partials go to a fp32 workspace ``[SPLIT, M, N]`` summed in a fixed order (deterministic, no
 atomics).
+
+On CUDA the kernels are autotuned over ``num_warps`` / ``num_stages`` only (tile shapes and K
+splits are fixed by :func:`gemm_config`, so every config computes the same sums in the same
+order), keyed on the shape; the first call of a new shape tunes (a warm-up, never a graph
+capture, sees it first). ``HISPARSE_TRITON_AUTOTUNE=0`` uses the first config without tuning.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -65,6 +71,35 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
                             K, KB, stride_xm, stride_wn, stride_xsm, ws_off, BLOCK_K, QUANT_A)
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+AUTOTUNE_ENV = "HISPARSE_TRITON_AUTOTUNE"
+TUNE_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st)
+                for w, st in ((4, 3), (4, 4), (8, 3), (4, 5), (8, 4))]
+
+
+def tuned(kernel, key: list[str]):
+    """``kernel`` autotuned over :data:`TUNE_CONFIGS` (CUDA only: the interpreter runs the plain
+    kernel)."""
+    import triton.testing
+
+    bench = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
+    return triton.autotune(configs=TUNE_CONFIGS, key=key, do_bench=bench)(kernel)
+
+
+def pick(kernel, tuned_kernel, device: torch.device):
+    """The launchable for ``device``: tuned on CUDA unless disabled, plain otherwise (the plain
+    kernel on CUDA gets the first config's launch options from the caller)."""
+    if device.type == "cuda" and os.environ.get(AUTOTUNE_ENV, "1") not in ("0", ""):
+        return tuned_kernel, {}
+    if device.type == "cuda":
+        return kernel, {"num_warps": TUNE_CONFIGS[0].num_warps,
+                        "num_stages": TUNE_CONFIGS[0].num_stages}
+    return kernel, {}
+
+
+_fp8_gemm_tuned = tuned(_fp8_gemm_kernel, ["N", "K", "KB_PER_SPLIT", "BLOCK_M", "BLOCK_N",
+                                           "QUANT_A"])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -122,11 +157,12 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     else:
         out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
-    _fp8_gemm_kernel[grid](xq, xs, w, ws, out, M, N, K, KB,
-                           xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0),
-                           out.stride(0), out.stride(1),
-                           KB_PER_SPLIT=kb_per_split, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=bk, SCALE_N=bn, QUANT_A=quant_in_kernel)
+    kernel, opts = pick(_fp8_gemm_kernel, _fp8_gemm_tuned, x.device)
+    kernel[grid](xq, xs, w, ws, out, M, N, K, KB,
+                 xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0),
+                 out.stride(0), out.stride(1),
+                 KB_PER_SPLIT=kb_per_split, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=bk, SCALE_N=bn, QUANT_A=quant_in_kernel, **opts)
     if splits == 1:
         return out[0]
     return out.sum(0).to(out_dtype)

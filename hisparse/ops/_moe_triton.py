@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_triton import _fp8_tile_dot
+from ._gemm_triton import _fp8_tile_dot, pick, tuned
 
 
 @triton.jit
@@ -105,6 +105,10 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
              mask=rmask[:, None] & (offs_n < N)[None, :])
 
 
+_gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A"])
+_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A"])
+
+
 def _block_n(n: int, scale_n: int | None, cap: int) -> int:
     b = cap
     if scale_n is not None:
@@ -150,13 +154,14 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         xq, xs = x, x
     bn1 = _block_n(I, bn, 64)
     kb1 = triton.cdiv(D, bk)
-    _moe_gate_up_kernel[(max_tiles, triton.cdiv(I, bn1))](
+    kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
+    kernel[(max_tiles, triton.cdiv(I, bn1))](
         xq, xs, gate_up, gus, sorted_ids, tile_expert, h,
         I, D, kb1, nbi,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
         gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, **opts)
     # ---- down, weighted, per assignment
     if fp8 and not quant_a:
         hq, hs = quantize_fp8_act(h, bk)
@@ -167,11 +172,12 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
     bn2 = _block_n(D, bn, 128)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
-    _moe_down_kernel[(max_tiles, triton.cdiv(D, bn2))](
+    kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)
+    kernel[(max_tiles, triton.cdiv(D, bn2))](
         hq, hs, down, dns, sorted_ids, tile_expert, rw, out,
         D, I, kb2,
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, **opts)
     return out.view(T, k, D).sum(1).to(x.dtype)
