@@ -146,6 +146,12 @@ class DSAConfig:
         return int(bn), int(bk)
 
     @property
+    def fp8_pow2_act_scale(self) -> bool:
+        """FP8 activation scales rounded up to powers of two (``scale_fmt: ue8m0``, as
+        DeepSeek-V3.1 / V3.2 checkpoints declare)."""
+        return self.fp8_block is not None and self.quantization_config.get("scale_fmt") == "ue8m0"
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
@@ -308,6 +314,9 @@ def _quantization_config(q: Any) -> dict | None:
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt must be 'e4m3', got {fmt!r}")
+    if q.get("scale_fmt") not in (None, "float", "ue8m0"):
+        raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', "
+                         f"got {q.get('scale_fmt')!r}")
     return q
 
 

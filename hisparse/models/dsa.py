@@ -51,9 +51,10 @@ class FP8Linear(nn.Module):
     fine-grained FP8 names); activations quantized per 1 x bk tile by the fast backends."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 block: tuple[int, int] = (128, 128)):
+                 block: tuple[int, int] = (128, 128), pow2_scale: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
+        self.pow2_scale = pow2_scale
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
                                    requires_grad=False)
         self.weight_scale_inv = nn.Parameter(
@@ -62,7 +63,8 @@ class FP8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
+                             pow2_scale=self.pow2_scale)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -74,7 +76,7 @@ def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool 
                 ) -> nn.Module:
     """An :class:`FP8Linear` for FP8 checkpoints, ``nn.Linear`` otherwise."""
     if cfg.fp8_block is not None:
-        return FP8Linear(in_features, out_features, bias, cfg.fp8_block)
+        return FP8Linear(in_features, out_features, bias, cfg.fp8_block, cfg.fp8_pow2_act_scale)
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -237,6 +239,7 @@ class DSAExperts(nn.Module):
         super().__init__()
         E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.block = cfg.fp8_block
+        self.pow2_scale = cfg.fp8_pow2_act_scale
         self.act_name = cfg.hidden_act
         if self.block is None:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
@@ -255,7 +258,8 @@ class DSAExperts(nn.Module):
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         return fused_moe(x, idx, w, self.gate_up_proj, self.down_proj, self.act_name,
                          gate_up_scale=self.gate_up_proj_scale_inv,
-                         down_scale=self.down_proj_scale_inv, block=self.block)
+                         down_scale=self.down_proj_scale_inv, block=self.block,
+                         pow2_scale=self.pow2_scale)
 
 
 class DSAMoE(nn.Module):

@@ -92,6 +92,13 @@ def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int
     return w.float() * s
 
 
+def _scale_float(s: torch.Tensor) -> torch.Tensor:
+    """Block scales as fp32 (``ue8m0`` scales stored as bytes are ``2 ** (b - 127)``)."""
+    if s.dtype == torch.uint8:
+        return torch.exp2(s.float() - 127.0)
+    return s.float()
+
+
 def _is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
 
@@ -130,7 +137,7 @@ class _StateLoader:
             if sname not in self.names:
                 raise CheckpointError(f"{name} is FP8 but {sname} is missing")
             self.used.add(sname)
-            t = _dequant_fp8(t, self.get(sname), self.fp8_block)
+            t = _dequant_fp8(t, _scale_float(self.get(sname)), self.fp8_block)
         return t
 
     def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +150,7 @@ class _StateLoader:
             if sname not in self.names:
                 raise CheckpointError(f"{name} is FP8 but {sname} is missing")
             self.used.add(sname)
-            return t, self.get(sname).float()
+            return t, _scale_float(self.get(sname))
         if _is_fp8(t):
             t = self.read(name)
         return quantize_fp8_weight(t, self.fp8_block)

@@ -30,7 +30,7 @@ FP8_MAX = 448.0
 @triton.jit
 def _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask, kb, K, KB,
                   stride_x, stride_w, stride_xs, ws_off,
-                  BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr):
+                  BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, POW2: tl.constexpr):
     """``acc += (quant(x[rows, kb-block]) @ w[offs_n, kb-block]^T) * a_scale * w_scale``."""
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K          # false for every k of a block past the end (kb >= KB)
@@ -40,6 +40,11 @@ def _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask,
         a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=xm, other=0.0)
         a = a.to(tl.float32)
         sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
+        if POW2:  # round up to a power of two from the exponent bits (as gemm.pow2_ceil)
+            bits = sa.to(tl.int32, bitcast=True)
+            ex = bits & 0x7F800000
+            sa = tl.where((bits & 0x007FFFFF) == 0, ex, ex + 0x00800000).to(tl.float32,
+                                                                            bitcast=True)
         q = (a / sa[:, None]).to(tl.float8e4nv)
     else:
         q = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=xm, other=0.0)
@@ -55,7 +60,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
                      M, N, K, KB,
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_os, stride_om,
                      KB_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr,
+                     POW2: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -68,7 +74,8 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     for i in range(KB_PER_SPLIT):
         kb = pid_s * KB_PER_SPLIT + i
         acc = _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask, kb,
-                            K, KB, stride_xm, stride_wn, stride_xsm, ws_off, BLOCK_K, QUANT_A)
+                            K, KB, stride_xm, stride_wn, stride_xsm, ws_off, BLOCK_K, QUANT_A,
+                            POW2)
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -99,7 +106,7 @@ def pick(kernel, tuned_kernel, device: torch.device):
 
 
 _fp8_gemm_tuned = tuned(_fp8_gemm_kernel, ["N", "K", "KB_PER_SPLIT", "BLOCK_M", "BLOCK_N",
-                                           "QUANT_A"])
+                                           "QUANT_A", "POW2"])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -131,7 +138,8 @@ def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple
 
 def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                             block: tuple[int, int], out_dtype: torch.dtype,
-                            quant_in_kernel: bool | None = None) -> torch.Tensor:
+                            quant_in_kernel: bool | None = None, pow2_scale: bool = False
+                            ) -> torch.Tensor:
     """``x [M, K]`` (any float dtype) times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``."""
     from .gemm import quantize_fp8_act
 
@@ -145,7 +153,7 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     if quant_in_kernel:
         xq, xs = x, x  # xs unused
     else:
-        xq, xs = quantize_fp8_act(x, bk)
+        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
         xq = xq.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     ws = w_scale_inv.float().contiguous()
@@ -162,7 +170,7 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                  xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0),
                  out.stride(0), out.stride(1),
                  KB_PER_SPLIT=kb_per_split, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_K=bk, SCALE_N=bn, QUANT_A=quant_in_kernel, **opts)
+                 BLOCK_K=bk, SCALE_N=bn, QUANT_A=quant_in_kernel, POW2=pow2_scale, **opts)
     if splits == 1:
         return out[0]
     return out.sum(0).to(out_dtype)

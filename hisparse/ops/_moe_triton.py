@@ -37,7 +37,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
                         stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                         TOPK: tl.constexpr, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
-                        FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr):
+                        FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
+                        POW2: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,9 +59,11 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
             s_g = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
             s_u = s_g + NBI * stride_sn
             acc_g = _fp8_tile_dot(acc_g, x_ptr, xs_ptr, wg, ws_ptr, tok, rmask, offs_n, nmask, kb,
-                                  K, KB, stride_x, stride_wn, stride_xs, s_g, BLOCK_K, QUANT_A)
+                                  K, KB, stride_x, stride_wn, stride_xs, s_g, BLOCK_K, QUANT_A,
+                                  POW2)
             acc_u = _fp8_tile_dot(acc_u, x_ptr, xs_ptr, wu, ws_ptr, tok, rmask, offs_n, nmask, kb,
-                                  K, KB, stride_x, stride_wn, stride_xs, s_u, BLOCK_K, QUANT_A)
+                                  K, KB, stride_x, stride_wn, stride_xs, s_u, BLOCK_K, QUANT_A,
+                                  POW2)
         else:
             acc_g = _plain_tile_dot(acc_g, x_ptr, wg, tok, rmask, offs_n, nmask, kb, K,
                                     stride_x, stride_wn, BLOCK_K, IEEE)
@@ -77,7 +80,8 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
                      stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
                      KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
-                     FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr):
+                     FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
+                     POW2: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,7 +98,8 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
         if FP8:
             s_off = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
             acc = _fp8_tile_dot(acc, h_ptr, hs_ptr, wd, ws_ptr, slots, rmask, offs_n, nmask, kb,
-                                K, KB, stride_h, stride_wn, stride_hs, s_off, BLOCK_K, QUANT_A)
+                                K, KB, stride_h, stride_wn, stride_hs, s_off, BLOCK_K, QUANT_A,
+                                POW2)
         else:
             acc = _plain_tile_dot(acc, h_ptr, wd, slots, rmask, offs_n, nmask, kb, K,
                                   stride_h, stride_wn, BLOCK_K, IEEE)
@@ -105,8 +110,9 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
              mask=rmask[:, None] & (offs_n < N)[None, :])
 
 
-_gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A"])
-_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A"])
+_gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
+                                                     "POW2"])
+_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2"])
 
 
 def _block_n(n: int, scale_n: int | None, cap: int) -> int:
@@ -118,7 +124,7 @@ def _block_n(n: int, scale_n: int | None, cap: int) -> int:
 
 
 def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
-                     block) -> torch.Tensor:
+                     block, pow2_scale: bool = False) -> torch.Tensor:
     from .gemm import quantize_fp8_act
     from .moe import moe_align, moe_block_m
 
@@ -148,7 +154,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
     # ---- gate_up + silu * up into the padded layout
     h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
     if fp8 and not quant_a:
-        xq, xs = quantize_fp8_act(x, bk)
+        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
         xq = xq.contiguous()
     else:
         xq, xs = x, x
@@ -161,10 +167,10 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
         gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, **opts)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
     # ---- down, weighted, per assignment
     if fp8 and not quant_a:
-        hq, hs = quantize_fp8_act(h, bk)
+        hq, hs = quantize_fp8_act(h, bk, pow2_scale)
         hq = hq.contiguous()
     else:
         hq, hs = h, h
@@ -179,5 +185,5 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, **opts)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
     return out.view(T, k, D).sum(1).to(x.dtype)

@@ -3,7 +3,9 @@
 Weights: ``w [N, K]`` float8_e4m3fn with ``w_scale_inv [ceil(N/bn), ceil(K/bk)]`` float32
 (``W = w * scale_inv`` per ``bn x bk`` block; DeepSeek: ``bn = bk = 128``). Activations are
 quantized on the fly per ``1 x bk`` tile of each row: ``s = max(amax, 1e-12) / 448``,
-``q = float8_e4m3fn(x / s)`` (DeepSeek's ``act_quant``). ``y = x @ W^T`` accumulated in fp32.
+``q = float8_e4m3fn(x / s)`` (DeepSeek's ``act_quant``); with ``pow2_scale`` (checkpoints with
+``scale_fmt: ue8m0``, e.g. DeepSeek-V3.1/V3.2) ``s`` is rounded up to a power of two exactly as
+DeepSeek's kernels do (exponent bits, no log2). ``y = x @ W^T`` accumulated in fp32.
 
 Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 
@@ -39,7 +41,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- quantization
-def quantize_fp8_act(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>= s`` for positive normal fp32 ``s`` (from the exponent bits)."""
+    bits = s.float().contiguous().view(torch.int32)
+    exp = bits & 0x7F800000
+    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
+
+
+def quantize_fp8_act(x: torch.Tensor, block_k: int = 128, pow2_scale: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per ``1 x block_k`` tile: ``x [M, K]`` -> ``(q [M, K] float8_e4m3fn,
     s [M, ceil(K/bk)] fp32)`` with ``x ~= q * s`` (the last tile may be partial)."""
     M, K = x.shape
@@ -49,6 +59,8 @@ def quantize_fp8_act(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor,
         xf = torch.nn.functional.pad(xf, (0, kb * block_k - K))
     xf = xf.view(M, kb, block_k)
     s = xf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    if pow2_scale:
+        s = pow2_ceil(s)
     q = (xf / s[..., None]).to(FP8_DTYPE).view(M, kb * block_k)[:, :K]
     return q, s
 
@@ -86,14 +98,14 @@ def dequantize_fp8_weight(w: torch.Tensor, scale_inv: torch.Tensor,
 # ----------------------------------------------------------------------------- GEMM
 def fp8_block_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                                block: tuple[int, int] = (128, 128), *,
-                               quantize_input: bool = False,
+                               quantize_input: bool = False, pow2_scale: bool = False,
                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [..., K] @ dequant(w)^T`` in fp32 (``quantize_input``: through the per-tile activation
     quantization the fast paths apply). Returns ``out_dtype`` (default ``x.dtype``)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xf = dequantize_fp8_act(*quantize_fp8_act(x2, block[1]), block[1]) if quantize_input \
-        else x2.float()
+    xf = dequantize_fp8_act(*quantize_fp8_act(x2, block[1], pow2_scale), block[1]) \
+        if quantize_input else x2.float()
     y = xf @ dequantize_fp8_weight(w, w_scale_inv, block).t()
     return y.to(out_dtype or x.dtype).reshape(*lead, w.shape[0])
 
@@ -109,8 +121,8 @@ _SCALED_MM_OK: dict[tuple, bool] = {}
 
 
 def _scaled_mm_call(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    q, s = quantize_fp8_act(x2, 128)
+                    out_dtype: torch.dtype, pow2_scale: bool = False) -> torch.Tensor:
+    q, s = quantize_fp8_act(x2, 128, pow2_scale)
     # cuBLAS block scaling wants the 1x128 scales M-major ("outer-dim-major") and b column-major.
     s = s.t().contiguous().t()
     return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale_inv.t(), out_dtype=out_dtype)
@@ -142,7 +154,8 @@ def _scaled_mm_usable(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tens
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), *, backend: str | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, pow2_scale: bool = False
+                     ) -> torch.Tensor:
     """``y = x @ (w * scale_inv)^T`` for ``x [..., K]`` (bf16/fp16/fp32), FP8 block-scaled ``w
     [N, K]``; fp32 accumulation, output ``out_dtype`` (default ``x.dtype``). See the module doc
     for the backends (the fast ones quantize ``x`` per 1 x bk tile)."""
@@ -164,6 +177,7 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
-        return _scaled_mm_call(x2, w, w_scale_inv, out_dtype).reshape(*lead, N)
+        return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
     from ._gemm_triton import fp8_block_linear_triton
-    return fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype).reshape(*lead, N)
+    return fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype,
+                                   pow2_scale=pow2_scale).reshape(*lead, N)

@@ -6,6 +6,7 @@ up]``) and ``down [E, D, I]``, either in the model dtype or FP8 block-quantized 
 ``gate_up_scale [E, 2 * ceil(I/bn), ceil(D/bk)]`` (gate blocks, then up blocks: a partial last
 gate block never shares a scale with up rows) and ``down_scale [E, ceil(D/bn), ceil(I/bk)]``.
 Returns ``sum_j w[t, j] * down[e_j] @ silu(gate[e_j] x) * (up[e_j] x)`` in ``x.dtype``.
+``pow2_scale``: FP8 activation scales rounded up to powers of two (``scale_fmt: ue8m0``).
 
 The fused path has no host sync and fixed shapes (CUDA-graph capturable):
 
@@ -51,7 +52,7 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
                         gate_up_scale: torch.Tensor | None = None,
                         down_scale: torch.Tensor | None = None,
                         block: tuple[int, int] | None = None,
-                        quantize_input: bool = False) -> torch.Tensor:
+                        quantize_input: bool = False, pow2_scale: bool = False) -> torch.Tensor:
     """Loop over the experts hit (syncs with the host). FP8 experts are dequantized and run in
     fp32; plain experts run in their dtype (as the model's original loop). ``quantize_input``
     (FP8 only): pass both GEMMs' activations through the per-tile FP8 quantization the fused
@@ -62,7 +63,8 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     q = quantize_input and gate_up_scale is not None
 
     def fake_quant(a: torch.Tensor) -> torch.Tensor:
-        return dequantize_fp8_act(*quantize_fp8_act(a, block[1]), block[1]) if q else a
+        return dequantize_fp8_act(*quantize_fp8_act(a, block[1], pow2_scale), block[1]) \
+            if q else a
 
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.where(topk_ids == e)
@@ -135,8 +137,8 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu", *,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None, use_triton: bool | None = None
-              ) -> torch.Tensor:
+              block: tuple[int, int] | None = None, use_triton: bool | None = None,
+              pow2_scale: bool = False) -> torch.Tensor:
     """Routed-expert output ``[T, D]`` (see the module doc). Triton on CUDA (or with
     HISPARSE_FORCE_TRITON=1) for ``act="silu"``; the reference loop otherwise."""
     fp8 = gate_up_scale is not None
@@ -150,7 +152,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                                    block=block)
     from ._moe_triton import fused_moe_triton
     return fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
-                            block)
+                            block, pow2_scale)
 
 
 def fused_moe_graph_safe(act: str) -> bool:

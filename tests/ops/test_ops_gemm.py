@@ -9,6 +9,7 @@ from hisparse.ops.gemm import (
     dequantize_fp8_weight,
     fp8_block_linear,
     fp8_block_linear_reference,
+    pow2_ceil,
     quantize_fp8_act,
     quantize_fp8_weight,
 )
@@ -62,6 +63,25 @@ def test_triton_matches_reference(triton_cpu, M, N, K, block):
     assert (got - ref).abs().max() <= 0.1 * ref.abs().max()
 
 
+def test_pow2_ceil():
+    s = torch.tensor([1.0, 1.5, 0.25, 3.0, 1.1 * 2.0 ** -20, 448.0])
+    want = torch.tensor([1.0, 2.0, 0.25, 4.0, 2.0 ** -19, 512.0])
+    assert torch.equal(pow2_ceil(s), want)
+    q, sc = quantize_fp8_act(torch.randn(3, 64), 32, pow2_scale=True)
+    assert torch.equal(pow2_ceil(sc), sc)
+    assert q.float().abs().max() <= 448
+
+
+def test_triton_pow2_scales_match_reference(triton_cpu):
+    w, s = _weights(48, 96, (32, 32), seed=9)
+    x = torch.randn(7, 96)
+    want = fp8_block_linear_reference(x, w, s, (32, 32), quantize_input=True, pow2_scale=True)
+    got = fp8_block_linear(x, w, s, (32, 32), backend="triton", pow2_scale=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = fp8_block_linear_reference(x, w, s, (32, 32), quantize_input=True)
+    assert not torch.equal(want, plain)
+
+
 def test_triton_split_k(triton_cpu, monkeypatch):
     from hisparse.ops import _gemm_triton
 
@@ -112,6 +132,18 @@ def test_gpu_fp8_gemm_matches_reference(M, N, K):
     # torch._scaled_mm where cuBLAS takes the block scaling (falls back to Triton otherwise)
     sm = fp8_block_linear(x, w, s, backend="scaled_mm", out_dtype=torch.float32)
     torch.testing.assert_close(sm, want, rtol=1e-2, atol=4 * tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(16, 1536, 7168), (256, 7168, 2048)])
+def test_gpu_fp8_gemm_pow2_scales(M, N, K):
+    """ue8m0 activation scales: the in-kernel exponent-bit rounding equals torch's."""
+    w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    want = fp8_block_linear_reference(x, w, s, quantize_input=True, pow2_scale=True,
+                                      out_dtype=torch.float32)
+    got = fp8_block_linear(x, w, s, backend="triton", pow2_scale=True, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())
 
 
 @pytest.mark.gpu

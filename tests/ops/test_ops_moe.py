@@ -97,6 +97,21 @@ def test_fused_fp8_matches_loop(triton_cpu, I, D, block):
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_fp8_pow2_scales(triton_cpu):
+    E, T, k, I, D, block = 8, 9, 2, 32, 64, (32, 32)
+    ids, w = _routing(T, k, E, seed=1)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+    gu, dn = _experts(E, I, D, torch.float32, seed=4)
+    g_q, g_s = quantize_fp8_weight(gu[:, :I], block)
+    u_q, u_s = quantize_fp8_weight(gu[:, I:], block)
+    dn_q, dn_s = quantize_fp8_weight(dn, block)
+    kw = dict(gate_up_scale=torch.cat([g_s, u_s], 1), down_scale=dn_s, block=block)
+    gu_q = torch.cat([g_q, u_q], 1)
+    got = fused_moe(x, ids, w, gu_q, dn_q, pow2_scale=True, **kw)
+    want = fused_moe_reference(x, ids, w, gu_q, dn_q, quantize_input=True, pow2_scale=True, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def _deq(q, s, block):
     from hisparse.ops.gemm import dequantize_fp8_weight
     return dequantize_fp8_weight(q, s, block)
