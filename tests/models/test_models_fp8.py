@@ -196,3 +196,25 @@ def test_fp8_dummy_load_on_cpu(tmp_path):
     assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
     out = _logits(model, mcfg, _ids(12, mcfg.vocab_size, 0))
     assert torch.isfinite(out).all() and out.std() > 0
+
+
+def test_fp8_quantization_config_validation():
+    base = make_hf_config("deepseek_v32", num_hidden_layers=2).to_dict()
+    base["architectures"] = ["DeepseekV32ForCausalLM"]
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    cfg = DSAConfig.from_hf({**base, "quantization_config": q})
+    assert cfg.fp8_block == (128, 128) and cfg.fp8_pow2_act_scale
+    with torch.device("meta"):
+        m = DSAForCausalLM(cfg)
+    assert m.model.layers[0].self_attn.q_a_proj.pow2_scale
+    assert m.model.layers[1].mlp.experts.pow2_scale
+    assert not DSAConfig.from_hf({**base, "quantization_config": {**q, "scale_fmt": "float"}}
+                                 ).fp8_pow2_act_scale
+    for bad, match in (({"weight_block_size": None}, "weight_block_size is required"),
+                       ({"weight_block_size": [100, 128]}, "powers of two"),
+                       ({"activation_scheme": "static"}, "activation_scheme"),
+                       ({"scale_fmt": "e5m2"}, "scale_fmt")):
+        with pytest.raises(ValueError, match=match):
+            DSAConfig.from_hf({**base, "quantization_config": {**q, **bad}})
+    assert DSAConfig.from_hf(base).fp8_block is None
