@@ -292,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()
     for name in a.modes.split(","):  # compile every kernel before timing anything
-        run_point(path, modes[name], "indexer", None, 4096, 4, 8, gpu_kv, None, 1.0, 4,
-                  enforce_eager=a.eager, model_shape=a.model_shape)
+        # host pool for 4 x 4k tokens at this depth (1 GiB per 8 layers)
+        run_point(path, modes[name], "indexer", None, 4096, 4, 8, gpu_kv, None,
+                  float(max(1, layers // 8)), 4, enforce_eager=a.eager, model_shape=a.model_shape)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
 
     def record(pt: Point) -> None:
