@@ -3,7 +3,8 @@
 Kernel 1, per (tile, N block of I): gather the tile's token rows of ``x``, ``g = x @ gate^T``,
 ``u = x @ up^T`` over K = D, store ``silu(g) * u`` into the padded intermediate ``[S, I]``.
 Kernel 2, per (tile, N block of D): ``h @ down^T`` over K = I, times the routing weight, stored
-per assignment into ``[A, D]`` fp32. A tile of no expert masks every load off (no traffic).
+per assignment into ``[A, D]`` (``x.dtype``); the combine sums each token's k rows in fp32.
+A tile of no expert masks every load off (no traffic).
 FP8 experts: the activation tile is quantized per 1 x bk in registers on CUDA, or read
 pre-quantized (``QUANT_A=False``) under the CPU interpreter (see _gemm_triton).
 """
@@ -106,8 +107,8 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
     rw = tl.load(rw_ptr + tl.where(rmask, aid, 0), mask=rmask, other=0.0)
     acc = acc * rw[:, None]
     safe = tl.where(rmask, aid, 0).to(tl.int64)
-    tl.store(out_ptr + safe[:, None] * stride_o + offs_n[None, :], acc,
-             mask=rmask[:, None] & (offs_n < N)[None, :])
+    tl.store(out_ptr + safe[:, None] * stride_o + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
 
 
 _gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
@@ -174,7 +175,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         hq = hq.contiguous()
     else:
         hq, hs = h, h
-    out = torch.empty(A, D, device=x.device, dtype=torch.float32)
+    # per-assignment outputs in x.dtype (half the memory of fp32 for large prefill batches);
+    # the k contributions of a token are summed in fp32, in slot order
+    out = torch.empty(A, D, device=x.device, dtype=x.dtype)
     bn2 = _block_n(D, bn, 128)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
@@ -186,4 +189,4 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
         FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
-    return out.view(T, k, D).sum(1).to(x.dtype)
+    return out.view(T, k, D).sum(1, dtype=torch.float32).to(x.dtype)

@@ -18,8 +18,8 @@ The fused path has no host sync and fixed shapes (CUDA-graph capturable):
    with the tile's expert gate and up rows (FP8: activations quantized per 1 x bk in registers),
    ``silu(g) * u`` stored in the padded layout;
 3. grouped GEMM 2: ``down`` per (tile, D block), times the routing weight, stored per
-   assignment ``[A, D]`` fp32; the combine sums the k assignments of each token in a fixed order
-   (deterministic, no atomics). Tiles of no expert (-1) load nothing.
+   assignment ``[A, D]`` in ``x.dtype``; the combine sums the k assignments of each token in
+   fp32 in a fixed order (deterministic, no atomics). Tiles of no expert (-1) load nothing.
 
 ``fused_moe_reference`` is the per-expert Python loop (host sync; the spec).
 """
