@@ -41,6 +41,54 @@ TP8_GEOMETRY = dict(
 )
 
 
+MODEL_SHAPES = ("tp8-stand-in", "deepseek-v3.2-tp8-rank", "glm-5-tp8-rank")
+
+
+def model_shape_config(shape: str, layers: int | None = None) -> dict:
+    """The config.json dict of ``shape`` (see the module doc); ``layers`` overrides the depth."""
+    from hisparse.models.random_checkpoint import (
+        DEEPSEEK_V32_SHAPE,
+        GLM5_SHAPE,
+        fp8_quantization_config,
+        make_hf_config,
+    )
+
+    if shape == "tp8-stand-in":
+        cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers or 8,
+                             **TP8_GEOMETRY).to_dict()
+        cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+        return cfg
+    if shape == "deepseek-v3.2-tp8-rank":
+        arch, full, name = "deepseek_v32", DEEPSEEK_V32_SHAPE, "DeepseekV32ForCausalLM"
+    elif shape == "glm-5-tp8-rank":
+        arch, full, name = "glm_moe_dsa", GLM5_SHAPE, "GlmMoeDsaForCausalLM"
+    else:
+        raise ValueError(f"--model-shape must be one of {list(MODEL_SHAPES)}, got {shape!r}")
+    over = dict(full)
+    if layers:
+        over["num_hidden_layers"] = layers
+    cfg = make_hf_config(arch, tp_rank_of=8, **over).to_dict()
+    cfg["architectures"] = [name]
+    cfg["quantization_config"] = fp8_quantization_config((128, 128))
+    return cfg
+
+
+def touched_weight_bytes(cfg, batch: int) -> int:
+    """Expected weight bytes one decode step of ``batch`` tokens reads: every non-routed weight
+    plus, per MoE layer, the experts hit (uniform routing: ``E * (1 - (1 - k/E) ** batch)``)."""
+    from hisparse.engine.capacity import geometry_from_config
+
+    total = geometry_from_config(cfg).weight_bytes
+    n_moe = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    if not n_moe:
+        return int(total)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (
+        1 if cfg.fp8_block else cfg.dtype.itemsize)
+    hit = E * (1.0 - (1.0 - k / E) ** max(batch, 1))
+    return int(total - n_moe * (E - hit) * per_expert)
+
+
 @dataclass
 class Point:
     mode: str
@@ -64,6 +112,7 @@ class Point:
     gpu_ms_per_step: float = float("nan")    # CUDA events around each such step
     planned_max_running: int = 0             # the capacity planner's prediction
     planned_bound_by: str = ""
+    planned_tok_s: float = float("nan")      # roofline: HBM and PCIe bytes per step
 
 
 PROFILES = {
@@ -76,14 +125,11 @@ PROFILES = {
 }
 
 
-def write_config(layers: int, intermediate_size: int | None = None) -> str:
-    from hisparse.models.random_checkpoint import make_hf_config
-
-    geometry = dict(TP8_GEOMETRY)
+def write_config(layers: int | None, intermediate_size: int | None = None,
+                 shape: str = "tp8-stand-in") -> str:
+    cfg = model_shape_config(shape, layers)
     if intermediate_size is not None:
-        geometry["intermediate_size"] = intermediate_size
-    cfg = make_hf_config("deepseek_v32", num_hidden_layers=layers, **geometry).to_dict()
-    cfg["architectures"] = ["DeepseekV32ForCausalLM"]
+        cfg["intermediate_size"] = intermediate_size
     path = tempfile.mkdtemp(prefix="hisparse-bench-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -134,7 +180,7 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
 
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
-              outputs: int, num_gpu_blocks: int, host_buffers, host_pool_gib: float,
+              outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
               kv_cache_dtype: str = "bf16") -> Point:
     from hisparse import LLM, SamplingParams
@@ -154,7 +200,8 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     llm.capture_cuda_graphs()
-    planned = llm.capacity(context=max_len)[str(mode)]
+    planned = llm.capacity(context=max_len, weight_bytes=touched_weight_bytes(
+        llm.model_config, concurrency))[str(mode)]
     g = torch.Generator().manual_seed(0)
     req_ids = []
     for _ in range(concurrency):
@@ -193,7 +240,8 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         num_preempted=s["num_preempted"], spilled_pages=s["spilled_pages"], wall_s=wall,
         steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
         gpu_ms_per_step=steps["gpu_ms_per_step"],
-        planned_max_running=planned.max_running, planned_bound_by=planned.bound_by)
+        planned_max_running=planned.max_running, planned_bound_by=planned.bound_by,
+        planned_tok_s=planned.decode_tok_s)
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
     torch.cuda.empty_cache()
@@ -207,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="default",
                    help="workload shape; the options below override its values")
+    p.add_argument("--model-shape", choices=MODEL_SHAPES, default="tp8-stand-in",
+                   help="tp8-stand-in: the profile's dense layers; a real rank: all its layers, "
+                        "MoE, FP8 weights, GPU KV sized from free memory unless given")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--intermediate-size", type=int, default=None, help="dense MLP width")
     p.add_argument("--contexts", default=None)
@@ -228,21 +279,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
+    real_rank = a.model_shape != "tp8-stand-in"
     for key, value in PROFILES[a.profile].items():
+        if real_rank and key in ("layers", "intermediate_size", "gpu_kv_gib", "gpu_kv_tokens"):
+            continue   # the real rank's own depth and widths; KV from free memory
         if getattr(a, key) is None:
             setattr(a, key, value)
     if not torch.cuda.is_available():
         raise SystemExit("hisparse bench needs a CUDA device")
     modes = {m.value: m.value for m in Mode}
-    path = write_config(a.layers, a.intermediate_size)
+    path = write_config(a.layers, a.intermediate_size, a.model_shape)
+    with open(os.path.join(path, "config.json")) as f:
+        a.layers = json.load(f)["num_hidden_layers"]
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)
     if a.gpu_kv_tokens is not None:
         num_gpu_blocks = a.gpu_kv_tokens // block_size
-    else:
+    elif a.gpu_kv_gib is not None:
         num_gpu_blocks = int(a.gpu_kv_gib * (1 << 30)) // (block_size * row_b * a.layers)
-    print(f"profile {a.profile}: {a.layers} layers, GPU arena {num_gpu_blocks} blocks "
-          f"({num_gpu_blocks * block_size} tokens), KV {a.kv_cache_dtype}", flush=True)
+    else:
+        num_gpu_blocks = None   # the engine sizes it from free memory after the weights
+    arena = "auto" if num_gpu_blocks is None else (
+        f"{num_gpu_blocks} blocks ({num_gpu_blocks * block_size} tokens)")
+    print(f"profile {a.profile}, model {a.model_shape}: {a.layers} layers, GPU arena {arena}, "
+          f"KV {a.kv_cache_dtype}", flush=True)
     geo_bytes_per_token = a.layers * (row_b + key_b)
     t = time.perf_counter()
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
@@ -276,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         host_cap = host_rows // (context + a.outputs + 64)
         # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
         # blocks, and 10% of the blocks stay free (the watermark).
-        hot_cap = int(num_gpu_blocks * 0.9) // (2 * 2048 // block_size + 2)
-        cap = min(host_cap, max(hot_cap, 1))
+        cap = host_cap
+        if num_gpu_blocks is not None:
+            cap = min(cap, max(int(num_gpu_blocks * 0.9) // (2 * 2048 // block_size + 2), 1))
         levels = sorted({cap if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
         table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
@@ -302,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(points: list[Point]) -> None:
     cols = ["mode", "context", "concurrency", "decode_tok_s", "steady_tok_s", "tpot_p50_ms",
             "tpot_p99_ms", "wall_ms_per_step", "gpu_ms_per_step", "running_reached",
-            "planned_max_running", "planned_bound_by", "hot_hit_rate", "h2d_gb_s", "num_preempted"]
+            "planned_max_running", "planned_bound_by", "planned_tok_s", "hot_hit_rate", "h2d_gb_s", "num_preempted"]
     print(" | ".join(cols))
     for pt in points:
         d = asdict(pt)

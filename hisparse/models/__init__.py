@@ -2,10 +2,10 @@
 
 from .config import SUPPORTED_ARCHITECTURES, DSAConfig
 from .context import DenseReferenceContext, SparseAttentionContext
-from .dsa import DSAForCausalLM
+from .dsa import DSAForCausalLM, FP8Linear
 from .loader import CheckpointError, load_model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "DSAConfig", "DenseReferenceContext", "SparseAttentionContext",
-    "DSAForCausalLM", "CheckpointError", "load_model",
+    "DSAForCausalLM", "FP8Linear", "CheckpointError", "load_model",
 ]

@@ -135,6 +135,23 @@ class DSAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """``(bn, bk)`` when the checkpoint is FP8 block-quantized (``quantization_config``
+        with ``quant_method: fp8``): the model then keeps its linear and expert weights in
+        float8_e4m3fn with per-block scales; None for bf16/fp32 checkpoints."""
+        q = self.quantization_config
+        if not q or q.get("quant_method") != "fp8":
+            return None
+        bn, bk = q.get("weight_block_size") or (128, 128)
+        return int(bn), int(bk)
+
+    @property
+    def fp8_pow2_act_scale(self) -> bool:
+        """FP8 activation scales rounded up to powers of two (``scale_fmt: ue8m0``, as
+        DeepSeek-V3.1 / V3.2 checkpoints declare)."""
+        return self.fp8_block is not None and self.quantization_config.get("scale_fmt") == "ue8m0"
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
@@ -233,7 +250,7 @@ class DSAConfig:
             bos_token_id=d.get("bos_token_id"), pad_token_id=d.get("pad_token_id"),
             dtype=parse_dtype(dtype_val, "dtype"),
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
-            quantization_config=cfg.get("quantization_config"),
+            quantization_config=_quantization_config(cfg.get("quantization_config")),
         )
 
 
@@ -272,6 +289,35 @@ def _merged_fields(cfg: dict, model_type: str) -> dict[str, Any]:
     if cfg.get("num_experts") is not None:
         d["n_routed_experts"] = cfg["num_experts"]
     return d
+
+
+def _quantization_config(q: Any) -> dict | None:
+    """Validate an FP8 block ``quantization_config`` (other methods pass through unchanged:
+    the loader dequantizes whatever carries a ``weight_scale_inv``)."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config must be a dict, got {q!r}")
+    if q.get("quant_method") != "fp8":
+        return q
+    block = q.get("weight_block_size")
+    if block is None:
+        raise ValueError("quantization_config.weight_block_size is required for quant_method "
+                         "'fp8' (per-tensor FP8 is not supported)")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or any(not isinstance(b, int) or b < 16 or b & (b - 1) for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two powers of two "
+                         f">= 16, got {block!r}")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme must be 'dynamic', "
+                         f"got {q.get('activation_scheme')!r}")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt must be 'e4m3', got {fmt!r}")
+    if q.get("scale_fmt") not in (None, "float", "ue8m0"):
+        raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', "
+                         f"got {q.get('scale_fmt')!r}")
+    return q
 
 
 def _pos_int(d: dict, name: str) -> int:

@@ -14,6 +14,18 @@ Math conventions reproduced from transformers (see docs in :mod:`hisparse.models
   half-split (non-interleaved) for DeepSeek-V3.2, interleaved for GLM.
 - cos/sin carry the YaRN ``attention_factor``; the softmax scale carries ``mscale(all_dim)**2``.
 - ``score(t,s) = sum_h w[t,h] * relu(q[t,h].k[s])`` with ``w = weights_proj(x) * Hi**-0.5 * Di**-0.5``.
+
+FP8 checkpoints (``config.fp8_block``): the linears DeepSeek stores in FP8 -- ``q_a_proj``,
+``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``, the indexer's ``wq_b`` and ``wk``, dense and
+shared-expert MLPs, routed experts -- are :class:`FP8Linear` / FP8 experts (float8_e4m3fn weight +
+fp32 ``*_scale_inv`` per block), run through :func:`hisparse.ops.fp8_block_linear` and
+:func:`hisparse.ops.fused_moe`. Embeddings, ``lm_head``, norms, the router, the indexer's
+``weights_proj`` stay in the model dtype (fp32 where noted), as in DeepSeek's checkpoints;
+``kv_b_proj`` is dequantized once at load into the absorbed ``w_uk`` / ``w_uv`` (as vLLM does).
+
+The routed experts run through :func:`hisparse.ops.fused_moe`: on CUDA a device-side sort plus
+Triton grouped GEMMs (no host sync: MoE models decode under CUDA graphs); on CPU the reference
+loop over the experts hit.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
+from ..ops.moe import fused_moe, fused_moe_graph_safe
 from .config import DSAConfig
 from .context import SparseAttentionContext
 
@@ -29,6 +43,41 @@ from .context import SparseAttentionContext
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class FP8Linear(nn.Module):
+    """``y = x @ (weight * weight_scale_inv)^T (+ bias)`` with a float8_e4m3fn ``weight
+    [out, in]`` and fp32 ``weight_scale_inv [ceil(out/bn), ceil(in/bk)]`` (DeepSeek / transformers
+    fine-grained FP8 names); activations quantized per 1 x bk tile by the fast backends."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 block: tuple[int, int] = (128, 128), pow2_scale: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
+        self.pow2_scale = pow2_scale
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.ones(cdiv(out_features, block[0]), cdiv(in_features, block[1]),
+                       dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
+                             pow2_scale=self.pow2_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block={self.block}, bias={self.bias is not None}")
+
+
+def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool = False
+                ) -> nn.Module:
+    """An :class:`FP8Linear` for FP8 checkpoints, ``nn.Linear`` otherwise."""
+    if cfg.fp8_block is not None:
+        return FP8Linear(in_features, out_features, bias, cfg.fp8_block, cfg.fp8_pow2_act_scale)
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +127,8 @@ class DSAIndexer(nn.Module):
     def __init__(self, cfg: DSAConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.wq_b = make_linear(cfg, cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = make_linear(cfg, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # fp32
         self.rope = rope_interleaved if cfg.indexer_rope_interleaved else rope_half
@@ -108,15 +157,15 @@ class DSAAttention(nn.Module):
         self.kv_lora_rank = R = cfg.kv_lora_rank
         self.sm_scale = cfg.softmax_scale
         bias = cfg.attention_bias
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_proj = make_linear(cfg, cfg.hidden_size, cfg.q_lora_rank, bias)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)          # eps 1e-6, as in transformers
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, R + self.rope_dim, bias=bias)
+        self.q_b_proj = make_linear(cfg, cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = make_linear(cfg, cfg.hidden_size, R + self.rope_dim, bias)
         self.kv_a_layernorm = RMSNorm(R)
         # kv_b_proj.weight.view(H, nope + v, R) split: k_nope = w_uk @ c, v = w_uv @ c.
         self.w_uk = nn.Parameter(torch.empty(H, self.nope, R))
         self.w_uv = nn.Parameter(torch.empty(H, self.v_dim, R))
-        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = make_linear(cfg, H * self.v_dim, cfg.hidden_size, bias)
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
@@ -142,12 +191,13 @@ class DSAAttention(nn.Module):
 
 
 class DSAMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: str):
+    def __init__(self, cfg: DSAConfig, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act = _ACT[act]
+        hidden = cfg.hidden_size
+        self.gate_proj = make_linear(cfg, hidden, inter)
+        self.up_proj = make_linear(cfg, hidden, inter)
+        self.down_proj = make_linear(cfg, inter, hidden)
+        self.act = _ACT[cfg.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -181,21 +231,35 @@ class DSARouter(nn.Module):
 
 
 class DSAExperts(nn.Module):
+    """Routed experts, fused: ``gate_up_proj [E, 2I, D]`` (rows ``[gate; up]``) and ``down_proj
+    [E, D, I]``; FP8 checkpoints add ``gate_up_proj_scale_inv [E, 2*ceil(I/bn), ceil(D/bk)]``
+    (gate blocks then up blocks) and ``down_proj_scale_inv [E, ceil(D/bn), ceil(I/bk)]``."""
+
     def __init__(self, cfg: DSAConfig):
         super().__init__()
         E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))                  # [gate; up]
-        self.down_proj = nn.Parameter(torch.empty(E, D, I))
-        self.act = _ACT[cfg.hidden_act]
+        self.block = cfg.fp8_block
+        self.pow2_scale = cfg.fp8_pow2_act_scale
+        self.act_name = cfg.hidden_act
+        if self.block is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+            self.down_proj = nn.Parameter(torch.empty(E, D, I))
+            self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+        else:
+            bn, bk = self.block
+            fp8 = dict(dtype=FP8_DTYPE)
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D, **fp8), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(E, D, I, **fp8), requires_grad=False)
+            self.gate_up_proj_scale_inv = nn.Parameter(
+                torch.ones(E, 2 * cdiv(I, bn), cdiv(D, bk)), requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(
+                torch.ones(E, cdiv(D, bn), cdiv(I, bk)), requires_grad=False)
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return fused_moe(x, idx, w, self.gate_up_proj, self.down_proj, self.act_name,
+                         gate_up_scale=self.gate_up_proj_scale_inv,
+                         down_scale=self.down_proj_scale_inv, block=self.block,
+                         pow2_scale=self.pow2_scale)
 
 
 class DSAMoE(nn.Module):
@@ -203,8 +267,8 @@ class DSAMoE(nn.Module):
         super().__init__()
         self.gate = DSARouter(cfg)
         self.experts = DSAExperts(cfg)
-        self.shared_experts = (DSAMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                      cfg.hidden_act) if cfg.n_shared_experts > 0 else None)
+        self.shared_experts = (DSAMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
 
     def forward(self, x: Tensor) -> Tensor:
         idx, w = self.gate(x)
@@ -221,7 +285,7 @@ class DSADecoderLayer(nn.Module):
         self.self_attn = DSAAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (DSAMoE(cfg) if cfg.mlp_layer_types[layer_idx] == "sparse"
-                    else DSAMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
+                    else DSAMLP(cfg, cfg.intermediate_size))
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
@@ -234,6 +298,17 @@ class DSAModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DSADecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def _fill_fp8_normal_(p: Tensor, scale: float, chunk_elems: int = 1 << 26) -> None:
+    """``p`` (FP8) <- ``N(0, 1) * scale`` generated in bf16 one chunk of the leading dim at a
+    time (transient memory ~``2 * chunk_elems`` bytes)."""
+    flat = p.view(p.shape[0], -1) if p.dim() > 1 else p.view(-1, 1)
+    rows = max(1, chunk_elems // max(1, flat.shape[1]))
+    for i in range(0, flat.shape[0], rows):
+        part = flat[i:i + rows]
+        part.copy_((torch.randn(part.shape, device=p.device, dtype=torch.bfloat16) * scale)
+                   .clamp_(-448.0, 448.0))
 
 
 class DSAForCausalLM(nn.Module):
@@ -258,14 +333,22 @@ class DSAForCausalLM(nn.Module):
 
     @property
     def cuda_graph_safe(self) -> bool:
-        """The forward has no host synchronisation (the MoE's expert dispatch has one)."""
-        return "sparse" not in self.config.mlp_layer_types
+        """The forward has no host synchronisation on CUDA (the fused MoE sorts on device;
+        only activations the fused kernels lack fall back to the syncing loop)."""
+        return ("sparse" not in self.config.mlp_layer_types
+                or fused_moe_graph_safe(self.config.hidden_act))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Random init (benchmarks without a checkpoint); norms to 1, biases to 0."""
+        """Random init (benchmarks without a checkpoint); norms to 1, biases to 0. FP8 weights
+        are drawn directly in FP8 (chunk by chunk: a production rank never holds them in bf16)
+        as ``N(0, 1) * 32`` with every block scale ``std / 32``."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("_scale_inv"):
+                p.fill_(std / 32.0)
+            elif p.dtype == FP8_DTYPE:
+                _fill_fp8_normal_(p, 32.0)
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
@@ -273,8 +356,11 @@ class DSAForCausalLM(nn.Module):
                 p.normal_(0.0, std)
 
     def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
-        """Cast to ``dtype``, keeping the router and indexer head weights in float32."""
+        """Cast to ``dtype``, keeping the router and indexer head weights in float32 and FP8
+        weights with their fp32 scales as they are."""
         for name, p in self.named_parameters():
+            if p.dtype == FP8_DTYPE or name.endswith("_scale_inv"):
+                continue
             want = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
             if p.dtype != want:
                 p.data = p.data.to(want)

@@ -10,8 +10,15 @@ Checkpoint names are transformers' names; ours are identical except:
   our fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
 - ``lm_head.weight`` may be absent when embeddings are tied.
 
-MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped. FP8 block-quantized
-weights (``weight`` in float8_e4m3fn with a ``weight_scale_inv`` companion) are dequantized.
+MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped.
+
+FP8 block-quantized checkpoints (``quantization_config: {quant_method: fp8, weight_block_size}``;
+a ``weight`` in float8_e4m3fn with a ``weight_scale_inv`` companion): tensors the model keeps in
+FP8 (see :mod:`hisparse.models.dsa`) are copied as they are, FP8 with their scales (never
+materialised in bf16); a per-expert gate/up pair fills ``gate_up_proj`` and the gate and up
+halves of ``gate_up_proj_scale_inv``. An FP8 tensor whose parameter is not FP8 (``kv_b_proj``,
+or any tensor when the config carries no fp8 quantization_config) is dequantized; a bf16
+tensor whose parameter is FP8 is block-quantized at load.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 
+from ..ops.gemm import FP8_DTYPE, cdiv, quantize_fp8_weight
 from .config import DSAConfig, parse_dtype
 from .dsa import DSAForCausalLM
 
@@ -84,6 +92,17 @@ def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int
     return w.float() * s
 
 
+def _scale_float(s: torch.Tensor) -> torch.Tensor:
+    """Block scales as fp32 (``ue8m0`` scales stored as bytes are ``2 ** (b - 127)``)."""
+    if s.dtype == torch.uint8:
+        return torch.exp2(s.float() - 127.0)
+    return s.float()
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+
+
 def load_state(model: DSAForCausalLM, get: Callable[[str], torch.Tensor], names, *,
                fp8_block: tuple[int, int] = (128, 128)) -> None:
     """Fill every parameter of ``model`` from checkpoint tensors ``get(name)``; ``names`` lists
@@ -118,8 +137,28 @@ class _StateLoader:
             if sname not in self.names:
                 raise CheckpointError(f"{name} is FP8 but {sname} is missing")
             self.used.add(sname)
-            t = _dequant_fp8(t, self.get(sname), self.fp8_block)
+            t = _dequant_fp8(t, _scale_float(self.get(sname)), self.fp8_block)
         return t
+
+    def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One checkpoint weight as (float8_e4m3fn, fp32 scale_inv): as stored when FP8,
+        block-quantized here otherwise."""
+        t = self.get(name)
+        self.used.add(name)
+        if t.dtype == FP8_DTYPE:
+            sname = name + "_scale_inv"
+            if sname not in self.names:
+                raise CheckpointError(f"{name} is FP8 but {sname} is missing")
+            self.used.add(sname)
+            return t, _scale_float(self.get(sname))
+        if _is_fp8(t):
+            t = self.read(name)
+        return quantize_fp8_weight(t, self.fp8_block)
+
+    def put_fp8(self, ours: str, q: torch.Tensor, s: torch.Tensor, src: str) -> None:
+        """Copy an FP8 weight and its scales into ``ours`` / ``ours + "_scale_inv"``."""
+        self.put(ours, q, src)
+        self.put(ours + "_scale_inv", s, src + "_scale_inv")
 
     def put(self, ours: str, t: torch.Tensor, src: str) -> None:
         p = self.params.get(ours)
@@ -151,11 +190,26 @@ class _StateLoader:
                     int(em.group(2)), {})[em.group(3)] = name
             elif name.endswith("self_attn.kv_b_proj.weight"):
                 self.load_kv_b_proj(name)
+            elif name in self.params and self.params[name].dtype == FP8_DTYPE:
+                self.load_fp8_param(name)
             elif name in self.params:
                 self.put(name, self.read(name), name)
             elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
         return experts
+
+    def load_fp8_param(self, name: str) -> None:
+        """An FP8 parameter from a checkpoint tensor of the same name (fused ``gate_up_proj``
+        from a bf16 checkpoint: gate and up halves quantized separately)."""
+        if name.endswith("experts.gate_up_proj") and not _is_fp8(self.get(name)):
+            t = self.read(name)
+            I = t.shape[-2] // 2
+            gq, gs = quantize_fp8_weight(t[..., :I, :], self.fp8_block)
+            uq, us = quantize_fp8_weight(t[..., I:, :], self.fp8_block)
+            self.put_fp8(name, torch.cat([gq, uq], -2), torch.cat([gs, us], -2), name)
+            return
+        q, s = self.read_fp8(name)
+        self.put_fp8(name, q, s, name)
 
     def load_kv_b_proj(self, name: str) -> None:
         """``kv_b_proj [H*(nope+v), R]`` -> our absorbed ``w_uk`` and ``w_uv``."""
@@ -187,12 +241,43 @@ class _StateLoader:
                 raise CheckpointError(f"{prefix}.*: the model has no routed experts there "
                                       "(dense layer?)")
             with torch.no_grad():
-                for e in range(E):
-                    g, u, d = (self.read(per_expert[e][k])
-                               for k in ("gate_proj", "up_proj", "down_proj"))
-                    gu[e].copy_(torch.cat([g, u], dim=0).to(gu.dtype))
-                    down[e].copy_(d.to(down.dtype))
+                if gu.dtype == FP8_DTYPE:
+                    self.fill_fp8_experts(prefix, per_expert, gu, down)
+                else:
+                    for e in range(E):
+                        g, u, d = (self.read(per_expert[e][k])
+                                   for k in ("gate_proj", "up_proj", "down_proj"))
+                        gu[e].copy_(torch.cat([g, u], dim=0).to(gu.dtype))
+                        down[e].copy_(d.to(down.dtype))
             self.filled.update({prefix + ".gate_up_proj", prefix + ".down_proj"})
+
+    def fill_fp8_experts(self, prefix: str, per_expert: dict[int, dict[str, str]],
+                         gu: torch.Tensor, down: torch.Tensor) -> None:
+        """Per-expert FP8 tensors (and scales) into the fused FP8 experts, expert by expert."""
+        gus = self.params[prefix + ".gate_up_proj_scale_inv"]
+        dns = self.params[prefix + ".down_proj_scale_inv"]
+        I = down.shape[-1]
+        nbi = cdiv(I, self.fp8_block[0])
+        for e in range(gu.shape[0]):
+            parts = {k: self.read_fp8(per_expert[e][k])
+                     for k in ("gate_proj", "up_proj", "down_proj")}
+            for k, (q, s) in parts.items():
+                if k == "down_proj":
+                    want, swant = tuple(down.shape[1:]), tuple(dns.shape[1:])
+                else:
+                    want, swant = (I, gu.shape[-1]), (nbi, gus.shape[-1])
+                if tuple(q.shape) != want or tuple(s.shape) != swant:
+                    raise CheckpointError(f"{per_expert[e][k]}: shape {tuple(q.shape)} / scale "
+                                          f"{tuple(s.shape)} does not match {want} / {swant}")
+            (gq, gs), (uq, us), (dq, ds) = (parts[k]
+                                            for k in ("gate_proj", "up_proj", "down_proj"))
+            gu[e, :I].copy_(gq)
+            gu[e, I:].copy_(uq)
+            gus[e, :nbi].copy_(gs)
+            gus[e, nbi:].copy_(us)
+            down[e].copy_(dq)
+            dns[e].copy_(ds)
+        self.filled.update({prefix + ".gate_up_proj_scale_inv", prefix + ".down_proj_scale_inv"})
 
     def check_complete(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -241,7 +326,8 @@ def load_model(path: str, dtype: torch.dtype | str | None = None,
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    block = tuple((cfg.quantization_config or {}).get("weight_block_size", (128, 128)))
+    block = cfg.fp8_block or tuple((cfg.quantization_config or {}).get("weight_block_size",
+                                                                       (128, 128)))
     with ExitStack() as stack:
         src = _TensorSource(path, stack)
         load_state(model, src.get, src.keys(), fp8_block=block)

@@ -3,6 +3,25 @@
 The checkpoint is an ordinary HF directory (config.json + safetensors) that both
 ``transformers.AutoModelForCausalLM.from_pretrained`` and :func:`hisparse.models.loader.load_model`
 read, which is what the oracle tests need.
+
+``fp8=True`` writes DeepSeek's FP8 block format instead: every weight DeepSeek ships in FP8
+(:data:`FP8_WEIGHT_SUFFIXES`: attention projections incl. ``kv_b_proj``, the indexer's ``wq_b`` and
+``wk``, dense / shared / routed expert MLPs; experts per expert, the on-disk layout) as
+float8_e4m3fn plus ``weight_scale_inv`` per ``weight_block_size`` block; embeddings, ``lm_head``,
+norms, the router and the indexer's ``weights_proj`` stay unquantized; config.json gets
+``quantization_config = {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+weight_block_size}``. transformers reads it (on CPU it dequantizes); so do we (keeping FP8).
+
+``tp_rank_of=N`` (in :func:`make_hf_config` and everything above it) gives the shapes one rank of
+tensor parallelism N holds, as vLLM / SGLang shard DeepSeek-V3.2: attention heads (``q_b_proj``,
+``kv_b_proj``, ``o_proj``), the dense MLP intermediate and the (shared and routed) expert
+intermediate are divided by N; the MLA latent (``q_a_proj``, ``kv_a_proj_with_mqa``: replicated),
+hidden size, experts count, router and the **indexer (replicated: ``wq_b``, ``wk`` and
+``weights_proj`` are ``ReplicatedLinear`` in both engines, all ``index_n_heads`` heads on every
+rank)** stay whole. The vocabulary is also kept whole (real ranks hold ``vocab / N`` rows of the
+embedding and ``lm_head`` and all-gather logits: a rank here carries ~(N-1)/N x 1.85 GB more
+embedding/lm_head weights than a real one). The all-reduce after ``o_proj`` and after the MLP is
+not exercised.
 """
 
 from __future__ import annotations
@@ -35,8 +54,60 @@ PRODUCTION_GEOMETRY: dict[str, Any] = dict(
 )
 
 
-def make_hf_config(arch: str = "deepseek_v32", **overrides):
-    """A transformers config object for ``arch`` with our tiny defaults, then ``overrides``."""
+# Real full-model shapes (config.json of deepseek-ai/DeepSeek-V3.2 and zai-org/GLM-5; GLM-5's
+# shared-indexer layer pattern is left to transformers' defaults: override indexer_types).
+DEEPSEEK_V32_SHAPE: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+    n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+    max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048,
+    rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)
+GLM5_SHAPE: dict[str, Any] = dict(
+    vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+    num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+    n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048,
+    qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+    max_position_embeddings=202752, index_n_heads=32, index_head_dim=128, index_topk=2048,
+    rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)
+
+# Config fields divided by N on one rank of tensor parallelism N (see the module doc).
+TP_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                   "moe_intermediate_size")
+
+# Weights DeepSeek's FP8 checkpoints store in FP8 (the rest stays bf16 / fp32).
+FP8_WEIGHT_SUFFIXES = (
+    "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "indexer.wq_b.weight",
+    "indexer.wk.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+    "shared_experts.down_proj.weight",
+)
+
+
+def tp_shard_overrides(config: dict[str, Any], tp: int) -> dict[str, Any]:
+    """``config`` fields with :data:`TP_SPLIT_FIELDS` divided by ``tp`` (ValueError naming the
+    field that ``tp`` does not divide)."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp_rank_of must be a positive integer, got {tp!r}")
+    out = dict(config)
+    for name in TP_SPLIT_FIELDS:
+        v = out.get(name)
+        if v is None:
+            continue
+        if v % tp:
+            raise ValueError(f"tp_rank_of={tp} must divide {name} ({v})")
+        out[name] = v // tp
+    return out
+
+
+def make_hf_config(arch: str = "deepseek_v32", *, tp_rank_of: int | None = None, **overrides):
+    """A transformers config object for ``arch`` with our tiny defaults, then ``overrides``;
+    ``tp_rank_of=N``: the shapes one rank of TP-N holds (see the module doc)."""
     import transformers
 
     if arch not in ARCHS:
@@ -44,7 +115,48 @@ def make_hf_config(arch: str = "deepseek_v32", **overrides):
     cfg_cls = getattr(transformers, ARCHS[arch][0])
     kw = dict(TINY_DEFAULTS)
     kw.update(overrides)
+    if tp_rank_of is not None:
+        kw = tp_shard_overrides(kw, tp_rank_of)
     return cfg_cls(**kw)
+
+
+def fp8_quantization_config(block: tuple[int, int] = (128, 128)) -> dict[str, Any]:
+    """The ``quantization_config`` of DeepSeek's FP8 checkpoints (``modules_to_not_convert``
+    lists the unquantized linears for transformers' on-GPU FP8 path)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [int(block[0]), int(block[1])],
+            "modules_to_not_convert": ["lm_head", "weights_proj"]}
+
+
+def fp8_state_dict(state: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+                   ) -> dict[str, torch.Tensor]:
+    """transformers' in-memory state dict -> DeepSeek's on-disk FP8 layout: FP8 weights with
+    ``weight_scale_inv``, routed experts split per expert (``experts.{e}.gate_proj.weight``...)."""
+    from hisparse.ops.gemm import quantize_fp8_weight
+
+    out: dict[str, torch.Tensor] = {}
+
+    def put_q(name: str, w: torch.Tensor) -> None:
+        q, s = quantize_fp8_weight(w, block)
+        out[name] = q
+        out[name + "_scale_inv"] = s
+
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                put_q(f"{base}{e}.gate_proj.weight", t[e, :I])
+                put_q(f"{base}{e}.up_proj.weight", t[e, I:])
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                put_q(f"{base}{e}.down_proj.weight", t[e])
+        elif name.endswith(FP8_WEIGHT_SUFFIXES) and t.dim() == 2:
+            put_q(name, t)
+        else:
+            out[name] = t.contiguous()
+    return out
 
 
 @torch.no_grad()
@@ -74,11 +186,11 @@ def randomize_(model: torch.nn.Module, seed: int, init_std: float | None = None)
 
 
 def make_random_model(arch: str = "deepseek_v32", *, seed: int = 0, init_std: float | None = None,
-                      **config_overrides):
+                      tp_rank_of: int | None = None, **config_overrides):
     """An in-memory transformers model (fp32, eval mode) with seeded random weights."""
     import transformers
 
-    cfg = make_hf_config(arch, **config_overrides)
+    cfg = make_hf_config(arch, tp_rank_of=tp_rank_of, **config_overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHS[arch][1])(cfg).eval()
     randomize_(model, seed, init_std)
@@ -87,20 +199,41 @@ def make_random_model(arch: str = "deepseek_v32", *, seed: int = 0, init_std: fl
 
 def make_random_checkpoint(path: str | os.PathLike, arch: str = "deepseek_v32", *, seed: int = 0,
                            init_std: float | None = None, save_dtype: str | torch.dtype = "float32",
-                           max_shard_size: str | int | None = None, **config_overrides) -> str:
+                           max_shard_size: str | int | None = None, fp8: bool = False,
+                           fp8_block: tuple[int, int] = (128, 128), tp_rank_of: int | None = None,
+                           **config_overrides) -> str:
     """Write a seeded random-weight checkpoint of ``arch`` to ``path`` and return ``path``.
 
     ``config_overrides`` are transformers config fields (e.g. ``num_hidden_layers=4``,
     ``indexer_types=["full", "shared", ...]``, ``rope_parameters={...}``, or
     ``**PRODUCTION_GEOMETRY``). ``max_shard_size`` (e.g. ``"20KB"``) writes a sharded checkpoint.
+    ``fp8``: DeepSeek's FP8 block format with ``fp8_block`` blocks (the unquantized tensors in
+    ``save_dtype``; one safetensors file). ``tp_rank_of=N``: one TP-N rank's shapes.
     """
     path = str(path)
-    model = make_random_model(arch, seed=seed, init_std=init_std, **config_overrides)
+    model = make_random_model(arch, seed=seed, init_std=init_std, tp_rank_of=tp_rank_of,
+                              **config_overrides)
     if isinstance(save_dtype, str):
         save_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[save_dtype]
+    os.makedirs(path, exist_ok=True)
+    if fp8:
+        import json
+
+        from safetensors.torch import save_file
+
+        state = fp8_state_dict(model.state_dict(), fp8_block)
+        state = {k: (v.to(save_dtype) if v.dtype == torch.float32 and not k.endswith("scale_inv")
+                     else v).contiguous() for k, v in state.items()}
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg["architectures"] = [ARCHS[arch][1]]
+        cfg["quantization_config"] = fp8_quantization_config(fp8_block)
+        cfg["dtype"] = "float32" if save_dtype == torch.float32 else "bfloat16"
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        return path
     if save_dtype != torch.float32:
         model = model.to(save_dtype)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, **kw)
     return path

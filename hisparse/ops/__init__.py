@@ -9,7 +9,15 @@ from .attention import (
     sparse_mla_attention_reference,
 )
 from .copy import copy_rows, copy_rows_reference, gather_rows
+from .gemm import (
+    dequantize_fp8_weight,
+    fp8_block_linear,
+    fp8_block_linear_reference,
+    quantize_fp8_act,
+    quantize_fp8_weight,
+)
 from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
+from .moe import fused_moe, fused_moe_reference, moe_align
 from .quant import (
     dequantize_index_keys_reference,
     dequantize_mla_rows_reference,
@@ -31,4 +39,6 @@ __all__ = [
     "quantize_write_mla_rows", "quantize_write_index_keys", "quantize_mla_rows_reference",
     "dequantize_mla_rows_reference", "quantize_index_keys_reference",
     "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes",
+    "fp8_block_linear", "fp8_block_linear_reference", "quantize_fp8_act", "quantize_fp8_weight",
+    "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
 ]

@@ -172,7 +172,9 @@ def test_missing_tensor_is_named_and_mtp_ignored(tmp_path, ds_ckpt):
     assert cfg.num_nextn_predict_layers == 1 and len(m.model.layers) == 2
 
 
-def test_fp8_block_weights_are_dequantized(tmp_path, ds_ckpt):
+def test_fp8_block_weights_stay_fp8(tmp_path, ds_ckpt):
+    """An FP8 tensor with its scales is kept as stored; the bf16/fp32 tensors of layers the model
+    keeps in FP8 are block-quantized at load; an FP8 kv_b_proj is dequantized into w_uk/w_uv."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 dtype in this torch")
     sd = load_file(os.path.join(ds_ckpt, "model.safetensors"))
@@ -183,6 +185,10 @@ def test_fp8_block_weights_are_dequantized(tmp_path, ds_ckpt):
     full_scale = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
     q = (w / full_scale).to(torch.float8_e4m3fn)
     sd[name], sd[name + "_scale_inv"] = q, scale
+    from hisparse.ops.gemm import dequantize_fp8_weight, quantize_fp8_weight
+    kvb = "model.layers.1.self_attn.kv_b_proj.weight"
+    kv_w = sd[kvb]
+    sd[kvb], sd[kvb + "_scale_inv"] = quantize_fp8_weight(kv_w, (block, block))
     with open(os.path.join(ds_ckpt, "config.json")) as f:
         raw = json.load(f)
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
@@ -190,10 +196,21 @@ def test_fp8_block_weights_are_dequantized(tmp_path, ds_ckpt):
     with open(tmp_path / "fp8" / "config.json", "w") as f:
         json.dump(raw, f)
     save_file(sd, str(tmp_path / "fp8" / "model.safetensors"))
-    m, _ = load_model(str(tmp_path / "fp8"), torch.float32)
-    got = m.model.layers[1].self_attn.q_b_proj.weight
-    torch.testing.assert_close(got, q.float() * full_scale)
-    assert (got - w).abs().max() < 0.1 * w.abs().max()
+    m, cfg = load_model(str(tmp_path / "fp8"), torch.float32)
+    lin = m.model.layers[1].self_attn.q_b_proj
+    assert lin.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(lin.weight.float(), q.float()) and torch.equal(lin.weight_scale_inv, scale)
+    other = m.model.layers[1].self_attn.o_proj      # fp32 in the file: quantized at load
+    assert other.weight.dtype == torch.float8_e4m3fn
+    ow = sd["model.layers.1.self_attn.o_proj.weight"]
+    back = dequantize_fp8_weight(other.weight, other.weight_scale_inv, (block, block))
+    assert (back - ow).abs().max() < 0.07 * ow.abs().max()
+    attn = m.model.layers[1].self_attn
+    assert attn.w_uk.dtype == torch.float32
+    kv_deq = dequantize_fp8_weight(sd[kvb], sd[kvb + "_scale_inv"], (block, block))
+    kv_deq = kv_deq.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    torch.testing.assert_close(attn.w_uk, kv_deq[:, : cfg.qk_nope_head_dim])
+    assert (kv_deq.reshape(kv_w.shape) - kv_w).abs().max() < 0.1 * kv_w.abs().max()
 
 
 # ----------------------------------------------------------------------------- dtypes / geometry

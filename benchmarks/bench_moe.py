@@ -1,0 +1,303 @@
+"""FP8 block GEMM and fused MoE at decode shapes of one TP-8 rank of DeepSeek-V3.2.
+
+Measures, in one run, against peaks measured in the same run:
+
+- peaks: HBM bandwidth (device-to-device copy of 4 GiB: read + write bytes), dense FP8 rate
+  (``torch._scaled_mm`` tensorwise, 8192^3; falls back to the Triton block kernel), dense bf16
+  rate (``torch.mm`` 8192^3);
+- GEMM: for every rank linear ``(N, K)`` and ``M`` in 16..256: the Triton block-FP8 kernel
+  (activation quantization fused), ``torch._scaled_mm`` block scaling (1x128 / 128x128; "n/a"
+  where cuBLAS refuses it), and bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations +
+  output), and the fractions of the FP8 peak and of HBM bandwidth. Weights rotate through
+  copies larger than L2 so every call reads HBM;
+- MoE: one rank's MoE layer (256 experts, top 8, expert intermediate 256, hidden 7168, FP8 and
+  bf16) at batch 16..256 with uniformly random routing: the routed experts alone
+  (``fused_moe``) and the whole layer (router + routed + shared expert), each against the time
+  to read the touched experts' bytes (plus the shared expert and router for the layer) at the
+  measured HBM bandwidth (target: <= 1.25x).
+
+Every timed body is captured in a CUDA graph (many calls per replay), so launch overhead is not
+counted: this is what a graph-captured decode step sees. Prints short tables, writes JSON to
+``--out``. ``--smoke`` runs tiny shapes on CPU (Triton interpreter) to check the code paths.
+
+    python benchmarks/bench_moe.py --out /tmp/bench_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+RANK_LINEARS = {  # name: (N, K) of one TP-8 rank of DeepSeek-V3.2
+    "q_a_proj": (1536, 7168), "kv_a_proj": (576, 7168), "q_b_proj": (3072, 1536),
+    "o_proj": (7168, 2048), "indexer.wq_b": (8192, 1536), "dense.gate_up": (4608, 7168),
+    "dense.down": (7168, 2304), "shared.gate_up": (512, 7168), "shared.down": (7168, 256),
+}
+SMOKE_LINEARS = {"tiny": (64, 160)}
+
+
+# ----------------------------------------------------------------------------- timing
+def time_fn(fn, *, reps: int = 20, device: str = "cuda") -> float:
+    """Seconds per call of ``fn`` (graph-captured ``reps`` calls per replay on CUDA)."""
+    if device != "cuda":
+        fn()
+        t = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t) / 2
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3 / reps)
+    return best
+
+
+def measure_peaks(device: str) -> dict:
+    if device != "cuda":
+        return {"hbm_gb_s": 1.0, "fp8_tflops": 1.0, "bf16_tflops": 1.0}
+    n = 1 << 31
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
+    t = time_fn(lambda: bufs[1].copy_(bufs[0]), reps=5)
+    hbm = 2 * n / t / 1e9
+    bufs.clear()
+    S = 8192
+    a = torch.randn(S, S, device=device, dtype=torch.bfloat16)
+    b = torch.randn(S, S, device=device, dtype=torch.bfloat16)
+    bf16 = 2 * S ** 3 / time_fn(lambda: torch.mm(a, b), reps=5) / 1e12
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    try:
+        t8 = time_fn(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                              out_dtype=torch.bfloat16, use_fast_accum=True),
+                     reps=5)
+        fp8_src = "torch._scaled_mm tensorwise, fast accum"
+    except (RuntimeError, TypeError) as e:
+        print(f"scaled_mm tensorwise unavailable ({e}); FP8 peak from the Triton kernel")
+        from hisparse.ops.gemm import fp8_block_linear, quantize_fp8_weight
+        w, s = quantize_fp8_weight(b)
+        t8 = time_fn(functools.partial(fp8_block_linear, a, w, s, backend="triton"), reps=5)
+        fp8_src = "hisparse triton block kernel"
+    return {"hbm_gb_s": hbm, "bf16_tflops": bf16, "fp8_tflops": 2 * S ** 3 / t8 / 1e12,
+            "fp8_peak_source": fp8_src}
+
+
+# ----------------------------------------------------------------------------- GEMM
+def _rotating(fn, pool):
+    """A no-argument call of ``fn`` on the next weight of ``pool`` (graph capture records the
+    rotation: consecutive calls read different copies, so L2 does not serve them)."""
+    state = {"i": 0}
+
+    def call():
+        fn(pool[state["i"] % len(pool)])
+        state["i"] += 1
+    return call, len(pool)
+
+
+def bench_gemm(peaks: dict, device: str, batches, linears, l2_bytes: int) -> list[dict]:
+    from hisparse.ops.gemm import _scaled_mm_usable, fp8_block_linear, quantize_fp8_weight
+
+    rows = []
+    for name, (N, K) in linears.items():
+        w0 = torch.randn(N, K, device=device) * 0.02
+        wq, ws = quantize_fp8_weight(w0)
+        copies = max(1, math.ceil(4 * l2_bytes / (N * K)))
+        fp8_ws = [(wq.clone(), ws.clone()) for _ in range(copies)]
+        bf16_ws = [w0.to(torch.bfloat16) for _ in range(max(1, copies // 2))]
+        del w0
+        for M in batches:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            flops = 2 * M * N * K
+            row = {"op": name, "M": M, "N": N, "K": K}
+
+            for label, fn, pool, wbytes in (
+                ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
+                 fp8_ws, N * K),
+                ("scaled_mm",
+                 lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="scaled_mm"),
+                 fp8_ws, N * K),
+                ("bf16", lambda p, x=x: torch.mm(x, p.t()), bf16_ws, 2 * N * K),
+            ):
+                if label == "scaled_mm" and (device != "cuda" or not _scaled_mm_usable(
+                        x, wq, ws, (128, 128), torch.bfloat16)):
+                    row[label] = None
+                    continue
+                call, n = _rotating(fn, pool)
+                t = time_fn(call, reps=max(n, 8), device=device)
+                byts = wbytes + M * K * 2 + M * N * 2
+                row[label] = {
+                    "us": t * 1e6, "tflops": flops / t / 1e12, "gb_s": byts / t / 1e9,
+                    "frac_fp8_peak": flops / t / 1e12 / peaks["fp8_tflops"],
+                    "frac_hbm": byts / t / 1e9 / peaks["hbm_gb_s"],
+                }
+            rows.append(row)
+    return rows
+
+
+def print_gemm(rows: list[dict]) -> None:
+    print("\nFP8 block GEMM (us | TFLOP/s | frac FP8 peak | frac HBM)")
+    print(f"{'op':>15} {'M':>4} | {'triton':>30} | {'scaled_mm':>30} | {'bf16 mm':>30}")
+    for r in rows:
+        cells = []
+        for k in ("triton", "scaled_mm", "bf16"):
+            c = r[k]
+            cells.append("n/a".rjust(30) if c is None else
+                         f"{c['us']:7.1f} {c['tflops']:7.1f} {c['frac_fp8_peak']:6.2f} "
+                         f"{c['frac_hbm']:6.2f}")
+        print(f"{r['op']:>15} {r['M']:>4} | " + " | ".join(cells))
+
+
+# ----------------------------------------------------------------------------- MoE
+def moe_config(smoke: bool, fp8: bool):
+    from hisparse.bench.decode import model_shape_config
+    from hisparse.models.config import DSAConfig
+
+    raw = model_shape_config("deepseek-v3.2-tp8-rank", layers=4)
+    if smoke:
+        raw.update(hidden_size=128, moe_intermediate_size=32, n_routed_experts=16, n_group=4,
+                   topk_group=2, num_experts_per_tok=4)
+        raw["quantization_config"]["weight_block_size"] = [32, 32]
+    if not fp8:
+        raw.pop("quantization_config")
+    return DSAConfig.from_hf(raw)
+
+
+def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
+    from hisparse.models.dsa import DSAMoE
+    from hisparse.ops.moe import fused_moe
+
+    rows = []
+    for fp8 in (True, False):
+        cfg = moe_config(smoke, fp8)
+        with torch.device(device):
+            moe = DSAMoE(cfg)
+        for name, p in moe.named_parameters():
+            with torch.no_grad():
+                if name.endswith("_scale_inv"):
+                    p.fill_(0.02 / 32)
+                elif p.dtype == torch.float8_e4m3fn:
+                    p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
+                            .clamp_(-448, 448))
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+        if not fp8:
+            moe = moe.to(torch.bfloat16)
+            moe.gate.float()
+        moe.requires_grad_(False)
+        ex = moe.experts
+        E, k, I, D = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
+            cfg.hidden_size
+        wbytes = 1 if fp8 else 2
+        per_expert = 3 * I * D * wbytes
+        shared = 3 * I * cfg.n_shared_experts * D * wbytes
+        router = E * D * 4
+        for T in batches:
+            g = torch.Generator(device="cpu").manual_seed(T)
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
+            w = (torch.rand(T, k, generator=g) + 0.1).to(device)
+            x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+            touched = int(torch.unique(ids).numel())
+            routed_bytes = touched * per_expert
+            t_routed = time_fn(functools.partial(
+                fused_moe, x, ids, w, ex.gate_up_proj, ex.down_proj,
+                gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv,
+                block=ex.block), device=device)
+            # the whole layer: its own routing, so touched experts follow the random router
+            idx, _ = moe.gate(x)
+            touched_layer = int(torch.unique(idx).numel())
+            layer_bytes = touched_layer * per_expert + shared + router
+            t_layer = time_fn(functools.partial(moe, x), device=device)
+            hbm = peaks["hbm_gb_s"] * 1e9
+            rows.append({
+                "weights": "fp8" if fp8 else "bf16", "T": T, "experts_touched": touched,
+                "routed_us": t_routed * 1e6, "routed_ideal_us": routed_bytes / hbm * 1e6,
+                "routed_ratio": t_routed / (routed_bytes / hbm),
+                "routed_gb_s": routed_bytes / t_routed / 1e9,
+                "layer_experts_touched": touched_layer, "layer_us": t_layer * 1e6,
+                "layer_ideal_us": layer_bytes / hbm * 1e6,
+                "layer_ratio": t_layer / (layer_bytes / hbm),
+            })
+        moe = ex = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_moe(rows: list[dict]) -> None:
+    print("\nMoE layer (one TP-8 rank): time vs touched-expert bytes at HBM bandwidth "
+          "(target ratio <= 1.25)")
+    print(f"{'w':>5} {'T':>4} {'touched':>7} | {'routed us':>9} {'ideal':>7} {'ratio':>6} "
+          f"{'GB/s':>7} | {'layer us':>9} {'ideal':>7} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['weights']:>5} {r['T']:>4} {r['experts_touched']:>7} | "
+              f"{r['routed_us']:9.1f} {r['routed_ideal_us']:7.1f} {r['routed_ratio']:6.2f} "
+              f"{r['routed_gb_s']:7.0f} | {r['layer_us']:9.1f} {r['layer_ideal_us']:7.1f} "
+              f"{r['layer_ratio']:6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="16,32,64,128,256")
+    p.add_argument("--out", default="bench_moe.json")
+    p.add_argument("--skip-gemm", action="store_true")
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on CPU through the Triton interpreter (code-path check)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["HISPARSE_FORCE_TRITON"] = "1"
+        device, batches, linears = "cpu", [16], SMOKE_LINEARS
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_moe needs a CUDA device (or --smoke)")
+        device, linears = "cuda", RANK_LINEARS
+        batches = [int(b) for b in a.batches.split(",")]
+    l2 = (torch.cuda.get_device_properties(0).L2_cache_size
+          if device == "cuda" and hasattr(torch.cuda.get_device_properties(0), "L2_cache_size")
+          else 64 << 20)
+    peaks = measure_peaks(device)
+    print(json.dumps(peaks))
+    out = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+           "peaks": peaks}
+    if not a.skip_gemm:
+        out["gemm"] = bench_gemm(peaks, device, batches, linears, l2)
+        print_gemm(out["gemm"])
+    if not a.skip_moe:
+        out["moe"] = bench_moe(peaks, device, batches, a.smoke)
+        print_moe(out["moe"])
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

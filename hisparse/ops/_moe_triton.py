@@ -1,0 +1,192 @@
+"""Triton grouped GEMMs of the fused MoE (imported lazily by moe.py; layout in its doc).
+
+Kernel 1, per (tile, N block of I): gather the tile's token rows of ``x``, ``g = x @ gate^T``,
+``u = x @ up^T`` over K = D, store ``silu(g) * u`` into the padded intermediate ``[S, I]``.
+Kernel 2, per (tile, N block of D): ``h @ down^T`` over K = I, times the routing weight, stored
+per assignment into ``[A, D]`` (``x.dtype``); the combine sums each token's k rows in fp32.
+A tile of no expert masks every load off (no traffic).
+FP8 experts: the activation tile is quantized per 1 x bk in registers on CUDA, or read
+pre-quantized (``QUANT_A=False``) under the CPU interpreter (see _gemm_triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._gemm_triton import _fp8_tile_dot, pick, tuned
+
+
+@triton.jit
+def _plain_tile_dot(acc, x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb, K,
+                    stride_x, stride_w, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                mask=nmask[:, None] & kmask[None, :], other=0.0)
+    a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                mask=rmask[:, None] & kmask[None, :], other=0.0).to(w.dtype)
+    if IEEE:
+        return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(a, tl.trans(w))
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
+                        I, K, KB, NBI,
+                        stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                        TOPK: tl.constexpr, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
+                        FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
+                        POW2: tl.constexpr):
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
+    aid = tl.load(ids_ptr + slots)
+    rmask = (aid >= 0) & (ev >= 0)
+    e = tl.max(ev, axis=0)
+    tok = tl.where(rmask, aid // TOPK, 0)
+    e = tl.maximum(e, 0).to(tl.int64)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (offs_n < I) & ((tl.zeros((BLOCK_N,), dtype=tl.int32) + tl.max(ev, axis=0)) >= 0)
+    wg = w_ptr + e * stride_we
+    wu = wg + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(KB_TOTAL):
+        if FP8:
+            s_g = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+            s_u = s_g + NBI * stride_sn
+            acc_g = _fp8_tile_dot(acc_g, x_ptr, xs_ptr, wg, ws_ptr, tok, rmask, offs_n, nmask, kb,
+                                  K, KB, stride_x, stride_wn, stride_xs, s_g, BLOCK_K, QUANT_A,
+                                  POW2)
+            acc_u = _fp8_tile_dot(acc_u, x_ptr, xs_ptr, wu, ws_ptr, tok, rmask, offs_n, nmask, kb,
+                                  K, KB, stride_x, stride_wn, stride_xs, s_u, BLOCK_K, QUANT_A,
+                                  POW2)
+        else:
+            acc_g = _plain_tile_dot(acc_g, x_ptr, wg, tok, rmask, offs_n, nmask, kb, K,
+                                    stride_x, stride_wn, BLOCK_K, IEEE)
+            acc_u = _plain_tile_dot(acc_u, x_ptr, wu, tok, rmask, offs_n, nmask, kb, K,
+                                    stride_x, stride_wn, BLOCK_K, IEEE)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + slots[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_ptr,
+                     N, K, KB,
+                     stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+                     KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
+                     FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
+                     POW2: tl.constexpr):
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
+    aid = tl.load(ids_ptr + slots)
+    rmask = (aid >= 0) & (ev >= 0)
+    e = tl.max(ev, axis=0)
+    e = tl.maximum(e, 0).to(tl.int64)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (offs_n < N) & ((tl.zeros((BLOCK_N,), dtype=tl.int32) + tl.max(ev, axis=0)) >= 0)
+    wd = w_ptr + e * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(KB_TOTAL):
+        if FP8:
+            s_off = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+            acc = _fp8_tile_dot(acc, h_ptr, hs_ptr, wd, ws_ptr, slots, rmask, offs_n, nmask, kb,
+                                K, KB, stride_h, stride_wn, stride_hs, s_off, BLOCK_K, QUANT_A,
+                                POW2)
+        else:
+            acc = _plain_tile_dot(acc, h_ptr, wd, slots, rmask, offs_n, nmask, kb, K,
+                                  stride_h, stride_wn, BLOCK_K, IEEE)
+    rw = tl.load(rw_ptr + tl.where(rmask, aid, 0), mask=rmask, other=0.0)
+    acc = acc * rw[:, None]
+    safe = tl.where(rmask, aid, 0).to(tl.int64)
+    tl.store(out_ptr + safe[:, None] * stride_o + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
+
+
+_gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
+                                                     "POW2"])
+_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2"])
+
+
+def _block_n(n: int, scale_n: int | None, cap: int) -> int:
+    b = cap
+    if scale_n is not None:
+        while b > 16 and scale_n % b:
+            b //= 2
+    return max(16, min(b, triton.next_power_of_2(n)))
+
+
+def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
+                     block, pow2_scale: bool = False) -> torch.Tensor:
+    from .gemm import quantize_fp8_act
+    from .moe import moe_align, moe_block_m
+
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    A = T * k
+    fp8 = gate_up_scale is not None
+    block_m = moe_block_m(A, E)
+    sorted_ids, tile_expert = moe_align(topk_ids, E, block_m)
+    max_tiles = tile_expert.numel()
+    x = x.contiguous()
+    quant_a = fp8 and x.is_cuda
+    # fp32 experts use IEEE fp32 dots; so does the CPU interpreter for bf16 (its bf16 tl.dot is
+    # wrong in triton 3.9, see _indexer_triton)
+    ieee = not fp8 and (x.dtype == torch.float32 or not x.is_cuda)
+    if fp8:
+        bn, bk = block
+        nbi = triton.cdiv(I, bn)
+        gus, dns = gate_up_scale.float(), down_scale.float()
+    else:
+        bn, bk = None, 64 if x.is_cuda else 32
+        nbi = 0
+        gus = dns = x  # unused
+    bk = min(bk, max(16, triton.next_power_of_2(min(D, I)))) if not fp8 else bk
+    # ---- gate_up + silu * up into the padded layout
+    h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
+    if fp8 and not quant_a:
+        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
+        xq = xq.contiguous()
+    else:
+        xq, xs = x, x
+    bn1 = _block_n(I, bn, 64)
+    kb1 = triton.cdiv(D, bk)
+    kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
+    kernel[(max_tiles, triton.cdiv(I, bn1))](
+        xq, xs, gate_up, gus, sorted_ids, tile_expert, h,
+        I, D, kb1, nbi,
+        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
+        TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
+    # ---- down, weighted, per assignment
+    if fp8 and not quant_a:
+        hq, hs = quantize_fp8_act(h, bk, pow2_scale)
+        hq = hq.contiguous()
+    else:
+        hq, hs = h, h
+    # per-assignment outputs in x.dtype (half the memory of fp32 for large prefill batches);
+    # the k contributions of a token are summed in fp32, in slot order
+    out = torch.empty(A, D, device=x.device, dtype=x.dtype)
+    bn2 = _block_n(D, bn, 128)
+    kb2 = triton.cdiv(I, bk)
+    rw = topk_weights.reshape(-1).float().contiguous()
+    kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)
+    kernel[(max_tiles, triton.cdiv(D, bn2))](
+        hq, hs, down, dns, sorted_ids, tile_expert, rw, out,
+        D, I, kb2,
+        hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
+        dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
+        KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
+    return out.view(T, k, D).sum(1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,183 @@
+"""Block-scaled FP8 GEMM (DeepSeek / transformers "fine-grained FP8" format).
+
+Weights: ``w [N, K]`` float8_e4m3fn with ``w_scale_inv [ceil(N/bn), ceil(K/bk)]`` float32
+(``W = w * scale_inv`` per ``bn x bk`` block; DeepSeek: ``bn = bk = 128``). Activations are
+quantized on the fly per ``1 x bk`` tile of each row: ``s = max(amax, 1e-12) / 448``,
+``q = float8_e4m3fn(x / s)`` (DeepSeek's ``act_quant``); with ``pow2_scale`` (checkpoints with
+``scale_fmt: ue8m0``, e.g. DeepSeek-V3.1/V3.2) ``s`` is rounded up to a power of two exactly as
+DeepSeek's kernels do (exponent bits, no log2). ``y = x @ W^T`` accumulated in fp32.
+
+Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
+
+- ``reference``: dequantize the weight and matmul in fp32 (activations *not* quantized unless
+  ``quantize_input=True``); the spec, any device. CPU models run this.
+- ``triton``: one kernel per call, activation quantization fused into the GEMM on CUDA (bf16
+  ``x`` read directly), split-K through a fp32 workspace reduced in a fixed order (deterministic).
+- ``scaled_mm``: ``torch._scaled_mm`` with (BlockWise1x128, BlockWise128x128) scaling
+  (cuBLAS, SM90, bk = bn = 128 only), activations quantized by :func:`quantize_fp8_act`.
+  Probed once per (device, shape class) outside graph capture; falls back to Triton if cuBLAS
+  refuses the call.
+- ``auto``: Triton on CUDA (or with HISPARSE_FORCE_TRITON=1), reference otherwise.
+
+No backend syncs with the host: all are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._common import want_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BACKEND_ENV = "HISPARSE_FP8_GEMM"
+BACKENDS = ("auto", "reference", "triton", "scaled_mm")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- quantization
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>= s`` for positive normal fp32 ``s`` (from the exponent bits)."""
+    bits = s.float().contiguous().view(torch.int32)
+    exp = bits & 0x7F800000
+    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
+
+
+def quantize_fp8_act(x: torch.Tensor, block_k: int = 128, pow2_scale: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ``1 x block_k`` tile: ``x [M, K]`` -> ``(q [M, K] float8_e4m3fn,
+    s [M, ceil(K/bk)] fp32)`` with ``x ~= q * s`` (the last tile may be partial)."""
+    M, K = x.shape
+    kb = cdiv(K, block_k)
+    xf = x.float()
+    if kb * block_k != K:
+        xf = torch.nn.functional.pad(xf, (0, kb * block_k - K))
+    xf = xf.view(M, kb, block_k)
+    s = xf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    if pow2_scale:
+        s = pow2_ceil(s)
+    q = (xf / s[..., None]).to(FP8_DTYPE).view(M, kb * block_k)[:, :K]
+    return q, s
+
+
+def dequantize_fp8_act(q: torch.Tensor, s: torch.Tensor, block_k: int = 128) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_act` in fp32."""
+    return q.float() * s.repeat_interleave(block_k, dim=1)[:, : q.shape[1]]
+
+
+def quantize_fp8_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128)
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` -> ``(float8_e4m3fn [..., N, K],
+    scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)])``: per block
+    ``scale_inv = amax / 448`` (1 for an all-zero block), as DeepSeek's checkpoints."""
+    bn, bk = block
+    *lead, N, K = w.shape
+    nb, kb = cdiv(N, bn), cdiv(K, bk)
+    wf = w.float()
+    wf = torch.nn.functional.pad(wf, (0, kb * bk - K, 0, nb * bn - N))
+    wf = wf.reshape(*lead, nb, bn, kb, bk)
+    amax = wf.abs().amax(dim=(-3, -1))                                     # [..., nb, kb]
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / s[..., :, None, :, None]).to(FP8_DTYPE).reshape(*lead, nb * bn, kb * bk)
+    return q[..., :N, :K].contiguous(), s.contiguous()
+
+
+def dequantize_fp8_weight(w: torch.Tensor, scale_inv: torch.Tensor,
+                          block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """``w [..., N, K]`` FP8 + ``scale_inv [..., nb, kb]`` -> fp32 ``[..., N, K]``."""
+    N, K = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return w.float() * s[..., :N, :K]
+
+
+# ----------------------------------------------------------------------------- GEMM
+def fp8_block_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                               block: tuple[int, int] = (128, 128), *,
+                               quantize_input: bool = False, pow2_scale: bool = False,
+                               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(w)^T`` in fp32 (``quantize_input``: through the per-tile activation
+    quantization the fast paths apply). Returns ``out_dtype`` (default ``x.dtype``)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    xf = dequantize_fp8_act(*quantize_fp8_act(x2, block[1], pow2_scale), block[1]) \
+        if quantize_input else x2.float()
+    y = xf @ dequantize_fp8_weight(w, w_scale_inv, block).t()
+    return y.to(out_dtype or x.dtype).reshape(*lead, w.shape[0])
+
+
+def _backend(backend: str | None) -> str:
+    b = backend or os.environ.get(BACKEND_ENV, "") or "auto"
+    if b not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} / backend must be one of {list(BACKENDS)}, got {b!r}")
+    return b
+
+
+_SCALED_MM_OK: dict[tuple, bool] = {}
+
+
+def _scaled_mm_call(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                    out_dtype: torch.dtype, pow2_scale: bool = False) -> torch.Tensor:
+    q, s = quantize_fp8_act(x2, 128, pow2_scale)
+    # cuBLAS block scaling wants the 1x128 scales M-major ("outer-dim-major") and b column-major.
+    s = s.t().contiguous().t()
+    return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale_inv.t(), out_dtype=out_dtype)
+
+
+def _scaled_mm_usable(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                      block: tuple[int, int], out_dtype: torch.dtype) -> bool:
+    if not x2.is_cuda or tuple(block) != (128, 128) or not hasattr(torch, "_scaled_mm"):
+        return False
+    N, K = w.shape
+    if N % 128 or K % 128 or out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    key = (x2.device, N, K, out_dtype)
+    ok = _SCALED_MM_OK.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # never probe inside a capture; the eager warm-up probes first
+        try:
+            probe = torch.randn(16, K, device=x2.device, dtype=torch.bfloat16)
+            got = _scaled_mm_call(probe, w, w_scale_inv, torch.float32)
+            want = fp8_block_linear_reference(probe, w, w_scale_inv, block, quantize_input=True,
+                                              out_dtype=torch.float32)
+            ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
+        except (RuntimeError, TypeError, ValueError):
+            ok = False
+        _SCALED_MM_OK[key] = ok
+    return ok
+
+
+def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                     block: tuple[int, int] = (128, 128), *, backend: str | None = None,
+                     out_dtype: torch.dtype | None = None, pow2_scale: bool = False
+                     ) -> torch.Tensor:
+    """``y = x @ (w * scale_inv)^T`` for ``x [..., K]`` (bf16/fp16/fp32), FP8 block-scaled ``w
+    [N, K]``; fp32 accumulation, output ``out_dtype`` (default ``x.dtype``). See the module doc
+    for the backends (the fast ones quantize ``x`` per 1 x bk tile)."""
+    if w.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn, got {w.dtype}")
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_block_linear: x has {x.shape[-1]} features, weight expects {K}")
+    bn, bk = block
+    if tuple(w_scale_inv.shape) != (cdiv(N, bn), cdiv(K, bk)):
+        raise ValueError(f"fp8_block_linear: weight_scale_inv shape {tuple(w_scale_inv.shape)} "
+                         f"!= ({cdiv(N, bn)}, {cdiv(K, bk)}) for weight {(N, K)} block {block}")
+    out_dtype = out_dtype or x.dtype
+    b = _backend(backend)
+    if b == "auto":
+        b = "triton" if want_triton(x) else "reference"
+    if b == "reference" or x.numel() == 0:
+        return fp8_block_linear_reference(x, w, w_scale_inv, block, out_dtype=out_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
+        return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
+    from ._gemm_triton import fp8_block_linear_triton
+    return fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype,
+                                   pow2_scale=pow2_scale).reshape(*lead, N)

@@ -1,0 +1,161 @@
+"""Block-scaled FP8 GEMM: Triton (interpreter on CPU) and the quantizers against the reference."""
+
+import pytest
+import torch
+
+from hisparse.ops.gemm import (
+    FP8_DTYPE,
+    dequantize_fp8_act,
+    dequantize_fp8_weight,
+    fp8_block_linear,
+    fp8_block_linear_reference,
+    pow2_ceil,
+    quantize_fp8_act,
+    quantize_fp8_weight,
+)
+
+
+def _weights(N, K, block, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    # per-block magnitudes that differ a lot, so a wrong scale index is caught
+    rows = torch.rand(N, 1, generator=g) * 4 + 0.25
+    return quantize_fp8_weight(w * rows, block)
+
+
+@pytest.mark.parametrize("shape", [(7, 45), (33, 64), (1, 16)])
+def test_weight_quant_roundtrip(shape):
+    w = torch.randn(*shape)
+    q, s = quantize_fp8_weight(w, (16, 16))
+    assert q.dtype == FP8_DTYPE and s.shape == (-(-shape[0] // 16), -(-shape[1] // 16))
+    back = dequantize_fp8_weight(q, s, (16, 16))
+    torch.testing.assert_close(back, w, rtol=0.07, atol=1e-6)
+    # quantizing the dequantized weight again is exact (the block amax is a grid point: 448*s)
+    q2, s2 = quantize_fp8_weight(back, (16, 16))
+    assert torch.equal(s2, s) and torch.equal(q2.float(), q.float())
+
+
+def test_act_quant_roundtrip():
+    x = torch.randn(5, 40)
+    x[2] = 0.0
+    q, s = quantize_fp8_act(x, 16)
+    assert q.shape == x.shape and s.shape == (5, 3)
+    torch.testing.assert_close(dequantize_fp8_act(q, s, 16), x, rtol=0.07, atol=1e-6)
+
+
+def test_reference_without_input_quant_is_dequant_matmul():
+    w, s = _weights(48, 80, (16, 16))
+    x = torch.randn(3, 5, 80)
+    want = x @ dequantize_fp8_weight(w, s, (16, 16)).t()
+    torch.testing.assert_close(fp8_block_linear(x, w, s, (16, 16), backend="reference"), want)
+
+
+@pytest.mark.parametrize("M,N,K,block", [(1, 48, 80, (16, 16)), (19, 70, 96, (32, 32)),
+                                         (40, 64, 33, (32, 16)), (5, 32, 128, (32, 32))])
+def test_triton_matches_reference(triton_cpu, M, N, K, block):
+    w, s = _weights(N, K, block, seed=M)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    want = fp8_block_linear_reference(x, w, s, block, quantize_input=True, out_dtype=torch.float32)
+    got = fp8_block_linear(x, w, s, block, backend="triton", out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and close to the unquantized-activation reference (activation FP8 error only)
+    ref = fp8_block_linear_reference(x, w, s, block, out_dtype=torch.float32)
+    assert (got - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+def test_pow2_ceil():
+    s = torch.tensor([1.0, 1.5, 0.25, 3.0, 1.1 * 2.0 ** -20, 448.0])
+    want = torch.tensor([1.0, 2.0, 0.25, 4.0, 2.0 ** -19, 512.0])
+    assert torch.equal(pow2_ceil(s), want)
+    q, sc = quantize_fp8_act(torch.randn(3, 64), 32, pow2_scale=True)
+    assert torch.equal(pow2_ceil(sc), sc)
+    assert q.float().abs().max() <= 448
+
+
+def test_triton_pow2_scales_match_reference(triton_cpu):
+    w, s = _weights(48, 96, (32, 32), seed=9)
+    x = torch.randn(7, 96)
+    want = fp8_block_linear_reference(x, w, s, (32, 32), quantize_input=True, pow2_scale=True)
+    got = fp8_block_linear(x, w, s, (32, 32), backend="triton", pow2_scale=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = fp8_block_linear_reference(x, w, s, (32, 32), quantize_input=True)
+    assert not torch.equal(want, plain)
+
+
+def test_triton_split_k(triton_cpu, monkeypatch):
+    from hisparse.ops import _gemm_triton
+
+    monkeypatch.setattr(_gemm_triton, "_num_sms", lambda device: 64)  # forces several K splits
+    w, s = _weights(32, 160, (32, 32), seed=3)
+    x = torch.randn(4, 160)
+    assert _gemm_triton.gemm_config(4, 32, 5, 32, x.device)[2] > 1
+    want = fp8_block_linear_reference(x, w, s, (32, 32), quantize_input=True)
+    got = fp8_block_linear(x, w, s, (32, 32), backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes():
+    w, s = _weights(32, 32, (16, 16))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        fp8_block_linear(torch.randn(2, 32), w, s[:1], (16, 16))
+    with pytest.raises(ValueError, match="features"):
+        fp8_block_linear(torch.randn(2, 31), w, s, (16, 16))
+    with pytest.raises(ValueError, match="HISPARSE_FP8_GEMM"):
+        fp8_block_linear(torch.randn(2, 32), w, s, (16, 16), backend="cublas")
+
+
+# ----------------------------------------------------------------------------- GPU, real shapes
+# One TP-8 rank of DeepSeek-V3.2 (N, K): q_a, kv_a (576: a partial 128-block), q_b, o_proj,
+# indexer wq_b, dense gate/up and down, shared expert gate/up and down.
+RANK_SHAPES = [(1536, 7168), (576, 7168), (3072, 1536), (7168, 2048), (8192, 1536),
+               (2304, 7168), (7168, 2304), (256, 7168), (7168, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 256])
+@pytest.mark.parametrize("N,K", RANK_SHAPES)
+def test_gpu_fp8_gemm_matches_reference(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
+    tol = 2e-3 * want.abs().max().item()
+    got = fp8_block_linear(x, w, s, backend="triton", out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=tol)
+    got16 = fp8_block_linear(x, w, s, backend="triton")
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), want, rtol=1e-2, atol=tol)
+    # the triton kernel fed pre-quantized activations (the interpreter's path) agrees too
+    from hisparse.ops._gemm_triton import fp8_block_linear_triton
+    pre = fp8_block_linear_triton(x, w, s, (128, 128), torch.float32, quant_in_kernel=False)
+    torch.testing.assert_close(pre, want, rtol=1e-3, atol=tol)
+    # torch._scaled_mm where cuBLAS takes the block scaling (falls back to Triton otherwise)
+    sm = fp8_block_linear(x, w, s, backend="scaled_mm", out_dtype=torch.float32)
+    torch.testing.assert_close(sm, want, rtol=1e-2, atol=4 * tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(16, 1536, 7168), (256, 7168, 2048)])
+def test_gpu_fp8_gemm_pow2_scales(M, N, K):
+    """ue8m0 activation scales: the in-kernel exponent-bit rounding equals torch's."""
+    w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    want = fp8_block_linear_reference(x, w, s, quantize_input=True, pow2_scale=True,
+                                      out_dtype=torch.float32)
+    got = fp8_block_linear(x, w, s, backend="triton", pow2_scale=True, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemm_is_deterministic_and_capturable():
+    w, s = quantize_fp8_weight(torch.randn(1536, 7168, device="cuda") * 0.02)
+    x = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16)
+    a = fp8_block_linear(x, w, s, backend="triton")
+    assert torch.equal(a, fp8_block_linear(x, w, s, backend="triton"))
+    fp8_block_linear(x, w, s, backend="triton")  # warm-up (compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_block_linear(x, w, s, backend="triton")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton"))
