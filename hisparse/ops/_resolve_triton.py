@@ -31,13 +31,17 @@ from ._common import next_pow2
 @triton.jit
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
-                    m_ptr, v_ptr, mp_ptr, nl_ptr,
+                    m_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
+                    band_ptr, flags_ptr,
                     T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
+                    stride_band, stride_flags,
                     K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
-                    VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr):
+                    VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr,
+                    NB: tl.constexpr, BLOCK_B: tl.constexpr, SCORE: tl.constexpr,
+                    PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -68,6 +72,10 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         v_row = v_ptr + g.to(tl.int64) * stride_scr
         mp_row = mp_ptr + g.to(tl.int64) * stride_scr
         nl_row = nl_ptr + g.to(tl.int64) * stride_scr
+        bo_row = bo_ptr + g.to(tl.int64) * stride_scr
+        bp_row = bp_ptr + g.to(tl.int64) * stride_scr
+        pv_row = pv_ptr + g.to(tl.int64) * stride_scr
+        flags_row = flags_ptr + r64 * stride_flags
         res_row = res_bt_ptr + r64 * stride_res
         host_row = host_bt_ptr + r64 * stride_host
         hot_row = hot_bt_ptr + r64 * stride_hot
@@ -128,13 +136,80 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 tl.debug_barrier()
             tt += 1
 
-        # ---- C: one LRU walk: victims and new order
+        # ---- B2: the next-ranked band: hot rows of it (band-held, M = 2H + slot, ordinal in
+        # bo[slot]) and band misses (M = 3H + ordinal, positions in bp[ordinal])
+        n_bh = n_hit * 0
+        n_bm = n_hit * 0
+        if NB > 0:
+            offs_b = tl.arange(0, BLOCK_B)
+            tt = t
+            while tt < t + n:
+                for b0 in range(0, NB, BLOCK_B):
+                    bb = b0 + offs_b
+                    bm = bb < NB
+                    pos = tl.load(band_ptr + tt * stride_band + bb, mask=bm, other=-1)
+                    page = pos // PAGE
+                    valid = bm & (pos >= 0) & (page < P)
+                    res = tl.load(res_row + page, mask=valid, other=-1)
+                    nonres = valid & (res < 0)
+                    mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                    held = nonres & (mval >= 0) & (mval < H)
+                    hi = held.to(tl.int32)
+                    bord = n_bh + tl.cumsum(hi, 0) - 1
+                    tl.store(m_row + pos, 2 * H + mval, mask=held)
+                    tl.store(bo_row + mval, bord, mask=held)
+                    n_bh += tl.sum(hi)
+                    hb = tl.load(host_row + page, mask=nonres & (mval == -1), other=-1)
+                    bmiss = nonres & (mval == -1) & (hb >= 0) & ((hb * 0 + n_usable) > 0)
+                    mi = bmiss.to(tl.int32)
+                    mord = n_bm + tl.cumsum(mi, 0) - 1
+                    tl.store(m_row + pos, 3 * H + mord, mask=bmiss)
+                    tl.store(bp_row + mord, pos, mask=bmiss & (mord < H))
+                    n_bm += tl.sum(mi)
+                    tl.debug_barrier()
+                tt += 1
+
         n_load = tl.minimum(n_miss, n_usable - n_hit)
-        u_total = H - n_hit - n_load
+        # ---- C0 (score or prefetch): count candidates outside the band (n_nb) and prefetch
+        # targets (unreferenced, outside the band, not loaded)
+        n_nb = n_hit * 0
+        n_pfc = n_hit * 0
+        if SCORE or (PF > 0):
+            cand_run = n_hit * 0
+            for h0 in range(0, H, BLOCK_H):
+                i = h0 + offs_h
+                im = i < H
+                s = tl.load(lru_row + i, mask=im, other=0)
+                s_ok = im & (s >= 0) & (s < H)
+                blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
+                usable = s_ok & (blk >= 0)
+                key = tl.load(keys_row + s, mask=usable, other=-1)
+                mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
+                             volatile=True)
+                keyed = usable & (key >= 0)
+                referenced = keyed & (mk >= H) & (mk < 2 * H)
+                bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
+                cand = usable & (~referenced)
+                nb = cand & (~bandheld)
+                cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
+                n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
+                cand_run += tl.sum(cand.to(tl.int32))
+                n_nb += tl.sum(nb.to(tl.int32))
+            if SCORE:
+                n_pfc = tl.maximum(n_nb - n_load, 0)
+        n_pf = n_hit * 0
+        if PF > 0:
+            n_pf = tl.minimum(tl.minimum(n_bm, PF), n_pfc)
+
+        # ---- C: one LRU walk: victims, prefetch targets and new order
+        u_total = H - n_hit - n_load - n_pf
         cand_run = 0
+        nb_run = 0
+        pf_run = 0
         unt_run = 0
         hit_run = 0
         n_bad = 0
+        n_used = n_hit * 0
         for h0 in range(0, H, BLOCK_H):
             i = h0 + offs_h
             im = i < H
@@ -147,23 +222,45 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             key = tl.load(keys_row + s, mask=usable, other=-1)
             mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
                          volatile=True)
-            referenced = usable & (key >= 0) & (mk >= H)
+            keyed = usable & (key >= 0)
+            referenced = keyed & (mk >= H) & (mk < 2 * H)
+            bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
             cand = usable & (~referenced)
+            nb = cand & (~bandheld)
             ci = cand.to(tl.int32)
-            cord = cand_run + tl.cumsum(ci, 0) - 1
+            if SCORE:      # outside the band first (LRU order), then band rows, worst rank first
+                bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
+                cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
+                                nb_run + tl.cumsum(nb.to(tl.int32), 0) - 1)
+            else:
+                cord = cand_run + tl.cumsum(ci, 0) - 1
             loaded = cand & (cord < n_load)
-            untouched = im & (~referenced) & (~loaded)
+            pfc = nb & (~loaded)
+            pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
+            pf = pfc & (pord < n_pf)
+            untouched = im & (~referenced) & (~loaded) & (~pf)
             ui = untouched.to(tl.int32)
             hi = referenced.to(tl.int32)
             uord = unt_run + tl.cumsum(ui, 0) - 1
             hord = hit_run + tl.cumsum(hi, 0) - 1
             newpos = tl.where(untouched, uord,
-                              tl.where(loaded, u_total + cord, u_total + n_load + hord))
+                              tl.where(pf, u_total + pord,
+                                       tl.where(loaded, u_total + n_pf + cord,
+                                                u_total + n_pf + n_load + hord)))
+            newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
             tl.store(nl_row + newpos, s, mask=im)
             tl.store(v_row + cord, s, mask=loaded)
+            tl.store(pv_row + pord, s, mask=pf)
             # the evicted key is referenced by no entry of this group: safe to unmap now
-            tl.store(m_row + key, -1, mask=loaded & (key >= 0) & (key < s_max))
+            tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
+            if FLAGS:
+                fl = tl.load(flags_row + s, mask=usable, other=0)
+                n_used += tl.sum((referenced & (fl != 0)).to(tl.int32))
+                tl.store(flags_row + s, tl.where(pf, 1, 0).to(fl.dtype),
+                         mask=referenced | loaded | pf)
             cand_run += tl.sum(ci)
+            nb_run += tl.sum(nb.to(tl.int32))
+            pf_run += tl.sum(pfc.to(tl.int32))
             unt_run += tl.sum(ui)
             hit_run += tl.sum(hi)
         tl.debug_barrier()
@@ -174,19 +271,30 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             om = o < n_load
             s = tl.load(v_row + o, mask=om, other=0, volatile=True)
             p = tl.load(mp_row + o, mask=om, other=-1, volatile=True)
-            tl.store(keys_row + s, p, mask=om)
+            tl.store(keys_row + s, p, mask=om & (s >= 0) & (s < H))
+            if PF > 0:
+                pm = o < n_pf
+                s = tl.load(pv_row + o, mask=pm, other=0, volatile=True)
+                p = tl.load(bp_row + o, mask=pm, other=-1, volatile=True)
+                tl.store(keys_row + s, p, mask=pm & (s >= 0) & (s < H))
         # ---- D2: zero-copy gather of the missed rows, flat 16-byte chunks
         offs_c = tl.arange(0, BLOCK_C)
         offs_v = tl.arange(0, VEC)
-        total = n_load * CHUNKS
+        # (demand misses first, then the prefetched band rows)
+        total = (n_load + n_pf) * CHUNKS
         c0 = total * 0
         while c0 < total:
             c = c0 + offs_c
             cm = c < total
             o = c // CHUNKS
             w = c % CHUNKS
-            s = tl.load(v_row + o, mask=cm, other=0, volatile=True)
-            p = tl.load(mp_row + o, mask=cm, other=0, volatile=True)
+            dm = cm & (o < n_load)
+            pm = cm & (o >= n_load)
+            s = tl.load(v_row + o, mask=dm, other=0, volatile=True)
+            p = tl.load(mp_row + o, mask=dm, other=0, volatile=True)
+            s = tl.where(pm, tl.load(pv_row + o - n_load, mask=pm, other=0, volatile=True), s)
+            p = tl.where(pm, tl.load(bp_row + o - n_load, mask=pm, other=0, volatile=True), p)
+            cm = cm & (s >= 0) & (s < H) & (p >= 0)
             hb = tl.load(host_row + p // PAGE, mask=cm, other=0)
             ab = tl.load(hot_row + s // PAGE, mask=cm, other=0)
             src = (hb.to(tl.int64) * PAGE + p % PAGE) * host_row_w + w * VEC
@@ -210,7 +318,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 res = tl.load(res_row + page, mask=valid, other=-1)
                 nonres = valid & (res < 0)
                 mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
-                is_hit = nonres & (mval >= H)
+                is_hit = nonres & (mval >= H) & (mval < 2 * H)
                 mord = -2 - mval
                 is_miss = nonres & (mval <= -2) & (mord < n_load)
                 slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
@@ -240,10 +348,21 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 valid = km & (pos >= 0) & (pos < s_max)
                 tl.store(m_row + pos, -1, mask=valid)
             tt += 1
+        if NB > 0:
+            tt = t
+            while tt < t + n:
+                for b0 in range(0, NB, BLOCK_B):
+                    bb = b0 + tl.arange(0, BLOCK_B)
+                    pos = tl.load(band_ptr + tt * stride_band + bb, mask=bb < NB, other=-1)
+                    tl.store(m_row + pos, -1, mask=(bb < NB) & (pos >= 0) & (pos < s_max))
+                tt += 1
         tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
         tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
         if COUNT_BAD:
             tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
+        if COUNT_PF:
+            tl.atomic_add(cnt_ptr + 3, n_pf.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 4, n_used.to(tl.int64))
 
 
 def _words(t: torch.Tensor):
@@ -256,7 +375,8 @@ def _words(t: torch.Tensor):
 
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
                         hot_keys, hot_lru, arena, host, block_size, counters, workspace,
-                        block_k=None, out=None):
+                        block_k=None, out=None, band=None, policy="lru", prefetch=0,
+                        hot_flags=None):
     """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
     call (checked; never grown: a captured graph keeps the addresses it saw)."""
     T, K = topk.shape
@@ -272,7 +392,10 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         raise ValueError("resolve_rows: arena and host rows must have the same byte size")
     if arena.is_cuda and not host.is_cuda and not host.is_pinned():
         raise ValueError("resolve_rows: on CUDA the host tensor must be pinned (zero-copy reads)")
-    for name, x in (("topk", topk), ("hot_keys", hot_keys), ("hot_lru", hot_lru)):
+    for name, x in (("topk", topk), ("hot_keys", hot_keys), ("hot_lru", hot_lru),
+                    ("band", band), ("hot_flags", hot_flags)):
+        if x is None:
+            continue
         if x.stride(-1) != 1:
             raise ValueError(f"resolve_rows: {name} must have a contiguous last dimension")
     arena_w, arena_rw = _words(arena)
@@ -287,14 +410,24 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     if block_k is None:
         block_k = min(1024, max(32, next_pow2(K)))
     block_h = min(1024, max(32, next_pow2(H)))
+    nb = 0 if band is None else band.shape[1]
+    if band is not None and band.shape[0] != T:
+        raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
+    prefetch = min(int(prefetch), H) if nb else 0
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
+        scr[3], scr[4], scr[5], band if band is not None else topk,
+        hot_flags if hot_flags is not None else hot_keys,
         T, P, HB, g_max,
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
         hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
         m.stride(0), scr.stride(1), arena_rw, host_rw,
+        band.stride(0) if band is not None else 0,
+        hot_flags.stride(0) if hot_flags is not None else 0,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
-        BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, num_warps=8,
+        BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, NB=nb,
+        BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
+        PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5, num_warps=8,
     )
     return out

@@ -46,12 +46,15 @@ import torch
 
 from ._common import want_triton
 
+POLICIES = ("lru", "score")
+
 
 class ResolveWorkspace:
     """Device state of the Triton resolver, owned by the caller and allocated once.
 
     ``position_map [max_groups, max_positions]`` int32 is all ``-1`` between calls (each call
-    resets what it touched); ``scratch [3, max_groups, hot_buffer_size]`` int32. A call needs
+    resets what it touched); ``scratch [6, max_groups, hot_buffer_size]`` int32 (victims, miss
+    positions, new LRU order, band ordinals, band-miss positions, prefetch targets). A call needs
     ``max_groups >= min(T, R)`` (request groups of the call), ``max_positions >= P * block_size``
     and the same ``H``; a workspace is never grown (a captured CUDA graph keeps its addresses),
     a call that does not fit raises ``ValueError``. One workspace serves every layer (calls on
@@ -66,7 +69,7 @@ class ResolveWorkspace:
         self.hot_buffer_size = max(1, int(hot_buffer_size))
         self.position_map = torch.full((self.max_groups, self.max_positions), -1,
                                        dtype=torch.int32, device=self.device)
-        self.scratch = torch.empty((3, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
+        self.scratch = torch.empty((6, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
                                    device=self.device)
 
     def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:
@@ -80,17 +83,31 @@ class ResolveWorkspace:
                 f"on {device}; size it for the largest batch up front")
 
 
+def _check_policy(policy: str, band, prefetch: int, hot_flags) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"resolve_rows: policy must be one of {POLICIES}, got {policy!r}")
+    if prefetch < 0:
+        raise ValueError(f"resolve_rows: prefetch must be >= 0, got {prefetch}")
+    if prefetch and band is None:
+        raise ValueError("resolve_rows: prefetch needs the band (next-ranked positions)")
+    if prefetch and hot_flags is None:
+        raise ValueError("resolve_rows: prefetch needs hot_flags (per-slot prefetch marks)")
+
+
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
-                           hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters):
+                           hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters,
+                           band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
+    _check_policy(policy, band, prefetch, hot_flags)
     T, K = topk.shape
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
     H = hot_keys.shape[1]
     out = [[-1] * K for _ in range(T)]
     topk_l = topk.tolist()
+    band_l = band.tolist() if band is not None else [[] for _ in range(T)]
     req_l = token_req.tolist()
-    n_hits = n_misses = n_bad = 0
+    n_hits = n_misses = n_bad = n_pf_total = n_pf_used = 0
     t = 0
     while t < T:
         r = req_l[t]
@@ -129,29 +146,71 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                         miss_ord[pos] = len(misses)
                         misses.append(pos)
                     pending.append((tt, k, pos))
+        # band walk: next-ranked positions already hot (band-held slots, by first reference)
+        # and band misses (prefetch candidates, first-reference order)
+        band_ord: dict[int, int] = {}
+        band_miss: list[int] = []
+        seen: set[int] = set()
+        for tt in range(t, t1):
+            for pos in band_l[tt]:
+                if pos < 0 or pos // block_size >= P or pos in seen:
+                    continue
+                page = pos // block_size
+                if res_row[page] >= 0 or pos in miss_ord:
+                    continue
+                if pos in slot_of:
+                    if slot_of[pos] not in hit_slots:
+                        seen.add(pos)
+                        band_ord[slot_of[pos]] = len(band_ord)
+                elif host_row[page] >= 0 and any_usable:
+                    seen.add(pos)
+                    band_miss.append(pos)
         cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots]
+        if policy == "score":       # outside the band first (LRU order), then the band, worst first
+            cands = ([s for s in cands if s not in band_ord]
+                     + sorted((s for s in cands if s in band_ord), key=lambda s: -band_ord[s]))
         if len(misses) > len(cands):
             raise ValueError(
                 f"resolve_rows: request slot {r} needs {len(misses)} new hot rows but only "
                 f"{len(cands)} unreferenced usable hot slots exist (hot buffer too small for the "
                 f"union of its tokens' selections)")
         victims = cands[:len(misses)]
-        if misses:
+        loaded = set(victims)
+        pf_victims: list[int] = []
+        if prefetch:
+            pf_cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots
+                        and s not in loaded and s not in band_ord]
+            n_pf = min(len(band_miss), prefetch, len(pf_cands))
+            pf_victims = pf_cands[:n_pf]
+        pf_pos = band_miss[:len(pf_victims)]
+        fills = list(zip(misses, victims)) + list(zip(pf_pos, pf_victims))
+        if fills:
             src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
-                                for p in misses],
+                                for p, _ in fills],
                                dtype=torch.long, device=host.device)
             dst = torch.tensor([hot_row[s // block_size] * block_size + s % block_size
-                                for s in victims],
+                                for _, s in fills],
                                dtype=torch.long, device=arena.device)
             arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
-            for p, s in zip(misses, victims):
+            for p, s in fills:
                 if keys[s] >= 0:
                     slot_of.pop(keys[s], None)
                 keys[s] = p
                 slot_of[p] = s
-        loaded = set(victims)
-        new_lru = ([s for s in lru if s not in hit_slots and s not in loaded] + victims
-                   + [s for s in lru if s in hit_slots])
+        if hot_flags is not None:
+            flags = hot_flags[r].tolist()
+            for s in hit_slots:
+                n_pf_used += flags[s] != 0
+                flags[s] = 0
+            for s in victims:
+                flags[s] = 0
+            for s in pf_victims:
+                flags[s] = 1
+            hot_flags[r] = torch.tensor(flags, dtype=hot_flags.dtype, device=hot_flags.device)
+        n_pf_total += len(pf_victims)
+        moved = loaded | set(pf_victims)
+        new_lru = ([s for s in lru if s not in hit_slots and s not in moved] + pf_victims
+                   + victims + [s for s in lru if s in hit_slots])
         for tt, k, pos in pending:
             s = slot_of[pos]
             out[tt][k] = hot_row[s // block_size] * block_size + s % block_size
@@ -164,6 +223,9 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
     counters[1] += n_misses
     if counters.numel() > 2:
         counters[2] += n_bad
+    if counters.numel() > 4:
+        counters[3] += n_pf_total
+        counters[4] += n_pf_used
     return torch.tensor(out, dtype=torch.int32, device=topk.device).view(T, K)
 
 
@@ -172,7 +234,9 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                  hot_keys: torch.Tensor, hot_lru: torch.Tensor, arena: torch.Tensor,
                  host: torch.Tensor, block_size: int, counters: torch.Tensor,
                  out: torch.Tensor | None = None,
-                 workspace: ResolveWorkspace | None = None) -> torch.Tensor:
+                 workspace: ResolveWorkspace | None = None, band: torch.Tensor | None = None,
+                 policy: str = "lru", prefetch: int = 0,
+                 hot_flags: torch.Tensor | None = None) -> torch.Tensor:
     """Resolve ``topk [T, K]`` logical positions to flat arena rows ``[T, K]`` int32 (``-1`` skip).
 
     Mutates ``hot_keys``, ``hot_lru``, ``counters`` and the hot rows of ``arena``. See the module
@@ -181,6 +245,7 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
     :class:`ResolveWorkspace`); required for CUDA-graph capture; without one a call allocates a
     temporary workspace sized for itself.
     """
+    _check_policy(policy, band, prefetch, hot_flags)
     if want_triton(arena, topk):
         from ._resolve_triton import resolve_rows_triton
         if workspace is None:
@@ -189,10 +254,12 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                                          hot_keys.shape[1], arena.device)
         return resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
                                    hot_block_table, hot_keys, hot_lru, arena, host, block_size,
-                                   counters, workspace, out=out)
+                                   counters, workspace, out=out, band=band, policy=policy,
+                                   prefetch=prefetch, hot_flags=hot_flags)
     res = resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                                  hot_block_table, hot_keys, hot_lru, arena, host, block_size,
-                                 counters)
+                                 counters, band=band, policy=policy, prefetch=prefetch,
+                                 hot_flags=hot_flags)
     if out is not None:
         out.copy_(res)
         return out
