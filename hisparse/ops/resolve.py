@@ -47,6 +47,21 @@ import torch
 from ._common import want_triton
 
 POLICIES = ("lru", "score")
+HOT_POLICIES = ("lru", "score", "score+prefetch")
+DEFAULT_HOT_POLICY = "score+prefetch"
+
+
+def hot_policy_params(name: str, index_topk: int) -> tuple[str, int, int]:
+    """Engine hot policy name -> ``(policy, band, prefetch)`` for :func:`resolve_rows`: the band
+    is ``index_topk`` next-ranked rows (the indexer returns top-``2 * index_topk``, sorted) and
+    prefetch moves at most ``max(1, index_topk // 64)`` rows per (layer, request) step (the
+    settings measured by ``hisparse bench-policy``: docs in the report of issue 15)."""
+    if name not in HOT_POLICIES:
+        raise ValueError(f"hot_policy must be one of {HOT_POLICIES}, got {name!r}")
+    if name == "lru":
+        return "lru", 0, 0
+    pf = max(1, index_topk // 64) if name == "score+prefetch" else 0
+    return "score", int(index_topk), pf
 
 
 class ResolveWorkspace:

@@ -75,12 +75,14 @@ class PagedContext:
         stay CUDA-graph safe: fixed shapes, no host sync)."""
         return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
                                 self.token_slot, self.positions.int(), self.block_size,
-                                self.index_topk,
+                                self.index_topk + self.caches.hot_band,
                                 workspace=self.caches.workspace.indexer)
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, block_size, topk = self.caches, self.block_size, self.topk
+        c, block_size, k = self.caches, self.block_size, self.index_topk
+        # ranks k.. (sorted by score) are the hot policy's next-ranked band
+        topk, band = self.topk[:, :k], (self.topk[:, k:] if self.topk.shape[1] > k else None)
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
@@ -90,7 +92,9 @@ class PagedContext:
         return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
                                 c.hot_lru[layer], c.arena_layer(layer), c.host_layer(layer),
-                                block_size, c.counters, workspace=c.workspace.resolve)
+                                block_size, c.counters, workspace=c.workspace.resolve, band=band,
+                                policy=c.hot_policy, prefetch=c.hot_prefetch,
+                                hot_flags=c.hot_flags[layer])
 
 
 class ModelRunner:
