@@ -173,14 +173,15 @@ def replay_policies(topk: np.ndarray, cut: int, hot_rows: int,
     """Replays ``topk [R, L, S, k]`` (rank order) at top-``cut`` through each policy with
     ``hot_rows`` slots per (layer, request). ``band`` next-ranked positions per step (default
     all ranks kept beyond the cut, at most ``cut``); ``prefetch`` rows per step at most (default
-    ``cut // 8``). Returns ``{policy: {totals..., "per_layer": {name: [L]}}}`` plus ``"config"``."""
+    ``max(1, cut // 64)``, as the engine). Returns ``{policy: {totals..., "per_layer":
+    {name: [L]}}}`` plus ``"config"``."""
     R, L, S, k = topk.shape
     if not 1 <= cut <= k:
         raise ValueError(f"cut must be in [1, {k}], got {cut}")
     if hot_rows < cut:
         raise ValueError(f"hot_rows ({hot_rows}) must be >= cut ({cut})")
     band = min(k - cut, cut) if band is None else min(int(band), k - cut)
-    prefetch = max(1, cut // 8) if prefetch is None else int(prefetch)
+    prefetch = max(1, cut // 64) if prefetch is None else int(prefetch)
     warmup = min(max(0, int(warmup)), S)
     max_pos = int(topk.max()) + 1
     fields = ("lookups", "critical_misses", "prefetched", "prefetch_used", "h2d_rows")
@@ -254,7 +255,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--band", type=int, default=None, help="next-ranked band width (default cut)")
     ap.add_argument("--prefetch", type=int, default=None,
-                    help="max prefetched rows per (layer, request) step (default cut / 8)")
+                    help="max prefetched rows per (layer, request) step (default cut / 64)")
     ap.add_argument("--row-bytes", type=int, default=656, help="bytes per row (656 FP8, 1152 bf16)")
     ap.add_argument("--warmup", type=int, default=0, help="first steps left out of the counts")
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N")

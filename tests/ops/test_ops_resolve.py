@@ -563,7 +563,7 @@ def test_prefetch_never_evicts_a_row_selected_in_the_same_step(backend, policy):
     b.counters[0] = torch.zeros(5, dtype=torch.int64)
     flags = torch.zeros(1, H, dtype=torch.int32)
     g = torch.Generator().manual_seed(8)
-    for step in range(8):
+    for _ in range(8):
         topk, band = ranked_rows(g, 2, K, NB, 12 * BS)
         req = torch.zeros(2, dtype=torch.int32)
         keys_before = b.keys[0][0].tolist()
