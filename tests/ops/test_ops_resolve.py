@@ -598,3 +598,30 @@ def test_policy_argument_checks():
         policy_resolve(b, "reference", topk, None, req, None, "score", 2)
     with pytest.raises(ValueError, match="hot_flags"):
         policy_resolve(b, "reference", topk, topk, req, None, "score", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,prefetch", [("score", 0), ("score", 32), ("lru", 32)])
+def test_gpu_policy_production_shape_matches_reference(policy, prefetch):
+    R, K, NB = 16, 2048, 2048
+    H = 2 * K
+    P = (8 * K) // BS + 4
+    b = Batch(R=R, P=P, H=H, seed=17, resident_frac=0.3, device="cuda", pin=True)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ref = b.clone()
+    ref.host_all = b.host_all
+    flags_b = torch.zeros(R, H, dtype=torch.int32, device="cuda")
+    flags_r = flags_b.clone()
+    g = torch.Generator().manual_seed(17)
+    req = torch.arange(R, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        topk, band = ranked_rows(g, R, K, NB, P * BS)
+        topk, band = topk.cuda(), band.cuda()
+        o1 = policy_resolve(b, "triton", topk, band, req, flags_b, policy, prefetch,
+                            out=torch.full_like(topk, -7))
+        o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, prefetch)
+        torch.cuda.synchronize()
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r) and torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
