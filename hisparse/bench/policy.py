@@ -14,7 +14,8 @@ Policies (each one a configuration of :func:`hisparse.ops.resolve_rows`):
 - ``lru``: the resolver's default: a miss takes the least-recently-used slot not selected now;
 - ``score``: a miss first takes slots whose row is not among this step's next-ranked band (LRU
   order among them), then band rows, worst rank first: the rows with the lowest current indexer
-  score go first (rows outside top-(cut + band) score below every band row);
+  score go first (rows outside top-(cut + band) score below every band row); band rows that stay
+  hot count as used (recency over the top-(cut + band), not only the top-cut);
 - ``score+prefetch``: ``score``, plus up to ``prefetch`` band rows per step that miss the hot
   buffer are fetched (best rank first) into slots that hold neither a selected nor a band row
   (LRU order), off the critical path;
@@ -135,12 +136,19 @@ class PolicyHotBuffer:
                 self.keys[vs] = pos
                 self.slot_of[pos] = vs
         n_pf = len(pf_v)
-        self.stamp[pf_v] = self.clock + np.arange(n_pf)
-        self.stamp[victims] = self.clock + n_pf + np.arange(m)
+        nbh = 0
+        if self.policy == "score":
+            # band rows still hot are touched: right after the untouched, worst rank first
+            kept = held[~np.isin(held, victims)]
+            nbh = len(kept)
+            self.stamp[kept[::-1]] = self.clock + np.arange(nbh)
+        c = self.clock + nbh
+        self.stamp[pf_v] = c + np.arange(n_pf)
+        self.stamp[victims] = c + n_pf + np.arange(m)
         if h:
             hs = hit_slots[np.argsort(self.stamp[hit_slots], kind="stable")]
-            self.stamp[hs] = self.clock + n_pf + m + np.arange(h)
-        self.clock += n_pf + m + h
+            self.stamp[hs] = c + n_pf + m + np.arange(h)
+        self.clock = c + n_pf + m + h
         return h, m, n_pf, used
 
 

@@ -201,8 +201,12 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         if PF > 0:
             n_pf = tl.minimum(tl.minimum(n_bm, PF), n_pfc)
 
+        # band rows that stay hot (score policy): touched, placed worst rank first
+        n_bhk = n_hit * 0
+        if SCORE:
+            n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
         # ---- C: one LRU walk: victims, prefetch targets and new order
-        u_total = H - n_hit - n_load - n_pf
+        u_total = H - n_hit - n_load - n_pf - n_bhk
         cand_run = 0
         nb_run = 0
         pf_run = 0
@@ -238,15 +242,25 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             pfc = nb & (~loaded)
             pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
             pf = pfc & (pord < n_pf)
-            untouched = im & (~referenced) & (~loaded) & (~pf)
+            if SCORE:
+                bhk = cand & bandheld & (~loaded)
+            else:
+                bhk = cand & (~cand)
+            untouched = im & (~referenced) & (~loaded) & (~pf) & (~bhk)
             ui = untouched.to(tl.int32)
             hi = referenced.to(tl.int32)
             uord = unt_run + tl.cumsum(ui, 0) - 1
             hord = hit_run + tl.cumsum(hi, 0) - 1
+            if SCORE:
+                kpos = u_total + n_bhk - 1 - bo
+            else:
+                kpos = uord
+            base = u_total + n_bhk
             newpos = tl.where(untouched, uord,
-                              tl.where(pf, u_total + pord,
-                                       tl.where(loaded, u_total + n_pf + cord,
-                                                u_total + n_pf + n_load + hord)))
+                              tl.where(bhk, kpos,
+                                       tl.where(pf, base + pord,
+                                                tl.where(loaded, base + n_pf + cord,
+                                                         base + n_pf + n_load + hord))))
             newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
             tl.store(nl_row + newpos, s, mask=im)
             tl.store(v_row + cord, s, mask=loaded)

@@ -224,8 +224,13 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
             hot_flags[r] = torch.tensor(flags, dtype=hot_flags.dtype, device=hot_flags.device)
         n_pf_total += len(pf_victims)
         moved = loaded | set(pf_victims)
-        new_lru = ([s for s in lru if s not in hit_slots and s not in moved] + pf_victims
-                   + victims + [s for s in lru if s in hit_slots])
+        kept_band: list[int] = []
+        if policy == "score":       # band rows that stay hot count as used, worst rank first
+            kept_band = sorted((s for s in band_ord if s not in loaded),
+                               key=lambda s: -band_ord[s])
+            moved |= set(kept_band)
+        new_lru = ([s for s in lru if s not in hit_slots and s not in moved] + kept_band
+                   + pf_victims + victims + [s for s in lru if s in hit_slots])
         for tt, k, pos in pending:
             s = slot_of[pos]
             out[tt][k] = hot_row[s // block_size] * block_size + s % block_size

@@ -512,14 +512,15 @@ def policy_resolve(b, backend, topk, band, req, flags, policy, prefetch, out=Non
     return resolve_rows(*args, out=out, **kw)
 
 
+@pytest.mark.parametrize("H", [48, 22])   # 22: band rows get evicted under pressure
 @pytest.mark.parametrize("policy,prefetch", [("lru", 0), ("score", 0), ("score", 5), ("lru", 3),
                                              ("score", 64)])
-def test_policy_kernel_matches_reference(triton_cpu, policy, prefetch):
-    b = Batch(R=3, P=10, H=48, seed=21, resident_frac=0.3)
+def test_policy_kernel_matches_reference(triton_cpu, policy, prefetch, H):
+    b = Batch(R=3, P=10, H=H, seed=21, resident_frac=0.3)
     for x in b.counters:
         x.resize_(5).zero_()
     ref = b.clone()
-    flags_b = torch.zeros(3, 48, dtype=torch.int32)
+    flags_b = torch.zeros(3, H, dtype=torch.int32)
     flags_r = flags_b.clone()
     g = torch.Generator().manual_seed(21)
     for step in range(6):
