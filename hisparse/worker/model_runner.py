@@ -50,6 +50,7 @@ class PagedContext:
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
+        self.band: Tensor | None = None    # next-ranked positions for the hot policy
         self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
@@ -73,16 +74,18 @@ class PagedContext:
                     keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
         stay CUDA-graph safe: fixed shapes, no host sync)."""
-        return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
-                                self.token_slot, self.positions.int(), self.block_size,
-                                self.index_topk + self.caches.hot_band,
-                                workspace=self.caches.workspace.indexer)
+        k = self.index_topk
+        ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
+                                  self.token_slot, self.positions.int(), self.block_size,
+                                  k + self.caches.hot_band,
+                                  workspace=self.caches.workspace.indexer)
+        # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
+        self.band = ranked[:, k:] if ranked.shape[1] > k else None
+        return ranked[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, block_size, k = self.caches, self.block_size, self.index_topk
-        # ranks k.. (sorted by score) are the hot policy's next-ranked band
-        topk, band = self.topk[:, :k], (self.topk[:, k:] if self.topk.shape[1] > k else None)
+        c, block_size, topk, band = self.caches, self.block_size, self.topk, self.band
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
