@@ -23,6 +23,34 @@ form one *request group*; each request appears in at most one group per call. Fo
 5. ``counters[0] += #unique hits``, ``counters[1] += #unique misses`` (resident lookups count in
    neither). If ``counters`` has a third entry, ``counters[2] += #corrupt LRU entries`` (below).
 
+Policies (issue 15; keyword arguments ``band``, ``policy``, ``prefetch``, ``hot_flags``). ``band
+[T, NB]`` holds each token's next-ranked positions (indexer ranks ``K .. K + NB - 1``, best
+first, ``-1`` padding: the same top-``K + NB`` pass as ``topk``). After step 2, the group's band
+entries are walked in order (token, then rank); a non-resident position neither selected nor seen
+before is *band-held* if a usable slot holds it (band ordinal = first-reference order), else a
+*band miss* if it is servable (first-reference order).
+
+- ``policy="lru"`` (default): steps 3-4 as above; the band only feeds prefetch.
+- ``policy="score"``: candidates = [usable unreferenced slots not band-held, in LRU order] +
+  [band-held slots, highest band ordinal (worst rank) first]: rows outside the top-``K + NB``
+  (the lowest current scores) go before any band row. Band-held slots that are not evicted count
+  as used: new LRU order = [untouched] + [kept band-held, worst rank first] + [prefetched] +
+  [loaded] + [hit]. Without a band (``NB = 0``) it is exactly ``lru``.
+- ``prefetch = B > 0`` (needs ``band`` and ``hot_flags``): after the demand misses took their
+  victims, the first ``min(#band misses, B, #targets)`` band misses are copied into *targets*:
+  usable slots neither hit, nor loaded, nor band-held, in LRU order (so a row the step selected
+  is never evicted, and demand misses always have priority). New LRU order = [untouched] +
+  [kept band-held (score)] + [prefetched, band order] + [loaded] + [hit].
+- ``hot_flags [R, H]`` int32 (per-slot policy state): 1 = filled by prefetch and not used since;
+  a hit on a flagged slot counts as a prefetch hit and clears it; loads clear it.
+- With ``counters`` of 5 entries: ``counters[3] += #prefetched``, ``counters[4] += #prefetch
+  hits``. ``counters[1]`` stays the demand (critical-path) misses.
+
+On GPU, prefetch is designed to leave the critical path: the worker launches the resolver in two
+parts, demand (steps 1-5, whose outputs attention waits for) on the compute stream, and the
+prefetch copies on a side stream ordered after it (the copies only write slots no token of the
+step reads). Today one kernel does both, prefetch copies last; see the issue-15 report.
+
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
 ``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
