@@ -218,7 +218,7 @@ def main(argv=None) -> int:
                          f"{cfg.max_position_embeddings}")
     docs, names = build_docs(tok, essays, a.docs, a.doc_len)
     print(f"model {gfile}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads "
-          f"({cfg.num_key_value_heads} KV); {len(essays)} essays -> {a.docs} docs x {a.doc_len} "
+          f"({cfg.num_key_value_heads} KV); {len(essays)} {a.genre} files -> {a.docs} docs x {a.doc_len} "
           f"tokens; k = {k}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     if a.self_check:
         err = self_check(model, rec, docs[0])
