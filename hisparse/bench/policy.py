@@ -14,8 +14,10 @@ Policies (each one a configuration of :func:`hisparse.ops.resolve_rows`):
 - ``lru``: the resolver's default: a miss takes the least-recently-used slot not selected now;
 - ``score``: a miss first takes slots whose row is not among this step's next-ranked band (LRU
   order among them), then band rows, worst rank first: the rows with the lowest current indexer
-  score go first (rows outside top-(cut + band) score below every band row); band rows that stay
-  hot count as used (recency over the top-(cut + band), not only the top-cut);
+  score go first (rows outside top-(cut + band) score below every band row); among the rows
+  outside the band, those used fewer than 3 times since they were loaded go first (frequency
+  protection, a segmented LRU); band rows that stay hot count as used (recency over the
+  top-(cut + band), not only the top-cut);
 - ``score+prefetch``: ``score``, plus up to ``prefetch`` band rows per step that miss the hot
   buffer are fetched (best rank first) into slots that hold neither a selected nor a band row
   (LRU order), off the critical path;
@@ -43,6 +45,8 @@ from hisparse.bench.locality import belady_misses
 __all__ = ["POLICIES", "PolicyHotBuffer", "load_trace", "replay_policies", "main"]
 
 POLICIES = ("lru", "score", "score+prefetch", "belady")
+PROTECT = 3            # = hisparse.ops.resolve.PROTECT_USES
+COUNT_CAP = 1 << 20    # = hisparse.ops.resolve.USE_COUNT_CAP
 
 
 def split_policy(name: str) -> tuple[str, bool]:
@@ -71,11 +75,16 @@ class PolicyHotBuffer:
         self.keys = np.full(H, -1, dtype=np.int64)
         self.stamp = np.arange(H, dtype=np.int64) - H
         self.flags = np.zeros(H, dtype=bool)
+        self.count = np.zeros(H, dtype=np.int64)         # uses since loaded (demand load = 1)
         self.clock = 0
         self.slot_of = np.full(max(1, max_pos), -1, dtype=np.int64)
 
     def lru_order(self) -> np.ndarray:
         return np.argsort(self.stamp, kind="stable")
+
+    def state(self) -> np.ndarray:
+        """Per-slot policy state as the resolver's ``hot_flags``: ``count << 1 | prefetched``."""
+        return self.count * 2 + self.flags
 
     def _grow(self, top: int) -> None:
         if top >= len(self.slot_of):
@@ -113,7 +122,9 @@ class PolicyHotBuffer:
         order = self.lru_order()
         cand = order[~referenced[order]]
         if self.policy == "score":
-            cand = np.concatenate([cand[~in_band[cand]], held[::-1]])
+            nb = cand[~in_band[cand]]
+            prot = self.count[nb] >= PROTECT
+            cand = np.concatenate([nb[~prot], nb[prot], held[::-1]])
         if m > len(cand):
             raise ValueError(f"PolicyHotBuffer: {m} misses but only {len(cand)} unreferenced slots")
         victims = cand[:m]
@@ -129,6 +140,9 @@ class PolicyHotBuffer:
         self.flags[hit_slots] = False
         self.flags[victims] = False
         self.flags[pf_v] = True
+        self.count[hit_slots] = np.minimum(self.count[hit_slots] + 1, COUNT_CAP)
+        self.count[victims] = 1
+        self.count[pf_v] = 0
         for pos, vs in ((miss_pos, victims), (pf_pos, pf_v)):
             if len(vs):
                 old = self.keys[vs]

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .resolve import PROTECT_USES, USE_COUNT_CAP
 
 
 @triton.jit
@@ -41,7 +42,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
                     VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr,
                     NB: tl.constexpr, BLOCK_B: tl.constexpr, SCORE: tl.constexpr,
-                    PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr):
+                    PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
+                    PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -173,6 +175,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         # ---- C0 (score or prefetch): count candidates outside the band (n_nb) and prefetch
         # targets (unreferenced, outside the band, not loaded)
         n_nb = n_hit * 0
+        n_low = n_hit * 0
         n_pfc = n_hit * 0
         if SCORE or (PF > 0):
             cand_run = n_hit * 0
@@ -191,6 +194,11 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
                 cand = usable & (~referenced)
                 nb = cand & (~bandheld)
+                if FLAGS:
+                    st = tl.load(flags_row + s, mask=nb, other=0)
+                    n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
+                else:
+                    n_low += tl.sum(nb.to(tl.int32))
                 cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
                 n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
                 cand_run += tl.sum(cand.to(tl.int32))
@@ -208,7 +216,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         # ---- C: one LRU walk: victims, prefetch targets and new order
         u_total = H - n_hit - n_load - n_pf - n_bhk
         cand_run = 0
-        nb_run = 0
+        low_run = 0
+        high_run = 0
         pf_run = 0
         unt_run = 0
         hit_run = 0
@@ -232,10 +241,18 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             cand = usable & (~referenced)
             nb = cand & (~bandheld)
             ci = cand.to(tl.int32)
-            if SCORE:      # outside the band first (LRU order), then band rows, worst rank first
+            if FLAGS:
+                st = tl.load(flags_row + s, mask=usable, other=0)
+            else:
+                st = s * 0
+            low = nb & ((st >> 1) < PROTECT)
+            high = nb & (~low)
+            if SCORE:      # outside the band first (rarely used, then used), then band rows,
+                #            worst rank first
                 bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
                 cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
-                                nb_run + tl.cumsum(nb.to(tl.int32), 0) - 1)
+                                tl.where(low, low_run + tl.cumsum(low.to(tl.int32), 0) - 1,
+                                         n_low + high_run + tl.cumsum(high.to(tl.int32), 0) - 1))
             else:
                 cord = cand_run + tl.cumsum(ci, 0) - 1
             loaded = cand & (cord < n_load)
@@ -268,12 +285,13 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             # the evicted key is referenced by no entry of this group: safe to unmap now
             tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
             if FLAGS:
-                fl = tl.load(flags_row + s, mask=usable, other=0)
-                n_used += tl.sum((referenced & (fl != 0)).to(tl.int32))
-                tl.store(flags_row + s, tl.where(pf, 1, 0).to(fl.dtype),
-                         mask=referenced | loaded | pf)
+                n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
+                newst = tl.where(pf, 1, tl.where(loaded, 2,
+                                                 tl.minimum((st >> 1) + 1, COUNT_CAP) * 2))
+                tl.store(flags_row + s, newst.to(st.dtype), mask=referenced | loaded | pf)
             cand_run += tl.sum(ci)
-            nb_run += tl.sum(nb.to(tl.int32))
+            low_run += tl.sum(low.to(tl.int32))
+            high_run += tl.sum(high.to(tl.int32))
             pf_run += tl.sum(pfc.to(tl.int32))
             unt_run += tl.sum(ui)
             hit_run += tl.sum(hi)
@@ -442,6 +460,7 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
         BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, NB=nb,
         BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
-        PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5, num_warps=8,
+        PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
+        PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, num_warps=8,
     )
     return out

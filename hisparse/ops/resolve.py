@@ -31,18 +31,22 @@ before is *band-held* if a usable slot holds it (band ordinal = first-reference 
 *band miss* if it is servable (first-reference order).
 
 - ``policy="lru"`` (default): steps 3-4 as above; the band only feeds prefetch.
-- ``policy="score"``: candidates = [usable unreferenced slots not band-held, in LRU order] +
-  [band-held slots, highest band ordinal (worst rank) first]: rows outside the top-``K + NB``
-  (the lowest current scores) go before any band row. Band-held slots that are not evicted count
-  as used: new LRU order = [untouched] + [kept band-held, worst rank first] + [prefetched] +
-  [loaded] + [hit]. Without a band (``NB = 0``) it is exactly ``lru``.
+- ``policy="score"``: candidates = [usable unreferenced slots not band-held, used fewer than
+  ``PROTECT_USES`` times, in LRU order] + [the other such slots, in LRU order] + [band-held
+  slots, highest band ordinal (worst rank) first]: rows outside the top-``K + NB`` (the lowest
+  current scores) go before any band row, and among them rows used less often go first.
+  Band-held slots that are not evicted count as used: new LRU order = [untouched] + [kept
+  band-held, worst rank first] + [prefetched] + [loaded] + [hit]. Without a band and without
+  ``hot_flags`` it is exactly ``lru``.
 - ``prefetch = B > 0`` (needs ``band`` and ``hot_flags``): after the demand misses took their
   victims, the first ``min(#band misses, B, #targets)`` band misses are copied into *targets*:
   usable slots neither hit, nor loaded, nor band-held, in LRU order (so a row the step selected
   is never evicted, and demand misses always have priority). New LRU order = [untouched] +
   [kept band-held (score)] + [prefetched, band order] + [loaded] + [hit].
-- ``hot_flags [R, H]`` int32 (per-slot policy state): 1 = filled by prefetch and not used since;
-  a hit on a flagged slot counts as a prefetch hit and clears it; loads clear it.
+- ``hot_flags [R, H]`` int32 (per-slot policy state) ``= uses << 1 | prefetched``: a demand
+  load sets ``uses = 1, prefetched = 0``; a prefetch sets ``uses = 0, prefetched = 1``; a hit
+  counts a prefetch hit if ``prefetched``, clears it and adds a use (saturating at
+  ``USE_COUNT_CAP``). Without ``hot_flags`` every use count reads 0.
 - With ``counters`` of 5 entries: ``counters[3] += #prefetched``, ``counters[4] += #prefetch
   hits``. ``counters[1]`` stays the demand (critical-path) misses.
 
@@ -75,6 +79,8 @@ import torch
 from ._common import want_triton
 
 POLICIES = ("lru", "score")
+PROTECT_USES = 3          # score policy: rows used this often since loaded are evicted last
+USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
 HOT_POLICIES = ("lru", "score", "score+prefetch")
 DEFAULT_HOT_POLICY = "score+prefetch"
 
@@ -209,8 +215,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                     seen.add(pos)
                     band_miss.append(pos)
         cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots]
+        flags = hot_flags[r].tolist() if hot_flags is not None else [0] * H
         if policy == "score":       # outside the band first (LRU order), then the band, worst first
-            cands = ([s for s in cands if s not in band_ord]
+            nb = [s for s in cands if s not in band_ord]
+            cands = ([s for s in nb if flags[s] >> 1 < PROTECT_USES]
+                     + [s for s in nb if flags[s] >> 1 >= PROTECT_USES]
                      + sorted((s for s in cands if s in band_ord), key=lambda s: -band_ord[s]))
         if len(misses) > len(cands):
             raise ValueError(
@@ -241,12 +250,11 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                 keys[s] = p
                 slot_of[p] = s
         if hot_flags is not None:
-            flags = hot_flags[r].tolist()
             for s in hit_slots:
-                n_pf_used += flags[s] != 0
-                flags[s] = 0
+                n_pf_used += flags[s] & 1
+                flags[s] = min((flags[s] >> 1) + 1, USE_COUNT_CAP) << 1
             for s in victims:
-                flags[s] = 0
+                flags[s] = 1 << 1
             for s in pf_victims:
                 flags[s] = 1
             hot_flags[r] = torch.tensor(flags, dtype=hot_flags.dtype, device=hot_flags.device)

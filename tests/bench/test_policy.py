@@ -69,7 +69,7 @@ def test_numpy_model_equals_resolver_reference(policy, prefetch):
         b.access(row[:cut], bnd)
         assert np.array_equal(a.keys, b.keys[0].numpy())
         assert np.array_equal(a.lru_order(), b.lru[0].numpy())
-        assert np.array_equal(a.flags.astype(np.int32), b.flags[0].numpy())
+        assert np.array_equal(a.state(), b.flags[0].numpy())
     assert tot.tolist() == [int(b.counters[0]), int(b.counters[1]), int(b.counters[3]),
                             int(b.counters[4])]
 
