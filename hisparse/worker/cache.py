@@ -8,7 +8,7 @@
   (GLM's shared layers have none).
 - ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
 - ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
-- ``hot_flags``: ``[L, R, H]`` int32 per-slot policy state: 1 = prefetched, not used yet.
+- ``hot_flags``: ``[L, R, H]`` int32 per-slot policy state: ``uses << 1 | prefetched``.
 - ``hot_policy`` / ``hot_band`` / ``hot_prefetch``: the resolver's replacement policy (``"lru"``
   or ``"score"``), next-ranked rows the indexer hands it, prefetched rows per (layer, request)
   step at most (see :meth:`KVCaches.set_hot_policy`).
