@@ -33,17 +33,18 @@ from .resolve import PROTECT_USES, USE_COUNT_CAP
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
                     m_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
-                    band_ptr, flags_ptr,
+                    band_ptr, flags_ptr, plan_ptr,
                     T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
-                    stride_band, stride_flags,
+                    stride_band, stride_flags, plan_half,
                     K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
                     VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr,
                     NB: tl.constexpr, BLOCK_B: tl.constexpr, SCORE: tl.constexpr,
                     PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
-                    PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr):
+                    PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -63,6 +64,14 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             prv = tl.load(req_ptr + offs - 1, mask=m & (offs > 0), other=-1)
             g += tl.sum((m & (cur >= 0) & (cur != prv)).to(tl.int32))
             b0 += BLOCK_K
+    if PLAN:       # every token's plan row is rewritten: -1 unless its group prefetches
+        offs_p = tl.arange(0, BLOCK_P)
+        pm0 = offs_p < PF
+        tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p, tl.full([BLOCK_P], -1, tl.int64),
+                 mask=pm0)
+        tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
+                 tl.full([BLOCK_P], -1, tl.int64), mask=pm0)
+        tl.debug_barrier()
     if r < 0:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -312,8 +321,22 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         # ---- D2: zero-copy gather of the missed rows, flat 16-byte chunks
         offs_c = tl.arange(0, BLOCK_C)
         offs_v = tl.arange(0, VEC)
-        # (demand misses first, then the prefetched band rows)
-        total = (n_load + n_pf) * CHUNKS
+        # (demand misses first, then the prefetched band rows, unless they go to the plan)
+        if PLAN:
+            offs_p = tl.arange(0, BLOCK_P)
+            pm = offs_p < n_pf
+            s = tl.load(pv_row + offs_p, mask=pm, other=0, volatile=True)
+            p = tl.load(bp_row + offs_p, mask=pm, other=0, volatile=True)
+            pm = pm & (s >= 0) & (s < H) & (p >= 0)
+            hb = tl.load(host_row + p // PAGE, mask=pm, other=0)
+            ab = tl.load(hot_row + s // PAGE, mask=pm, other=0)
+            tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p,
+                     hb.to(tl.int64) * PAGE + p % PAGE, mask=pm)
+            tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
+                     ab.to(tl.int64) * PAGE + s % PAGE, mask=pm)
+            total = n_load * CHUNKS
+        else:
+            total = (n_load + n_pf) * CHUNKS
         c0 = total * 0
         while c0 < total:
             c = c0 + offs_c
@@ -397,6 +420,47 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             tl.atomic_add(cnt_ptr + 4, n_used.to(tl.int64))
 
 
+@triton.jit
+def _plan_copy_kernel(plan_ptr, arena_ptr, host_ptr, n_entries, plan_half, arena_row_w,
+                      host_row_w, CHUNKS: tl.constexpr, VEC: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """Copies host row ``plan[0, e]`` to arena row ``plan[1, e]`` for every entry ``>= 0``."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_v = tl.arange(0, VEC)
+    cm = c < n_entries * CHUNKS
+    e = c // CHUNKS
+    w = c % CHUNKS
+    src_row = tl.load(plan_ptr + e, mask=cm, other=-1)
+    dst_row = tl.load(plan_ptr + plan_half + e, mask=cm, other=-1)
+    cm = cm & (src_row >= 0) & (dst_row >= 0)
+    src = tl.multiple_of(src_row * host_row_w + w * VEC, VEC)
+    dst = tl.multiple_of(dst_row * arena_row_w + w * VEC, VEC)
+    val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
+    tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+
+
+def _vec(arena_w, host_w, arena_rw, host_rw, words):
+    return 4 if (words % 4 == 0 and arena_rw % 4 == 0 and host_rw % 4 == 0
+                 and arena_w.data_ptr() % 16 == 0 and host_w.data_ptr() % 16 == 0) else 1
+
+
+def prefetch_copy_triton(plan, arena, host):
+    """Executes a prefetch plan ``[2, T, PF]`` int64 (host rows, arena rows; ``-1`` skip)."""
+    if plan.numel() == 0:
+        return
+    if arena.shape[-1] * arena.element_size() != host.shape[-1] * host.element_size():
+        raise ValueError("prefetch_copy: arena and host rows must have the same byte size")
+    arena_w, arena_rw = _words(arena)
+    host_w, host_rw = _words(host)
+    words = arena.shape[-1] * arena.element_size() // 4
+    vec = _vec(arena_w, host_w, arena_rw, host_rw, words)
+    n = plan[0].numel()
+    block_c = 512
+    grid = (triton.cdiv(n * (words // vec), block_c),)
+    _plan_copy_kernel[grid](plan, arena_w, host_w, n, plan[0].numel(), arena_rw, host_rw,
+                            CHUNKS=words // vec, VEC=vec, BLOCK_C=block_c, num_warps=8)
+
+
 def _words(t: torch.Tensor):
     row_bytes = t.shape[-1] * t.element_size()
     if row_bytes % 4 != 0:
@@ -408,7 +472,7 @@ def _words(t: torch.Tensor):
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
                         hot_keys, hot_lru, arena, host, block_size, counters, workspace,
                         block_k=None, out=None, band=None, policy="lru", prefetch=0,
-                        hot_flags=None):
+                        hot_flags=None, prefetch_plan=None):
     """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
     call (checked; never grown: a captured graph keeps the addresses it saw)."""
     T, K = topk.shape
@@ -446,21 +510,31 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     if band is not None and band.shape[0] != T:
         raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
     prefetch = min(int(prefetch), H) if nb else 0
+    if prefetch_plan is not None:
+        if prefetch_plan.shape != (2, T, prefetch) or prefetch_plan.dtype != torch.int64 \
+                or not prefetch_plan.is_contiguous():
+            raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 "
+                             f"[2, {T}, {prefetch}], got {tuple(prefetch_plan.shape)} "
+                             f"{prefetch_plan.dtype}")
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
         scr[3], scr[4], scr[5], band if band is not None else topk,
         hot_flags if hot_flags is not None else hot_keys,
+        prefetch_plan if prefetch_plan is not None else counters,
         T, P, HB, g_max,
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
         hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
         m.stride(0), scr.stride(1), arena_rw, host_rw,
         band.stride(0) if band is not None else 0,
         hot_flags.stride(0) if hot_flags is not None else 0,
+        T * prefetch,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
         BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, NB=nb,
         BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
-        PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, num_warps=8,
+        PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP,
+        PLAN=prefetch_plan is not None and prefetch > 0,
+        BLOCK_P=max(2, next_pow2(max(prefetch, 1))), num_warps=8,
     )
     return out

@@ -50,10 +50,12 @@ before is *band-held* if a usable slot holds it (band ordinal = first-reference 
 - With ``counters`` of 5 entries: ``counters[3] += #prefetched``, ``counters[4] += #prefetch
   hits``. ``counters[1]`` stays the demand (critical-path) misses.
 
-On GPU, prefetch is designed to leave the critical path: the worker launches the resolver in two
-parts, demand (steps 1-5, whose outputs attention waits for) on the compute stream, and the
-prefetch copies on a side stream ordered after it (the copies only write slots no token of the
-step reads). Today one kernel does both, prefetch copies last; see the issue-15 report.
+Off the critical path: with ``prefetch_plan`` (``[2, T, prefetch]`` int64, rewritten whole by
+every call) the prefetched rows are not copied; the group led by token ``t`` lists them in
+``prefetch_plan[0, t, :n]`` (host rows) and ``prefetch_plan[1, t, :n]`` (arena rows), the rest
+is ``-1``; keys, LRU order and flags are updated as if copied. :func:`prefetch_copy` then moves
+them, on a side stream on GPU: the targets are slots no token of the step reads, so attention
+need not wait; the next call on the same layer's hot state (and any hot reset) must.
 
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
@@ -145,9 +147,12 @@ def _check_policy(policy: str, band, prefetch: int, hot_flags) -> None:
 
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                            hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters,
-                           band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None):
+                           band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None,
+                           prefetch_plan=None):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
     _check_policy(policy, band, prefetch, hot_flags)
+    if prefetch_plan is not None:
+        prefetch_plan.fill_(-1)
     T, K = topk.shape
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
@@ -236,19 +241,27 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
             pf_victims = pf_cands[:n_pf]
         pf_pos = band_miss[:len(pf_victims)]
         fills = list(zip(misses, victims)) + list(zip(pf_pos, pf_victims))
-        if fills:
+        copies = fills
+        if prefetch_plan is not None and pf_victims:    # prefetch copies go to the plan
+            copies = list(zip(misses, victims))
+            src = [host_row[p // block_size] * block_size + p % block_size for p in pf_pos]
+            dst = [hot_row[s // block_size] * block_size + s % block_size for s in pf_victims]
+            n = len(src)
+            prefetch_plan[0, t, :n] = torch.tensor(src, dtype=torch.int64)
+            prefetch_plan[1, t, :n] = torch.tensor(dst, dtype=torch.int64)
+        if copies:
             src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
-                                for p, _ in fills],
+                                for p, _ in copies],
                                dtype=torch.long, device=host.device)
             dst = torch.tensor([hot_row[s // block_size] * block_size + s % block_size
-                                for _, s in fills],
+                                for _, s in copies],
                                dtype=torch.long, device=arena.device)
             arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
-            for p, s in fills:
-                if keys[s] >= 0:
-                    slot_of.pop(keys[s], None)
-                keys[s] = p
-                slot_of[p] = s
+        for p, s in fills:
+            if keys[s] >= 0:
+                slot_of.pop(keys[s], None)
+            keys[s] = p
+            slot_of[p] = s
         if hot_flags is not None:
             for s in hit_slots:
                 n_pf_used += flags[s] & 1
@@ -292,7 +305,8 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                  out: torch.Tensor | None = None,
                  workspace: ResolveWorkspace | None = None, band: torch.Tensor | None = None,
                  policy: str = "lru", prefetch: int = 0,
-                 hot_flags: torch.Tensor | None = None) -> torch.Tensor:
+                 hot_flags: torch.Tensor | None = None,
+                 prefetch_plan: torch.Tensor | None = None) -> torch.Tensor:
     """Resolve ``topk [T, K]`` logical positions to flat arena rows ``[T, K]`` int32 (``-1`` skip).
 
     Mutates ``hot_keys``, ``hot_lru``, ``counters`` and the hot rows of ``arena``. See the module
@@ -311,12 +325,32 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
         return resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
                                    hot_block_table, hot_keys, hot_lru, arena, host, block_size,
                                    counters, workspace, out=out, band=band, policy=policy,
-                                   prefetch=prefetch, hot_flags=hot_flags)
+                                   prefetch=prefetch, hot_flags=hot_flags,
+                                   prefetch_plan=prefetch_plan)
     res = resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                                  hot_block_table, hot_keys, hot_lru, arena, host, block_size,
                                  counters, band=band, policy=policy, prefetch=prefetch,
-                                 hot_flags=hot_flags)
+                                 hot_flags=hot_flags, prefetch_plan=prefetch_plan)
     if out is not None:
         out.copy_(res)
         return out
     return res
+
+
+def prefetch_copy_reference(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
+    """Spec of :func:`prefetch_copy`: ``arena[plan[1, e]] = host[plan[0, e]]`` where ``>= 0``."""
+    src, dst = plan[0].reshape(-1), plan[1].reshape(-1)
+    keep = (src >= 0) & (dst >= 0)
+    if bool(keep.any()):
+        arena[dst[keep].to(arena.device)] = host[src[keep].to(host.device)].to(
+            device=arena.device, dtype=arena.dtype)
+
+
+def prefetch_copy(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
+    """Executes a ``prefetch_plan`` written by :func:`resolve_rows`: host rows ``plan[0]`` into
+    arena rows ``plan[1]`` (``-1`` skip). Fixed shapes, no host sync on CUDA (Triton, zero-copy
+    reads of pinned ``host``); launch it on a side stream ordered after the resolver."""
+    if want_triton(arena, plan):
+        from ._resolve_triton import prefetch_copy_triton
+        return prefetch_copy_triton(plan, arena, host)
+    return prefetch_copy_reference(plan, arena, host)

@@ -626,3 +626,40 @@ def test_gpu_policy_production_shape_matches_reference(policy, prefetch):
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert torch.equal(flags_b, flags_r) and torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.counters[0], ref.counters[0])
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
+    """Demand on the critical path, prefetch copies from the plan afterwards (a side stream on
+    GPU): same outputs, state and arena as the one-call prefetch; the plan is rewritten whole."""
+    from hisparse.ops.resolve import prefetch_copy
+
+    PF = 4
+    b = Batch(R=3, P=10, H=40, seed=33, resident_frac=0.2)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64)
+    ref = b.clone()
+    flags_b = torch.zeros(3, 40, dtype=torch.int32)
+    flags_r = flags_b.clone()
+    plan = torch.full((2, 6, PF), 123, dtype=torch.int64)
+    total = 0
+    g = torch.Generator().manual_seed(33)
+    for step in range(6):
+        req = torch.tensor([0, 0, 2, -1, 1, 1] if step % 2 else [1, 2, 0, 0, -1, -1],
+                           dtype=torch.int32)
+        topk, band = ranked_rows(g, 6, 8, 12, 10 * BS)
+        args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+                b.host_all[0], BS, b.counters[0])
+        kw = dict(band=band, policy=policy, prefetch=PF, hot_flags=flags_b, prefetch_plan=plan)
+        o1 = (resolve_rows_reference(*args, **kw) if backend == "reference"
+              else resolve_rows(*args, **kw))
+        leaders = [0] + [t for t in range(1, 6) if req[t] != req[t - 1]]
+        others = [t for t in range(6) if t not in leaders or req[t] < 0]
+        assert (plan[:, others] == -1).all()
+        prefetch_copy(plan, b.arena_all[0], b.host_all[0])
+        o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, PF)
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r) and torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        total += int((plan[0] >= 0).sum())
+    assert total == int(ref.counters[0][3]) > 0
