@@ -7,6 +7,12 @@ mapping), and ``SyntheticTopk`` at several step-to-step overlaps. Hot buffers of
 top-k per (layer, request), nothing resident; rates exclude the cold first step.
 
     python benchmarks/bench_locality.py --out out/bench_locality.json
+
+With ``--policies`` it replays a trace through hot-buffer policies instead (the same tool as
+``hisparse bench-policy``; see ``hisparse/bench/policy.py`` for the trace format):
+
+    python benchmarks/bench_locality.py --trace T.npz --cut 128 --hot-rows 256 \
+        --policies lru,score,score+prefetch,belady --json
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ def run(name, src, layers, streams, steps, context, k, mults, rows):
 
 
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if any(x == "--policies" or x.startswith("--policies=") for x in argv):
+        # policy replay (issue 15): the same tool as ``hisparse bench-policy``
+        from hisparse.bench.policy import main as policy_main
+
+        return policy_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="npz from benchmarks/record_trace.py")
     ap.add_argument("--out", default="bench_locality.json", help="JSON results")

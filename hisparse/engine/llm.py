@@ -164,9 +164,13 @@ class LLM:
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
-                 runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16"):
+                 runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
+                 hot_policy: str = "lru"):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
+        if hot_policy not in ("lru", "score", "score+prefetch"):
+            raise ValueError(f"hot_policy must be 'lru', 'score' or 'score+prefetch', "
+                             f"got {hot_policy!r}")
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a checkpoint directory path, got {model!r}")
         model = os.fspath(model)
@@ -247,6 +251,7 @@ class LLM:
                                                       gpu_memory_utilization)
         self.kv_config = KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)
         self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
+        self.caches.set_hot_policy(hot_policy)
         self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
                                                   mc.kv_lora_rank, enforce_eager=enforce_eager)
         self.scheduler = Scheduler(self.kv_config)
@@ -603,6 +608,7 @@ class LLM:
     def stats(self) -> dict:
         kv = self.scheduler.kv
         hits, misses = self.runner.hot_counters()
+        prefetched, prefetch_hits = (int(x) for x in self.caches.counters[3:5].tolist())
         row_bytes = self.runner.row_bytes
         return {
             "mode": str(self.kv_config.mode),
@@ -614,7 +620,10 @@ class LLM:
             "host_read_switches": kv.stats.host_read_switches,
             "hot_hits": hits,
             "hot_misses": misses,
-            "h2d_bytes": self.runner.h2d_bytes + misses * row_bytes,
+            "hot_demand_misses": misses,
+            "hot_prefetched": prefetched,
+            "hot_prefetch_hits": prefetch_hits,
+            "h2d_bytes": self.runner.h2d_bytes + (misses + prefetched) * row_bytes,
             "d2h_bytes": self.runner.d2h_bytes,
             "prefix_hit_tokens": kv.stats.prefix_hit_tokens,
             "host_prefix_hit_tokens": kv.stats.host_prefix_hit_tokens,

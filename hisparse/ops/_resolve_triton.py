@@ -26,18 +26,25 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .resolve import PROTECT_USES, USE_COUNT_CAP
 
 
 @triton.jit
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, arena_ptr, host_ptr, out_ptr, cnt_ptr,
-                    m_ptr, v_ptr, mp_ptr, nl_ptr,
+                    m_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
+                    band_ptr, flags_ptr, plan_ptr,
                     T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
+                    stride_band, stride_flags, plan_half,
                     K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
-                    VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr):
+                    VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr,
+                    NB: tl.constexpr, BLOCK_B: tl.constexpr, SCORE: tl.constexpr,
+                    PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
+                    PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -57,6 +64,14 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             prv = tl.load(req_ptr + offs - 1, mask=m & (offs > 0), other=-1)
             g += tl.sum((m & (cur >= 0) & (cur != prv)).to(tl.int32))
             b0 += BLOCK_K
+    if PLAN:       # every token's plan row is rewritten: -1 unless its group prefetches
+        offs_p = tl.arange(0, BLOCK_P)
+        pm0 = offs_p < PF
+        tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p, tl.full([BLOCK_P], -1, tl.int64),
+                 mask=pm0)
+        tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
+                 tl.full([BLOCK_P], -1, tl.int64), mask=pm0)
+        tl.debug_barrier()
     if r < 0:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -68,6 +83,10 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         v_row = v_ptr + g.to(tl.int64) * stride_scr
         mp_row = mp_ptr + g.to(tl.int64) * stride_scr
         nl_row = nl_ptr + g.to(tl.int64) * stride_scr
+        bo_row = bo_ptr + g.to(tl.int64) * stride_scr
+        bp_row = bp_ptr + g.to(tl.int64) * stride_scr
+        pv_row = pv_ptr + g.to(tl.int64) * stride_scr
+        flags_row = flags_ptr + r64 * stride_flags
         res_row = res_bt_ptr + r64 * stride_res
         host_row = host_bt_ptr + r64 * stride_host
         hot_row = hot_bt_ptr + r64 * stride_hot
@@ -128,13 +147,91 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 tl.debug_barrier()
             tt += 1
 
-        # ---- C: one LRU walk: victims and new order
+        # ---- B2: the next-ranked band: hot rows of it (band-held, M = 2H + slot, ordinal in
+        # bo[slot]) and band misses (M = 3H + ordinal, positions in bp[ordinal])
+        n_bh = n_hit * 0
+        n_bm = n_hit * 0
+        if NB > 0:
+            offs_b = tl.arange(0, BLOCK_B)
+            tt = t
+            while tt < t + n:
+                for b0 in range(0, NB, BLOCK_B):
+                    bb = b0 + offs_b
+                    bm = bb < NB
+                    pos = tl.load(band_ptr + tt * stride_band + bb, mask=bm, other=-1)
+                    page = pos // PAGE
+                    valid = bm & (pos >= 0) & (page < P)
+                    res = tl.load(res_row + page, mask=valid, other=-1)
+                    nonres = valid & (res < 0)
+                    mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                    held = nonres & (mval >= 0) & (mval < H)
+                    hi = held.to(tl.int32)
+                    bord = n_bh + tl.cumsum(hi, 0) - 1
+                    tl.store(m_row + pos, 2 * H + mval, mask=held)
+                    tl.store(bo_row + mval, bord, mask=held)
+                    n_bh += tl.sum(hi)
+                    hb = tl.load(host_row + page, mask=nonres & (mval == -1), other=-1)
+                    bmiss = nonres & (mval == -1) & (hb >= 0) & ((hb * 0 + n_usable) > 0)
+                    mi = bmiss.to(tl.int32)
+                    mord = n_bm + tl.cumsum(mi, 0) - 1
+                    tl.store(m_row + pos, 3 * H + mord, mask=bmiss)
+                    tl.store(bp_row + mord, pos, mask=bmiss & (mord < H))
+                    n_bm += tl.sum(mi)
+                    tl.debug_barrier()
+                tt += 1
+
         n_load = tl.minimum(n_miss, n_usable - n_hit)
-        u_total = H - n_hit - n_load
+        # ---- C0 (score or prefetch): count candidates outside the band (n_nb) and prefetch
+        # targets (unreferenced, outside the band, not loaded)
+        n_nb = n_hit * 0
+        n_low = n_hit * 0
+        n_pfc = n_hit * 0
+        if SCORE or (PF > 0):
+            cand_run = n_hit * 0
+            for h0 in range(0, H, BLOCK_H):
+                i = h0 + offs_h
+                im = i < H
+                s = tl.load(lru_row + i, mask=im, other=0)
+                s_ok = im & (s >= 0) & (s < H)
+                blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
+                usable = s_ok & (blk >= 0)
+                key = tl.load(keys_row + s, mask=usable, other=-1)
+                mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
+                             volatile=True)
+                keyed = usable & (key >= 0)
+                referenced = keyed & (mk >= H) & (mk < 2 * H)
+                bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
+                cand = usable & (~referenced)
+                nb = cand & (~bandheld)
+                if FLAGS:
+                    st = tl.load(flags_row + s, mask=nb, other=0)
+                    n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
+                else:
+                    n_low += tl.sum(nb.to(tl.int32))
+                cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
+                n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
+                cand_run += tl.sum(cand.to(tl.int32))
+                n_nb += tl.sum(nb.to(tl.int32))
+            if SCORE:
+                n_pfc = tl.maximum(n_nb - n_load, 0)
+        n_pf = n_hit * 0
+        if PF > 0:
+            n_pf = tl.minimum(tl.minimum(n_bm, PF), n_pfc)
+
+        # band rows that stay hot (score policy): touched, placed worst rank first
+        n_bhk = n_hit * 0
+        if SCORE:
+            n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
+        # ---- C: one LRU walk: victims, prefetch targets and new order
+        u_total = H - n_hit - n_load - n_pf - n_bhk
         cand_run = 0
+        low_run = 0
+        high_run = 0
+        pf_run = 0
         unt_run = 0
         hit_run = 0
         n_bad = 0
+        n_used = n_hit * 0
         for h0 in range(0, H, BLOCK_H):
             i = h0 + offs_h
             im = i < H
@@ -147,23 +244,64 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             key = tl.load(keys_row + s, mask=usable, other=-1)
             mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
                          volatile=True)
-            referenced = usable & (key >= 0) & (mk >= H)
+            keyed = usable & (key >= 0)
+            referenced = keyed & (mk >= H) & (mk < 2 * H)
+            bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
             cand = usable & (~referenced)
+            nb = cand & (~bandheld)
             ci = cand.to(tl.int32)
-            cord = cand_run + tl.cumsum(ci, 0) - 1
+            if FLAGS:
+                st = tl.load(flags_row + s, mask=usable, other=0)
+            else:
+                st = s * 0
+            low = nb & ((st >> 1) < PROTECT)
+            high = nb & (~low)
+            if SCORE:      # outside the band first (rarely used, then used), then band rows,
+                #            worst rank first
+                bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
+                cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
+                                tl.where(low, low_run + tl.cumsum(low.to(tl.int32), 0) - 1,
+                                         n_low + high_run + tl.cumsum(high.to(tl.int32), 0) - 1))
+            else:
+                cord = cand_run + tl.cumsum(ci, 0) - 1
             loaded = cand & (cord < n_load)
-            untouched = im & (~referenced) & (~loaded)
+            pfc = nb & (~loaded)
+            pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
+            pf = pfc & (pord < n_pf)
+            if SCORE:
+                bhk = cand & bandheld & (~loaded)
+            else:
+                bhk = cand & (~cand)
+            untouched = im & (~referenced) & (~loaded) & (~pf) & (~bhk)
             ui = untouched.to(tl.int32)
             hi = referenced.to(tl.int32)
             uord = unt_run + tl.cumsum(ui, 0) - 1
             hord = hit_run + tl.cumsum(hi, 0) - 1
+            if SCORE:
+                kpos = u_total + n_bhk - 1 - bo
+            else:
+                kpos = uord
+            base = u_total + n_bhk
             newpos = tl.where(untouched, uord,
-                              tl.where(loaded, u_total + cord, u_total + n_load + hord))
+                              tl.where(bhk, kpos,
+                                       tl.where(pf, base + pord,
+                                                tl.where(loaded, base + n_pf + cord,
+                                                         base + n_pf + n_load + hord))))
+            newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
             tl.store(nl_row + newpos, s, mask=im)
             tl.store(v_row + cord, s, mask=loaded)
+            tl.store(pv_row + pord, s, mask=pf)
             # the evicted key is referenced by no entry of this group: safe to unmap now
-            tl.store(m_row + key, -1, mask=loaded & (key >= 0) & (key < s_max))
+            tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
+            if FLAGS:
+                n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
+                newst = tl.where(pf, 1, tl.where(loaded, 2,
+                                                 tl.minimum((st >> 1) + 1, COUNT_CAP) * 2))
+                tl.store(flags_row + s, newst.to(st.dtype), mask=referenced | loaded | pf)
             cand_run += tl.sum(ci)
+            low_run += tl.sum(low.to(tl.int32))
+            high_run += tl.sum(high.to(tl.int32))
+            pf_run += tl.sum(pfc.to(tl.int32))
             unt_run += tl.sum(ui)
             hit_run += tl.sum(hi)
         tl.debug_barrier()
@@ -174,19 +312,44 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             om = o < n_load
             s = tl.load(v_row + o, mask=om, other=0, volatile=True)
             p = tl.load(mp_row + o, mask=om, other=-1, volatile=True)
-            tl.store(keys_row + s, p, mask=om)
+            tl.store(keys_row + s, p, mask=om & (s >= 0) & (s < H))
+            if PF > 0:
+                pm = o < n_pf
+                s = tl.load(pv_row + o, mask=pm, other=0, volatile=True)
+                p = tl.load(bp_row + o, mask=pm, other=-1, volatile=True)
+                tl.store(keys_row + s, p, mask=pm & (s >= 0) & (s < H))
         # ---- D2: zero-copy gather of the missed rows, flat 16-byte chunks
         offs_c = tl.arange(0, BLOCK_C)
         offs_v = tl.arange(0, VEC)
-        total = n_load * CHUNKS
+        # (demand misses first, then the prefetched band rows, unless they go to the plan)
+        if PLAN:
+            offs_p = tl.arange(0, BLOCK_P)
+            pm = offs_p < n_pf
+            s = tl.load(pv_row + offs_p, mask=pm, other=0, volatile=True)
+            p = tl.load(bp_row + offs_p, mask=pm, other=0, volatile=True)
+            pm = pm & (s >= 0) & (s < H) & (p >= 0)
+            hb = tl.load(host_row + p // PAGE, mask=pm, other=0)
+            ab = tl.load(hot_row + s // PAGE, mask=pm, other=0)
+            tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p,
+                     hb.to(tl.int64) * PAGE + p % PAGE, mask=pm)
+            tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
+                     ab.to(tl.int64) * PAGE + s % PAGE, mask=pm)
+            total = n_load * CHUNKS
+        else:
+            total = (n_load + n_pf) * CHUNKS
         c0 = total * 0
         while c0 < total:
             c = c0 + offs_c
             cm = c < total
             o = c // CHUNKS
             w = c % CHUNKS
-            s = tl.load(v_row + o, mask=cm, other=0, volatile=True)
-            p = tl.load(mp_row + o, mask=cm, other=0, volatile=True)
+            dm = cm & (o < n_load)
+            pm = cm & (o >= n_load)
+            s = tl.load(v_row + o, mask=dm, other=0, volatile=True)
+            p = tl.load(mp_row + o, mask=dm, other=0, volatile=True)
+            s = tl.where(pm, tl.load(pv_row + o - n_load, mask=pm, other=0, volatile=True), s)
+            p = tl.where(pm, tl.load(bp_row + o - n_load, mask=pm, other=0, volatile=True), p)
+            cm = cm & (s >= 0) & (s < H) & (p >= 0)
             hb = tl.load(host_row + p // PAGE, mask=cm, other=0)
             ab = tl.load(hot_row + s // PAGE, mask=cm, other=0)
             src = (hb.to(tl.int64) * PAGE + p % PAGE) * host_row_w + w * VEC
@@ -210,7 +373,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 res = tl.load(res_row + page, mask=valid, other=-1)
                 nonres = valid & (res < 0)
                 mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
-                is_hit = nonres & (mval >= H)
+                is_hit = nonres & (mval >= H) & (mval < 2 * H)
                 mord = -2 - mval
                 is_miss = nonres & (mval <= -2) & (mord < n_load)
                 slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
@@ -240,10 +403,62 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 valid = km & (pos >= 0) & (pos < s_max)
                 tl.store(m_row + pos, -1, mask=valid)
             tt += 1
+        if NB > 0:
+            tt = t
+            while tt < t + n:
+                for b0 in range(0, NB, BLOCK_B):
+                    bb = b0 + tl.arange(0, BLOCK_B)
+                    pos = tl.load(band_ptr + tt * stride_band + bb, mask=bb < NB, other=-1)
+                    tl.store(m_row + pos, -1, mask=(bb < NB) & (pos >= 0) & (pos < s_max))
+                tt += 1
         tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
         tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
         if COUNT_BAD:
             tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
+        if COUNT_PF:
+            tl.atomic_add(cnt_ptr + 3, n_pf.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 4, n_used.to(tl.int64))
+
+
+@triton.jit
+def _plan_copy_kernel(plan_ptr, arena_ptr, host_ptr, n_entries, plan_half, arena_row_w,
+                      host_row_w, CHUNKS: tl.constexpr, VEC: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """Copies host row ``plan[0, e]`` to arena row ``plan[1, e]`` for every entry ``>= 0``."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_v = tl.arange(0, VEC)
+    cm = c < n_entries * CHUNKS
+    e = c // CHUNKS
+    w = c % CHUNKS
+    src_row = tl.load(plan_ptr + e, mask=cm, other=-1)
+    dst_row = tl.load(plan_ptr + plan_half + e, mask=cm, other=-1)
+    cm = cm & (src_row >= 0) & (dst_row >= 0)
+    src = tl.multiple_of(src_row * host_row_w + w * VEC, VEC)
+    dst = tl.multiple_of(dst_row * arena_row_w + w * VEC, VEC)
+    val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
+    tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+
+
+def _vec(arena_w, host_w, arena_rw, host_rw, words):
+    return 4 if (words % 4 == 0 and arena_rw % 4 == 0 and host_rw % 4 == 0
+                 and arena_w.data_ptr() % 16 == 0 and host_w.data_ptr() % 16 == 0) else 1
+
+
+def prefetch_copy_triton(plan, arena, host):
+    """Executes a prefetch plan ``[2, T, PF]`` int64 (host rows, arena rows; ``-1`` skip)."""
+    if plan.numel() == 0:
+        return
+    if arena.shape[-1] * arena.element_size() != host.shape[-1] * host.element_size():
+        raise ValueError("prefetch_copy: arena and host rows must have the same byte size")
+    arena_w, arena_rw = _words(arena)
+    host_w, host_rw = _words(host)
+    words = arena.shape[-1] * arena.element_size() // 4
+    vec = _vec(arena_w, host_w, arena_rw, host_rw, words)
+    n = plan[0].numel()
+    block_c = 512
+    grid = (triton.cdiv(n * (words // vec), block_c),)
+    _plan_copy_kernel[grid](plan, arena_w, host_w, n, plan[0].numel(), arena_rw, host_rw,
+                            CHUNKS=words // vec, VEC=vec, BLOCK_C=block_c, num_warps=8)
 
 
 def _words(t: torch.Tensor):
@@ -256,7 +471,8 @@ def _words(t: torch.Tensor):
 
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
                         hot_keys, hot_lru, arena, host, block_size, counters, workspace,
-                        block_k=None, out=None):
+                        block_k=None, out=None, band=None, policy="lru", prefetch=0,
+                        hot_flags=None, prefetch_plan=None):
     """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
     call (checked; never grown: a captured graph keeps the addresses it saw)."""
     T, K = topk.shape
@@ -272,7 +488,10 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         raise ValueError("resolve_rows: arena and host rows must have the same byte size")
     if arena.is_cuda and not host.is_cuda and not host.is_pinned():
         raise ValueError("resolve_rows: on CUDA the host tensor must be pinned (zero-copy reads)")
-    for name, x in (("topk", topk), ("hot_keys", hot_keys), ("hot_lru", hot_lru)):
+    for name, x in (("topk", topk), ("hot_keys", hot_keys), ("hot_lru", hot_lru),
+                    ("band", band), ("hot_flags", hot_flags)):
+        if x is None:
+            continue
         if x.stride(-1) != 1:
             raise ValueError(f"resolve_rows: {name} must have a contiguous last dimension")
     arena_w, arena_rw = _words(arena)
@@ -287,14 +506,35 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     if block_k is None:
         block_k = min(1024, max(32, next_pow2(K)))
     block_h = min(1024, max(32, next_pow2(H)))
+    nb = 0 if band is None else band.shape[1]
+    if band is not None and band.shape[0] != T:
+        raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
+    prefetch = min(int(prefetch), H) if nb else 0
+    if prefetch_plan is not None:
+        if prefetch_plan.shape != (2, T, prefetch) or prefetch_plan.dtype != torch.int64 \
+                or not prefetch_plan.is_contiguous():
+            raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 "
+                             f"[2, {T}, {prefetch}], got {tuple(prefetch_plan.shape)} "
+                             f"{prefetch_plan.dtype}")
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
+        scr[3], scr[4], scr[5], band if band is not None else topk,
+        hot_flags if hot_flags is not None else hot_keys,
+        prefetch_plan if prefetch_plan is not None else counters,
         T, P, HB, g_max,
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
         hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
         m.stride(0), scr.stride(1), arena_rw, host_rw,
+        band.stride(0) if band is not None else 0,
+        hot_flags.stride(0) if hot_flags is not None else 0,
+        T * prefetch,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
-        BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, num_warps=8,
+        BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, NB=nb,
+        BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
+        PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
+        PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP,
+        PLAN=prefetch_plan is not None and prefetch > 0,
+        BLOCK_P=max(2, next_pow2(max(prefetch, 1))), num_warps=8,
     )
     return out

@@ -23,6 +23,40 @@ form one *request group*; each request appears in at most one group per call. Fo
 5. ``counters[0] += #unique hits``, ``counters[1] += #unique misses`` (resident lookups count in
    neither). If ``counters`` has a third entry, ``counters[2] += #corrupt LRU entries`` (below).
 
+Policies (issue 15; keyword arguments ``band``, ``policy``, ``prefetch``, ``hot_flags``). ``band
+[T, NB]`` holds each token's next-ranked positions (indexer ranks ``K .. K + NB - 1``, best
+first, ``-1`` padding: the same top-``K + NB`` pass as ``topk``). After step 2, the group's band
+entries are walked in order (token, then rank); a non-resident position neither selected nor seen
+before is *band-held* if a usable slot holds it (band ordinal = first-reference order), else a
+*band miss* if it is servable (first-reference order).
+
+- ``policy="lru"`` (default): steps 3-4 as above; the band only feeds prefetch.
+- ``policy="score"``: candidates = [usable unreferenced slots not band-held, used fewer than
+  ``PROTECT_USES`` times, in LRU order] + [the other such slots, in LRU order] + [band-held
+  slots, highest band ordinal (worst rank) first]: rows outside the top-``K + NB`` (the lowest
+  current scores) go before any band row, and among them rows used less often go first.
+  Band-held slots that are not evicted count as used: new LRU order = [untouched] + [kept
+  band-held, worst rank first] + [prefetched] + [loaded] + [hit]. Without a band and without
+  ``hot_flags`` it is exactly ``lru``.
+- ``prefetch = B > 0`` (needs ``band`` and ``hot_flags``): after the demand misses took their
+  victims, the first ``min(#band misses, B, #targets)`` band misses are copied into *targets*:
+  usable slots neither hit, nor loaded, nor band-held, in LRU order (so a row the step selected
+  is never evicted, and demand misses always have priority). New LRU order = [untouched] +
+  [kept band-held (score)] + [prefetched, band order] + [loaded] + [hit].
+- ``hot_flags [R, H]`` int32 (per-slot policy state) ``= uses << 1 | prefetched``: a demand
+  load sets ``uses = 1, prefetched = 0``; a prefetch sets ``uses = 0, prefetched = 1``; a hit
+  counts a prefetch hit if ``prefetched``, clears it and adds a use (saturating at
+  ``USE_COUNT_CAP``). Without ``hot_flags`` every use count reads 0.
+- With ``counters`` of 5 entries: ``counters[3] += #prefetched``, ``counters[4] += #prefetch
+  hits``. ``counters[1]`` stays the demand (critical-path) misses.
+
+Off the critical path: with ``prefetch_plan`` (``[2, T, prefetch]`` int64, rewritten whole by
+every call) the prefetched rows are not copied; the group led by token ``t`` lists them in
+``prefetch_plan[0, t, :n]`` (host rows) and ``prefetch_plan[1, t, :n]`` (arena rows), the rest
+is ``-1``; keys, LRU order and flags are updated as if copied. :func:`prefetch_copy` then moves
+them, on a side stream on GPU: the targets are slots no token of the step reads, so attention
+need not wait; the next call on the same layer's hot state (and any hot reset) must.
+
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
 ``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
@@ -46,12 +80,32 @@ import torch
 
 from ._common import want_triton
 
+POLICIES = ("lru", "score")
+PROTECT_USES = 3          # score policy: rows used this often since loaded are evicted last
+USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
+HOT_POLICIES = ("lru", "score", "score+prefetch")
+DEFAULT_HOT_POLICY = "score+prefetch"
+
+
+def hot_policy_params(name: str, index_topk: int) -> tuple[str, int, int]:
+    """Engine hot policy name -> ``(policy, band, prefetch)`` for :func:`resolve_rows`: the band
+    is ``index_topk`` next-ranked rows (the indexer returns top-``2 * index_topk``, sorted) and
+    prefetch moves at most ``max(1, index_topk // 64)`` rows per (layer, request) step (the
+    settings measured by ``hisparse bench-policy``: docs in the report of issue 15)."""
+    if name not in HOT_POLICIES:
+        raise ValueError(f"hot_policy must be one of {HOT_POLICIES}, got {name!r}")
+    if name == "lru":
+        return "lru", 0, 0
+    pf = max(1, index_topk // 64) if name == "score+prefetch" else 0
+    return "score", int(index_topk), pf
+
 
 class ResolveWorkspace:
     """Device state of the Triton resolver, owned by the caller and allocated once.
 
     ``position_map [max_groups, max_positions]`` int32 is all ``-1`` between calls (each call
-    resets what it touched); ``scratch [3, max_groups, hot_buffer_size]`` int32. A call needs
+    resets what it touched); ``scratch [6, max_groups, hot_buffer_size]`` int32 (victims, miss
+    positions, new LRU order, band ordinals, band-miss positions, prefetch targets). A call needs
     ``max_groups >= min(T, R)`` (request groups of the call), ``max_positions >= P * block_size``
     and the same ``H``; a workspace is never grown (a captured CUDA graph keeps its addresses),
     a call that does not fit raises ``ValueError``. One workspace serves every layer (calls on
@@ -66,7 +120,7 @@ class ResolveWorkspace:
         self.hot_buffer_size = max(1, int(hot_buffer_size))
         self.position_map = torch.full((self.max_groups, self.max_positions), -1,
                                        dtype=torch.int32, device=self.device)
-        self.scratch = torch.empty((3, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
+        self.scratch = torch.empty((6, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
                                    device=self.device)
 
     def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:
@@ -80,17 +134,34 @@ class ResolveWorkspace:
                 f"on {device}; size it for the largest batch up front")
 
 
+def _check_policy(policy: str, band, prefetch: int, hot_flags) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"resolve_rows: policy must be one of {POLICIES}, got {policy!r}")
+    if prefetch < 0:
+        raise ValueError(f"resolve_rows: prefetch must be >= 0, got {prefetch}")
+    if prefetch and band is None:
+        raise ValueError("resolve_rows: prefetch needs the band (next-ranked positions)")
+    if prefetch and hot_flags is None:
+        raise ValueError("resolve_rows: prefetch needs hot_flags (per-slot prefetch marks)")
+
+
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
-                           hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters):
+                           hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters,
+                           band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None,
+                           prefetch_plan=None):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
+    _check_policy(policy, band, prefetch, hot_flags)
+    if prefetch_plan is not None:
+        prefetch_plan.fill_(-1)
     T, K = topk.shape
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
     H = hot_keys.shape[1]
     out = [[-1] * K for _ in range(T)]
     topk_l = topk.tolist()
+    band_l = band.tolist() if band is not None else [[] for _ in range(T)]
     req_l = token_req.tolist()
-    n_hits = n_misses = n_bad = 0
+    n_hits = n_misses = n_bad = n_pf_total = n_pf_used = 0
     t = 0
     while t < T:
         r = req_l[t]
@@ -129,29 +200,86 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
                         miss_ord[pos] = len(misses)
                         misses.append(pos)
                     pending.append((tt, k, pos))
+        # band walk: next-ranked positions already hot (band-held slots, by first reference)
+        # and band misses (prefetch candidates, first-reference order)
+        band_ord: dict[int, int] = {}
+        band_miss: list[int] = []
+        seen: set[int] = set()
+        for tt in range(t, t1):
+            for pos in band_l[tt]:
+                if pos < 0 or pos // block_size >= P or pos in seen:
+                    continue
+                page = pos // block_size
+                if res_row[page] >= 0 or pos in miss_ord:
+                    continue
+                if pos in slot_of:
+                    if slot_of[pos] not in hit_slots:
+                        seen.add(pos)
+                        band_ord[slot_of[pos]] = len(band_ord)
+                elif host_row[page] >= 0 and any_usable:
+                    seen.add(pos)
+                    band_miss.append(pos)
         cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots]
+        flags = hot_flags[r].tolist() if hot_flags is not None else [0] * H
+        if policy == "score":       # outside the band first (LRU order), then the band, worst first
+            nb = [s for s in cands if s not in band_ord]
+            cands = ([s for s in nb if flags[s] >> 1 < PROTECT_USES]
+                     + [s for s in nb if flags[s] >> 1 >= PROTECT_USES]
+                     + sorted((s for s in cands if s in band_ord), key=lambda s: -band_ord[s]))
         if len(misses) > len(cands):
             raise ValueError(
                 f"resolve_rows: request slot {r} needs {len(misses)} new hot rows but only "
                 f"{len(cands)} unreferenced usable hot slots exist (hot buffer too small for the "
                 f"union of its tokens' selections)")
         victims = cands[:len(misses)]
-        if misses:
+        loaded = set(victims)
+        pf_victims: list[int] = []
+        if prefetch:
+            pf_cands = [s for s in lru if 0 <= s < H and usable[s] and s not in hit_slots
+                        and s not in loaded and s not in band_ord]
+            n_pf = min(len(band_miss), prefetch, len(pf_cands))
+            pf_victims = pf_cands[:n_pf]
+        pf_pos = band_miss[:len(pf_victims)]
+        fills = list(zip(misses, victims)) + list(zip(pf_pos, pf_victims))
+        copies = fills
+        if prefetch_plan is not None and pf_victims:    # prefetch copies go to the plan
+            copies = list(zip(misses, victims))
+            src = [host_row[p // block_size] * block_size + p % block_size for p in pf_pos]
+            dst = [hot_row[s // block_size] * block_size + s % block_size for s in pf_victims]
+            n = len(src)
+            prefetch_plan[0, t, :n] = torch.tensor(src, dtype=torch.int64)
+            prefetch_plan[1, t, :n] = torch.tensor(dst, dtype=torch.int64)
+        if copies:
             src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
-                                for p in misses],
+                                for p, _ in copies],
                                dtype=torch.long, device=host.device)
             dst = torch.tensor([hot_row[s // block_size] * block_size + s % block_size
-                                for s in victims],
+                                for _, s in copies],
                                dtype=torch.long, device=arena.device)
             arena[dst] = host[src].to(device=arena.device, dtype=arena.dtype)
-            for p, s in zip(misses, victims):
-                if keys[s] >= 0:
-                    slot_of.pop(keys[s], None)
-                keys[s] = p
-                slot_of[p] = s
-        loaded = set(victims)
-        new_lru = ([s for s in lru if s not in hit_slots and s not in loaded] + victims
-                   + [s for s in lru if s in hit_slots])
+        for p, s in fills:
+            if keys[s] >= 0:
+                slot_of.pop(keys[s], None)
+            keys[s] = p
+            slot_of[p] = s
+        if hot_flags is not None:
+            for s in hit_slots:
+                n_pf_used += flags[s] & 1
+                flags[s] = min((flags[s] >> 1) + 1, USE_COUNT_CAP) << 1
+            for s in victims:
+                flags[s] = 1 << 1
+            for s in pf_victims:
+                flags[s] = 1
+            hot_flags[r] = torch.tensor(flags, dtype=hot_flags.dtype, device=hot_flags.device)
+        n_pf_total += len(pf_victims)
+        moved = loaded | set(pf_victims)
+        kept_band: list[int] = []
+        if policy == "score":       # band rows that stay hot count as used, worst rank first
+            kept_band = sorted((s for s in band_ord if s not in loaded),
+                               key=lambda s: -band_ord[s])
+            moved |= set(kept_band)
+        new_lru = ([s for s in lru if s not in hit_slots and s not in moved] + kept_band
+                   + pf_victims + victims + [s for s in lru if s in hit_slots])
         for tt, k, pos in pending:
             s = slot_of[pos]
             out[tt][k] = hot_row[s // block_size] * block_size + s % block_size
@@ -164,6 +292,9 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
     counters[1] += n_misses
     if counters.numel() > 2:
         counters[2] += n_bad
+    if counters.numel() > 4:
+        counters[3] += n_pf_total
+        counters[4] += n_pf_used
     return torch.tensor(out, dtype=torch.int32, device=topk.device).view(T, K)
 
 
@@ -172,7 +303,10 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                  hot_keys: torch.Tensor, hot_lru: torch.Tensor, arena: torch.Tensor,
                  host: torch.Tensor, block_size: int, counters: torch.Tensor,
                  out: torch.Tensor | None = None,
-                 workspace: ResolveWorkspace | None = None) -> torch.Tensor:
+                 workspace: ResolveWorkspace | None = None, band: torch.Tensor | None = None,
+                 policy: str = "lru", prefetch: int = 0,
+                 hot_flags: torch.Tensor | None = None,
+                 prefetch_plan: torch.Tensor | None = None) -> torch.Tensor:
     """Resolve ``topk [T, K]`` logical positions to flat arena rows ``[T, K]`` int32 (``-1`` skip).
 
     Mutates ``hot_keys``, ``hot_lru``, ``counters`` and the hot rows of ``arena``. See the module
@@ -181,6 +315,7 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
     :class:`ResolveWorkspace`); required for CUDA-graph capture; without one a call allocates a
     temporary workspace sized for itself.
     """
+    _check_policy(policy, band, prefetch, hot_flags)
     if want_triton(arena, topk):
         from ._resolve_triton import resolve_rows_triton
         if workspace is None:
@@ -189,11 +324,33 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
                                          hot_keys.shape[1], arena.device)
         return resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
                                    hot_block_table, hot_keys, hot_lru, arena, host, block_size,
-                                   counters, workspace, out=out)
+                                   counters, workspace, out=out, band=band, policy=policy,
+                                   prefetch=prefetch, hot_flags=hot_flags,
+                                   prefetch_plan=prefetch_plan)
     res = resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                                  hot_block_table, hot_keys, hot_lru, arena, host, block_size,
-                                 counters)
+                                 counters, band=band, policy=policy, prefetch=prefetch,
+                                 hot_flags=hot_flags, prefetch_plan=prefetch_plan)
     if out is not None:
         out.copy_(res)
         return out
     return res
+
+
+def prefetch_copy_reference(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
+    """Spec of :func:`prefetch_copy`: ``arena[plan[1, e]] = host[plan[0, e]]`` where ``>= 0``."""
+    src, dst = plan[0].reshape(-1), plan[1].reshape(-1)
+    keep = (src >= 0) & (dst >= 0)
+    if bool(keep.any()):
+        arena[dst[keep].to(arena.device)] = host[src[keep].to(host.device)].to(
+            device=arena.device, dtype=arena.dtype)
+
+
+def prefetch_copy(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
+    """Executes a ``prefetch_plan`` written by :func:`resolve_rows`: host rows ``plan[0]`` into
+    arena rows ``plan[1]`` (``-1`` skip). Fixed shapes, no host sync on CUDA (Triton, zero-copy
+    reads of pinned ``host``); launch it on a side stream ordered after the resolver."""
+    if want_triton(arena, plan):
+        from ._resolve_triton import prefetch_copy_triton
+        return prefetch_copy_triton(plan, arena, host)
+    return prefetch_copy_reference(plan, arena, host)

@@ -10,7 +10,12 @@
   (GLM's shared layers have none).
 - ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
 - ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
-- ``counters``: int64 ``[3]``: hot hits, hot misses, corrupt LRU entries skipped by the resolver.
+- ``hot_flags``: ``[L, R, H]`` int32 per-slot policy state: ``uses << 1 | prefetched``.
+- ``hot_policy`` / ``hot_band`` / ``hot_prefetch``: the resolver's replacement policy (``"lru"``
+  or ``"score"``), next-ranked rows the indexer hands it, prefetched rows per (layer, request)
+  step at most (see :meth:`KVCaches.set_hot_policy`).
+- ``counters``: int64 ``[5]``: hot hits, hot (demand) misses, corrupt LRU entries skipped by the
+  resolver, prefetched rows, prefetched rows later hit.
 - ``workspace``: every kernel workspace a step (and so a captured CUDA graph) touches, allocated
   here once for the largest batch (DESIGN section 7: never a module global grown on demand).
 """
@@ -153,9 +158,21 @@ class KVCaches:
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(
             geo.num_layers, R, 1)
-        # hot hits, hot misses, corrupt LRU entries skipped (resolver fail-safe)
-        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self.hot_flags = torch.zeros((geo.num_layers, R, H), dtype=torch.int32, device=device)
+        self.hot_policy, self.hot_band, self.hot_prefetch = "lru", 0, 0
+        # hot hits, hot misses, corrupt LRU entries skipped (resolver fail-safe), prefetched,
+        # prefetch hits
+        self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.workspace = StepWorkspace(cfg, device)
+
+    def set_hot_policy(self, name: str) -> None:
+        """``"lru"``, ``"score"`` or ``"score+prefetch"`` (issue 15): score-aware replacement
+        over a band of ``index_topk`` next-ranked rows; prefetch of up to ``index_topk // 64``
+        of them per (layer, request) step. Set before the first step (graphs capture it)."""
+        from hisparse.ops.resolve import hot_policy_params
+
+        self.hot_policy, self.hot_band, self.hot_prefetch = hot_policy_params(
+            name, self.cfg.index_topk)
 
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""
@@ -176,5 +193,6 @@ class KVCaches:
         """Forget every hot row of these request slots, in every layer (DESIGN I6)."""
         if slots.numel():
             self.hot_keys[:, slots] = -1
+            self.hot_flags[:, slots] = 0
             self.hot_lru[:, slots] = torch.arange(self.cfg.hot_buffer_size, dtype=torch.int32,
                                                   device=self.device)

@@ -53,6 +53,7 @@ class PagedContext:
         self.topk: Tensor | None = None
         # FlashMLA FP8 decode: one scheduler metadata per forward, shared by every layer
         self.flashmla_meta = None
+        self.band: Tensor | None = None    # next-ranked positions for the hot policy
         self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
@@ -91,14 +92,18 @@ class PagedContext:
                     keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
         stay CUDA-graph safe: fixed shapes, no host sync)."""
-        return ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
-                                self.token_slot, self.positions.int(), self.block_size,
-                                self.index_topk,
-                                workspace=self.caches.workspace.indexer)
+        k = self.index_topk
+        ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
+                                  self.token_slot, self.positions.int(), self.block_size,
+                                  k + self.caches.hot_band,
+                                  workspace=self.caches.workspace.indexer)
+        # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
+        self.band = ranked[:, k:] if ranked.shape[1] > k else None
+        return ranked[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, block_size, topk = self.caches, self.block_size, self.topk
+        c, block_size, topk, band = self.caches, self.block_size, self.topk, self.band
         if not self.host_read:  # every page of every request in the batch is resident
             valid = topk >= 0
             pos = topk.clamp(min=0).long()
@@ -109,7 +114,9 @@ class PagedContext:
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
                                 c.hot_lru[layer], c.resolve_view(c.arena_layer(layer)),
                                 c.resolve_view(c.host_layer(layer)),
-                                block_size, c.counters, workspace=c.workspace.resolve)
+                                block_size, c.counters, workspace=c.workspace.resolve, band=band,
+                                policy=c.hot_policy, prefetch=c.hot_prefetch,
+                                hot_flags=c.hot_flags[layer])
 
 
 class ModelRunner:

@@ -493,3 +493,173 @@ def test_gpu_graphs_captured_ascending_replay_in_any_order():
         assert torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.counters[0], ref.counters[0])
         assert (ws.position_map == -1).all()
+
+
+# ---------------------------------------------------------------- policies (issue 15)
+
+def ranked_rows(g, T, K, NB, hi):
+    """Per token K selected + NB next-ranked positions, unique within the token."""
+    sel = torch.stack([rand_sel(g, K + NB, 0, hi) for _ in range(T)])
+    return sel[:, :K].contiguous(), sel[:, K:].contiguous()
+
+
+def policy_resolve(b, backend, topk, band, req, flags, policy, prefetch, out=None):
+    args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+            b.host_all[0], BS, b.counters[0])
+    kw = dict(band=band, policy=policy, prefetch=prefetch, hot_flags=flags)
+    if backend == "reference":
+        return resolve_rows_reference(*args, **kw)
+    return resolve_rows(*args, out=out, **kw)
+
+
+@pytest.mark.parametrize("H", [48, 22])   # 22: band rows get evicted under pressure
+@pytest.mark.parametrize("policy,prefetch", [("lru", 0), ("score", 0), ("score", 5), ("lru", 3),
+                                             ("score", 64)])
+def test_policy_kernel_matches_reference(triton_cpu, policy, prefetch, H):
+    b = Batch(R=3, P=10, H=H, seed=21, resident_frac=0.3)
+    for x in b.counters:
+        x.resize_(5).zero_()
+    ref = b.clone()
+    flags_b = torch.zeros(3, H, dtype=torch.int32)
+    flags_r = flags_b.clone()
+    g = torch.Generator().manual_seed(21)
+    for step in range(10):                  # long enough for rows to reach PROTECT_USES
+        req = torch.tensor([0, 0, 2, -1, 1, 1] if step % 2 else [1, 2, 0, 0, -1, -1],
+                           dtype=torch.int32)
+        topk, band = ranked_rows(g, 6, 10, 12, 10 * BS)
+        topk[torch.rand(6, 10, generator=g) < 0.1] = -1
+        band[torch.rand(6, 12, generator=g) < 0.1] = -1
+        o1 = policy_resolve(b, "triton", topk, band, req, flags_b, policy, prefetch,
+                            out=torch.full_like(topk, -7))
+        o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, prefetch)
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r)
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
+    if prefetch:
+        assert int(ref.counters[0][3]) > 0 and int(ref.counters[0][4]) > 0
+
+
+def test_policy_without_band_is_lru(backend):
+    """``policy="score"`` with no band (nothing ranked below the cut) is exactly LRU."""
+    b = Batch(R=2, P=8, H=40, seed=5)
+    ref = b.clone()
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        topk = torch.stack([rand_sel(g, 16, 0, 8 * BS) for _ in range(2)])
+        req = torch.tensor([0, 1], dtype=torch.int32)
+        o1 = policy_resolve(b, backend, topk, None, req, None, "score", 0)
+        o2 = policy_resolve(ref, "reference", topk, None, req, None, "lru", 0)
+        assert torch.equal(o1, o2) and torch.equal(b.lru[0], ref.lru[0])
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_prefetch_never_evicts_a_row_selected_in_the_same_step(backend, policy):
+    """Every selected row still holds its host row after the call (prefetch writes only slots
+    nobody selected), every selected position stays hot, and band rows that missed are fetched
+    (up to the budget) into slots holding neither a selected nor a band row."""
+    H, K, NB = 32, 12, 24
+    b = Batch(R=1, P=12, H=H, seed=8)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64)
+    flags = torch.zeros(1, H, dtype=torch.int32)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(8):
+        topk, band = ranked_rows(g, 2, K, NB, 12 * BS)
+        req = torch.zeros(2, dtype=torch.int32)
+        keys_before = b.keys[0][0].tolist()
+        n_before = int(b.counters[0][3])
+        out = policy_resolve(b, backend, topk, band, req, flags, policy, prefetch=H)
+        host = b.host_all[0]
+        sel = topk.flatten()
+        rows = out.flatten().long()
+        src = torch.tensor([b.host_row(0, int(p)) for p in sel])
+        assert (rows >= 0).all()
+        assert torch.equal(b.arena_all[0][rows], host[src])
+        keys = b.keys[0][0].tolist()
+        assert set(sel.tolist()) <= set(keys)
+        union = set(sel.tolist())
+        band_set = set(band.flatten().tolist()) - union
+        prefetched = [p for p in keys if p in band_set and p not in keys_before]
+        for p in prefetched:                      # prefetched rows hold their host row too
+            s = keys.index(p)
+            assert torch.equal(b.arena_all[0][b.hot_row(0, s)], host[b.host_row(0, p)])
+        assert int(b.counters[0][3]) - n_before == len(prefetched)
+        assert all(flags[0, keys.index(p)] == 1 for p in prefetched)
+    assert int(b.counters[0][3]) > 0
+
+
+def test_policy_argument_checks():
+    b = Batch(R=1, P=4, H=16, seed=0)
+    topk = torch.zeros(1, 4, dtype=torch.int32)
+    req = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="policy"):
+        policy_resolve(b, "reference", topk, None, req, None, "belady", 0)
+    with pytest.raises(ValueError, match="band"):
+        policy_resolve(b, "reference", topk, None, req, None, "score", 2)
+    with pytest.raises(ValueError, match="hot_flags"):
+        policy_resolve(b, "reference", topk, topk, req, None, "score", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,prefetch", [("score", 0), ("score", 32), ("lru", 32)])
+def test_gpu_policy_production_shape_matches_reference(policy, prefetch):
+    R, K, NB = 16, 2048, 2048
+    H = 2 * K
+    P = (8 * K) // BS + 4
+    b = Batch(R=R, P=P, H=H, seed=17, resident_frac=0.3, device="cuda", pin=True)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ref = b.clone()
+    ref.host_all = b.host_all
+    flags_b = torch.zeros(R, H, dtype=torch.int32, device="cuda")
+    flags_r = flags_b.clone()
+    g = torch.Generator().manual_seed(17)
+    req = torch.arange(R, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        topk, band = ranked_rows(g, R, K, NB, P * BS)
+        topk, band = topk.cuda(), band.cuda()
+        o1 = policy_resolve(b, "triton", topk, band, req, flags_b, policy, prefetch,
+                            out=torch.full_like(topk, -7))
+        o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, prefetch)
+        torch.cuda.synchronize()
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r) and torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.counters[0], ref.counters[0])
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
+    """Demand on the critical path, prefetch copies from the plan afterwards (a side stream on
+    GPU): same outputs, state and arena as the one-call prefetch; the plan is rewritten whole."""
+    from hisparse.ops.resolve import prefetch_copy
+
+    PF = 4
+    b = Batch(R=3, P=10, H=40, seed=33, resident_frac=0.2)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64)
+    ref = b.clone()
+    flags_b = torch.zeros(3, 40, dtype=torch.int32)
+    flags_r = flags_b.clone()
+    plan = torch.full((2, 6, PF), 123, dtype=torch.int64)
+    total = 0
+    g = torch.Generator().manual_seed(33)
+    for step in range(6):
+        req = torch.tensor([0, 0, 2, -1, 1, 1] if step % 2 else [1, 2, 0, 0, -1, -1],
+                           dtype=torch.int32)
+        topk, band = ranked_rows(g, 6, 8, 12, 10 * BS)
+        args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+                b.host_all[0], BS, b.counters[0])
+        kw = dict(band=band, policy=policy, prefetch=PF, hot_flags=flags_b, prefetch_plan=plan)
+        o1 = (resolve_rows_reference(*args, **kw) if backend == "reference"
+              else resolve_rows(*args, **kw))
+        leaders = [0] + [t for t in range(1, 6) if req[t] != req[t - 1]]
+        others = [t for t in range(6) if t not in leaders or req[t] < 0]
+        assert (plan[:, others] == -1).all()
+        prefetch_copy(plan, b.arena_all[0], b.host_all[0])
+        o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, PF)
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r) and torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        total += int((plan[0] >= 0).sum())
+    assert total == int(ref.counters[0][3]) > 0
