@@ -10,6 +10,7 @@ torch profiler table of the GPU kernels.
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 from collections import defaultdict
@@ -17,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from hisparse import SamplingParams
-from hisparse.bench.decode import write_config
+from hisparse.bench.decode import make_topk_override, topk_table, write_config
 from hisparse.bench.synthetic import synthetic_runner
 
 
@@ -44,15 +45,18 @@ def main() -> None:
     p.add_argument("--mode", default="gpu-only")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--host-pool-gib", type=float, default=8.0)
+    p.add_argument("--topk", default="indexer", help="indexer or synthetic:<overlap>")
     a = p.parse_args()
     from hisparse import LLM
 
     path = write_config(a.layers, a.intermediate_size)
+    table = topk_table(a.topk, a.layers, a.context, 256, 2048)
+    override = None if table is None else make_topk_override(table.to("cuda"), a.context)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=64,
               num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200,
               host_pool_gib=a.host_pool_gib, mode=a.mode, max_model_len=a.context + 64,
               max_num_seqs=a.requests, max_num_batched_tokens=4 * a.context,
-              runner_cls=synthetic_runner())
+              runner_cls=synthetic_runner(topk_override=override))
     llm.capture_cuda_graphs()
     for i in range(a.requests):
         llm.add_request({"prompt_token_ids": [5 + i] * a.context},
@@ -63,6 +67,15 @@ def main() -> None:
             break
     print(f"decoding: {len(got)} requests; stats {llm.stats()}")
     acc: dict[str, float] = defaultdict(float)
+    gc_start: list[float] = []
+
+    def gc_timer(phase, info):   # time spent in the garbage collector
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            acc[f"gc{info['generation']}"] += time.perf_counter() - gc_start.pop()
+
+    gc.callbacks.append(gc_timer)
     timed(llm.scheduler, "schedule", acc)
     timed(llm.runner, "execute", acc)
     timed(llm.core, "_apply", acc)
