@@ -71,6 +71,9 @@ class KVCacheConfig:
     enable_prefix_caching: bool = True
     # Free-block level under which requests are moved to host-read mode; None = default rule.
     watermark_blocks: int | None = None
+    # Rows of the GPU staging area a prefill chunk reads spilled history through (one buffer
+    # shared by all layers, allocated once); None = default rule (:attr:`num_staging_rows`).
+    staging_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "num_indexer_blocks", "max_model_len",
@@ -101,6 +104,11 @@ class KVCacheConfig:
             raise ValueError(
                 f"num_indexer_blocks must hold one max-length request (>= {pages}), "
                 f"got {self.num_indexer_blocks}")
+        st = self.staging_rows
+        if st is not None and (not isinstance(st, int) or isinstance(st, bool)
+                               or st < self.index_topk):
+            raise ValueError(f"staging_rows must be None or an integer >= index_topk "
+                             f"({self.index_topk}), got {st!r}")
         wm = self.watermark_blocks
         if wm is not None and (not isinstance(wm, int) or isinstance(wm, bool) or wm < 0):
             raise ValueError(f"watermark_blocks must be None or an integer >= 0, got {wm!r}")
@@ -125,14 +133,16 @@ class KVCacheConfig:
     def min_gpu_blocks(self) -> int:
         """The smallest GPU pool that can schedule every admissible request.
 
-        gpu-only: one max-length request stays resident. Otherwise prefill reads resident
-        history, so one max-length prompt must fit; decode in host-read mode needs its hot
-        blocks, its tail and one chunk.
+        gpu-only: one max-length request stays resident. Otherwise a prefill chunk reads its
+        spilled history through the staging area (:attr:`num_staging_rows`, separate memory),
+        so the GPU needs one chunk's pages, the tail pages (I4) and, once decoding, the hot
+        blocks: ``hot_blocks_per_request + ACTIVE_TAIL_PAGES + chunk_pages``, independent of
+        ``max_model_len``.
         """
         pages = self.max_pages_per_request
         if self.mode == "gpu-only":
             return pages
-        return max(pages, self.hot_blocks_per_request + ACTIVE_TAIL_PAGES + self.chunk_pages)
+        return self.hot_blocks_per_request + ACTIVE_TAIL_PAGES + self.chunk_pages
 
     @property
     def min_gpu_blocks_why(self) -> str:
@@ -140,8 +150,21 @@ class KVCacheConfig:
         if self.mode == "gpu-only":
             return (f"one max-length request in gpu-only mode: {pages} blocks of "
                     f"{self.block_size} tokens for max_model_len={self.max_model_len}")
-        return (f"one max_model_len prompt: {pages}; hot blocks {self.hot_blocks_per_request} "
-                f"+ tail {ACTIVE_TAIL_PAGES} + one prefill chunk {self.chunk_pages}")
+        return (f"hot blocks {self.hot_blocks_per_request} + tail {ACTIVE_TAIL_PAGES} "
+                f"+ one prefill chunk {self.chunk_pages}; spilled prefill history is read "
+                f"through {self.num_staging_rows} staging rows")
+
+    @property
+    def num_staging_rows(self) -> int:
+        """Rows of the prefill staging area (0 in gpu-only mode). Default: enough for 8 query
+        tokens' worth of distinct selected rows (``8 * index_topk``), capped at
+        ``max_model_len`` (a chunk's union never exceeds its history). The worker splits a
+        chunk's staged attention into token groups whose union fits."""
+        if self.mode == "gpu-only":
+            return 0
+        if self.staging_rows is not None:
+            return self.staging_rows
+        return max(self.index_topk, min(8 * self.index_topk, self.max_model_len))
 
     @property
     def watermark(self) -> int:

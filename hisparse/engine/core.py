@@ -76,7 +76,9 @@ class EngineCore:
             return self._apply(done)
         if plan is None:
             if self.runner.in_flight:   # finished requests hold KV until their mirrors land
-                self._acks = self.runner.drain()
+                self._acks += self.runner.drain()
+            elif self._acks:            # a prefill waits for these acks to free its pages
+                pass
             elif self.scheduler.has_unfinished:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}

@@ -165,7 +165,7 @@ class LLM:
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
-                 hot_policy: str = "lru"):
+                 hot_policy: str = "lru", staging_rows: int | None = None):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if hot_policy not in ("lru", "score", "score+prefetch"):
@@ -191,6 +191,7 @@ class LLM:
         _check_int("max_num_batched_tokens", max_num_batched_tokens)
         _check_int("num_indexer_blocks", num_indexer_blocks, optional=True)
         _check_int("watermark_blocks", watermark_blocks, minimum=0, optional=True)
+        _check_int("staging_rows", staging_rows, minimum=1, optional=True)
         _check_bool("enable_prefix_caching", enable_prefix_caching)
         _check_bool("enforce_eager", enforce_eager)
         _check_bool("async_scheduling", async_scheduling)
@@ -233,10 +234,11 @@ class LLM:
                        index_topk=mc.index_topk, hot_buffer_size=hot_buffer_size,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        mode=mode, enable_prefix_caching=enable_prefix_caching,
-                       watermark_blocks=watermark_blocks)
+                       watermark_blocks=watermark_blocks, staging_rows=staging_rows)
         # Validates everything but the GPU pool size; gives the smallest workable pool.
         probe = KVCacheConfig(num_gpu_blocks=max(num_gpu_blocks or 0, 1 << 40), **kv_args)
         min_gpu = probe.min_gpu_blocks
+        self._staging_rows_probe = probe.num_staging_rows
         if num_gpu_blocks is not None:
             KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)  # names the limit
         elif self.device.type != "cuda":
@@ -318,7 +320,8 @@ class LLM:
     def _default_gpu_blocks(self, geo: CacheGeometry, block_size: int, num_indexer_blocks: int,
                             unconstrained: int, min_gpu: int, utilization: float) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = free * utilization - num_indexer_blocks * geo.indexer_bytes_per_block(block_size)
+        budget = (free * utilization - num_indexer_blocks * geo.indexer_bytes_per_block(block_size)
+                  - self._staging_rows_probe * geo.row_bytes)
         blocks = min(int(budget // geo.gpu_bytes_per_block(block_size)), unconstrained)
         if blocks < min_gpu:
             raise ValueError(
@@ -632,6 +635,11 @@ class LLM:
             "free_gpu_blocks": kv.gpu_pool.num_free,
             "free_host_blocks": kv.host_pool.num_free if kv.host_pool is not None else 0,
             "free_indexer_blocks": kv.indexer_pool.num_free,
+            # staged prefill (issue 14): host-only history rows a prefill chunk read through the
+            # staging area (zero-copy from the host pool), and their bytes (every layer)
+            "staged_rows": self.runner.staged_rows,
+            "staged_bytes": self.runner.staged_rows * row_bytes,
+            "staged_chunks": kv.stats.staged_chunks,
         }
 
     def capacity(self, context: int | None = None, **overrides):

@@ -117,6 +117,10 @@ class Scheduler:
                 if not may_preempt:
                     break
                 victim = self.running[-1]
+                if victim is req and handle.pending:
+                    # Its own mirrors are in flight: once acknowledged, its clean pages can be
+                    # released (staged prefill), so wait a step rather than throw work away.
+                    break
                 free_before = kv.num_free_gpu_blocks
                 self.preempt(victim.req_id)
                 # A victim with mirrors in flight frees its pages only once they are acked:

@@ -124,20 +124,26 @@ class KVCoordinator:
                 return None
         first_chunk = min(len(token_ids) - len(hits) * block_size, cfg.max_num_batched_tokens)
 
-        def gpu_need() -> int:
+        def gpu_need(restore: bool) -> int:
             if cfg.mode is Mode.GPU_ONLY:
                 return num_pages
-            # Restores, plus cached hit blocks that leave the free queue when claimed.
-            restore = sum(g is None or self.gpu_pool.is_free(g) for _, g in hits)
-            return restore + cdiv(first_chunk, block_size)
+            # Cached hit blocks leave the free queue when claimed; restores take new blocks.
+            claimed = sum(g is not None and self.gpu_pool.is_free(g) for _, g in hits)
+            host_only = sum(g is None for _, g in hits) if restore else 0
+            return claimed + host_only + cdiv(first_chunk, block_size)
 
-        if self.gpu_pool.num_free < gpu_need():
-            self.reclaim.ensure_free_gpu(gpu_need())
+        if self.gpu_pool.num_free < gpu_need(False):
+            self.reclaim.ensure_free_gpu(gpu_need(False))
             # Reclaiming may have handed cached hit blocks to others (as hot blocks) or unpinned
             # new ones: look the GPU copies up again. The host hits are unchanged.
             hits = self.prefix.lookup(token_ids)
-            if self.gpu_pool.num_free < gpu_need():
+            if self.gpu_pool.num_free < gpu_need(False):
                 return None
+        # Host-only hits: restore them (one batched host->GPU page copy, then HBM-speed reads
+        # by every later chunk and decode step) only while that leaves the watermark free;
+        # otherwise use them in place: prefill chunks read them through the staging area and
+        # decode through the hot buffer (DESIGN.md §4; issue 14: no restore needed).
+        restore = self.gpu_pool.num_free - gpu_need(True) >= cfg.watermark
 
         slot = self.free_slots.pop()
         req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
@@ -159,10 +165,13 @@ class KVCoordinator:
             req.host[len(hits):num_pages] = self.host_pool.allocate(num_pages - len(hits))
             for page, (host_block, gpu_block) in enumerate(hits):
                 if gpu_block is None:
-                    req.resident[page] = self.gpu_pool.allocate(1)[0]
-                    self._restore_pages.append((host_block, int(req.resident[page])))
-                    self.stats.restored_pages += 1
                     self.stats.host_prefix_hit_tokens += block_size
+                    if restore:
+                        req.resident[page] = self.gpu_pool.allocate(1)[0]
+                        self._restore_pages.append((host_block, int(req.resident[page])))
+                        self.stats.restored_pages += 1
+                    else:
+                        self.stats.unrestored_hit_pages += 1
                 self._indexer_restore_pages.append((host_block, int(req.indexer[page])))
             req.page_hashes = self.prefix.page_hashes(token_ids, len(hits))
         if cfg.mode is Mode.GPU_ONLY:
@@ -171,6 +180,7 @@ class KVCoordinator:
         req.num_computed = req.num_durable = hit_tokens
         req.num_published = len(hits)
         self.stats.prefix_hit_tokens += hit_tokens
+        self.reclaim.started_prefill(req)
         return req
 
     # ------------------------------------------------------------------ per-step allocation
@@ -190,6 +200,15 @@ class KVCoordinator:
                              f"with {req.num_tokens} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
         resident = req.resident
+        if (end > req.prompt_len >= start and not req.host_read and self.cfg.uses_host
+                and self.reclaim.has_host_only_history(req, start, block_size)):
+            # Its history has host-only pages (released during prefill or unrestored prefix
+            # hits): decode must read through a hot buffer, so it switches now.
+            n_hot = self.cfg.hot_blocks_per_request
+            if not self.reclaim.switch(req):
+                self.reclaim.ensure_free_gpu(n_hot)
+                if not self.reclaim.switch(req):
+                    return False
         if first_page == last_page:  # the decode fast path
             new_pages = [first_page] if resident[first_page] < 0 else []
         else:
@@ -220,8 +239,12 @@ class KVCoordinator:
                 continue
             end = start + n
             sample = end >= req.num_tokens
+            prefill = start < req.prompt_len
+            staged = (prefill and uses_host and not req.host_read
+                      and self.reclaim.has_host_only_history(req, end, self.block_size))
+            self.stats.staged_chunks += staged
             seqs.append(ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
-                                     sample, start < req.prompt_len))
+                                     sample, prefill, staged))
             if sample:  # the engine appends it when the step's result comes back
                 req.num_pending_tokens += 1
             if uses_host:

@@ -47,6 +47,9 @@ class ScheduledSeq:
     host_read: bool      # history may miss GPU: reads go through the hot buffer
     sample: bool         # the last token's logits are sampled (prompt finished)
     prefill: bool = False  # the tokens belong to the prompt (as admitted)
+    # A prefill chunk whose history has host-only pages: the worker reads its selected rows
+    # through the staging area (host-only ones zero-copy from the host pool), not the hot buffer.
+    staged: bool = False
 
 
 @dataclass

@@ -25,15 +25,24 @@ class Reclaimer:
         self.stats = stats
         # Decoding requests not in host-read mode (by uid): the only ones a switch may pick.
         self.candidates: dict[int, RequestKV] = {}
+        # Requests still prefilling (by uid, admission order): under pressure their clean pages
+        # (durable, outside the tail) are released; later chunks read them through staging.
+        self.prefilling: dict[int, RequestKV] = {}
         self.hot_resets: list[int] = []     # slots whose hot state the next plan clears
 
     # ------------------------------------------------------------------ membership
+    def started_prefill(self, req: RequestKV) -> None:
+        if self.cfg.mode is not Mode.GPU_ONLY:
+            self.prefilling[req.uid] = req
+
     def started_decoding(self, req: RequestKV) -> None:
+        self.prefilling.pop(req.uid, None)
         if self.cfg.mode is not Mode.GPU_ONLY and not req.host_read:
             self.candidates[req.uid] = req
 
     def forget(self, req: RequestKV) -> None:
         self.candidates.pop(req.uid, None)
+        self.prefilling.pop(req.uid, None)
 
     # ------------------------------------------------------------------ unpinning
     def clean_pinned_pages(self, req: RequestKV) -> range:
@@ -42,14 +51,33 @@ class Reclaimer:
         durable_end = req.num_durable // self.block_size
         return range(req.pinned_start, min(tail_start, durable_end))
 
-    def unpin_clean_pages(self, req: RequestKV) -> None:
+    def unpin_clean_pages(self, req: RequestKV) -> int:
+        """Unpin the clean pages outside the tail; returns how many GPU blocks were unpinned."""
         pages = self.clean_pinned_pages(req)
+        n = 0
         for p in pages:
             block = int(req.resident[p])
             if block >= 0:
                 self.gpu_pool.unpin(block, (req.uid, p))
-                self.stats.spilled_pages += 1
+                n += 1
+        self.stats.spilled_pages += n
         req.pinned_start = max(req.pinned_start, pages.stop)
+        return n
+
+    def release_prefill_pages(self, need: int) -> None:
+        """Unpin clean pages of prefilling requests (oldest first) until ``need`` blocks are
+        free: a long prompt's complete, durable pages go host-only during its own prefill."""
+        for req in list(self.prefilling.values()):
+            if self.gpu_pool.num_free >= need:
+                return
+            self.stats.prefill_released_pages += self.unpin_clean_pages(req)
+
+    @staticmethod
+    def has_host_only_history(req: RequestKV, end: int, block_size: int) -> bool:
+        """Some page of tokens ``[0, end)`` has no GPU block of ours (it is read from host)."""
+        if end <= 0:
+            return False
+        return bool((req.resident[:cdiv(end, block_size)] < 0).any())
 
     # ------------------------------------------------------------------ switching
     def switch(self, req: RequestKV) -> bool:
@@ -103,6 +131,8 @@ class Reclaimer:
         """Reclaim (switch requests) until ``need`` GPU blocks are free; False if it cannot."""
         if self.gpu_pool.num_free < need:
             self.switch_to_host_read(target_free=max(need, self.cfg.watermark))
+        if self.gpu_pool.num_free < need:
+            self.release_prefill_pages(need)
         return self.gpu_pool.num_free >= need
 
 

@@ -58,7 +58,8 @@ class RequestKV:
     @property
     def decoding(self) -> bool:
         """Past its first decode token: every later step computes one token, so it may read
-        history through a hot buffer (a prefill chunk reads resident pages only)."""
+        history through a hot buffer (a prefill chunk reads host-only history through the
+        worker's staging area instead)."""
         return self.num_computed > self.prompt_len
 
 
@@ -70,4 +71,7 @@ class KVStats:
     prefix_hit_tokens: int = 0
     host_prefix_hit_tokens: int = 0  # hit tokens whose rows had to come back from host
     host_read_switches: int = 0
+    staged_chunks: int = 0          # prefill chunks whose history had host-only pages
+    prefill_released_pages: int = 0  # clean pages a prefilling request gave up (issue 14)
+    unrestored_hit_pages: int = 0   # host-only prefix hits used in place (no restore)
     mirrored_rows: int = 0

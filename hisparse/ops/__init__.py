@@ -29,12 +29,14 @@ from .quant import (
     quantize_write_mla_rows,
 )
 from .resolve import ResolveWorkspace, resolve_rows, resolve_rows_reference
+from .stage import stage_groups, stage_rows, stage_rows_reference, staging_union_size
 
 __all__ = [
     "indexer_topk", "indexer_topk_reference", "IndexerWorkspace",
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
     "copy_rows", "copy_rows_reference", "gather_rows",
+    "stage_rows", "stage_rows_reference", "stage_groups", "staging_union_size",
     "sparse_mla_attention_fp8", "sparse_mla_attention_fp8_reference",
     "quantize_write_mla_rows", "quantize_write_index_keys", "quantize_mla_rows_reference",
     "dequantize_mla_rows_reference", "quantize_index_keys_reference",

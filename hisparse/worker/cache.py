@@ -16,6 +16,10 @@
   step at most (see :meth:`KVCaches.set_hot_policy`).
 - ``counters``: int64 ``[5]``: hot hits, hot (demand) misses, corrupt LRU entries skipped by the
   resolver, prefetched rows, prefetched rows later hit.
+- ``staging``: ``[num_staging_rows, D]`` rows (storage dtype), one buffer shared by every
+  layer: a prefill chunk's selected history rows when some are host-only (issue 14,
+  :mod:`hisparse.ops.stage`); ``staged_counter`` int64 ``[1]`` counts rows staged from host
+  (summed over layers).
 - ``workspace``: every kernel workspace a step (and so a captured CUDA graph) touches, allocated
   here once for the largest batch (DESIGN section 7: never a module global grown on demand).
 """
@@ -164,6 +168,10 @@ class KVCaches:
         # prefetch hits
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.workspace = StepWorkspace(cfg, device)
+        # Prefill staging area (eager prefill steps only; allocated once, never grown).
+        self.staging = torch.empty(cfg.num_staging_rows, geo.row_width, dtype=sdt,
+                                   device=device)
+        self.staged_counter = torch.zeros(1, dtype=torch.int64, device=device)
 
     def set_hot_policy(self, name: str) -> None:
         """``"lru"``, ``"score"`` or ``"score+prefetch"`` (issue 15): score-aware replacement

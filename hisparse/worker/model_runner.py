@@ -34,10 +34,13 @@ class PagedContext:
         self.block_size = caches.cfg.block_size
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
-              positions: Tensor) -> None:
+              positions: Tensor, staged: Tensor | None = None) -> None:
         """Set up one forward. ``token_slot`` ``-1`` marks a padding token: it writes to the
-        sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver)."""
+        sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver).
+        ``staged``: int64 indices of the tokens whose history has host-only pages (prefill
+        chunks, eager steps only): they attend through the staging area."""
         c, block_size = self.caches, self.block_size
+        self.staged = staged if staged is not None and staged.numel() else None
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
@@ -76,6 +79,8 @@ class PagedContext:
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
+        if self.staged is not None:
+            return self._attend_staged(layer_idx, q_latent, rows, sm_scale)
         if fp8:     # queries stay in the compute dtype; the kernels dequantize the rows
             if self.flashmla_meta is None and c.device.type == "cuda":
                 self.flashmla_meta = flashmla_sched_meta()
@@ -86,6 +91,46 @@ class PagedContext:
         else:
             out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
                                               d_v=self.kv_lora_rank, backend=self.attn_backend)
+        return out.to(q_latent.dtype)
+
+    def _attention(self, q: Tensor, kv: Tensor, rows: Tensor, sm_scale: float,
+                   meta: bool = True) -> Tensor:
+        c = self.caches
+        if c.geo.fp8:
+            if meta and self.flashmla_meta is None and c.device.type == "cuda":
+                self.flashmla_meta = flashmla_sched_meta()
+            out, _ = ops.sparse_mla_attention_fp8(q.to(c.geo.dtype), kv, rows, sm_scale,
+                                                  d_v=self.kv_lora_rank,
+                                                  backend=self.attn_backend,
+                                                  sched_meta=self.flashmla_meta if meta else None)
+        else:
+            out, _ = ops.sparse_mla_attention(q.to(kv.dtype), kv, rows, sm_scale,
+                                              d_v=self.kv_lora_rank, backend=self.attn_backend)
+        return out
+
+    def _attend_staged(self, layer: int, q_latent: Tensor, rows: Tensor,
+                       sm_scale: float) -> Tensor:
+        """Eager step with staged tokens: the others attend over the arena as usual; the staged
+        ones over the staging area, in token groups whose selected-row union fits it
+        (:mod:`hisparse.ops.stage`). Per-token attention is independent, so this is exact."""
+        c, st = self.caches, self.staged
+        T = q_latent.shape[0]
+        out = q_latent.new_empty(T, q_latent.shape[1], self.kv_lora_rank)
+        mask = torch.ones(T, dtype=torch.bool, device=q_latent.device)
+        mask[st] = False
+        rest = mask.nonzero().squeeze(1)
+        if rest.numel():
+            out[rest] = self._attention(q_latent[rest], c.arena_layer(layer), rows[rest],
+                                        sm_scale, meta=False).to(out.dtype)
+        topk, slots = self.topk[st], self.token_slot[st]
+        resident, host = self.tables["resident"], self.tables["host"]
+        cap = c.staging.shape[0]
+        for a, b in ops.stage_groups(topk, slots, resident.shape[1], self.block_size, cap):
+            srows = ops.stage_rows(topk[a:b], slots[a:b], resident, host, c.arena_layer(layer),
+                                   c.host_layer(layer), c.staging, self.block_size,
+                                   counter=c.staged_counter)
+            out[st[a:b]] = self._attention(q_latent[st[a:b]], c.staging, srows, sm_scale,
+                                           meta=False).to(out.dtype)
         return out.to(q_latent.dtype)
 
     def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
@@ -194,7 +239,16 @@ class ModelRunner:
         inputs = self.inputs
         T, S = inputs.stage_tokens(seqs, input_ids)
         pos_t = inputs.positions[:T]
-        self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t)
+        staged = None
+        if any(s.staged for s in seqs):   # eager prefill over spilled history (issue 14)
+            ranges, off = [], 0
+            for s in seqs:
+                if s.staged:
+                    ranges.append(torch.arange(off, off + s.num_tokens, device=self.device))
+                off += s.num_tokens
+            staged = torch.cat(ranges)
+        self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t,
+                       staged)
         hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
         if not S:
             return hidden.new_zeros(0, 0).float()
@@ -243,6 +297,11 @@ class ModelRunner:
                 event.synchronize()
             done.append(copy_id)
         return done
+
+    @property
+    def staged_rows(self) -> int:
+        """Host-only rows prefill chunks read through the staging area, summed over layers."""
+        return int(self.caches.staged_counter.item())
 
     def hot_counters(self) -> tuple[int, int]:
         hits, misses = self.caches.counters[:2].tolist()
