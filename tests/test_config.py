@@ -20,7 +20,8 @@ def test_defaults_and_derived_sizes():
     assert c.max_pages_per_request == 32 and c.hot_blocks_per_request == 4
     assert c.chunk_pages == 256 // 16 + 1
     assert c.watermark == max(4, 64 // 10) and c.uses_host
-    assert c.min_gpu_blocks == max(32, 4 + ACTIVE_TAIL_PAGES + 17)
+    assert c.min_gpu_blocks == 4 + ACTIVE_TAIL_PAGES + 17
+    assert c.num_staging_rows == 8 * 32 and cfg(mode="gpu-only").num_staging_rows == 0
 
 
 @pytest.mark.parametrize("field", ["block_size", "num_gpu_blocks", "num_indexer_blocks",
@@ -63,12 +64,35 @@ def test_gpu_minimum_counts_the_chunk_that_can_actually_be_scheduled():
     c = cfg(block_size=8, max_model_len=128, max_num_batched_tokens=2048, index_topk=16,
             num_gpu_blocks=64, num_indexer_blocks=16, num_host_blocks=16)
     assert c.chunk_pages == 16                       # min(cdiv(128, 8) + 1, 16 pages)
-    assert c.min_gpu_blocks == max(16, 4 + ACTIVE_TAIL_PAGES + 16)
-    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 22 \(one max_model_len "
-                                         r"prompt: 16; hot blocks 4 \+ tail 2 \+ one prefill "
-                                         r"chunk 16\), got 21"):
+    assert c.min_gpu_blocks == 4 + ACTIVE_TAIL_PAGES + 16
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 22 \(hot blocks 4 \+ "
+                                         r"tail 2 \+ one prefill chunk 16; spilled prefill "
+                                         r"history is read through 128 staging rows\), got 21"):
         cfg(block_size=8, max_model_len=128, max_num_batched_tokens=2048, index_topk=16,
             num_gpu_blocks=21, num_indexer_blocks=16, num_host_blocks=16)
+
+
+def test_gpu_minimum_does_not_need_one_max_model_len_prompt():
+    """Issue 14: prefill reads spilled history through the staging area, so the minimum is
+    hot blocks + tail + one chunk, whatever max_model_len is (a 128k context on a small pool)."""
+    big = cfg(block_size=64, max_model_len=131072, index_topk=2048, max_num_batched_tokens=2048,
+              num_gpu_blocks=100, num_host_blocks=2048, num_indexer_blocks=2048)
+    assert big.max_pages_per_request == 2048
+    assert big.min_gpu_blocks == 64 + ACTIVE_TAIL_PAGES + 33 == 99
+    assert big.num_staging_rows == 8 * 2048
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 99 \(hot blocks 64"):
+        cfg(block_size=64, max_model_len=131072, index_topk=2048, max_num_batched_tokens=2048,
+            num_gpu_blocks=98, num_host_blocks=2048, num_indexer_blocks=2048)
+
+
+def test_staging_rows_validation():
+    assert cfg(staging_rows=32).num_staging_rows == 32
+    assert cfg(max_model_len=64, num_indexer_blocks=64, num_host_blocks=64).num_staging_rows \
+        == 64                                       # capped at max_model_len
+    for bad in (31, 0, True, 40.0):
+        with pytest.raises(ValueError, match=r"staging_rows must be None or an integer >= "
+                                             r"index_topk \(32\)"):
+            cfg(staging_rows=bad)
 
 
 def test_gpu_only_minimum_is_one_full_request():

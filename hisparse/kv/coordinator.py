@@ -200,6 +200,8 @@ class KVCoordinator:
                              f"with {req.num_tokens} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
         resident = req.resident
+        if end > req.prompt_len >= start:
+            self.reclaim.prefilling.pop(req.uid, None)   # its pages stay until it switches
         if (end > req.prompt_len >= start and not req.host_read and self.cfg.uses_host
                 and self.reclaim.has_host_only_history(req, start, block_size)):
             # Its history has host-only pages (released during prefill or unrestored prefix

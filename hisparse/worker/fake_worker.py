@@ -51,6 +51,7 @@ class FakeWorker:
         self.indexer = torch.full((num_layers, cfg.num_indexer_blocks * self.block_size), POISON,
                                   dtype=torch.int64)
         self.host = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
+        self.staged_rows = 0
         self.host_indexer = torch.full((num_layers, host_rows), POISON, dtype=torch.int64)
         self.layer_salt = torch.arange(num_layers, dtype=torch.int64)[:, None] * 1_000_003
         # hot[slot][layer]: {position: hot slot index}, in LRU order (oldest first); the rows
@@ -144,7 +145,16 @@ class FakeWorker:
         is_res = rows >= 0
         if is_res.any():
             got[:, torch.from_numpy(is_res)] = self.arena[:, torch.from_numpy(rows[is_res])]
-        if not is_res.all():
+        if not is_res.all() and seq.staged and not seq.host_read:
+            # Staged prefill (issue 14): host-only rows are read from the host pool through
+            # the staging area; they must be durable there.
+            miss = ~is_res
+            host_rows = flat_rows(plan.host_block_table, seq.slot, positions[miss], block_size)
+            if (host_rows < 0).any():
+                raise KVMismatch(f"{seq.req_id}: staged history row without a host block")
+            got[:, torch.from_numpy(miss)] = self.host[:, torch.from_numpy(host_rows)]
+            self.staged_rows += int(miss.sum())
+        elif not is_res.all():
             if not seq.host_read:
                 raise KVMismatch(f"{seq.req_id}: non-resident history but not in host-read mode")
             hot = self.hot[seq.slot]

@@ -21,7 +21,7 @@ def cfg(**kw):
     ("num_gpu_blocks", -1, "num_gpu_blocks must be a positive integer"),
     ("hot_buffer_size", 3, r"hot_buffer_size must be >= index_topk \(4\)"),
     ("num_host_blocks", 15, r"num_host_blocks must hold one max-length request \(>= 16"),
-    ("num_gpu_blocks", 10, r"num_gpu_blocks must be >= 16"),
+    ("num_gpu_blocks", 8, r"num_gpu_blocks must be >= 9"),
     ("mode", "sometimes", "mode must be one of"),
 ])
 def test_bad_config_names_field_and_limit(field, value, match):
