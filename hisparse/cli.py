@@ -68,8 +68,13 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
               num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
               mode=_mode(args), max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype)
-    for out in llm.generate(prompts, params, use_tqdm=True):
+              kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=True)
+    finally:
+        llm.shutdown()
+    for out in outs:
         c = out.outputs[0]
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "token_ids": c.token_ids, "text": c.text,
@@ -123,6 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
                     log_level="debug" if args.debug else "warning")
     finally:
         engine.shutdown()
+        llm.shutdown()
     return 0
 
 
@@ -227,6 +233,8 @@ def _main(argv: list[str], debug: bool) -> int:
                      help="bf16: exact rows; fp8: FlashMLA's 656-B rows + 132-B indexer keys")
     gen.add_argument("--num-gpu-blocks", type=int, default=None)
     gen.add_argument("--host-pool-gib", type=float, default=4.0)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="ranks of tensor parallelism (worker processes, one shared host pool)")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--mode", default=None, choices=["gpu-only", "hisparse", "always-host"],
                      help="where KV may live (default: hisparse)")

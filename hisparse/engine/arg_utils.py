@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="do not overlap scheduling with the GPU step (default: overlapped)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, config only (default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of tensor parallelism; >1 starts worker processes that share "
+                   "one host pool (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: half the cores, at most 4)")
 
@@ -67,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               watermark_blocks=args.watermark_blocks,
               enable_prefix_caching=args.enable_prefix_caching,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              load_format=args.load_format)
+              load_format=args.load_format,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw
