@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step (prefill chunk budget) (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="bf16: exact rows (1152 B) and keys (256 B); fp8: FlashMLA's 656-B rows "
+                   "and 132-B keys, CPU only for now (default: %(default)s)")
+    g.add_argument("--hot-policy", default="lru", choices=["lru", "score", "score+prefetch"],
+                   help="hot-buffer replacement (default: %(default)s)")
     g.add_argument("--num-indexer-blocks", type=int, default=None,
                    help="indexer-cache pages (default: max_num_seqs full requests)")
     g.add_argument("--watermark-blocks", type=int, default=None,
@@ -70,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               watermark_blocks=args.watermark_blocks,
               enable_prefix_caching=args.enable_prefix_caching,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              load_format=args.load_format,
+              load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+              hot_policy=args.hot_policy,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
