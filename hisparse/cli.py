@@ -68,7 +68,11 @@ def _generate(args: argparse.Namespace) -> int:
     from hisparse.engine.arg_utils import engine_kwargs
 
     llm = LLM(args.model, **{**engine_kwargs(args), "mode": _mode(args)})
-    for out in llm.generate(prompts, params, use_tqdm=True):
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=True)
+    finally:
+        llm.shutdown()
+    for out in outs:
         c = out.outputs[0]
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "token_ids": c.token_ids, "text": c.text,
@@ -122,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
                     log_level="debug" if args.debug else "warning")
     finally:
         engine.shutdown()
+        llm.shutdown()
     return 0
 
 

@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="do not overlap scheduling with the GPU step (default: overlapped)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, config only (default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of tensor parallelism; >1 starts worker processes that share "
+                   "one host pool (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: half the cores, at most 4)")
 
@@ -73,7 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               enable_prefix_caching=args.enable_prefix_caching,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
-              hot_policy=args.hot_policy)
+              hot_policy=args.hot_policy,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw

@@ -47,6 +47,17 @@ FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
+def tp_all_reduce(x: Tensor, group) -> Tensor:
+    """Sum ``x`` over the ranks of a tensor-parallel ``group`` (in place); identity when
+    ``group`` is None (TP=1). Set by :func:`hisparse.models.tp.shard_model_`."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=group)
+    return x
+
+
 class FP8Linear(nn.Module):
     """``y = x @ (weight * weight_scale_inv)^T (+ bias)`` with a float8_e4m3fn ``weight
     [out, in]`` and fp32 ``weight_scale_inv [ceil(out/bn), ceil(in/bk)]`` (DeepSeek / transformers
@@ -172,6 +183,7 @@ class DSAAttention(nn.Module):
         self.w_uv = nn.Parameter(torch.empty(H, self.v_dim, R))
         self.o_proj = make_linear(cfg, H * self.v_dim, cfg.hidden_size, bias)
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
+        self.tp_group = None     # tensor parallelism: all-reduce after o_proj
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
         T, H = x.shape[0], self.num_heads
@@ -193,7 +205,7 @@ class DSAAttention(nn.Module):
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
         v = torch.einsum("thr,hvr->thv", out, self.w_uv)                            # [T, H, v]
-        return self.o_proj(v.reshape(T, H * self.v_dim))
+        return tp_all_reduce(self.o_proj(v.reshape(T, H * self.v_dim)), self.tp_group)
 
 
 class DSAMLP(nn.Module):
@@ -204,9 +216,11 @@ class DSAMLP(nn.Module):
         self.up_proj = make_linear(cfg, hidden, inter)
         self.down_proj = make_linear(cfg, inter, hidden)
         self.act = _ACT[cfg.hidden_act]
+        self.tp_group = None     # tensor parallelism (dense layers): all-reduce after down_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return tp_all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)),
+                             self.tp_group)
 
 
 class DSARouter(nn.Module):
@@ -276,13 +290,14 @@ class DSAMoE(nn.Module):
         self.experts = DSAExperts(cfg)
         self.shared_experts = (DSAMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
+        self.tp_group = None     # tensor parallelism: one all-reduce of routed + shared
 
     def forward(self, x: Tensor) -> Tensor:
         idx, w = self.gate(x)
         y = self.experts(x, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return tp_all_reduce(y, self.tp_group)
 
 
 class DSADecoderLayer(nn.Module):
