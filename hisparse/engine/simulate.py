@@ -141,11 +141,14 @@ class Simulation:
                                      f"(durable={req.num_durable}, computed={n})")
             num_pages = cdiv(n, block_size)
             for p in range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages):
-                # I4: the last pages are pinned GPU pages while they may be written (a fully
-                # durable page, e.g. an unrestored prefix hit, may be host-only: issue 14).
-                if (p + 1) * block_size <= req.num_durable:
-                    continue
+                # I4: the last pages are pinned GPU pages. One exception (issue 14): a host-only
+                # prefix hit used in place (never restored, so never given a GPU block) may be
+                # among them; it is fully durable (published), no step writes it again, and
+                # reads go through the staging area (prefill) or the hot buffer (decode). An
+                # unpinned page (p < pinned_start, block id kept) is still caught.
                 block = int(req.resident[p])
+                if block < 0 and (p + 1) * block_size <= req.num_durable:
+                    continue
                 if block < 0 or p < req.pinned_start or kv.gpu_pool.ref_counts[block] == 0:
                     raise AssertionError(f"I4: {req.req_id} tail page {p} not pinned")
             if req.host_read:
@@ -155,7 +158,8 @@ class Simulation:
                         raise AssertionError(f"I5: {req.req_id} holds clean page {p}")
                 if len(req.hot_blocks) != self.cfg.hot_blocks_per_request:
                     raise AssertionError(f"I5: {req.req_id} host-read without hot blocks")
-            elif req.decoding and (req.resident[:num_pages] < 0).any():
+            elif req.decoding and (req.pinned_start > 0 or (req.resident[:num_pages] < 0).any()):
+                # Unpinned pages (below pinned_start) count too: their blocks may be reused.
                 raise AssertionError(f"{req.req_id}: host-only pages outside host-read mode")
         self._check_block_owners()
         self._check_published()

@@ -243,7 +243,7 @@ class KVCoordinator:
             sample = end >= req.num_tokens
             prefill = start < req.prompt_len
             staged = (prefill and uses_host and not req.host_read
-                      and self.reclaim.has_host_only_history(req, end, self.block_size))
+                      and self.reclaim.has_host_only_history(req, start, self.block_size))
             self.stats.staged_chunks += staged
             seqs.append(ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
                                      sample, prefill, staged))

@@ -74,10 +74,16 @@ class Reclaimer:
 
     @staticmethod
     def has_host_only_history(req: RequestKV, end: int, block_size: int) -> bool:
-        """Some page of tokens ``[0, end)`` has no GPU block of ours (it is read from host)."""
+        """Some page of tokens ``[0, end)`` has no GPU block of ours: never restored
+        (``resident[p] < 0``) or unpinned (``p < pinned_start``). An unpinned page keeps its
+        block id in ``resident`` until the pool hands the block to someone else, which may
+        happen at any later allocation: it must count as host-only from the moment it is
+        unpinned, or a request could start decoding outside host-read mode over history that
+        is about to disappear from the GPU."""
         if end <= 0:
             return False
-        return bool((req.resident[:cdiv(end, block_size)] < 0).any())
+        num_pages = cdiv(end, block_size)
+        return req.pinned_start > 0 or bool((req.resident[:num_pages] < 0).any())
 
     # ------------------------------------------------------------------ switching
     def switch(self, req: RequestKV) -> bool:

@@ -123,3 +123,25 @@ def test_prefix_hit_after_reclaim_never_aliases_a_hot_block():
     sim.run_to_completion(check=True)
     assert sim.kv.stats.host_read_switches >= 1 and sim.kv.stats.prefix_hit_tokens >= 8
     sim.check_all_free()
+
+
+def test_prefill_released_pages_switch_to_host_read_at_first_decode():
+    """Staged prefill (issue 14): pages a prefilling request gave up under pressure are
+    host-only from the moment they are unpinned, even while their blocks still hold the rows
+    (no one reused them yet): later chunks are staged and the first decode step switches to
+    host-read mode, before any reuse could pull the history from under a resident-only read."""
+    kv = KVCoordinator(cfg(num_gpu_blocks=12))
+    a = kv.admit("a", list(range(36)), 48)
+    assert kv.allocate_slots(a, 16)
+    kv.build_plan(1)
+    kv.apply_acks([1])
+    kv.reclaim.release_prefill_pages(kv.gpu_pool.num_free + 2)   # pressure during prefill
+    assert a.pinned_start == 2 and (a.resident[:2] >= 0).all()   # unpinned, blocks intact
+    assert kv.allocate_slots(a, 16)
+    assert kv.build_plan(2).seqs[0].staged
+    assert kv.allocate_slots(a, 4)                                # the prompt's last chunk
+    assert kv.build_plan(3).seqs[0].sample
+    assert (a.resident[:2] >= 0).all() and not a.host_read
+    assert kv.allocate_slots(a, 1)                                # first decode token
+    assert a.host_read and len(a.hot_blocks) == kv.cfg.hot_blocks_per_request
+    assert not kv.build_plan(4).seqs[0].staged
