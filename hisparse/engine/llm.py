@@ -36,6 +36,9 @@ logger = logging.getLogger("hisparse.engine")
 HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
 class EngineStartupError(RuntimeError):
     """A resource could not be allocated at start-up; the message names the knob to change."""
 
@@ -165,7 +168,7 @@ class LLM:
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
-                 hot_policy: str = "lru"):
+                 hot_policy: str = "lru", num_speculative_tokens: int = 0):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if hot_policy not in ("lru", "score", "score+prefetch"):
@@ -194,6 +197,13 @@ class LLM:
         _check_bool("enable_prefix_caching", enable_prefix_caching)
         _check_bool("enforce_eager", enforce_eager)
         _check_bool("async_scheduling", async_scheduling)
+        _check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {num_speculative_tokens}")
+        if num_speculative_tokens >= block_size:
+            raise ValueError(f"num_speculative_tokens ({num_speculative_tokens}) must be < "
+                             f"block_size ({block_size})")
         _check_real("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0)
         if mode != Mode.GPU_ONLY:
             _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
@@ -215,8 +225,24 @@ class LLM:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
         from hisparse.models.config import parse_dtype
-        geo = CacheGeometry(num_layers=mc.num_layers, row_dim=mc.kv_row_dim,
-                            indexer_layers=tuple(l for l in range(mc.num_layers)
+        k_spec = num_speculative_tokens
+        if k_spec and mc.num_nextn_predict_layers < 1:
+            raise ValueError(f"num_speculative_tokens={k_spec} needs MTP layers, but the "
+                             f"checkpoint's config has num_nextn_predict_layers="
+                             f"{mc.num_nextn_predict_layers}")
+        if k_spec and mode != Mode.GPU_ONLY:
+            # A verify group's union of selections is at most (k + 1) * index_topk rows: a hot
+            # buffer that large can never overflow (the resolver would fail the step).
+            need = (k_spec + 1) * mc.index_topk
+            if hot_buffer_size is None:
+                hot_buffer_size = max(need, 2 * mc.index_topk)
+            elif hot_buffer_size < need:
+                raise ValueError(f"hot_buffer_size ({hot_buffer_size}) must be >= "
+                                 f"(num_speculative_tokens + 1) * index_topk = {need}: a "
+                                 f"verify step resolves the union of its tokens' selections")
+        n_cache_layers = mc.num_layers + (1 if k_spec else 0)   # + the MTP layer's KV
+        geo = CacheGeometry(num_layers=n_cache_layers, row_dim=mc.kv_row_dim,
+                            indexer_layers=tuple(l for l in range(n_cache_layers)
                                                  if mc.layer_has_indexer(l)),
                             index_head_dim=mc.index_head_dim,
                             dtype=parse_dtype(dtype) if dtype is not None else mc.dtype,
@@ -244,6 +270,7 @@ class LLM:
 
         # ---- 3. weights, then the caches
         self.model, _ = load_model(model, dtype=dtype, device=self.device,
+                                   num_mtp_layers=1 if k_spec else 0,
                                    load_format=load_format, config=mc)
         if num_gpu_blocks is None:
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
@@ -253,10 +280,11 @@ class LLM:
         self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
         self.caches.set_hot_policy(hot_policy)
         self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
-                                                  mc.kv_lora_rank, enforce_eager=enforce_eager)
+                                                  mc.kv_lora_rank,
+                                                  enforce_eager=enforce_eager or bool(k_spec))
         self.scheduler = Scheduler(self.kv_config)
         self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
-                               async_scheduling)
+                               async_scheduling, num_speculative_tokens=k_spec)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
@@ -632,6 +660,8 @@ class LLM:
             "free_gpu_blocks": kv.gpu_pool.num_free,
             "free_host_blocks": kv.host_pool.num_free if kv.host_pool is not None else 0,
             "free_indexer_blocks": kv.indexer_pool.num_free,
+            "num_speculative_tokens": self.core.num_speculative_tokens,
+            **self.core.spec_stats.as_dict(),
         }
 
     def capacity(self, context: int | None = None, **overrides):
