@@ -13,7 +13,8 @@ Math conventions reproduced from transformers (see docs in :mod:`hisparse.models
 - Indexer RoPE acts on the first ``qk_rope_head_dim`` dims of q/k (the rest pass through):
   half-split (non-interleaved) for DeepSeek-V3.2, interleaved for GLM.
 - cos/sin carry the YaRN ``attention_factor``; the softmax scale carries ``mscale(all_dim)**2``.
-- ``score(t,s) = sum_h w[t,h] * relu(q[t,h].k[s])`` with ``w = weights_proj(x) * Hi**-0.5 * Di**-0.5``.
+- ``score(t,s) = sum_h w[t,h] * relu(q[t,h].k[s])`` with
+  ``w = weights_proj(x) * Hi**-0.5 * Di**-0.5``.
 
 FP8 checkpoints (``config.fp8_block``): the linears DeepSeek stores in FP8 -- ``q_a_proj``,
 ``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``, the indexer's ``wq_b`` and ``wk``, dense and
@@ -40,7 +41,8 @@ from .config import DSAConfig
 from .context import SparseAttentionContext
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
-FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
+                       "mlp.gate.e_score_correction_bias")
 
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -126,7 +128,8 @@ class Rotary:
 class DSAIndexer(nn.Module):
     def __init__(self, cfg: DSAConfig):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
         self.wq_b = make_linear(cfg, cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = make_linear(cfg, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -135,7 +138,8 @@ class DSAIndexer(nn.Module):
         # relu(q.k * Di^-0.5) = Di^-0.5 * relu(q.k): both scales fold into the per-head weights.
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
 
-    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         T, r = x.shape[0], self.rope_dim
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         q = torch.cat([self.rope(q[..., :r], cos[:, None], sin[:, None]), q[..., r:]], dim=-1)
@@ -153,7 +157,8 @@ class DSAAttention(nn.Module):
                              "(transformers' DSA models have no q_lora_rank=None path either)")
         self.layer_idx = layer_idx
         self.num_heads = H = cfg.num_heads
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = R = cfg.kv_lora_rank
         self.sm_scale = cfg.softmax_scale
         bias = cfg.attention_bias
@@ -180,7 +185,7 @@ class DSAAttention(nn.Module):
 
         kv_new = torch.cat([c_kv, k_pe], dim=-1)                                    # [T, R + rope]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
-        q_latent = torch.cat([q_abs, q_pe], dim=-1)                                 # [T, H, R + rope]
+        q_latent = torch.cat([q_abs, q_pe], dim=-1)                       # [T, H, R + rope]
         if self.indexer is not None:
             index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin)
         else:
@@ -211,7 +216,8 @@ class DSARouter(nn.Module):
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))                 # fp32
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)  # fp32
-        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -390,7 +396,7 @@ class DSAForCausalLM(nn.Module):
             else:
                 p.normal_(0.0, std)
 
-    def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
+    def cast(self, dtype: torch.dtype) -> DSAForCausalLM:
         """Cast to ``dtype``, keeping the router and indexer head weights in float32 and FP8
         weights with their fp32 scales as they are."""
         for name, p in self.named_parameters():

@@ -50,7 +50,8 @@ _EXPERT_RE = re.compile(
     r"(gate_proj|up_proj|down_proj)\.weight$")
 _MTP_LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 _MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-            "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "shared_head_norm.weight"}
+            "eh_proj.weight": "eh_proj.weight",
+            "shared_head.norm.weight": "shared_head_norm.weight"}
 
 
 def mtp_name(name: str, num_layers: int, num_mtp: int) -> str | None:

@@ -241,7 +241,7 @@ def test_padding_rows_touch_nothing(backend):
 
 
 def test_multi_token_group_resolves_union(backend):
-    K, H = 16, 40
+    H = 40
     b = Batch(R=2, P=8, H=H, seed=4, resident_frac=0.25)
     g = torch.Generator().manual_seed(8)
     pos = torch.randperm(8 * BS, generator=g).to(torch.int32)
@@ -299,7 +299,7 @@ def test_triton_interpreter_matches_reference_random_steps(backend):
     b = Batch(R=3, P=10, H=64, seed=12, resident_frac=0.4)
     ref = b.clone()
     g = torch.Generator().manual_seed(12)
-    for step in range(4):
+    for _step in range(4):
         T = 6
         req = torch.tensor([0, 0, 2, -1, 1, 1], dtype=torch.int32)
         topk = torch.stack([rand_sel(g, 20, 0, 10 * BS) for _ in range(T)])
@@ -325,7 +325,7 @@ def test_gpu_production_shape_matches_reference(mult):
     req = torch.arange(R, dtype=torch.int32)
     req[7] = -1
     prev = None
-    for step in range(3):
+    for _step in range(3):
         rows = []
         for r in range(R):
             perm = torch.randperm(P * BS, generator=g).to(torch.int32)
@@ -360,8 +360,8 @@ def test_gpu_cuda_graph_capture_replay():
     ref = b.clone()
     g = torch.Generator().manual_seed(14)
     req = torch.arange(R, dtype=torch.int32, device="cuda")
-    sels = [torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)]).to(torch.int32).cuda()
-            for _ in range(4)]
+    sels = [torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)])
+            .to(torch.int32).cuda() for _ in range(4)]
     static = sels[0].clone()
     args = lambda x: (static, req, x.res, x.hostbt, x.hot, x.keys[0], x.lru[0], x.arena_all[0],
                       x.host_all[0], BS, x.counters[0])
@@ -665,7 +665,7 @@ def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
     assert total == int(ref.counters[0][3]) > 0
 
 
-# ---------------------------------------------------------------------- MTP verify groups (issue 14)
+# ------------------------------------------------------------------ MTP verify groups (issue 14)
 def test_verify_group_shared_rows_load_once(backend):
     """k + 1 tokens of one request selecting the same rows: one miss per row, one hot slot per
     row, every token served the same (correct) row."""
