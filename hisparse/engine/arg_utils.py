@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="no CUDA graphs (default: capture decode steps)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="do not overlap scheduling with the GPU step (default: overlapped)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="MTP speculative decoding: draft tokens verified per step (needs "
+                   "num_nextn_predict_layers >= 1; 0 = off) (default: %(default)s)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, config only (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
@@ -67,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               watermark_blocks=args.watermark_blocks,
               enable_prefix_caching=args.enable_prefix_caching,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              load_format=args.load_format)
+              load_format=args.load_format,
+              num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw
