@@ -155,6 +155,14 @@ class LLM:
     indexer keys, the deployment format; :mod:`hisparse.ops.quant`).
     ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
     its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
+    ``num_speculative_tokens=k`` (0 = off, 1..8, ``< block_size``): MTP speculative decoding
+    (:mod:`hisparse.engine.spec`). The checkpoint's first MTP layer is loaded (its KV is one
+    more cache layer); each step verifies every decoding request's last token and ``k`` drafts
+    (``k + 1`` positions resolved as one group through its hot buffer), accepts by rejection
+    sampling (exact; greedy output identical to ``k = 0``) and drafts the next ``k``. It runs
+    in the synchronous loop (``async_scheduling`` is ignored) and eagerly (no CUDA graphs), and
+    needs ``hot_buffer_size >= (k + 1) * index_topk`` outside gpu-only mode (the default grows
+    to that), so a verify group's union of selections always fits.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
