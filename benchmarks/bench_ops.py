@@ -208,7 +208,8 @@ def _bench_resolver_rows(res, R, K, H, bs, ctx, P, HB, n_blocks, row_bytes):
         for frac in (0.0, 0.1, 1.0):
             keys = torch.full((R, H), -1, dtype=torch.int32, device="cuda")
             lru = torch.arange(H, dtype=torch.int32, device="cuda").repeat(R, 1)
-            perm = torch.argsort(torch.rand(R, ctx, device="cuda", generator=g), dim=1).to(torch.int32)
+            perm = torch.argsort(torch.rand(R, ctx, device="cuda", generator=g),
+                                 dim=1).to(torch.int32)
             sel = perm[:, :K].contiguous()
             nxt = K
             n_new = int(round(frac * K))
@@ -252,9 +253,11 @@ def _bench_resolver_rows(res, R, K, H, bs, ctx, P, HB, n_blocks, row_bytes):
                             hot=H, miss_frac=frac,
                             us=t * 1e6, measured_miss_rate=miss_rate,
                             miss_gbs=(miss_bytes / t / 1e9) if frac else None))
-            print(f"resolver[{mode}] {row_bytes}-B rows B={R} K={K} H={H} misses {frac * 100:.0f}% (measured "
+            print(f"resolver[{mode}] {row_bytes}-B rows B={R} K={K} H={H} "
+                  f"misses {frac * 100:.0f}% (measured "
                   f"{miss_rate * 100:.1f}%): {t * 1e6:.1f} us"
-                  + (f", {miss_bytes / t / 1e9:.1f} GB/s of missed rows" if frac else ""), flush=True)
+                  + (f", {miss_bytes / t / 1e9:.1f} GB/s of missed rows" if frac else ""),
+                  flush=True)
 
 
 def _raw_flashmla(q, kv, idx, scale, fp8_cache=None):
@@ -408,7 +411,8 @@ def bench_indexer(res, sweep):
                         score_gbs=T * ctx * 132 / t8 / 1e9, vs_bf16=t_score / t8))
         print(f"indexer scoring FP8 keys (132 B) ctx={ctx}: {t8 * 1e6:.0f} us "
               f"({t_score / t8:.2f}x the bf16 keys' throughput)", flush=True)
-        print(f"indexer+topk B={T} ctx={ctx}: {t_all * 1e6:.0f} us (scoring {t_score * 1e6:.0f} us, "
+        print(f"indexer+topk B={T} ctx={ctx}: {t_all * 1e6:.0f} us "
+              f"(scoring {t_score * 1e6:.0f} us, "
               f"{kbytes / t_score / 1e9:.0f} GB/s of keys; top-k {(t_all - t_score) * 1e6:.0f} us)",
               flush=True)
         del kc
@@ -426,7 +430,8 @@ def main():
     assert torch.cuda.is_available(), "needs CUDA"
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "uncommitted"
+                                text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or "uncommitted"
     except Exception:
         commit = "uncommitted"
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit,

@@ -65,11 +65,14 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-              num_gpu_blocks=args.num_gpu_blocks, host_pool_gib=args.host_pool_gib,
-              mode=_mode(args), max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype)
-    for out in llm.generate(prompts, params, use_tqdm=True):
+    from hisparse.engine.arg_utils import engine_kwargs
+
+    llm = LLM(args.model, **{**engine_kwargs(args), "mode": _mode(args)})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=True)
+    finally:
+        llm.shutdown()
+    for out in outs:
         c = out.outputs[0]
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "token_ids": c.token_ids, "text": c.text,
@@ -123,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
                     log_level="debug" if args.debug else "warning")
     finally:
         engine.shutdown()
+        llm.shutdown()
     return 0
 
 
@@ -210,6 +214,8 @@ def _main(argv: list[str], debug: bool) -> int:
     demo.add_argument("--device", default=None)
     demo.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"])
     demo.set_defaults(func=_demo)
+    from hisparse.engine.arg_utils import add_engine_args
+
     gen = sub.add_parser("generate", help="generate from a checkpoint directory")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer)")
@@ -220,14 +226,7 @@ def _main(argv: list[str], debug: bool) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    gen.add_argument("--block-size", type=int, default=64)
-    gen.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
-                     help="bf16: exact rows; fp8: FlashMLA's 656-B rows + 132-B indexer keys")
-    gen.add_argument("--num-gpu-blocks", type=int, default=None)
-    gen.add_argument("--host-pool-gib", type=float, default=4.0)
-    gen.add_argument("--max-model-len", type=int, default=None)
+    add_engine_args(gen, with_mode=False)
     gen.add_argument("--mode", default=None, choices=["gpu-only", "hisparse", "always-host"],
                      help="where KV may live (default: hisparse)")
     gen.add_argument("--hisparse", default=None, choices=["on", "off", "always-host"],

@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(points: list[Point]) -> None:
     cols = ["mode", "context", "concurrency", "decode_tok_s", "steady_tok_s", "tpot_p50_ms",
             "tpot_p99_ms", "wall_ms_per_step", "gpu_ms_per_step", "running_reached",
-            "planned_max_running", "planned_bound_by", "planned_tok_s", "hot_hit_rate", "h2d_gb_s", "num_preempted"]
+            "planned_max_running", "planned_bound_by", "planned_tok_s", "hot_hit_rate", "h2d_gb_s",
+            "num_preempted"]
     print(" | ".join(cols))
     for pt in points:
         d = asdict(pt)

@@ -23,7 +23,8 @@ source and is the score rank (best first) for the trace.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -43,7 +44,8 @@ class TopkSource(Protocol):
     num_layers: int
 
     def select(self, layer: int, stream: int, step: int, context_len: int, k: int) -> np.ndarray:
-        """``min(k, context_len)`` unique positions in ``[0, context_len)`` (int64), deterministic."""
+        """``min(k, context_len)`` unique positions in ``[0, context_len)`` (int64),
+        deterministic."""
         ...
 
 
@@ -265,7 +267,8 @@ class TraceTopk:
         if not (self.context_lens == expect[None, :]).all():
             raise ValueError("TraceTopk: every document must start at the same context length "
                              "and grow by one token per step")
-        if self.positions.min() < 0 or (self.positions >= self.context_lens[:, None, :, None]).any():
+        if (self.positions.min() < 0
+                or (self.positions >= self.context_lens[:, None, :, None]).any()):
             raise ValueError("TraceTopk: trace positions out of their context range")
         self.ctx0 = int(self.context_lens[0, 0])
         self.span = int(self.context_lens.max())          # R: tile pitch
@@ -515,7 +518,8 @@ def replay_hit_rates(source: TopkSource, num_layers: int, num_streams: int, step
             "hit_rate": float(1 - miss_l.sum() / max(1, look_l.sum())),
             "hit_rate_per_layer": [float(1 - a / max(1, b)) for a, b in zip(miss_l, look_l)],
             "misses_per_step": lru_miss[j].sum(0).tolist(),
-            "misses_per_step_per_buffer": float(lru_miss[j][:, w].sum() / max(1, (T - warmup) * L * R)),
+            "misses_per_step_per_buffer": float(lru_miss[j][:, w].sum()
+                                                / max(1, (T - warmup) * L * R)),
             "overlap": float(ov_sum.sum() / max(1, ov_cnt.sum())),
             "overlap_per_layer": [float(a / max(1, b)) for a, b in zip(ov_sum, ov_cnt)],
         }

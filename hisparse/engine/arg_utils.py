@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step (prefill chunk budget) (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="bf16: exact rows (1152 B) and keys (256 B); fp8: FlashMLA's 656-B rows "
+                   "and 132-B keys, CPU only for now (default: %(default)s)")
+    g.add_argument("--hot-policy", default="lru", choices=["lru", "score", "score+prefetch"],
+                   help="hot-buffer replacement (default: %(default)s)")
     g.add_argument("--num-indexer-blocks", type=int, default=None,
                    help="indexer-cache pages (default: max_num_seqs full requests)")
     g.add_argument("--watermark-blocks", type=int, default=None,
@@ -54,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    "num_nextn_predict_layers >= 1; 0 = off) (default: %(default)s)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, config only (default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of tensor parallelism; >1 starts worker processes that share "
+                   "one host pool (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: half the cores, at most 4)")
 
@@ -70,7 +78,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               watermark_blocks=args.watermark_blocks,
               enable_prefix_caching=args.enable_prefix_caching,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              load_format=args.load_format,
+              load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+              hot_policy=args.hot_policy,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
               num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode

@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ from hisparse.worker.cache import KV_CACHE_DTYPES, CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("hisparse.engine")
+
+# Seeds random (load_format="dummy") weights identically on every tensor-parallel rank.
+_TP_SEED = 0
 
 # The deprecated ``hisparse=`` keyword's values.
 HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
@@ -155,6 +159,11 @@ class LLM:
     indexer keys, the deployment format; :mod:`hisparse.ops.quant`).
     ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
     its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
+    ``tensor_parallel_size=N > 1``: this process is rank 0 (scheduler, sampling, its own shard)
+    and starts N-1 worker processes (``torch.multiprocessing`` spawn; NCCL on CUDA, gloo on CPU)
+    that execute every step with their shard; one host pool in shared memory serves every rank
+    (``host_pool_gib`` is the node's pool, not per rank). See :mod:`hisparse.worker.tp`; call
+    :meth:`shutdown` (or drop the LLM) to stop the workers. Decode runs eager under TP for now.
     ``num_speculative_tokens=k`` (0 = off, 1..8, ``< block_size``): MTP speculative decoding
     (:mod:`hisparse.engine.spec`). The checkpoint's first MTP layer is loaded (its KV is one
     more cache layer); each step verifies every decoding request's last token and ``k`` drafts
@@ -176,7 +185,8 @@ class LLM:
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
-                 hot_policy: str = "lru", num_speculative_tokens: int = 0):
+                 hot_policy: str = "lru", tensor_parallel_size: int = 1,
+                 num_speculative_tokens: int = 0):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if hot_policy not in ("lru", "score", "score+prefetch"):
@@ -217,7 +227,20 @@ class LLM:
             _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        _check_int("tensor_parallel_size", tensor_parallel_size)
+        if num_speculative_tokens and tensor_parallel_size > 1:
+            raise ValueError("num_speculative_tokens > 0 is not supported with "
+                             "tensor_parallel_size > 1 yet (the TP workers run the plain step)")
+        self.tensor_parallel_size = tp = tensor_parallel_size
+        self._tp = None
+        self._tp_finalizer = None
+        self._fault: BaseException | None = None
         self.device = _parse_device(device)
+        if tp > 1 and self.device.type == "cuda":
+            first = self.device.index or 0
+            if first + tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {first}.."
+                                 f"{first + tp - 1}; only {torch.cuda.device_count()} exist")
         if kv_cache_dtype == "fp8" and self.device.type == "cuda":
             # Measured on the H200: the engine with FP8 KV stops with "CUDA error: misaligned
             # address" (tests/engine/test_engine_gpu.py::test_fp8_kv_lossless_on_gpu). Refuse it
@@ -228,6 +251,10 @@ class LLM:
         # ---- 2. the model's config.json, then every size (still nothing loaded)
         mc = load_config(model)
         self.model_config = mc
+        if tp > 1:
+            from hisparse.models.tp import check_tp_divisible
+            check_tp_divisible(mc, tp)
+            enforce_eager = True    # collectives inside captured graphs: not done yet
         self.max_model_len = max_model_len or min(mc.max_position_embeddings, 16384)
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
@@ -277,19 +304,33 @@ class LLM:
             num_gpu_blocks = max(max_num_seqs * pages, min_gpu)
 
         # ---- 3. weights, then the caches
+        if tp > 1:
+            torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
         self.model, _ = load_model(model, dtype=dtype, device=self.device,
                                    num_mtp_layers=1 if k_spec else 0,
                                    load_format=load_format, config=mc)
+        if tp > 1:
+            from hisparse.models.tp import shard_model_
+            shard_model_(self.model, 0, tp)
         if num_gpu_blocks is None:
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
                                                       max_num_seqs * pages, min_gpu,
                                                       gpu_memory_utilization)
         self.kv_config = KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)
-        self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
-        self.caches.set_hot_policy(hot_policy)
-        self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
-                                                  mc.kv_lora_rank,
-                                                  enforce_eager=enforce_eager or bool(k_spec))
+        if tp > 1:
+            host_buffers = self._start_tp(geo, host_buffers, runner_cls, model, dtype,
+                                          load_format, hot_policy)
+        try:
+            self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
+            self.caches.set_hot_policy(hot_policy)
+            self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
+                                                      mc.kv_lora_rank,
+                                                      enforce_eager=enforce_eager or bool(k_spec))
+            if tp > 1:
+                self._join_tp()
+        except BaseException:
+            self.shutdown()
+            raise
         self.scheduler = Scheduler(self.kv_config)
         self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
                                async_scheduling, num_speculative_tokens=k_spec)
@@ -297,13 +338,70 @@ class LLM:
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
         self._ids = itertools.count()
-        self._fault: BaseException | None = None
         # Outputs of requests that finished inside generate() but were not its own: the next
         # step() returns them.
         self._stashed: list[RequestOutput] = []
         self.model_dir = model
         if logger.isEnabledFor(logging.INFO):
             self._log_summary(geo)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _start_tp(self, geo: CacheGeometry, host_buffers, runner_cls, model: str, dtype,
+                  load_format: str, hot_policy: str):
+        """Allocate the node's one shared host pool, write its nonce, spawn ranks 1..N-1
+        (they load their shards while this rank builds its caches). Returns the pool."""
+        from hisparse.worker.tp import TPWorkers, shared_host_buffers, write_nonce
+
+        cfg = self.kv_config
+        rows = cfg.num_host_blocks * cfg.block_size if cfg.uses_host else 0
+        if host_buffers is None:
+            try:
+                host_buffers = shared_host_buffers(
+                    (geo.num_layers, rows, geo.row_width),
+                    (len(geo.indexer_layers), rows, geo.key_width), geo.storage_dtype,
+                    self.device.type == "cuda")
+            except RuntimeError as e:
+                raise EngineStartupError(
+                    f"could not allocate the shared host pool ({cfg.num_host_blocks} blocks): "
+                    f"lower host_pool_gib ({e})") from e
+        elif not all(t.is_shared() for t in host_buffers):
+            raise ValueError("host_buffers must live in shared memory (tensor.share_memory_()) "
+                             "when tensor_parallel_size > 1")
+        write_nonce(host_buffers[0])
+        spec = dict(world=self.tensor_parallel_size, device=self.device, model=model,
+                    dtype=dtype, load_format=load_format, model_config=self.model_config,
+                    kv_config=cfg, geometry=geo, hot_policy=hot_policy, runner_cls=runner_cls,
+                    seed=_TP_SEED,
+                    threads=torch.get_num_threads() if self.device.type == "cpu" else None)
+        self._tp = TPWorkers(spec, host_buffers)
+        self._tp_finalizer = weakref.finalize(self, self._tp.close)
+        return host_buffers
+
+    def _join_tp(self) -> None:
+        """Start-up check of every rank against this one, then wrap the runner."""
+        import torch.distributed as dist
+
+        from hisparse.models.tp import set_tp_group
+        from hisparse.worker.tp import TPRunner, fingerprint
+
+        self._tp.wait_ready(fingerprint(self.model, self.model_config, self.kv_config,
+                                        self.caches.geo, self.caches.host,
+                                        self.caches.host_indexer, self.tensor_parallel_size))
+        set_tp_group(self.model, dist.group.WORLD)
+        self.runner = TPRunner(self.runner, self._tp)
+
+    def tp_worker_info(self, digest: bool = False) -> list[dict]:
+        """Ranks 1..N-1: hot hits / misses, host pool size and sharing, optionally a SHA-1 of
+        the host pool bytes each rank sees (tests and diagnostics). ``[]`` without TP."""
+        self._check_alive()
+        return self._tp.info(digest) if self._tp is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op without TP); the engine is unusable after."""
+        if self._tp is not None and not self._tp.closed:
+            self._tp.close()
+            if self._fault is None:
+                self._fault = RuntimeError("the engine was shut down")
 
     def _log_summary(self, geo: CacheGeometry) -> None:
         """One start-up summary: the model, the pools in tokens and bytes, mode, graphs."""
@@ -514,6 +612,8 @@ class LLM:
 
     def _die(self, exc: BaseException, where: str) -> EngineDeadError:
         self._fault = exc
+        if self._tp is not None:
+            self._tp.close()       # no rank is left waiting in a collective
         return EngineDeadError(f"engine-wide fault in {where}: {type(exc).__name__}: {exc}; "
                                "the engine is stopped")
 

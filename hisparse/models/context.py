@@ -121,7 +121,7 @@ class DenseReferenceContext:
         self._last_sel: dict[Hashable, Tensor] = {}
 
     @classmethod
-    def from_config(cls, cfg, **kw) -> "DenseReferenceContext":
+    def from_config(cls, cfg, **kw) -> DenseReferenceContext:
         return cls(cfg.num_layers, cfg.index_topk, cfg.kv_lora_rank,
                    [cfg.layer_has_indexer(i) for i in range(cfg.num_layers)], **kw)
 
@@ -138,7 +138,8 @@ class DenseReferenceContext:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct within one forward, got {list(seq_ids)}")
         if self._next_layer not in (0, self.num_layers):
-            raise RuntimeError(f"begin() called in the middle of a forward (at layer {self._next_layer})")
+            raise RuntimeError("begin() called in the middle of a forward "
+                               f"(at layer {self._next_layer})")
         pos = []
         for s, n in zip(seq_ids, num_tokens):
             if n <= 0:
@@ -153,7 +154,8 @@ class DenseReferenceContext:
         self._last_sel = {}
         for sel in self.selections:
             sel.clear()
-        return torch.cat(pos).to(device) if pos else torch.zeros(0, dtype=torch.int64, device=device)
+        return (torch.cat(pos).to(device) if pos
+                else torch.zeros(0, dtype=torch.int64, device=device))
 
     def free(self, seq_id: Hashable) -> None:
         self.lengths.pop(seq_id, None)
@@ -170,7 +172,8 @@ class DenseReferenceContext:
             raise RuntimeError(f"attend() expected layer {self._next_layer}, got {layer_idx}")
         T = self.num_tokens
         if q_latent.shape[0] != T or kv_new.shape[0] != T:
-            raise ValueError(f"expected {T} tokens (from begin()), got q_latent {tuple(q_latent.shape)} "
+            raise ValueError(f"expected {T} tokens (from begin()), "
+                             f"got q_latent {tuple(q_latent.shape)} "
                              f"and kv_new {tuple(kv_new.shape)}")
         full = self.layer_has_indexer[layer_idx]
         if full != (index_q is not None):

@@ -47,6 +47,17 @@ FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
+def tp_all_reduce(x: Tensor, group) -> Tensor:
+    """Sum ``x`` over the ranks of a tensor-parallel ``group`` (in place); identity when
+    ``group`` is None (TP=1). Set by :func:`hisparse.models.tp.shard_model_`."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=group)
+    return x
+
+
 class FP8Linear(nn.Module):
     """``y = x @ (weight * weight_scale_inv)^T (+ bias)`` with a float8_e4m3fn ``weight
     [out, in]`` and fp32 ``weight_scale_inv [ceil(out/bn), ceil(in/bk)]`` (DeepSeek / transformers
@@ -128,8 +139,8 @@ class Rotary:
 class DSAIndexer(nn.Module):
     def __init__(self, cfg: DSAConfig):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.rope_dim = cfg.qk_rope_head_dim
+        self.n_heads, self.head_dim, self.rope_dim = (cfg.index_n_heads, cfg.index_head_dim,
+                                                      cfg.qk_rope_head_dim)
         self.wq_b = make_linear(cfg, cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = make_linear(cfg, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -157,8 +168,8 @@ class DSAAttention(nn.Module):
                              "(transformers' DSA models have no q_lora_rank=None path either)")
         self.layer_idx = layer_idx
         self.num_heads = H = cfg.num_heads
-        self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        self.v_dim = cfg.v_head_dim
+        self.nope, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                cfg.v_head_dim)
         self.kv_lora_rank = R = cfg.kv_lora_rank
         self.sm_scale = cfg.softmax_scale
         bias = cfg.attention_bias
@@ -172,6 +183,7 @@ class DSAAttention(nn.Module):
         self.w_uv = nn.Parameter(torch.empty(H, self.v_dim, R))
         self.o_proj = make_linear(cfg, H * self.v_dim, cfg.hidden_size, bias)
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
+        self.tp_group = None     # tensor parallelism: all-reduce after o_proj
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
         T, H = x.shape[0], self.num_heads
@@ -185,14 +197,15 @@ class DSAAttention(nn.Module):
 
         kv_new = torch.cat([c_kv, k_pe], dim=-1)                                    # [T, R + rope]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
-        q_latent = torch.cat([q_abs, q_pe], dim=-1)                       # [T, H, R + rope]
+        # [T, H, R + rope]
+        q_latent = torch.cat([q_abs, q_pe], dim=-1)
         if self.indexer is not None:
             index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin)
         else:
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
         v = torch.einsum("thr,hvr->thv", out, self.w_uv)                            # [T, H, v]
-        return self.o_proj(v.reshape(T, H * self.v_dim))
+        return tp_all_reduce(self.o_proj(v.reshape(T, H * self.v_dim)), self.tp_group)
 
 
 class DSAMLP(nn.Module):
@@ -203,9 +216,11 @@ class DSAMLP(nn.Module):
         self.up_proj = make_linear(cfg, hidden, inter)
         self.down_proj = make_linear(cfg, inter, hidden)
         self.act = _ACT[cfg.hidden_act]
+        self.tp_group = None     # tensor parallelism (dense layers): all-reduce after down_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return tp_all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)),
+                             self.tp_group)
 
 
 class DSARouter(nn.Module):
@@ -216,8 +231,8 @@ class DSARouter(nn.Module):
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))                 # fp32
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)  # fp32
-        self.top_k = cfg.num_experts_per_tok
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.top_k, self.n_group, self.topk_group = (cfg.num_experts_per_tok, cfg.n_group,
+                                                     cfg.topk_group)
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -275,13 +290,14 @@ class DSAMoE(nn.Module):
         self.experts = DSAExperts(cfg)
         self.shared_experts = (DSAMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
+        self.tp_group = None     # tensor parallelism: one all-reduce of routed + shared
 
     def forward(self, x: Tensor) -> Tensor:
         idx, w = self.gate(x)
         y = self.experts(x, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return tp_all_reduce(y, self.tp_group)
 
 
 class DSADecoderLayer(nn.Module):

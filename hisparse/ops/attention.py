@@ -205,26 +205,11 @@ def sparse_mla_attention_fp8(q: torch.Tensor, kv: torch.Tensor, indices: torch.T
     SM90, bf16, 64 or 128 heads, N % 64 == 0; else Triton on CUDA or with
     HISPARSE_FORCE_TRITON=1; else the reference), "triton", "flashmla", "reference".
     """
-    if backend == "auto":
-        if q.is_cuda and flashmla_available() and _fp8_flashmla_supported(q, kv, indices, d_v):
-            backend = "flashmla"
-        elif want_triton(q, kv):
-            backend = "triton"
-        else:
-            backend = "reference"
-    if backend == "triton":
-        from ._attention_triton import sparse_mla_attention_fp8_triton
-        return sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v, out=out, lse=lse)
-    if backend == "reference":
-        o, l = sparse_mla_attention_fp8_reference(q, kv, indices, sm_scale, d_v)
-    elif backend == "flashmla":
-        if not flashmla_available():
-            raise RuntimeError("backend='flashmla' but flash_mla (wheel sgl-flash-mla) does "
-                               "not import")
-        o, l = _flashmla_fp8(q, kv, indices, sm_scale, d_v, sched_meta)
-    else:
-        raise ValueError(f"unknown backend {backend!r}")
-    return _finish(o, l, out, lse)
+    return _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse,
+                     flashmla_ok=_fp8_flashmla_supported,
+                     triton="sparse_mla_attention_fp8_triton",
+                     reference=sparse_mla_attention_fp8_reference,
+                     flashmla=lambda *a: _flashmla_fp8(*a, sched_meta))
 
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
@@ -240,23 +225,34 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """
     if kv.dtype == torch.uint8:
         return sparse_mla_attention_fp8(q, kv, indices, sm_scale, d_v, backend, out, lse)
+    return _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse,
+                     flashmla_ok=_flashmla_supported, triton="sparse_mla_attention_triton",
+                     reference=sparse_mla_attention_reference, flashmla=_flashmla)
+
+
+def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
+              reference, flashmla):
+    """Pick the backend ("auto": FlashMLA when importable and ``flashmla_ok``, else Triton where
+    it applies, else the reference) and run one row format's implementation of it. ``triton``
+    names the function in ``_attention_triton`` (imported only when used: Triton is optional)."""
     if backend == "auto":
-        if q.is_cuda and flashmla_available() and _flashmla_supported(q, kv, indices, d_v):
+        if q.is_cuda and flashmla_available() and flashmla_ok(q, kv, indices, d_v):
             backend = "flashmla"
         elif want_triton(q, kv):
             backend = "triton"
         else:
             backend = "reference"
     if backend == "triton":
-        from ._attention_triton import sparse_mla_attention_triton
-        return sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v, out=out, lse=lse)
+        from . import _attention_triton
+        return getattr(_attention_triton, triton)(q, kv, indices, sm_scale, d_v, out=out,
+                                                  lse=lse)
     if backend == "reference":
-        o, l = sparse_mla_attention_reference(q, kv, indices, sm_scale, d_v)
+        o, l = reference(q, kv, indices, sm_scale, d_v)
     elif backend == "flashmla":
         if not flashmla_available():
             raise RuntimeError("backend='flashmla' but flash_mla (wheel sgl-flash-mla) does "
                                "not import")
-        o, l = _flashmla(q, kv, indices, sm_scale, d_v)
+        o, l = flashmla(q, kv, indices, sm_scale, d_v)
     else:
         raise ValueError(f"unknown backend {backend!r}")
     return _finish(o, l, out, lse)

@@ -136,6 +136,8 @@ class ModelRunner:
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.row_bytes = caches.geo.row_bytes
+        # False on tensor-parallel ranks > 0: the host pool is shared and rank 0 writes it.
+        self.mirror_writer = True
         self.key_bytes = caches.geo.key_bytes
         cfg = caches.cfg
         max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
@@ -287,7 +289,7 @@ class ModelRunner:
         self.inputs.commit_sampled(tokens)
 
     def _mirror(self, plan: StepPlan) -> None:
-        if not len(plan.mirrors):
+        if not len(plan.mirrors) or not self.mirror_writer:
             return
         c = self.caches
         n = len(plan.mirrors)

@@ -16,7 +16,10 @@ from hisparse.models.context import DenseReferenceContext, SparseAttentionContex
 from hisparse.models.dsa import DSAForCausalLM  # noqa: E402
 from hisparse.models.loader import CheckpointError, load_model  # noqa: E402
 from hisparse.models.random_checkpoint import (  # noqa: E402
-    PRODUCTION_GEOMETRY, make_hf_config, make_random_checkpoint)
+    PRODUCTION_GEOMETRY,
+    make_hf_config,
+    make_random_checkpoint,
+)
 
 
 def _prompt(n, vocab, seed=0):
@@ -38,7 +41,8 @@ def _hf_logits(path, ids, dtype=torch.float32):
 
 @pytest.fixture(scope="module")
 def ds_ckpt(tmp_path_factory):
-    return make_random_checkpoint(tmp_path_factory.mktemp("ds"), "deepseek_v32", seed=3, num_hidden_layers=2)
+    return make_random_checkpoint(tmp_path_factory.mktemp("ds"), "deepseek_v32", seed=3,
+                                  num_hidden_layers=2)
 
 
 # ----------------------------------------------------------------------------- config
@@ -72,7 +76,8 @@ def test_glm_indexer_types_match_transformers(extra):
     ours = DSAConfig.from_hf(raw)
     assert list(ours.indexer_types) == list(hf_cfg.indexer_types)
     assert ours.indexer_rope_interleaved
-    assert [ours.layer_has_indexer(i) for i in range(6)] == [t == "full" for t in hf_cfg.indexer_types]
+    assert ([ours.layer_has_indexer(i) for i in range(6)]
+            == [t == "full" for t in hf_cfg.indexer_types])
 
 
 def test_production_defaults_and_eos_list():
@@ -127,8 +132,8 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
 # ----------------------------------------------------------------------------- loader
 
 def test_sharded_checkpoint_loads_identically(tmp_path, ds_ckpt):
-    sharded = make_random_checkpoint(tmp_path / "sharded", "deepseek_v32", seed=3, num_hidden_layers=2,
-                                     max_shard_size="100KB")
+    sharded = make_random_checkpoint(tmp_path / "sharded", "deepseek_v32", seed=3,
+                                     num_hidden_layers=2, max_shard_size="100KB")
     files = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
     assert len(files) > 2 and os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
     m1, _ = load_model(ds_ckpt, torch.float32)
@@ -182,7 +187,8 @@ def test_fp8_block_weights_stay_fp8(tmp_path, ds_ckpt):
     w = sd[name]
     block = 32
     scale = torch.rand(-(-w.shape[0] // block), -(-w.shape[1] // block)) + 0.5
-    full_scale = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    full_scale = (scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+                  [: w.shape[0], : w.shape[1]])
     q = (w / full_scale).to(torch.float8_e4m3fn)
     sd[name], sd[name + "_scale_inv"] = q, scale
     from hisparse.ops.gemm import dequantize_fp8_weight, quantize_fp8_weight
@@ -250,12 +256,14 @@ def test_production_row_geometry(tmp_path):
     seen = []
 
     class Spy(DenseReferenceContext):
-        def attend(self, layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new, sm_scale):
+        def attend(self, layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new,
+                   sm_scale):
             seen.append((layer_idx, tuple(q_latent.shape), tuple(kv_new.shape),
                          None if index_q is None else tuple(index_q.shape),
                          None if index_weights is None else index_weights.dtype,
                          None if index_k_new is None else tuple(index_k_new.shape)))
-            out = super().attend(layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new, sm_scale)
+            out = super().attend(layer_idx, q_latent, kv_new, index_q, index_weights,
+                                 index_k_new, sm_scale)
             assert out.shape == (q_latent.shape[0], q_latent.shape[1], 512)
             return out
 
@@ -288,13 +296,15 @@ def test_random_init_without_checkpoint():
     dict(n_shared_experts=2, norm_topk_prob=False, n_group=4, topk_group=2, num_experts_per_tok=3),
 ], ids=["tied", "attn_bias", "moe_variant"])
 def test_config_variants_match_transformers(tmp_path, extra):
-    path = make_random_checkpoint(tmp_path / "v", "deepseek_v32", seed=2, num_hidden_layers=2, **extra)
+    path = make_random_checkpoint(tmp_path / "v", "deepseek_v32", seed=2, num_hidden_layers=2,
+                                  **extra)
     ids = _prompt(40, 384, seed=3)
     ref, _ = _hf_logits(path, ids)
     model, cfg = load_model(path, torch.float32)
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    torch.testing.assert_close(_ours(model, cfg, ids), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    torch.testing.assert_close(_ours(model, cfg, ids), ref, rtol=1e-4,
+                               atol=1e-4 * ref.abs().max().item())
 
 
 def test_deepseek_v32_release_rope_matches_transformers():
@@ -307,9 +317,11 @@ def test_deepseek_v32_release_rope_matches_transformers():
                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                             "type": "yarn"}}
     ours = DSAConfig.from_hf(raw)
-    hf_cfg = transformers.DeepseekV32Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    hf_cfg = transformers.DeepseekV32Config(**{k: v for k, v in raw.items()
+                                               if k != "architectures"})
     rot = mod.DeepseekV32RotaryEmbedding(hf_cfg)
     assert torch.equal(ours.rope_inv_freq(), rot.inv_freq)
     assert ours.rope_attention_factor == pytest.approx(rot.attention_scaling)
-    assert ours.softmax_scale == pytest.approx(mod.yarn_apply_mscale(hf_cfg.rope_parameters, 192 ** -0.5))
+    assert ours.softmax_scale == pytest.approx(mod.yarn_apply_mscale(hf_cfg.rope_parameters,
+                                                                     192 ** -0.5))
     assert ours.softmax_scale > 192 ** -0.5 * 1.5  # mscale(40, 1)^2 ~ 1.87

@@ -15,7 +15,8 @@ def test_cuda_bf16_matches_cpu_fp32(tmp_path):
     pytest.importorskip("transformers")
     path = make_random_checkpoint(tmp_path / "g", "deepseek_v32", seed=4, num_hidden_layers=3,
                                   hidden_size=256, q_lora_rank=128, num_attention_heads=8,
-                                  num_key_value_heads=8, **{**PRODUCTION_GEOMETRY, "index_topk": 64})
+                                  num_key_value_heads=8,
+                                  **{**PRODUCTION_GEOMETRY, "index_topk": 64})
     ids = torch.randint(2, 384, (200,), generator=torch.Generator().manual_seed(0))
     outs = {}
     for dev, dt in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
@@ -26,8 +27,10 @@ def test_cuda_bf16_matches_cpu_fp32(tmp_path):
             h = model(ids.to(dev), ctx.begin([0], [200], device=dev), ctx)
             logits = [model.compute_logits(h[-1:])]
             for _ in range(8):
-                nxt = logits[-1].argmax(-1) if dev == "cpu" else outs["cpu"][len(logits) - 1].argmax(-1).to(dev)
-                logits.append(model.compute_logits(model(nxt, ctx.begin([0], [1], device=dev), ctx)))
+                nxt = (logits[-1].argmax(-1) if dev == "cpu"
+                       else outs["cpu"][len(logits) - 1].argmax(-1).to(dev))
+                logits.append(model.compute_logits(model(nxt, ctx.begin([0], [1], device=dev),
+                                                         ctx)))
         outs[dev] = [x.cpu() for x in logits]
     for a, b in zip(outs["cpu"], outs["cuda"]):
         assert torch.isfinite(b).all()

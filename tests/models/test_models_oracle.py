@@ -34,7 +34,8 @@ def _prompt(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(2, vocab, (n,), generator=g)
 
 
-def _ours_logits(model, cfg, ids: torch.Tensor, **ctx_kw) -> tuple[torch.Tensor, DenseReferenceContext]:
+def _ours_logits(model, cfg, ids: torch.Tensor,
+                 **ctx_kw) -> tuple[torch.Tensor, DenseReferenceContext]:
     ctx = DenseReferenceContext.from_config(cfg, **ctx_kw)
     pos = ctx.begin(["s"], [ids.numel()])
     with torch.no_grad():
@@ -79,10 +80,13 @@ def test_indexer_selection_matches_transformers(pair):
             last_full = layer
             want = torch.zeros(n, n, dtype=torch.bool).scatter_(1, captured[layer], True) & causal
         else:
-            assert layer not in captured and not hasattr(hf.model.layers[layer].self_attn.indexer, "wk")
-            want = torch.zeros(n, n, dtype=torch.bool).scatter_(1, captured[last_full], True) & causal
+            assert (layer not in captured
+                    and not hasattr(hf.model.layers[layer].self_attn.indexer, "wk"))
+            want = (torch.zeros(n, n, dtype=torch.bool).scatter_(1, captured[last_full], True)
+                    & causal)
         got = ctx.selections[layer]["s"]
-        assert torch.equal(got, want), f"layer {layer}: {int((got != want).sum())} selection mismatches"
+        assert torch.equal(got, want), (f"layer {layer}: {int((got != want).sum())} "
+                                        "selection mismatches")
         # sparsity is real: late tokens select exactly index_topk of their history
         assert int(got[-1].sum()) == TOPK and int(got[TOPK - 1].sum()) == TOPK
 
@@ -180,7 +184,8 @@ def test_index_scores_equal_transformers_values(pair):
     cos, sin = hf.model.rotary_emb(cap["k_norm"], torch.arange(n)[None])
     q = cap["wq_b"].view(1, n, Hi, Di)
     k = cap["k_norm"].unsqueeze(2)
-    rope = mod.apply_rotary_pos_emb_interleave if cfg.indexer_rope_interleaved else mod.apply_rotary_pos_emb
+    rope = (mod.apply_rotary_pos_emb_interleave if cfg.indexer_rope_interleaved
+            else mod.apply_rotary_pos_emb)
     q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q[..., r:]], -1)[0]
     k = torch.cat([k_rot, k[..., r:]], -1)[0, :, 0]
@@ -190,10 +195,12 @@ def test_index_scores_equal_transformers_values(pair):
     got = {}
 
     class Spy(DenseReferenceContext):
-        def attend(self, layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new, sm_scale):
+        def attend(self, layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new,
+                   sm_scale):
             if layer_idx == layer:
                 got.update(q=index_q, w=index_weights, k=index_k_new)
-            return super().attend(layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new, sm_scale)
+            return super().attend(layer_idx, q_latent, kv_new, index_q, index_weights,
+                                  index_k_new, sm_scale)
 
     ctx = Spy.from_config(cfg)
     with torch.no_grad():

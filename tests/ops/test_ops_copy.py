@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hisparse.ops import copy_rows, copy_rows_reference, gather_rows
+from hisparse.ops import copy_rows, gather_rows
 
 
 def packed_views(L, rows, D, dtype, seed, device="cpu", pin=False):
@@ -56,8 +56,10 @@ def test_gpu_copy_rows_pinned(direction):
     L, rows, D = 4, 4096, 576
     src_dev = "cpu" if direction == "h2d" else "cuda"
     dst_dev = "cpu" if direction == "d2h" else "cuda"
-    src_base, src = packed_views(L, rows, D, torch.bfloat16, 3, device=src_dev, pin=src_dev == "cpu")
-    dst_base, dst = packed_views(L, rows, D, torch.bfloat16, 4, device=dst_dev, pin=dst_dev == "cpu")
+    src_base, src = packed_views(L, rows, D, torch.bfloat16, 3, device=src_dev,
+                                 pin=src_dev == "cpu")
+    dst_base, dst = packed_views(L, rows, D, torch.bfloat16, 4, device=dst_dev,
+                                 pin=dst_dev == "cpu")
     before = dst_base.clone()
     n = 1000
     sr = torch.randperm(rows)[:n]

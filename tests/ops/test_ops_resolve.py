@@ -299,7 +299,7 @@ def test_triton_interpreter_matches_reference_random_steps(backend):
     b = Batch(R=3, P=10, H=64, seed=12, resident_frac=0.4)
     ref = b.clone()
     g = torch.Generator().manual_seed(12)
-    for _step in range(4):
+    for _ in range(4):
         T = 6
         req = torch.tensor([0, 0, 2, -1, 1, 1], dtype=torch.int32)
         topk = torch.stack([rand_sel(g, 20, 0, 10 * BS) for _ in range(T)])
@@ -325,7 +325,7 @@ def test_gpu_production_shape_matches_reference(mult):
     req = torch.arange(R, dtype=torch.int32)
     req[7] = -1
     prev = None
-    for _step in range(3):
+    for _ in range(3):
         rows = []
         for r in range(R):
             perm = torch.randperm(P * BS, generator=g).to(torch.int32)
@@ -360,8 +360,9 @@ def test_gpu_cuda_graph_capture_replay():
     ref = b.clone()
     g = torch.Generator().manual_seed(14)
     req = torch.arange(R, dtype=torch.int32, device="cuda")
-    sels = [torch.stack([torch.randperm(P * BS, generator=g)[:K] for _ in range(R)])
-            .to(torch.int32).cuda() for _ in range(4)]
+    sels = [torch.stack([torch.randperm(P * BS, generator=g)[:K]
+                         for _ in range(R)]).to(torch.int32).cuda()
+            for _ in range(4)]
     static = sels[0].clone()
     args = lambda x: (static, req, x.res, x.hostbt, x.hot, x.keys[0], x.lru[0], x.arena_all[0],
                       x.host_all[0], BS, x.counters[0])

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (FastAPI) over :class:`~hisparse.engine.async_engine.AsyncLLM`."""
