@@ -164,14 +164,22 @@ class EngineCore:
         params = [r.sampling for r in samplers]
         outs: list[list[int]] = []
         stats, row = self.spec_stats, 0
-        if samplers:
+        all_greedy = all(p.greedy for p in params)
+        if samplers and all_greedy:     # one host copy: argmaxes and finiteness of every row
+            targets = logits.argmax(dim=-1).tolist()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+        elif samplers:
             probs = spec.filtered_probs(logits, [p for p, n in zip(params, num_logits)
                                                  for _ in range(n)])
         for req, p, n in zip(samplers, params, num_logits):
             drafts = req.spec_draft[:n - 1]
-            q = req.spec_draft_probs
-            toks = spec.verify(probs[row:row + n], None if q is None else q[:n - 1], drafts, p,
-                               req.num_output_tokens)
+            if all_greedy:
+                toks = (spec.verify_greedy(targets[row:row + n], drafts)
+                        if all(finite[row:row + n]) else [-1])
+            else:
+                q = req.spec_draft_probs
+                toks = spec.verify(probs[row:row + n], None if q is None else q[:n - 1],
+                                   drafts, p, req.num_output_tokens)
             row += n
             outs.append(toks)
             if drafts and toks[0] >= 0:

@@ -67,15 +67,8 @@ def verify(p: Tensor, q: Tensor | None, drafts: list[int], params: SamplingParam
     if not bool(torch.isfinite(p).all()):
         return [-1]
     k = len(drafts)
-    if params.greedy:       # accept while the draft is the target's argmax
-        target = p.argmax(dim=-1).tolist()
-        out = []
-        for i in range(k):
-            if drafts[i] != target[i]:
-                break
-            out.append(drafts[i])
-        out.append(target[len(out)])
-        return out
+    if params.greedy:
+        return verify_greedy(p.argmax(dim=-1).tolist(), drafts)
     gen = _generator(params, out_index, p.device)
     if q is None:
         q = torch.zeros(k, p.shape[1], device=p.device)
@@ -100,6 +93,18 @@ def verify(p: Tensor, q: Tensor | None, drafts: list[int], params: SamplingParam
         out.append(draw(residual / residual.sum(), gen))
         return out
     out.append(draw(p[k], gen))
+    return out
+
+
+def verify_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+    """Greedy verification: ``targets`` are the target argmaxes at the ``len(drafts) + 1``
+    verified positions; drafts are accepted while they equal them, then the target's token."""
+    out = []
+    for d, t in zip(drafts, targets):
+        if d != t:
+            break
+        out.append(d)
+    out.append(targets[len(out)])
     return out
 
 

@@ -263,3 +263,26 @@ def test_seeded_sampling_distribution_matches_non_speculative(tmp_path_factory):
         assert stat < 35.0, (pos, a, b)          # 7 dof: p(stat > 35) ~ 1e-5
     again, _ = run(2, [3, 7, 11])
     assert again == [spec_out[3], spec_out[7], spec_out[11]]
+
+
+def test_mixed_greedy_and_sampled_batch_under_spills(mtp_path):
+    """Greedy and seeded-sampled requests share verify steps (raw MTP drafts with their draft
+    distributions): greedy outputs stay identical to k = 0, sampled ones are reproducible, and
+    every pool returns to full."""
+    batch = prompts(6, 90, 150, seed=9)
+    sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=16, seed=7,
+                             ignore_eos=True)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(batch))]
+    ref = tokens(tiny_pool(mtp_path, 0, hot_buffer_size=48).generate(batch, params))
+    runs = []
+    for _ in range(2):
+        llm = tiny_pool(mtp_path, 2)
+        runs.append(tokens(llm.generate(batch, params)))
+        s = llm.stats()
+        assert s["hot_misses"] > 0 and s["spec_draft_tokens"] > 0
+        llm.core.release()
+        assert_pools_full(llm)
+    assert runs[0] == runs[1]
+    assert all(len(t) == 16 for t in runs[0])
+    assert [t for i, t in enumerate(runs[0]) if i % 2 == 0] == \
+        [t for i, t in enumerate(ref) if i % 2 == 0]
