@@ -286,3 +286,26 @@ def test_mixed_greedy_and_sampled_batch_under_spills(mtp_path):
     assert all(len(t) == 16 for t in runs[0])
     assert [t for i, t in enumerate(runs[0]) if i % 2 == 0] == \
         [t for i, t in enumerate(ref) if i % 2 == 0]
+
+
+def test_tight_token_budget_drops_drafts_instead_of_splitting(mtp_path, monkeypatch):
+    """A verify step is never split by the token budget: a request whose k + 1 tokens do not fit
+    decodes one token (drafts dropped); outputs stay identical to k = 0."""
+    import hisparse.engine.scheduler as sched_mod
+    batch = prompts(4, 12, 20, seed=12)
+    kw = dict(num_gpu_blocks=200, max_num_batched_tokens=6)
+    ref = tokens(tiny_pool(mtp_path, 0, hot_buffer_size=64, **kw).generate(batch, GREEDY))
+    refs = {tuple(p["prompt_token_ids"]): r for p, r in zip(batch, ref)}
+    dropped = []
+    real = sched_mod.drop_drafts
+
+    def counting(req):
+        dropped.append(len(req.spec_draft))
+        real(req)
+
+    monkeypatch.setattr(sched_mod, "drop_drafts", counting)
+    llm = tiny_pool(mtp_path, 3, **kw)
+    llm.core.draft_hook = oracle_hook(refs, 0.8, seed=4)
+    assert tokens(llm.generate(batch, GREEDY)) == ref
+    assert llm.stats()["spec_accepted_tokens"] > 0
+    assert any(n > 0 for n in dropped)
