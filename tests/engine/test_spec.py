@@ -309,3 +309,52 @@ def test_tight_token_budget_drops_drafts_instead_of_splitting(mtp_path, monkeypa
     assert tokens(llm.generate(batch, GREEDY)) == ref
     assert llm.stats()["spec_accepted_tokens"] > 0
     assert any(n > 0 for n in dropped)
+
+
+class _LayerShift:
+    """A dense reference context seen by a layer whose index is ``offset`` higher."""
+
+    def __init__(self, ctx, offset):
+        self.ctx, self.offset = ctx, offset
+
+    def attend(self, layer_idx, *args):
+        return self.ctx.attend(layer_idx - self.offset, *args)
+
+
+@pytest.mark.parametrize("mode,blocks", [("gpu-only", 200), ("hisparse", 30)])
+def test_mtp_drafts_match_a_dense_reference(mtp_path, mode, blocks):
+    """Every first draft equals the argmax of the MTP layer run densely over the final
+    sequence (main model hidden at q + token q + 1): the MTP layer's own KV (written by verify
+    steps, rolled back, mirrored, read through hot buffers under spills) is right."""
+    from hisparse.models.context import DenseReferenceContext
+    batch = prompts(3, 30, 60, seed=14) if mode == "gpu-only" else prompts(5, 90, 150, seed=14)
+    seen = []
+
+    def hook(reqs, outs, drafts):
+        for req, out, dr in zip(reqs, outs, drafts):
+            seen.append((tuple(req.prompt_token_ids), len(req.token_ids) + len(out), dr[0]))
+        return drafts
+
+    llm = tiny_pool(mtp_path, 1, mode=mode, num_gpu_blocks=blocks)
+    llm.core.draft_hook = hook
+    outs = llm.generate(batch, GREEDY)
+    if mode == "hisparse":
+        assert llm.stats()["hot_misses"] > 0
+    model, cfg = llm.model, llm.model_config
+    L = cfg.num_layers
+    checked = 0
+    for o in outs:
+        seq = o.prompt_token_ids + o.outputs[0].token_ids
+        ids = torch.tensor(seq)
+        with torch.no_grad():
+            ctx = DenseReferenceContext.from_config(cfg)
+            h = model(ids, ctx.begin(["s"], [len(seq)]), ctx)
+            mctx = DenseReferenceContext(1, cfg.index_topk, cfg.kv_lora_rank, [True])
+            pos = mctx.begin(["s"], [len(seq) - 1])
+            hm = model.mtp_forward(ids[1:], h[:-1], pos, _LayerShift(mctx, L))
+            want = model.mtp_logits(hm).argmax(dim=-1).tolist()    # [q] predicts seq[q + 2]
+        for prompt, n, d in seen:
+            if prompt == tuple(o.prompt_token_ids) and n <= len(seq):
+                assert d == want[n - 2], (n, d, want[n - 2])
+                checked += 1
+    assert checked >= 3 * 10
