@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from workload import prompts, tokens
 
 from hisparse import LLM, SamplingParams
 from hisparse.engine import spec
@@ -26,16 +27,6 @@ def mtp_path(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("dsv32_mtp"), "deepseek_v32", seed=11,
                                   index_topk=TOPK, num_hidden_layers=3,
                                   num_nextn_predict_layers=1)
-
-
-def prompts(n, lo, hi, vocab=384, seed=0):
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(rng.randrange(lo, hi))]}
-            for _ in range(n)]
-
-
-def tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def tiny_pool(path, k=0, mode="hisparse", **kw):
