@@ -92,11 +92,6 @@ class EngineCore:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}
 
-    @property
-    def idle(self) -> bool:
-        """No request left and no step in flight."""
-        return not self.scheduler.has_unfinished and self._in_flight is None
-
     def release(self) -> None:
         """Apply the step in flight (its results are dropped: call when no request is left)
         and wait for every mirror, so freed requests give their blocks back."""
