@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="no CUDA graphs (default: capture decode steps)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="do not overlap scheduling with the GPU step (default: overlapped)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="MTP speculative decoding: draft tokens verified per step (needs "
+                   "num_nextn_predict_layers >= 1; 0 = off) (default: %(default)s)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, config only (default: %(default)s)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -77,7 +80,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
               hot_policy=args.hot_policy,
-              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+              num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hisparse.engine import sampling
+from hisparse.engine import sampling, spec
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler, StepUpdate
 from hisparse.kv.plan import StepPlan
@@ -46,7 +46,16 @@ class EngineCore:
     """
 
     def __init__(self, scheduler: Scheduler, runner, eos_token_ids: frozenset[int],
-                 async_scheduling: bool) -> None:
+                 async_scheduling: bool, num_speculative_tokens: int = 0) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = spec.SpecStats()
+        # Test / benchmark seam: ``draft_hook(requests, outs, drafts) -> drafts`` (``outs``:
+        # the tokens each request gets from this step, not appended yet) replaces the MTP
+        # drafts (e.g. to inject an acceptance rate: random weights cannot give a real one).
+        # Replaced drafts are verified as one-hot draft distributions (still exact).
+        self.draft_hook = None
+        if num_speculative_tokens:
+            async_scheduling = False    # speculative steps run in the synchronous loop
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -65,6 +74,8 @@ class EngineCore:
     def step(self) -> tuple[StepUpdate, dict[str, str]]:
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
+        if self.num_speculative_tokens and plan is not None:
+            return self._spec_step(plan)
         launched = self._launch(plan) if plan is not None else None
         previous, self._in_flight = self._in_flight, None
         if self.async_scheduling:
@@ -82,11 +93,6 @@ class EngineCore:
             elif self.scheduler.has_unfinished:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}
-
-    @property
-    def idle(self) -> bool:
-        """No request left and no step in flight."""
-        return not self.scheduler.has_unfinished and self._in_flight is None
 
     def release(self) -> None:
         """Apply the step in flight (its results are dropped: call when no request is left)
@@ -131,6 +137,94 @@ class EngineCore:
             buf.copy_(tokens)
         launched.tokens = buf
         return launched
+
+    def _spec_step(self, plan: StepPlan) -> tuple[StepUpdate, dict[str, str]]:
+        """One speculative step, synchronously: verify forward, rejection sampling, MTP drafts
+        (and the step's mirrors), then the scheduler applies tokens and rolls back rejected
+        KV."""
+        sched, k = self.scheduler, self.num_speculative_tokens
+        requests = sched.running_requests(plan)
+        input_ids, num_logits, known_len = [], [], []
+        for seq, req in zip(plan.seqs, requests):
+            n_known = len(req.token_ids)
+            ids = req.token_ids[seq.start_pos:seq.start_pos + seq.num_tokens]
+            n_draft = seq.num_tokens - len(ids)
+            if n_draft:
+                ids = ids + req.spec_draft[:n_draft]
+            input_ids += ids
+            if seq.sample:
+                num_logits.append(n_draft + 1)
+                known_len.append(n_known)
+        logits, unions = self.runner.spec_forward(plan, input_ids, num_logits)
+        self.spec_stats.add_unions(unions)
+        samplers = sched.sampling_requests(plan)
+        params = [r.sampling for r in samplers]
+        outs: list[list[int]] = []
+        stats, row = self.spec_stats, 0
+        all_greedy = all(p.greedy for p in params)
+        if samplers and all_greedy:     # one host copy: argmaxes and finiteness of every row
+            targets = logits.argmax(dim=-1).tolist()
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+        elif samplers:
+            probs = spec.filtered_probs(logits, [p for p, n in zip(params, num_logits)
+                                                 for _ in range(n)])
+        for req, p, n in zip(samplers, params, num_logits):
+            drafts = req.spec_draft[:n - 1]
+            if all_greedy:
+                toks = (spec.verify_greedy(targets[row:row + n], drafts)
+                        if all(finite[row:row + n]) else [-1])
+            else:
+                q = req.spec_draft_probs
+                toks = spec.verify(probs[row:row + n], None if q is None else q[:n - 1],
+                                   drafts, p, req.num_output_tokens)
+            row += n
+            outs.append(toks)
+            if drafts and toks[0] >= 0:
+                stats.verify_steps += 1
+                stats.drafted += len(drafts)
+                stats.accepted += len(toks) - 1
+                stats.emitted += len(toks)
+        # MTP inputs: each token's next token (accepted, sampled or a known prompt token).
+        next_ids, draft_rows, offset, i = [], [], 0, 0
+        for seq, req in zip(plan.seqs, requests):
+            if seq.sample:
+                toks = outs[i]
+                known = req.token_ids[:known_len[i]] + [max(t, 0) for t in toks]
+                draft_rows.append(offset + known_len[i] - 1 + len(toks) - 1 - seq.start_pos)
+                i += 1
+            else:
+                known = req.token_ids
+            nxt = known[seq.start_pos + 1:seq.start_pos + seq.num_tokens + 1]
+            next_ids += nxt + [0] * (seq.num_tokens - len(nxt))
+            offset += seq.num_tokens
+        out_index = [r.num_output_tokens + len(t) for r, t in zip(samplers, outs)]
+        draft_q: list[Tensor | None] = []
+        draft_toks: list[Tensor] = []
+
+        def sample_draft(draft_logits: Tensor, j: int) -> Tensor:
+            toks, q = spec.draft_tokens(draft_logits, params, out_index, j)
+            draft_q.append(q)
+            draft_toks.append(toks)
+            return toks
+
+        _, acks = self.runner.spec_draft(next_ids, draft_rows, k if samplers else 0,
+                                         sample_draft)
+        self._acks += acks
+        drafts: list[list[int]] = [[] for _ in samplers]
+        probs_out: list[Tensor | None] = [None] * len(samplers)
+        if samplers and draft_q:
+            drafts = torch.stack(draft_toks, dim=1).tolist()
+            if all(q is not None for q in draft_q):
+                stacked = torch.stack(draft_q, dim=1)          # [S, k, vocab]
+                probs_out = [stacked[s] for s in range(len(samplers))]
+        if self.draft_hook is not None and samplers:
+            # drafts come after the tokens this step produced: show the hook those
+            drafts = self.draft_hook(samplers, outs, drafts)
+            probs_out = [None] * len(samplers)
+        update = sched.update_spec(plan, outs, drafts, probs_out, k, self.eos_token_ids)
+        errors = {req.req_id: f"non-finite logits (NaN/inf) at output token "
+                  f"{req.num_output_tokens}" for req in update.failed}
+        return update, errors
 
     def _sample_rows(self, logits: Tensor, launched: _LaunchedStep, params, steps) -> Tensor:
         """Row-by-row fallback after the batched sampler raised: a row that raises fails its

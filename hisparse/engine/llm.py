@@ -40,6 +40,9 @@ _TP_SEED = 0
 HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
 class EngineStartupError(RuntimeError):
     """A resource could not be allocated at start-up; the message names the knob to change."""
 
@@ -59,6 +62,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's tokens so far (``finished`` once it is done). ``prompt_token_ids`` is the
+    engine's own list of the prompt, shared by every output of the request: read it, do not
+    mutate it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -161,6 +168,14 @@ class LLM:
     that execute every step with their shard; one host pool in shared memory serves every rank
     (``host_pool_gib`` is the node's pool, not per rank). See :mod:`hisparse.worker.tp`; call
     :meth:`shutdown` (or drop the LLM) to stop the workers. Decode runs eager under TP for now.
+    ``num_speculative_tokens=k`` (0 = off, 1..8, ``< block_size``): MTP speculative decoding
+    (:mod:`hisparse.engine.spec`). The checkpoint's first MTP layer is loaded (its KV is one
+    more cache layer); each step verifies every decoding request's last token and ``k`` drafts
+    (``k + 1`` positions resolved as one group through its hot buffer), accepts by rejection
+    sampling (exact; greedy output identical to ``k = 0``) and drafts the next ``k``. It runs
+    in the synchronous loop (``async_scheduling`` is ignored) and eagerly (no CUDA graphs), and
+    needs ``hot_buffer_size >= (k + 1) * index_topk`` outside gpu-only mode (the default grows
+    to that), so a verify group's union of selections always fits.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
@@ -175,7 +190,7 @@ class LLM:
                  enforce_eager: bool = False, mode: Mode | str | None = None,
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
                  hot_policy: str = "lru", tensor_parallel_size: int = 1,
-                 staging_rows: int | None = None):
+                 num_speculative_tokens: int = 0, staging_rows: int | None = None):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if hot_policy not in ("lru", "score", "score+prefetch"):
@@ -205,12 +220,22 @@ class LLM:
         _check_bool("enable_prefix_caching", enable_prefix_caching)
         _check_bool("enforce_eager", enforce_eager)
         _check_bool("async_scheduling", async_scheduling)
+        _check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {num_speculative_tokens}")
+        if num_speculative_tokens >= block_size:
+            raise ValueError(f"num_speculative_tokens ({num_speculative_tokens}) must be < "
+                             f"block_size ({block_size})")
         _check_real("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0)
         if mode != Mode.GPU_ONLY:
             _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         _check_int("tensor_parallel_size", tensor_parallel_size)
+        if num_speculative_tokens and tensor_parallel_size > 1:
+            raise ValueError("num_speculative_tokens > 0 is not supported with "
+                             "tensor_parallel_size > 1 yet (the TP workers run the plain step)")
         self.tensor_parallel_size = tp = tensor_parallel_size
         self._tp = None
         self._tp_finalizer = None
@@ -240,8 +265,24 @@ class LLM:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
         from hisparse.models.config import parse_dtype
-        geo = CacheGeometry(num_layers=mc.num_layers, row_dim=mc.kv_row_dim,
-                            indexer_layers=tuple(l for l in range(mc.num_layers)
+        k_spec = num_speculative_tokens
+        if k_spec and mc.num_nextn_predict_layers < 1:
+            raise ValueError(f"num_speculative_tokens={k_spec} needs MTP layers, but the "
+                             f"checkpoint's config has num_nextn_predict_layers="
+                             f"{mc.num_nextn_predict_layers}")
+        if k_spec and mode != Mode.GPU_ONLY:
+            # A verify group's union of selections is at most (k + 1) * index_topk rows: a hot
+            # buffer that large can never overflow (the resolver would fail the step).
+            need = (k_spec + 1) * mc.index_topk
+            if hot_buffer_size is None:
+                hot_buffer_size = max(need, 2 * mc.index_topk)
+            elif hot_buffer_size < need:
+                raise ValueError(f"hot_buffer_size ({hot_buffer_size}) must be >= "
+                                 f"(num_speculative_tokens + 1) * index_topk = {need}: a "
+                                 f"verify step resolves the union of its tokens' selections")
+        n_cache_layers = mc.num_layers + (1 if k_spec else 0)   # + the MTP layer's KV
+        geo = CacheGeometry(num_layers=n_cache_layers, row_dim=mc.kv_row_dim,
+                            indexer_layers=tuple(l for l in range(n_cache_layers)
                                                  if mc.layer_has_indexer(l)),
                             index_head_dim=mc.index_head_dim,
                             dtype=parse_dtype(dtype) if dtype is not None else mc.dtype,
@@ -272,6 +313,7 @@ class LLM:
         if tp > 1:
             torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
         self.model, _ = load_model(model, dtype=dtype, device=self.device,
+                                   num_mtp_layers=1 if k_spec else 0,
                                    load_format=load_format, config=mc)
         if tp > 1:
             from hisparse.models.tp import shard_model_
@@ -289,7 +331,7 @@ class LLM:
             self.caches.set_hot_policy(hot_policy)
             self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
                                                       mc.kv_lora_rank,
-                                                      enforce_eager=enforce_eager)
+                                                      enforce_eager=enforce_eager or bool(k_spec))
             if tp > 1:
                 self._join_tp()
         except BaseException:
@@ -297,7 +339,7 @@ class LLM:
             raise
         self.scheduler = Scheduler(self.kv_config)
         self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
-                               async_scheduling)
+                               async_scheduling, num_speculative_tokens=k_spec)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
@@ -633,7 +675,9 @@ class LLM:
                 text = self.tokenizer.decode(ids)
             except Exception as e:  # noqa: BLE001 - one request's failure
                 reason, error = "error", f"detokenizing failed: {type(e).__name__}: {e}"
-        return RequestOutput(req.req_id, req.prompt_text, list(req.prompt_token_ids),
+        # The prompt list is shared, not copied: step() builds an output per running request
+        # per step, and copying 147 prompts of 32k tokens cost 27-34 ms per step (CPU box).
+        return RequestOutput(req.req_id, req.prompt_text, req.prompt_token_ids,
                              [CompletionOutput(0, text, ids, reason, error)],
                              finished=req.finished)
 
@@ -738,6 +782,8 @@ class LLM:
             "staged_rows": self.runner.staged_rows,
             "staged_bytes": self.runner.staged_rows * row_bytes,
             "staged_chunks": kv.stats.staged_chunks,
+            "num_speculative_tokens": self.core.num_speculative_tokens,
+            **self.core.spec_stats.as_dict(),
         }
 
     def capacity(self, context: int | None = None, **overrides):

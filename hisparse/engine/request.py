@@ -34,6 +34,10 @@ class Request:
     finish_reason: str | None = None
     prompt_text: str | None = None
     kv: RequestKV | None = field(default=None, repr=False)
+    # Speculative decoding: the draft tokens the next step verifies, and (sampled requests)
+    # their draft distributions ``[len(spec_draft), vocab]`` on the device.
+    spec_draft: list[int] = field(default_factory=list, repr=False)
+    spec_draft_probs: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -84,6 +84,7 @@ class Scheduler:
         req = self._running_by_id.pop(req_id, None)
         if req is None:
             return False
+        drop_drafts(req)
         self.kv.free(req_id)
         req.kv = None
         self.running.remove(req)
@@ -110,6 +111,8 @@ class Scheduler:
             handle = req.kv
             if req.status is not running or handle is None:
                 continue
+            if handle.num_draft_tokens and handle.num_tokens - handle.num_computed > budget:
+                drop_drafts(req)    # a verify step is never split: decode one token instead
             n = min(handle.num_tokens - handle.num_computed, budget)
             if n == 0 or (handle.num_pending_tokens and self._ends_by_length(req, handle)):
                 continue
@@ -203,6 +206,55 @@ class Scheduler:
                 out.finished.append(req)
         return out
 
+    def update_spec(self, plan: StepPlan, outs: Sequence[Sequence[int]],
+                    drafts: Sequence[Sequence[int]], draft_probs: Sequence,
+                    num_speculative_tokens: int,
+                    eos_token_ids: frozenset[int] = frozenset()) -> StepUpdate:
+        """Apply a speculative step (synchronous loop: nothing pending but this step):
+        ``outs[i]`` are the tokens the i-th sampling sequence produced (accepted drafts, then
+        the corrected or bonus token; ``[-1]``: sampling failed), ``drafts[i]`` /
+        ``draft_probs[i]`` the drafts for its next step. Tokens are appended up to a stop id or
+        the length limit; the KV of rejected drafts is rolled back (``num_computed`` = tokens
+        - 1); the next drafts are capped so the next step stays within max_tokens / max_len."""
+        out = StepUpdate()
+        running = RequestStatus.RUNNING
+        for (req, handle), toks, dr, dp in zip(self._samplers.pop(plan.step_id), outs, drafts,
+                                               draft_probs, strict=True):
+            handle.num_pending_tokens -= 1
+            handle.num_draft_tokens = 0
+            req.spec_draft, req.spec_draft_probs = [], None
+            if req.kv is not handle or req.status is not running:
+                continue
+            if not toks or toks[0] < 0:
+                self._leave(req, RequestStatus.FINISHED, "error")
+                out.failed.append(req)
+                continue
+            reason = None
+            for token in toks:
+                req.token_ids.append(token)
+                if token in req.stop_token_ids or (token in eos_token_ids and not (
+                        req.sampling is not None and req.sampling.ignore_eos)):
+                    reason = "stop"
+                elif (req.num_output_tokens >= req.max_tokens
+                      or len(req.token_ids) >= req.max_len):
+                    reason = "length"
+                if reason is not None:
+                    break
+            out.progressed.append(req)
+            if reason is not None:
+                self._leave(req, RequestStatus.FINISHED, reason)
+                out.finished.append(req)
+                continue
+            self.kv.rollback(handle, len(req.token_ids) - 1)
+            cap = min(num_speculative_tokens, len(dr),
+                      req.max_tokens - req.num_output_tokens - 1,
+                      req.max_len - len(req.token_ids) - 1)
+            if cap > 0:
+                req.spec_draft = list(dr[:cap])
+                req.spec_draft_probs = None if dp is None else dp[:cap]
+                handle.num_draft_tokens = cap
+        return out
+
     def _leave(self, req: Request, status: RequestStatus, reason: str) -> None:
         self.kv.free(req.req_id)
         req.kv = None
@@ -210,3 +262,10 @@ class Scheduler:
         del self._running_by_id[req.req_id]
         req.status = status
         req.finish_reason = reason
+
+
+def drop_drafts(req: Request) -> None:
+    """Forget a request's draft tokens (it decodes one token in its next step)."""
+    req.spec_draft, req.spec_draft_probs = [], None
+    if req.kv is not None:
+        req.kv.num_draft_tokens = 0

@@ -286,6 +286,19 @@ class KVCoordinator:
         src, dst = np.asarray(pages, dtype=np.int64).T
         return RowCopy(page_rows(src, self.block_size), page_rows(dst, self.block_size))
 
+    def rollback(self, req: RequestKV, num_computed: int) -> None:
+        """Speculative decoding: the rows of positions ``>= num_computed`` were computed for
+        rejected draft tokens; forget them. Their pages stay allocated (the next step rewrites
+        the same positions); in-flight mirrors of theirs no longer count towards durability, so
+        no page holding a rejected row turns clean or gets its hash published (I3)."""
+        if not 0 <= num_computed <= req.num_computed:
+            raise ValueError(f"request {req.req_id!r}: cannot roll back to {num_computed} "
+                             f"(computed {req.num_computed})")
+        req.num_computed = num_computed
+        req.num_durable = min(req.num_durable, num_computed)
+        for write in req.pending:
+            write.end = min(write.end, num_computed)
+
     # ------------------------------------------------------------------ acknowledgements
     def apply_acks(self, copy_ids: Iterable[int]) -> None:
         """The worker reports the mirrors of these steps durable on host (any order)."""

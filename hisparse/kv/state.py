@@ -49,11 +49,14 @@ class RequestKV:
     # (one while an overlapped step is in flight): they count as known tokens here, so the
     # next step can already compute them (their ids come from the device).
     num_pending_tokens: int = 0
+    # Speculative decoding: draft tokens (the engine holds their ids) the next step verifies
+    # after the last known token; they count as known tokens, so one step computes them all.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        """Known tokens: ``token_ids`` plus those sampled by planned steps."""
-        return len(self.token_ids) + self.num_pending_tokens
+        """Known tokens: ``token_ids`` plus those sampled by planned steps, plus drafts."""
+        return len(self.token_ids) + self.num_pending_tokens + self.num_draft_tokens
 
     @property
     def decoding(self) -> bool:

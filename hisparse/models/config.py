@@ -121,7 +121,7 @@ class DSAConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: torch.dtype = torch.bfloat16
-    num_nextn_predict_layers: int = 0       # MTP layers in the checkpoint (ignored by us)
+    num_nextn_predict_layers: int = 0       # MTP layers in the checkpoint (loaded on request)
     quantization_config: dict | None = field(default=None, hash=False, compare=False)
 
     # ------------------------------------------------------------------ derived sizes
@@ -158,6 +158,8 @@ class DSAConfig:
     def layer_has_indexer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` computes its own top-k (False: reuses the previous
         layer's)."""
+        if self.num_layers <= layer_idx < self.num_layers + self.num_nextn_predict_layers:
+            return True     # an MTP layer: a full DSA decoder layer with its own indexer
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
         return self.indexer_types[layer_idx] == "full"

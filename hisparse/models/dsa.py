@@ -301,17 +301,45 @@ class DSAMoE(nn.Module):
 
 
 class DSADecoderLayer(nn.Module):
-    def __init__(self, cfg: DSAConfig, layer_idx: int):
+    def __init__(self, cfg: DSAConfig, layer_idx: int, mlp_type: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DSAAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (DSAMoE(cfg) if cfg.mlp_layer_types[layer_idx] == "sparse"
+        mlp_type = mlp_type or cfg.mlp_layer_types[layer_idx]
+        self.mlp = (DSAMoE(cfg) if mlp_type == "sparse"
                     else DSAMLP(cfg, cfg.intermediate_size))
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSAMTPLayer(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module (checkpoint ``model.layers.{L + i}.*`` with
+    ``L = num_hidden_layers``): ``h = eh_proj([enorm(embed(t_{q+1})) | hnorm(hidden_q)])``, one
+    full DSA decoder layer (attention index ``L + i``, its own indexer and KV cache layer), then
+    ``shared_head.norm``; the logits use the main model's ``lm_head`` and embedding (DeepSeek
+    stores copies of both in the MTP layer: ``embed_tokens`` / ``shared_head.head``, equal to
+    the main ones; the loader checks nothing about them and uses the main tensors)."""
+
+    def __init__(self, cfg: DSAConfig, layer_idx: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.layer = DSADecoderLayer(cfg, layer_idx, mlp_type=cfg.mlp_layer_types[-1])
+        self.shared_head_norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+                ctx: SparseAttentionContext) -> Tensor:
+        """``embeds``: embeddings of the *next* tokens ``[T, H]``; ``hidden``: the previous
+        hidden states ``[T, H]`` (main model's final-normed output, or this layer's output for
+        a chained draft). Returns the pre-head hidden ``[T, H]`` (before ``shared_head.norm``)."""
+        x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
+        return self.layer(self.eh_proj(x), cos, sin, ctx)
 
 
 class DSAModel(nn.Module):
@@ -337,10 +365,17 @@ class DSAForCausalLM(nn.Module):
     """DSA causal LM. ``forward`` returns final-normed hidden states of all tokens; logits are
     computed separately (usually only for the last token of each sequence)."""
 
-    def __init__(self, config: DSAConfig, dtype: torch.dtype | None = None, init_std: float = 0.02):
+    def __init__(self, config: DSAConfig, dtype: torch.dtype | None = None, init_std: float = 0.02,
+                 num_mtp_layers: int = 0):
         super().__init__()
+        if not 0 <= num_mtp_layers <= config.num_nextn_predict_layers:
+            raise ValueError(f"num_mtp_layers must be in [0, num_nextn_predict_layers="
+                             f"{config.num_nextn_predict_layers}], got {num_mtp_layers}")
         self.config = config
         self.model = DSAModel(config)
+        L = config.num_layers
+        # MTP (next-n prediction) layers: drafts for speculative decoding (engine/spec.py)
+        self.mtp = nn.ModuleList(DSAMTPLayer(config, L + i) for i in range(num_mtp_layers))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -402,3 +437,20 @@ class DSAForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
         return self.lm_head(hidden).float()
+
+    def mtp_forward(self, input_ids: Tensor, hidden: Tensor, positions: Tensor,
+                    ctx: SparseAttentionContext, index: int = 0,
+                    rope_positions: Tensor | None = None) -> Tensor:
+        """MTP layer ``index`` over a flat batch: token ``t`` at ``positions[t]`` combines the
+        previous hidden ``hidden[t]`` with the embedding of ``input_ids[t]`` (the token *after*
+        position ``positions[t]``). ``rope_positions`` (default ``positions``): the RoPE
+        positions, when the owner of ``ctx`` places the tokens elsewhere. Returns the layer's
+        output hidden ``[T, H]`` (feed it back for a chained draft; :meth:`mtp_logits` for the
+        draft logits)."""
+        rp = positions if rope_positions is None else rope_positions
+        cos, sin = self.rotary(rp, hidden.dtype)
+        return self.mtp[index](self.model.embed_tokens(input_ids), hidden, cos, sin, ctx)
+
+    def mtp_logits(self, mtp_hidden: Tensor, index: int = 0) -> Tensor:
+        """Draft logits ``[n, vocab]`` float32 of MTP layer ``index``'s output hidden."""
+        return self.lm_head(self.mtp[index].shared_head_norm(mtp_hidden)).float()

@@ -10,7 +10,12 @@ Checkpoint names are transformers' names; ours are identical except:
   our fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``;
 - ``lm_head.weight`` may be absent when embeddings are tied.
 
-MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped.
+MTP layers (``model.layers.{l}`` with ``l >= num_hidden_layers``) are skipped unless
+``load_model(..., num_mtp_layers=n)`` asks for the first ``n`` (speculative decoding): then
+``model.layers.{L+i}.{enorm,hnorm,eh_proj}`` -> ``mtp.{i}.*``, ``...shared_head.norm`` ->
+``mtp.{i}.shared_head_norm``, the decoder-layer tensors (``self_attn``, ``mlp``, the two layer
+norms) -> ``mtp.{i}.layer.*``; the MTP copies of ``embed_tokens`` and ``shared_head.head`` are
+not read (the main embedding and ``lm_head`` are used, as DeepSeek shares them).
 
 FP8 block-quantized checkpoints (``quantization_config: {quant_method: fp8, weight_block_size}``;
 a ``weight`` in float8_e4m3fn with a ``weight_scale_inv`` companion): tensors the model keeps in
@@ -41,7 +46,27 @@ log = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    r"^((?:model\.layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj)\.weight$")
+_MTP_LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "eh_proj.weight": "eh_proj.weight",
+            "shared_head.norm.weight": "shared_head_norm.weight"}
+
+
+def mtp_name(name: str, num_layers: int, num_mtp: int) -> str | None:
+    """Our parameter name of checkpoint tensor ``name`` of a loaded MTP layer (``None``: not an
+    MTP tensor we read, e.g. its ``embed_tokens`` / ``shared_head.head`` copies); ``name`` itself
+    when it is not an MTP layer's."""
+    m = _LAYER_RE.match(name)
+    if not m or not num_layers <= int(m.group(1)) < num_layers + num_mtp:
+        return name
+    i, rest = int(m.group(1)) - num_layers, name[m.end():]
+    if rest in _MTP_OWN:
+        return f"mtp.{i}.{_MTP_OWN[rest]}"
+    if rest.startswith(_MTP_LAYER_PARTS):
+        return f"mtp.{i}.layer.{rest}"
+    return None
 
 
 class CheckpointError(ValueError):
@@ -107,6 +132,19 @@ def load_state(model: DSAForCausalLM, get: Callable[[str], torch.Tensor], names,
                fp8_block: tuple[int, int] = (128, 128)) -> None:
     """Fill every parameter of ``model`` from checkpoint tensors ``get(name)``; ``names`` lists
     the available names. Raises :class:`CheckpointError` naming what is missing or mis-shaped."""
+    num_mtp = len(getattr(model, "mtp", ()))
+    if num_mtp:     # read the loaded MTP layers' tensors under our names
+        ours = {}
+        for n in names:
+            o = mtp_name(n, model.config.num_layers, num_mtp)
+            if o is not None:
+                ours[o] = n
+        raw_get = get
+
+        def get(name: str) -> torch.Tensor:
+            return raw_get(ours.get(name, name))
+
+        names = ours.keys()
     loader = _StateLoader(model, get, set(names), fp8_block)
     experts = loader.load_plain_tensors()
     loader.load_experts(experts)
@@ -306,12 +344,14 @@ def load_config(path: str) -> DSAConfig:
 def load_model(path: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu",
                load_format: str = "auto",
-               config: DSAConfig | None = None) -> tuple[DSAForCausalLM, DSAConfig]:
+               config: DSAConfig | None = None,
+               num_mtp_layers: int = 0) -> tuple[DSAForCausalLM, DSAConfig]:
     """Build our model from an HF-format directory; ``dtype`` defaults to the config's dtype.
 
     ``load_format="dummy"`` reads only config.json and initialises random weights on ``device``
     (benchmarks of production geometry without a checkpoint, like vLLM's dummy format).
     ``config``: the already parsed config.json (skips reading it again).
+    ``num_mtp_layers``: also load the first MTP layers (``model.mtp``; speculative decoding).
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
@@ -319,10 +359,10 @@ def load_model(path: str, dtype: torch.dtype | str | None = None,
     dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
     if load_format == "dummy":
         with torch.device(device):
-            model = DSAForCausalLM(cfg, dtype=dtype)
+            model = DSAForCausalLM(cfg, dtype=dtype, num_mtp_layers=num_mtp_layers)
         return model.requires_grad_(False).eval(), cfg
     with torch.device("meta"):
-        model = DSAForCausalLM(cfg, dtype=dtype)
+        model = DSAForCausalLM(cfg, dtype=dtype, num_mtp_layers=num_mtp_layers)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -236,4 +236,68 @@ def make_random_checkpoint(path: str | os.PathLike, arch: str = "deepseek_v32", 
         model = model.to(save_dtype)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kw)
+    n_mtp = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+    if n_mtp:
+        _add_mtp_layers(path, model, arch, n_mtp, seed, init_std, save_dtype, tp_rank_of,
+                        config_overrides)
     return path
+
+
+def mtp_state_dict(model, arch: str, num_mtp: int, seed: int, init_std: float | None = None,
+                   tp_rank_of: int | None = None, config_overrides: dict | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Random MTP-layer tensors in DeepSeek-V3's checkpoint naming for ``model`` (transformers'
+    models have no MTP layers): ``model.layers.{L + i}.{enorm, hnorm, eh_proj, shared_head.norm,
+    shared_head.head, embed_tokens}`` and one full decoder layer (a MoE layer with an indexer,
+    drawn from a transformers model of ``L + num_mtp`` layers)."""
+    L = model.config.num_hidden_layers
+    over = dict(config_overrides or {})
+    over["num_hidden_layers"] = L + num_mtp
+    for key in ("mlp_layer_types", "indexer_types"):
+        if key in over and over[key] is not None:
+            vals = list(over[key])
+            fill = "sparse" if key == "mlp_layer_types" else "full"
+            over[key] = vals + [fill] * num_mtp
+    big = make_random_model(arch, seed=seed + 7919, init_std=init_std, tp_rank_of=tp_rank_of,
+                            **over)
+    sd = {}
+    for k, v in big.state_dict().items():
+        if k.startswith("model.layers."):
+            idx = int(k.split(".")[2])
+            if idx >= L:
+                sd[k] = v.clone()
+    g = torch.Generator().manual_seed(seed + 104729)
+    H = model.config.hidden_size
+    for i in range(num_mtp):
+        pre = f"model.layers.{L + i}."
+        sd[pre + "enorm.weight"] = 1.0 + 0.1 * torch.randn(H, generator=g)
+        sd[pre + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(H, generator=g)
+        sd[pre + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / math.sqrt(2 * H)
+        sd[pre + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(H, generator=g)
+        sd[pre + "shared_head.head.weight"] = model.lm_head.weight.detach().float().clone()
+        sd[pre + "embed_tokens.weight"] = (
+            model.model.embed_tokens.weight.detach().float().clone())
+    return sd
+
+
+def _add_mtp_layers(path, model, arch, num_mtp, seed, init_std, save_dtype, tp_rank_of,
+                    config_overrides) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    extra = {k: v.to(save_dtype).contiguous() for k, v in mtp_state_dict(
+        model, arch, num_mtp, seed, init_std, tp_rank_of, config_overrides).items()}
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        save_file(extra, os.path.join(path, "model-mtp.safetensors"), metadata={"format": "pt"})
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k: "model-mtp.safetensors" for k in extra})
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=1)
+        return
+    single = os.path.join(path, "model.safetensors")
+    state = load_file(single)
+    state.update(extra)
+    save_file(state, single, metadata={"format": "pt"})

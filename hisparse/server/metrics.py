@@ -27,6 +27,10 @@ _ENGINE_COUNTERS = {
     "host_read_switches": ("hisparse_host_read_switches",
                            "Requests switched to host-read mode"),
     "num_preempted": ("hisparse_preemptions", "Requests preempted"),
+    "spec_draft_tokens": ("hisparse_spec_draft_tokens", "MTP draft tokens verified"),
+    "spec_accepted_tokens": ("hisparse_spec_accepted_tokens", "MTP draft tokens accepted"),
+    "spec_verify_steps": ("hisparse_spec_verify_steps",
+                          "Request-steps that verified MTP drafts"),
 }
 
 
@@ -118,6 +122,12 @@ class _EngineCollector:
                     snap.copies_in_flight)
         yield gauge("hisparse_engine_up", "1 while the engine loop runs",
                     0 if engine.dead is not None else 1)
+        yield gauge("hisparse_spec_acceptance_rate", "Accepted / verified MTP draft tokens",
+                    stats.get("spec_acceptance_rate", 0.0))
+        yield gauge("hisparse_spec_mean_accepted_length", "Tokens produced per verify step",
+                    stats.get("spec_mean_accepted_length", 0.0))
+        yield gauge("hisparse_spec_union_size_mean", "Mean union of a verify group's top-k "
+                    "selections (rows)", stats.get("spec_union_size_mean", 0.0))
         for key, (metric, help_) in _ENGINE_COUNTERS.items():
             c = CounterMetricFamily(metric, help_, labels=["model_name"])
             c.add_metric([name], stats.get(key, 0))

@@ -241,20 +241,111 @@ class ModelRunner:
         inputs = self.inputs
         T, S = inputs.stage_tokens(seqs, input_ids)
         pos_t = inputs.positions[:T]
-        staged = None
-        if any(s.staged for s in seqs):   # eager prefill over spilled history (issue 14)
-            ranges, off = [], 0
-            for s in seqs:
-                if s.staged:
-                    ranges.append(torch.arange(off, off + s.num_tokens, device=self.device))
-                off += s.num_tokens
-            staged = torch.cat(ranges)
         self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t,
-                       staged)
+                       self._staged_tokens(seqs))
         hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
         if not S:
             return hidden.new_zeros(0, 0).float()
         return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
+
+    def _staged_tokens(self, seqs) -> Tensor | None:
+        """Flat indices of the tokens of staged sequences (prefill chunks whose history has
+        host-only pages: they attend through the staging area, issue 14), or None."""
+        if not any(s.staged for s in seqs):
+            return None
+        ranges, off = [], 0
+        for s in seqs:
+            if s.staged:
+                ranges.append(torch.arange(off, off + s.num_tokens, device=self.device))
+            off += s.num_tokens
+        return torch.cat(ranges)
+
+    # ------------------------------------------------------------------ speculative (MTP)
+    @torch.inference_mode()
+    def spec_forward(self, plan: StepPlan, input_ids: list[int],
+                     num_logits: list[int]) -> tuple[Tensor, list[int]]:
+        """The verify forward of a speculative step (eager; no mirrors yet: call
+        :meth:`spec_draft` next, which mirrors). ``num_logits[i]``: how many trailing tokens
+        of the i-th sampling sequence need logits (its drafts + 1). Returns those logits
+        ``[sum(num_logits), vocab]`` fp32 (plan order, position order) and, per verify group
+        (a sampling sequence with drafts), the size of the union of its tokens' selections in
+        the last indexer layer of the main model."""
+        c, inputs = self.caches, self.inputs
+        inputs.stage_plan(plan)
+        if len(plan.hot_resets):
+            c.reset_hot(inputs.hot_resets)
+        self._copy(c.host, c.arena, inputs.copies["restores"])
+        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
+        self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
+        self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
+        T, _ = inputs.stage_tokens(plan.seqs, input_ids)
+        pos_t = inputs.positions[:T]
+        tables = inputs.tables
+        host_read = any(s.host_read for s in plan.seqs)
+        staged = self._staged_tokens(plan.seqs)
+        self.ctx.begin(host_read, tables, inputs.slots[:T], pos_t, staged)
+        hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+        rows, unions, end, i = [], [], 0, 0
+        topk = self.ctx.topk
+        for seq in plan.seqs:
+            end += seq.num_tokens
+            if seq.sample:
+                n = num_logits[i]
+                i += 1
+                rows.extend(range(end - n, end))
+                if n > 1 and topk is not None:
+                    sel = topk[end - n:end]
+                    unions.append(int(torch.unique(sel[sel >= 0]).numel()))
+        self._spec = (plan, T, hidden, host_read, staged)
+        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden[idx]), unions
+
+    @torch.inference_mode()
+    def spec_draft(self, next_ids: list[int], draft_rows: list[int], num_drafts: int,
+                   sample_draft) -> tuple[list[Tensor], list[int]]:
+        """The MTP stage of the step :meth:`spec_forward` ran, then its mirrors.
+
+        MTP layer 0 runs over the step's tokens (same positions and slots): token ``t`` at
+        position ``q`` combines the main model's hidden at ``q`` with ``next_ids[t]``, the token
+        at ``q + 1`` (accepted or sampled; anything for rejected positions, whose rows are
+        rolled back). This writes the MTP layer's KV rows (cache layer ``num_layers``) of every
+        computed position. The first draft of sampling sequence ``i`` comes from the MTP output
+        at flat token ``draft_rows[i]`` (its last accepted position); drafts ``2..num_drafts``
+        chain the MTP layer on its own output and draft, one token per request: such a token
+        attends to the MTP history up to the last accepted position and its KV row goes to the
+        sink (draft-only tokens are never stored). ``sample_draft(logits [S, vocab], j)`` ->
+        int64 ``[S]`` draft tokens. Returns the drafts' logits (one ``[S, vocab]`` per draft
+        index) and the copy ids acknowledged since the last call."""
+        plan, T, hidden, host_read, staged = self._spec
+        self._spec = None
+        inputs, c, model = self.inputs, self.caches, self.model
+        dev = hidden.device
+        slots, pos_t = inputs.slots[:T], inputs.positions[:T]
+        ids = torch.tensor(next_ids, dtype=torch.long, device=dev)
+        self.ctx.begin(host_read, inputs.tables, slots, pos_t, staged)
+        h = model.mtp_forward(ids, hidden, pos_t, self.ctx)
+        logits_out = []
+        if draft_rows and num_drafts > 0:
+            rows = torch.tensor(draft_rows, dtype=torch.long, device=dev)
+            h, d_slots, d_pos = h[rows], slots[rows], pos_t[rows]
+            # Drafts of a staged sequence (its last prefill chunk sampled) read its spilled
+            # history through the staging area too.
+            d_staged = None
+            if staged is not None:
+                d_staged = torch.isin(rows, staged).nonzero().squeeze(1)
+            logits = model.mtp_logits(h)
+            logits_out.append(logits)
+            tok = sample_draft(logits, 0)
+            for j in range(1, num_drafts):
+                self.ctx.begin(host_read, inputs.tables, d_slots, d_pos, d_staged)
+                self.ctx.kv_rows = torch.full_like(self.ctx.kv_rows, c.sink_row)
+                self.ctx.idx_rows = torch.full_like(self.ctx.idx_rows, c.indexer_sink_row)
+                h = model.mtp_forward(tok, h, d_pos, self.ctx, rope_positions=d_pos + j)
+                logits = model.mtp_logits(h)
+                logits_out.append(logits)
+                tok = sample_draft(logits, j)
+        self._mirror(plan)
+        return logits_out, self._poll_acks()
 
     def commit_sampled(self, tokens: Tensor) -> None:
         """The tokens sampled from the last :meth:`execute`'s logits (device, plan order): the

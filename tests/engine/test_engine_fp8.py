@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from workload import prompts, tokens
 
 from hisparse import LLM, SamplingParams
 
@@ -16,14 +17,6 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def prompts(n, lo, hi, vocab=384, seed=0):
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(rng.randrange(lo, hi))]}
-            for _ in range(n)]
-
-
-def tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def engine(path, mode, tiny, kv_cache_dtype="fp8", **kw):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from workload import prompts
 
 from hisparse import LLM, SamplingParams
 from hisparse.engine.llm import EngineDeadError
@@ -19,11 +20,6 @@ from hisparse.worker.tp import TPRunner, pool_bytes
 
 pytest.importorskip("transformers")
 
-
-def prompts(n, lo, hi, vocab=384, seed=0):
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(rng.randrange(lo, hi))]}
-            for _ in range(n)]
 
 
 def tiny_pool(path, **kw):

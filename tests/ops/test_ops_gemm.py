@@ -25,11 +25,13 @@ def _weights(N, K, block, seed=0):
 
 @pytest.mark.parametrize("shape", [(7, 45), (33, 64), (1, 16)])
 def test_weight_quant_roundtrip(shape):
-    w = torch.randn(*shape)
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
     q, s = quantize_fp8_weight(w, (16, 16))
     assert q.dtype == FP8_DTYPE and s.shape == (-(-shape[0] // 16), -(-shape[1] // 16))
     back = dequantize_fp8_weight(q, s, (16, 16))
-    torch.testing.assert_close(back, w, rtol=0.07, atol=1e-6)
+    # e4m3: half an ulp is 1/16 relative for normal values; subnormals (below 2**-6 of the
+    # scaled range) are spaced 2**-9 apart, so their error is absolute: half that, times the scale
+    torch.testing.assert_close(back, w, rtol=0.07, atol=float(s.max()) * 2 ** -10)
     # quantizing the dequantized weight again is exact (the block amax is a grid point: 448*s)
     q2, s2 = quantize_fp8_weight(back, (16, 16))
     assert torch.equal(s2, s) and torch.equal(q2.float(), q.float())

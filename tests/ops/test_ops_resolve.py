@@ -664,3 +664,54 @@ def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
         assert torch.equal(b.arena_all, ref.arena_all)
         total += int((plan[0] >= 0).sum())
     assert total == int(ref.counters[0][3]) > 0
+
+
+# ------------------------------------------------------------------ MTP verify groups (issue 14)
+def test_verify_group_shared_rows_load_once(backend):
+    """k + 1 tokens of one request selecting the same rows: one miss per row, one hot slot per
+    row, every token served the same (correct) row."""
+    b = Batch(R=1, P=4, H=32, seed=21)
+    g = torch.Generator().manual_seed(21)
+    sel = rand_sel(g, 16, 0, 4 * BS)
+    topk = torch.stack([sel, sel.roll(3), sel.roll(7)])       # same set, different orders
+    req = torch.tensor([0, 0, 0], dtype=torch.int32)
+    out = check_against_oracle(b, backend, topk, req, new_oracles(b))
+    assert b.counters[0].tolist() == [0, 16]
+    assert sorted(out[0].tolist()) == sorted(out[1].tolist()) == sorted(out[2].tolist())
+
+
+def test_verify_group_disjoint_rows_fill_without_evicting_each_other(backend):
+    """A full hot buffer: token 0 re-selects the 16 rows loaded last step (hits), token 1
+    selects 16 new ones (misses): the misses take only the slots no token of the group
+    references, so token 0's rows still hold their data when attention reads them."""
+    b = Batch(R=1, P=4, H=32, seed=22)
+    g = torch.Generator().manual_seed(22)
+    pos = rand_sel(g, 48, 0, 4 * BS)
+    ors = new_oracles(b)
+    req1 = torch.tensor([0], dtype=torch.int32)
+    check_against_oracle(b, backend, pos[:16][None], req1, ors)           # A loaded
+    check_against_oracle(b, backend, pos[16:32][None], req1, ors)         # B loaded: full
+    # verify group: token 0 = A (hits), token 1 = C (16 misses; the LRU victims would be A's
+    # slots, the oldest, if the group's own hits were not protected)
+    topk = torch.stack([pos[:16], pos[32:48]])
+    req = torch.tensor([0, 0], dtype=torch.int32)
+    before = b.counters[0].clone()
+    check_against_oracle(b, backend, topk, req, ors)
+    assert (b.counters[0] - before).tolist() == [16, 16]
+
+
+def test_verify_group_union_larger_than_hot_buffer_fails_and_changes_nothing():
+    """Union 17 + 16 = 33 > H = 32: a clear ValueError, and no hot key, LRU entry, arena row or
+    counter of that request changed."""
+    b = Batch(R=1, P=4, H=32, seed=23)
+    g = torch.Generator().manual_seed(23)
+    pos = rand_sel(g, 33, 0, 4 * BS)
+    topk = torch.stack([pos[:16], pos[16:32], pos[17:33]])       # union: 33 rows
+    req = torch.tensor([0, 0, 0], dtype=torch.int32)
+    keys, lru = b.keys[0].clone(), b.lru[0].clone()
+    arena, counters = b.arena_all.clone(), b.counters[0].clone()
+    with pytest.raises(ValueError, match="union of its tokens' selections"):
+        resolve_rows_reference(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                               b.arena_all[0], b.host_all[0], BS, b.counters[0])
+    assert torch.equal(b.keys[0], keys) and torch.equal(b.lru[0], lru)
+    assert torch.equal(b.arena_all, arena) and torch.equal(b.counters[0], counters)

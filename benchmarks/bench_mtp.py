@@ -1,0 +1,155 @@
+"""MTP speculative decode throughput vs non-speculative decoding, at injected acceptance rates.
+
+Random weights cannot give a real acceptance rate (a random MTP layer's drafts are almost never
+the target's argmax), so the acceptance is *injected*: a k = 0 greedy run first records every
+request's output; speculative runs then replace the MTP drafts with that known continuation,
+each draft token kept right with probability ``--accept`` (else a wrong id). The MTP layer
+still runs (its cost is measured), verification is the real one, and every speculative run's
+outputs are checked identical to the k = 0 run (lossless). Figures are ratios against the k = 0
+baseline measured in the same process.
+
+What is measured: wall time of the decode phase (all requests admitted and prefilled first,
+then timed until done) and output tokens per second; per run the realised acceptance rate, the
+mean accepted length (tokens per verify step), the mean / max union of a verify group's
+selections, hot-buffer misses. Speculative steps run eagerly in the synchronous loop (no CUDA
+graphs for T = k + 1 yet), the k = 0 baseline runs with its CUDA graphs and the overlapped loop
+unless ``--baseline-eager``.
+
+    python benchmarks/bench_mtp.py                        # CUDA, tiny-but-sparse model
+    python benchmarks/bench_mtp.py --geometry production --layers 4 --context 16384
+    python benchmarks/bench_mtp.py --device cpu --requests 4 --context 256 --outputs 16  # smoke
+
+Not run on a GPU yet (no device time in the session that wrote it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from hisparse import LLM, SamplingParams
+from hisparse.models.random_checkpoint import PRODUCTION_GEOMETRY, make_random_checkpoint
+
+
+def oracle_hook(refs: dict, accept: float, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+
+    def hook(reqs, outs, drafts):
+        new = []
+        for req, out, dr in zip(reqs, outs, drafts):
+            ref = refs[tuple(req.prompt_token_ids)]
+            done = req.num_output_tokens + len(out)
+            want = ref[done:done + len(dr)]
+            new.append([t if rng.random() < accept else (t + 1) % vocab for t in want]
+                       + dr[len(want):])
+        return new
+
+    return hook
+
+
+def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float = 1.0) -> dict:
+    kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+              max_model_len=args.context + args.outputs + 8, max_num_seqs=args.requests,
+              max_num_batched_tokens=args.batched_tokens, mode=args.mode,
+              host_pool_gib=args.host_pool_gib, num_speculative_tokens=k,
+              enforce_eager=args.baseline_eager or k > 0)
+    if args.gpu_blocks:
+        kw["num_gpu_blocks"] = args.gpu_blocks
+    llm = LLM(path, **kw)
+    vocab = llm.model_config.vocab_size
+    if k and refs is not None:
+        llm.core.draft_hook = oracle_hook(refs, accept, vocab)
+    ids = [llm.add_request(p, params) for p in prompts]
+    outs = {}
+    # prefill: step until every request has produced its first token
+    while llm.scheduler.waiting or any(r.num_output_tokens == 0
+                                       for r in llm.scheduler.running):
+        for o in llm.step():
+            outs[o.request_id] = o
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    n0 = sum(r.num_output_tokens for r in llm.scheduler.running) + sum(
+        len(o.outputs[0].token_ids) for o in outs.values() if o.finished)
+    t0 = time.perf_counter()
+    steps = 0
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            outs[o.request_id] = o
+        steps += 1
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    toks = [outs[i].outputs[0].token_ids for i in ids]
+    n1 = sum(len(t) for t in toks)
+    s = llm.stats()
+    res = dict(k=k, accept_injected=accept if k else None, decode_s=round(dt, 4), steps=steps,
+               decode_tok_s=round((n1 - n0) / dt, 1), hot_misses=s["hot_misses"],
+               spec_acceptance_rate=round(s["spec_acceptance_rate"], 3),
+               spec_mean_accepted_length=round(s["spec_mean_accepted_length"], 3),
+               spec_union_size_mean=round(s["spec_union_size_mean"], 1),
+               spec_union_size_max=s["spec_union_size_max"])
+    del llm
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res, toks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--geometry", choices=["tiny", "production"], default="tiny",
+                   help="tiny dims, or DeepSeek-V3.2's attention / indexer dims")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--topk", type=int, default=None, help="index_topk (default: geometry's)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--outputs", type=int, default=128)
+    p.add_argument("--ks", default="1,2,3")
+    p.add_argument("--accepts", default="0.0,0.5,0.7,0.9,1.0")
+    p.add_argument("--mode", default="hisparse")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU pool (blocks); small values force spills and host reads")
+    p.add_argument("--host-pool-gib", type=float, default=16.0)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batched-tokens", type=int, default=8192)
+    p.add_argument("--baseline-eager", action="store_true",
+                   help="k = 0 without CUDA graphs (compare eager with eager)")
+    p.add_argument("--checkpoint", default=None, help="reuse a checkpoint with MTP layers")
+    args = p.parse_args(argv)
+
+    path = args.checkpoint
+    if path is None:
+        over = dict(PRODUCTION_GEOMETRY) if args.geometry == "production" else {}
+        over["index_topk"] = args.topk or over.get("index_topk", 64)
+        path = make_random_checkpoint(tempfile.mkdtemp(prefix="bench_mtp_"), "deepseek_v32",
+                                      seed=0, num_hidden_layers=args.layers,
+                                      num_nextn_predict_layers=1,
+                                      max_position_embeddings=args.context + args.outputs + 64,
+                                      save_dtype="bfloat16", **over)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(2, 300) for _ in range(args.context)]}
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.outputs, ignore_eos=True)
+    base, ref = run_one(path, args, 0, prompts, params)
+    refs = {tuple(pr["prompt_token_ids"]): r for pr, r in zip(prompts, ref)}
+    rows = [base]
+    print(json.dumps(base))
+    for k in (int(x) for x in args.ks.split(",")):
+        for a in (float(x) for x in args.accepts.split(",")):
+            res, toks = run_one(path, args, k, prompts, params, refs, a)
+            res["lossless"] = toks == ref
+            res["speedup_vs_k0"] = round(res["decode_tok_s"] / base["decode_tok_s"], 3)
+            rows.append(res)
+            print(json.dumps(res))
+    return 0 if all(r.get("lossless", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
