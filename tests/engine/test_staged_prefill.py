@@ -31,3 +31,26 @@ def test_prompts_5x_the_gpu_pool_are_lossless(dsv32_path, mode):
     assert s["staged_rows"] > 0 and s["staged_bytes"] == s["staged_rows"] * llm.runner.row_bytes
     assert s["staged_chunks"] > 0 and s["spilled_pages"] > 0
     assert s["free_gpu_blocks"] == 12 and s["free_host_blocks"] == llm.kv_config.num_host_blocks
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_staged_prefill_with_speculative_decoding_is_lossless(tmp_path_factory, k):
+    """Speculative steps (verify forward, MTP layer, chained drafts) of staged chunks read the
+    spilled history through the staging area too: greedy tokens equal k = 0 and gpu-only."""
+    from hisparse.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("dsv32_mtp_staged"), "deepseek_v32",
+                                  seed=11, index_topk=16, num_hidden_layers=3,
+                                  num_nextn_predict_layers=1)
+    batch = _prompts((300, 260), seed=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ref = LLM(path, mode="gpu-only", device="cpu", dtype="float32", block_size=8,
+              max_model_len=384, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in ref.generate(batch, sp)]
+    llm = LLM(path, mode="hisparse", device="cpu", dtype="float32", block_size=8,
+              max_model_len=384, max_num_seqs=4, num_gpu_blocks=14,
+              hot_buffer_size=(k + 1) * 16, host_pool_gib=0.05, max_num_batched_tokens=32,
+              num_speculative_tokens=k)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, sp)] == want
+    s = llm.stats()
+    assert s["staged_rows"] > 0 and s["staged_chunks"] > 0 and s["spec_verify_steps"] > 0
