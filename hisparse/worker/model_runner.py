@@ -211,24 +211,29 @@ class ModelRunner:
     def execute(self, plan: StepPlan, input_ids: list[int]) -> tuple[Tensor, list[int]]:
         """Run ``plan``; return logits ``[n, vocab]`` fp32 of its sampling sequences (in plan
         order) and the copy ids acknowledged since the last call."""
-        c = self.caches
         # No wait on in-flight mirrors here: a GPU block is handed out again only after the
         # mirror that reads it was acknowledged (clean pages; finished requests drain first),
         # and acknowledgements come from completed events.
         inputs = self.inputs
-        inputs.stage_plan(plan)   # changed table rows, resets, row lists: one pinned upload
-        if len(plan.hot_resets):
-            c.reset_hot(inputs.hot_resets)
-        self._copy(c.host, c.arena, inputs.copies["restores"])
-        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
-        self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
-        self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
+        self._before_forward(plan)
         if self.graphs is not None and self.graphs.supports(plan):
             logits = self.graphs.run(plan, input_ids)
         else:
             logits = self.forward_eager(plan, input_ids, inputs.tables)
         self._mirror(plan)
         return logits, self._poll_acks()
+
+    def _before_forward(self, plan: StepPlan) -> None:
+        """Stage the plan (changed table rows, resets, row lists: one pinned upload), reset the
+        hot buffers it names and run its restores (host -> GPU rows and indexer keys)."""
+        c, inputs = self.caches, self.inputs
+        inputs.stage_plan(plan)
+        if len(plan.hot_resets):
+            c.reset_hot(inputs.hot_resets)
+        self._copy(c.host, c.arena, inputs.copies["restores"])
+        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
+        self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
+        self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
 
     def forward_eager(self, plan: StepPlan, input_ids: list[int],
                       tables: dict[str, Tensor]) -> Tensor:
@@ -270,14 +275,8 @@ class ModelRunner:
         ``[sum(num_logits), vocab]`` fp32 (plan order, position order) and, per verify group
         (a sampling sequence with drafts), the size of the union of its tokens' selections in
         the last indexer layer of the main model."""
-        c, inputs = self.caches, self.inputs
-        inputs.stage_plan(plan)
-        if len(plan.hot_resets):
-            c.reset_hot(inputs.hot_resets)
-        self._copy(c.host, c.arena, inputs.copies["restores"])
-        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
-        self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
-        self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
+        inputs = self.inputs
+        self._before_forward(plan)
         T, _ = inputs.stage_tokens(plan.seqs, input_ids)
         pos_t = inputs.positions[:T]
         tables = inputs.tables
