@@ -3,25 +3,13 @@ pool is staged (rows > 0) and its greedy tokens equal GPU-only's; the JSON and t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.usefixtures("single_torch_thread")
-def test_staged_prefill_bench_smoke(tmp_path, capsys):
+def test_staged_prefill_bench_smoke(tmp_path, capsys, load_bench):
     bench = load_bench("bench_staged_prefill")
     out = tmp_path / "r.json"
     rc = bench.main(["--device", "cpu", "--context", "1024", "--layers", "2", "--block-size",
@@ -44,7 +32,7 @@ def test_staged_prefill_bench_smoke(tmp_path, capsys):
     assert table[-5].startswith("| mode |") and table[-1].startswith("| always-host |")
 
 
-def test_staged_prefill_bench_flags_a_mismatch(tmp_path, monkeypatch):
+def test_staged_prefill_bench_flags_a_mismatch(tmp_path, monkeypatch, load_bench):
     """The check can fail: tokens that differ from GPU-only give exit code 1."""
     bench = load_bench("bench_staged_prefill")
     real = bench.prefill_once
