@@ -27,7 +27,7 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
                          BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, TILE: tl.constexpr):
     """``FP8``: ``k_ptr`` is the key bytes viewed as int32 words (row stride ``stride_kr``
-    words; a 132-B key is 33 words, so rows are only 4-byte aligned and every load is one word),
+    words; a 132-B key is 33 words, so rows are only 4-byte aligned: every load is one word),
     ``ks_ptr`` the same memory as fp32; key element ``d`` = e4m3 byte ``d`` times the
     power-of-two scale of its tile. The 4 bytes of a word are 4 interleaved planes of the key
     (elements ``4w + j``): the score is the sum of 4 dots against the matching planes of q."""
@@ -40,7 +40,12 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     dmask = offs_d < D
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
     if FP8:
-        offs_w = tl.arange(0, BLOCK_D // 4)
+        # Words in the odd-stride order 5w mod W (a permutation: the dot sums over all of them):
+        # no two adjacent lanes read adjacent words, so Triton never vectorises the key load.
+        # Its divisibility analysis credits `rows * stride` with the page-start alignment of
+        # `rows`; with contiguous words it issued 16-B loads on 4-B aligned 132-B keys
+        # (misaligned address, H200, triton 3.6).
+        offs_w = (tl.arange(0, BLOCK_D // 4) * 5) % (BLOCK_D // 4)
         q0 = tl.load(q_row + 4 * offs_w[None, :], mask=hmask[:, None], other=0.0)
         q1 = tl.load(q_row + 4 * offs_w[None, :] + 1, mask=hmask[:, None], other=0.0)
         q2 = tl.load(q_row + 4 * offs_w[None, :] + 2, mask=hmask[:, None], other=0.0)
