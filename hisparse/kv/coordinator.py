@@ -28,7 +28,16 @@ import numpy as np
 
 from hisparse.config import KVCacheConfig, Mode, cdiv
 from hisparse.kv.block_pool import BlockPool
-from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan, flat_rows, page_rows, token_layout
+from hisparse.kv.plan import (
+    TABLES,
+    ChangedRows,
+    RowCopy,
+    ScheduledSeq,
+    StepPlan,
+    flat_rows,
+    page_rows,
+    token_layout,
+)
 from hisparse.kv.prefix import PrefixCache
 from hisparse.kv.reclaim import Reclaimer
 from hisparse.kv.state import KVStats, PendingWrite, RequestKV
@@ -50,6 +59,8 @@ class KVCoordinator:
         self.hot_table = np.full((cfg.max_num_seqs, cfg.hot_blocks_per_request), -1,
                                  dtype=np.int32)
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        # Per table, the slots whose row was written since the last plan (StepPlan.changed_rows).
+        self._changed: dict[str, set[int]] = {name: set() for name in TABLES}
         self.requests: dict[str, RequestKV] = {}
         self.by_uid: dict[int, RequestKV] = {}       # live and draining requests
         self.draining: dict[int, RequestKV] = {}     # freed, waiting for in-flight mirrors
@@ -152,6 +163,7 @@ class KVCoordinator:
                         indexer=self.indexer_table[slot])
         self.requests[req_id] = req
         self.by_uid[req.uid] = req
+        self._mark_changed(slot, "resident", "host", "indexer")
         req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
         if self.host_pool is not None:
             # Take every hit block before allocating anything: an allocation could otherwise
@@ -219,6 +231,7 @@ class KVCoordinator:
             if not self.reclaim.ensure_free_gpu(len(new_pages)):
                 return False
             resident[new_pages] = self.gpu_pool.allocate(len(new_pages))
+            self._changed["resident"].add(req.slot)
         if end > req.prompt_len >= start:
             self.reclaim.started_decoding(req)
         req.num_computed = end
@@ -260,15 +273,29 @@ class KVCoordinator:
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
         self._restore_pages, self._indexer_restore_pages = [], []
+        # A switch to host-read mode writes the request's hot-table row and resets its state.
+        self._changed["hot"].update(self.reclaim.hot_resets)
         hot_resets = np.asarray(self.reclaim.hot_resets, dtype=np.int32)
         self.reclaim.hot_resets = []
         return StepPlan(step_id=step_id, seqs=seqs,
                         resident_block_table=self.resident_table,
                         host_block_table=self.host_table,
                         indexer_block_table=self.indexer_table,
-                        hot_block_table=self.hot_table, hot_resets=hot_resets,
+                        hot_block_table=self.hot_table, changed_rows=self._take_changed(),
+                        hot_resets=hot_resets,
                         restores=restores, indexer_restores=indexer_restores,
                         mirrors=mirrors, indexer_mirrors=indexer_mirrors)
+
+    def _mark_changed(self, slot: int, *tables: str) -> None:
+        for name in tables:
+            self._changed[name].add(slot)
+
+    def _take_changed(self) -> ChangedRows:
+        changed = {name: np.fromiter(slots, dtype=np.int64, count=len(slots))
+                   for name, slots in self._changed.items()}
+        for slots in self._changed.values():
+            slots.clear()
+        return ChangedRows(**changed)
 
     def _plan_mirrors(self, step_id: int, seqs: list[ScheduledSeq]) -> tuple[RowCopy, RowCopy]:
         block_size = self.block_size
@@ -347,6 +374,7 @@ class KVCoordinator:
                                                req.indexer.copy())
         self.resident_table[req.slot] = self.host_table[req.slot] = -1
         self.indexer_table[req.slot] = -1
+        self._mark_changed(req.slot, *TABLES)
         self.free_slots.append(req.slot)
         if req.pending:
             self.draining[req.uid] = req
@@ -369,3 +397,5 @@ class KVCoordinator:
         if req is not None and req.resident[page] == block:
             req.resident[page] = -1
             self.stats.lost_pages += 1
+            if not req.freed:   # a freed request's tables are its own copies
+                self._changed["resident"].add(req.slot)
