@@ -64,7 +64,8 @@ class KVCoordinator:
         self.requests: dict[str, RequestKV] = {}
         self.by_uid: dict[int, RequestKV] = {}       # live and draining requests
         self.draining: dict[int, RequestKV] = {}     # freed, waiting for in-flight mirrors
-        self.pending_by_step: dict[int, list[tuple[RequestKV, PendingWrite]]] = {}
+        # Per planned step with mirrors: its requests and their writes (parallel lists).
+        self.pending_by_step: dict[int, tuple[list[RequestKV], list[PendingWrite]]] = {}
         self.stats = KVStats()
         self.prefix = PrefixCache(cfg.block_size, self.host_pool, self.gpu_pool,
                                   cfg.enable_prefix_caching)
@@ -212,9 +213,10 @@ class KVCoordinator:
                              f"with {req.num_tokens} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
         resident = req.resident
-        if end > req.prompt_len >= start:
+        prompt_ends = end > req.prompt_len >= start     # its first decode token is in here
+        if prompt_ends:
             self.reclaim.prefilling.pop(req.uid, None)   # its pages stay until it switches
-        if (end > req.prompt_len >= start and not req.host_read and self.cfg.uses_host
+        if (prompt_ends and not req.host_read and self.cfg.uses_host
                 and self.reclaim.has_host_only_history(req, start, block_size)):
             # Its history has host-only pages (released during prefill or unrestored prefix
             # hits): decode must read through a hot buffer, so it switches now.
@@ -232,7 +234,7 @@ class KVCoordinator:
                 return False
             resident[new_pages] = self.gpu_pool.allocate(len(new_pages))
             self._changed["resident"].add(req.slot)
-        if end > req.prompt_len >= start:
+        if prompt_ends:
             self.reclaim.started_decoding(req)
         req.num_computed = end
         if req.host_read and new_pages:
@@ -248,7 +250,7 @@ class KVCoordinator:
         self.reclaim.switch_to_host_read()
         scheduled, self._scheduled = self._scheduled, []
         uses_host = self.cfg.uses_host
-        seqs, writes = [], []
+        seqs, write_reqs, writes = [], [], []
         for req, start, n in scheduled:
             if req.freed:
                 continue
@@ -265,10 +267,11 @@ class KVCoordinator:
             if uses_host:
                 write = PendingWrite(end)
                 req.pending.append(write)
-                writes.append((req, write))
+                write_reqs.append(req)
+                writes.append(write)
         mirrors = indexer_mirrors = RowCopy()
         if writes:
-            self.pending_by_step[step_id] = writes
+            self.pending_by_step[step_id] = (write_reqs, writes)
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
@@ -330,16 +333,17 @@ class KVCoordinator:
     def apply_acks(self, copy_ids: Iterable[int]) -> None:
         """The worker reports the mirrors of these steps durable on host (any order)."""
         pending_by_step = self.pending_by_step
-        batches = [pending_by_step.pop(step_id, ()) for step_id in copy_ids]
+        batches = [pending_by_step.pop(step_id, ((), ())) for step_id in copy_ids]
         if len(batches) == 1:  # the usual case: one step's writes (processing twice is harmless)
-            touched = [req for req, _ in batches[0]]
-            for _, write in batches[0]:
+            touched, writes = batches[0]
+            for write in writes:
                 write.acked = True
         else:
             by_uid = {}
-            for batch in batches:
-                for req, write in batch:
+            for reqs, writes in batches:
+                for write in writes:
                     write.acked = True
+                for req in reqs:
                     by_uid[req.uid] = req
             touched = by_uid.values()
         block_size = self.block_size
