@@ -17,7 +17,7 @@ Two measurements:
 
 Targets: scheduler + plan + sampling <= 1 ms per step at 256 host-read requests.
 
-    python benchmarks/bench_scheduler.py [--what engine|scheduler] [--requests 147]
+    PYTHONPATH=. python benchmarks/bench_scheduler.py [--what engine|scheduler] [--requests 147]
         [--context 32768] [--steps 300] [--mode hisparse]
 """
 
