@@ -1,10 +1,24 @@
-"""Scheduler CPU time per decode step: 256 running requests at 64k context, block 64.
+"""Host (CPU) time per decode step at large batches of host-read requests, without a GPU.
 
-Measures Scheduler.schedule (acks, page allocation, reclaim, StepPlan with mirror rows) plus
-Scheduler.update (append sampled tokens) per pure decode step; no worker, acks arrive one step
-late. Target: <= 1 ms per step.
+Two measurements:
 
-    python benchmarks/bench_scheduler.py [--requests 256] [--context 65536] [--mode hisparse]
+- ``--what scheduler`` (the original one): ``Scheduler.schedule`` (acks, page allocation,
+  reclaim, StepPlan with mirror rows) plus ``Scheduler.update`` per pure decode step; no
+  worker, acks one step late.
+- ``--what engine`` (the default): the real engine step path, ``LLM.step()`` over
+  ``EngineCore`` with async scheduling, with a worker that does only the worker's host work
+  (:class:`HostPathRunner`: the real ``StepState`` staging of the plan and the token inputs on
+  CPU tensors, constant logits, mirrors acknowledged one step late). Per decode step it reports
+  the milliseconds of each phase: ``schedule`` (``Scheduler.schedule``, plan included),
+  ``stage_plan`` and ``stage_tokens`` (``StepState``), ``sampling`` (``SamplingTensors.build``
+  and ``sample_tensor`` on tiny logits), ``update`` (``Scheduler.update``), ``outputs``
+  (``LLM._output`` of every streamed request) and ``other`` (the rest of ``LLM.step()``:
+  input ids, the engine loop).
+
+Targets: scheduler + plan + sampling <= 1 ms per step at 256 host-read requests.
+
+    PYTHONPATH=. python benchmarks/bench_scheduler.py [--what engine|scheduler] [--requests 147]
+        [--context 32768] [--steps 300] [--mode hisparse]
 """
 
 from __future__ import annotations
@@ -13,28 +27,58 @@ import argparse
 import json
 import statistics
 import time
+from collections import defaultdict, deque
+
+import torch
 
 from hisparse.config import KVCacheConfig, cdiv
+from hisparse.engine import core as engine_core
+from hisparse.engine.core import EngineCore
+from hisparse.engine.llm import LLM
 from hisparse.engine.request import Request
+from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
+from hisparse.kv.plan import StepPlan
+from hisparse.worker.step_state import StepState
+
+VOCAB = 64
 
 
-def run(requests: int, context: int, block_size: int, steps: int, mode: str) -> dict:
+def make_config(requests: int, context: int, block_size: int, steps: int, mode: str,
+                max_num_seqs: int | None = None) -> KVCacheConfig:
+    """A KV config whose GPU pool is far smaller than the working set: every request ends in
+    host-read mode (``mode="hisparse"``)."""
     # Early requests decode while later ones prefill: leave room for those tokens.
     max_len = context + 4096 + steps
     pages = cdiv(max_len, block_size)
     hot_blocks = cdiv(4096, block_size)
-    # GPU pool far smaller than the working set: most requests end up in host-read mode.
     gpu_blocks = max(pages + 64, requests * (hot_blocks + 4) + 2 * pages) \
         if mode != "gpu-only" else requests * pages
-    cfg = KVCacheConfig(block_size=block_size, num_gpu_blocks=gpu_blocks,
-                        num_host_blocks=requests * pages, num_indexer_blocks=requests * pages,
-                        max_model_len=max_len, index_topk=2048, hot_buffer_size=4096,
-                        max_num_seqs=requests, max_num_batched_tokens=16384, mode=mode)
+    return KVCacheConfig(block_size=block_size, num_gpu_blocks=gpu_blocks,
+                         num_host_blocks=requests * pages, num_indexer_blocks=requests * pages,
+                         max_model_len=max_len, index_topk=2048, hot_buffer_size=4096,
+                         max_num_seqs=max_num_seqs or requests, max_num_batched_tokens=16384,
+                         mode=mode)
+
+
+def prompt(i: int, context: int) -> list[int]:
+    return [(i * 7919 + j) % 32000 for j in range(context)]
+
+
+def summary(times: list[float]) -> dict:
+    return dict(median=round(1e3 * statistics.median(times), 3),
+                p99=round(1e3 * sorted(times)[max(int(0.99 * len(times)) - 1, 0)], 3),
+                mean=round(1e3 * statistics.fmean(times), 3))
+
+
+# ---------------------------------------------------------------------- scheduler only
+def run(requests: int, context: int, block_size: int, steps: int, mode: str) -> dict:
+    cfg = make_config(requests, context, block_size, steps, mode)
+    max_len = cfg.max_model_len
     sched = Scheduler(cfg)
     for i in range(requests):
-        prompt = [(i * 7919 + j) % 32000 for j in range(context)]
-        sched.add(Request(f"r{i}", prompt, max_tokens=max_len - context, max_len=max_len))
+        sched.add(Request(f"r{i}", prompt(i, context), max_tokens=max_len - context,
+                          max_len=max_len))
     acks: list[int] = []
     t0 = time.perf_counter()
     prefill_steps = 0
@@ -54,23 +98,169 @@ def run(requests: int, context: int, block_size: int, steps: int, mode: str) -> 
         assert len(plan.seqs) == requests, "every request decodes each step"
     kv = sched.kv
     host_read = sum(r.host_read for r in kv.requests.values())
-    return dict(mode=mode, requests=requests, context=context, block_size=block_size,
-                gpu_blocks=gpu_blocks, host_read_requests=host_read, steps=steps,
+    s = summary(times)
+    return dict(what="scheduler", mode=mode, requests=requests, context=context,
+                block_size=block_size, gpu_blocks=cfg.num_gpu_blocks,
+                host_read_requests=host_read, steps=steps, setup_s=round(setup_s, 2),
+                prefill_steps=prefill_steps, step_ms_median=s["median"], step_ms_p99=s["p99"],
+                step_ms_mean=s["mean"])
+
+
+# ---------------------------------------------------------------------- the engine step path
+class HostPathRunner:
+    """The worker's host side of a step, on CPU tensors: the real :class:`StepState` stages
+    the plan (changed table rows, resets, copy row lists) and the token inputs; the forward is
+    constant logits ``[sampled, VOCAB]``; the plan's mirrors are acknowledged at the next
+    call. Implements the part of ``ModelRunner``'s interface that ``EngineCore`` uses."""
+
+    def __init__(self, cfg: KVCacheConfig) -> None:
+        self.device = torch.device("cpu")
+        self.inputs = StepState(cfg, self.device,
+                                max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+        self.in_flight: deque[int] = deque()
+        self.logits = torch.zeros(cfg.max_num_seqs, VOCAB)
+        self.logits[:, 1] = 1.0
+
+    def execute(self, plan: StepPlan, input_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        self.inputs.stage_plan(plan)
+        _, num_sampled = self.inputs.stage_tokens(plan.seqs, input_ids)
+        acks = self.drain()
+        if len(plan.mirrors):
+            self.in_flight.append(plan.mirrors.copy_id)
+        return self.logits[:num_sampled], acks
+
+    def commit_sampled(self, tokens: torch.Tensor) -> None:
+        self.inputs.commit_sampled(tokens)
+
+    def drain(self) -> list[int]:
+        done = list(self.in_flight)
+        self.in_flight.clear()
+        return done
+
+
+class PhaseTimer:
+    """Wall time per named phase, accumulated until :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        acc = self.acc
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                acc[name] += time.perf_counter() - t
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.acc)
+        self.acc.clear()
+        return out
+
+
+def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner) -> LLM:
+    """An ``LLM`` around a scheduler and ``runner``, without a model: the step path
+    (``LLM.step`` -> ``EngineCore.step``, output building) is the engine's own code; only the
+    constructor (checkpoint, caches) is skipped."""
+    llm = LLM.__new__(LLM)
+    llm.scheduler = Scheduler(cfg)
+    llm.core = EngineCore(llm.scheduler, runner, frozenset(), async_scheduling=True)
+    llm.tokenizer = None
+    llm._fault = None
+    llm._stashed = []
+    llm._errors = {}
+    llm._requests = {}
+    llm.max_model_len = cfg.max_model_len
+    return llm
+
+
+def run_engine(requests: int, context: int, block_size: int, steps: int, mode: str,
+               max_num_seqs: int | None = None, profile: str | None = None) -> dict:
+    cfg = make_config(requests, context, block_size, steps, mode, max_num_seqs)
+    runner = HostPathRunner(cfg)
+    llm = engine_llm(cfg, runner)
+    sched = llm.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_model_len - context,
+                            ignore_eos=True)
+    for i in range(requests):
+        llm._enqueue(None, prompt(i, context), params, f"r{i}")
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while sched.waiting or any(r.num_uncomputed > 1 for r in sched.running):
+        llm.step()
+        prefill_steps += 1
+    for _ in range(3):      # settle: every request decoding, the overlapped loop primed
+        llm.step()
+    setup_s = time.perf_counter() - t0
+
+    timer = PhaseTimer()
+    sched.schedule = timer.wrap("schedule", sched.schedule)
+    sched.update = timer.wrap("update", sched.update)
+    runner.inputs.stage_plan = timer.wrap("stage_plan", runner.inputs.stage_plan)
+    runner.inputs.stage_tokens = timer.wrap("stage_tokens", runner.inputs.stage_tokens)
+    llm._output = timer.wrap("outputs", llm._output)
+    real_sampling = (engine_core.sampling.SamplingTensors.build,
+                     engine_core.sampling.sample_tensor)
+    engine_core.sampling.SamplingTensors.build = timer.wrap("sampling", real_sampling[0])
+    engine_core.sampling.sample_tensor = timer.wrap("sampling", real_sampling[1])
+    phases: dict[str, list[float]] = defaultdict(list)
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            outs = llm.step()
+            total = time.perf_counter() - t
+            assert len(outs) == requests, "every request streams a token each step"
+            acc = timer.take()
+            for name, v in acc.items():
+                phases[name].append(v)
+            phases["other"].append(total - sum(acc.values()))
+            phases["total"].append(total)
+    finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
+        engine_core.sampling.SamplingTensors.build, engine_core.sampling.sample_tensor = \
+            real_sampling
+    kv = sched.kv
+    host_read = sum(r.host_read for r in kv.requests.values())
+    order = ("schedule", "stage_plan", "stage_tokens", "sampling", "update", "outputs",
+             "other", "total")
+    return dict(what="engine", mode=mode, requests=requests, context=context,
+                block_size=block_size, max_num_seqs=cfg.max_num_seqs,
+                gpu_blocks=cfg.num_gpu_blocks, host_read_requests=host_read, steps=steps,
                 setup_s=round(setup_s, 2), prefill_steps=prefill_steps,
-                step_ms_median=round(1e3 * statistics.median(times), 3),
-                step_ms_p99=round(1e3 * sorted(times)[int(0.99 * len(times)) - 1], 3),
-                step_ms_mean=round(1e3 * statistics.fmean(times), 3))
+                table_rows_uploaded_per_step=None if not steps else round(
+                    runner.inputs.rows_uploaded / (prefill_steps + 3 + steps), 2),
+                ms_per_step={name: summary(phases[name]) for name in order})
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--what", choices=("engine", "scheduler"), default="engine")
+    p.add_argument("--requests", type=int, default=None,
+                   help="default: 147 (engine), 256 (scheduler)")
+    p.add_argument("--context", type=int, default=None,
+                   help="default: 32768 (engine), 65536 (scheduler)")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=None, help="default: 300 (engine), 500")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --requests")
     p.add_argument("--mode", default="hisparse")
+    p.add_argument("--profile", default=None, help="engine: write cProfile stats here")
     a = p.parse_args()
-    print(json.dumps(run(a.requests, a.context, a.block_size, a.steps, a.mode)))
+    if a.what == "scheduler":
+        print(json.dumps(run(a.requests or 256, a.context or 65536, a.block_size,
+                             a.steps or 500, a.mode)))
+    else:
+        print(json.dumps(run_engine(a.requests or 147, a.context or 32768, a.block_size,
+                                    a.steps or 300, a.mode, a.max_num_seqs, a.profile)))
 
 
 if __name__ == "__main__":

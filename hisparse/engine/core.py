@@ -106,11 +106,17 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
     def _launch(self, plan: StepPlan) -> _LaunchedStep:
         requests = self.scheduler.running_requests(plan)
-        input_ids = []
+        input_ids: list[int] = []
+        append = input_ids.append
         for seq, req in zip(plan.seqs, requests):
-            ids = req.token_ids[seq.start_pos:seq.start_pos + seq.num_tokens]
+            known, start = req.token_ids, seq.start_pos
+            if seq.num_tokens == 1:     # a decode token: no slice
+                # -1: sampled by the step in flight, its id is on the device
+                append(known[start] if start < len(known) else -1)
+                continue
+            ids = known[start:start + seq.num_tokens]
             if len(ids) < seq.num_tokens:   # sampled by the step in flight: on the device
-                ids = ids + [-1] * (seq.num_tokens - len(ids))
+                ids += [-1] * (seq.num_tokens - len(ids))
             input_ids += ids
         logits, acks = self.runner.execute(plan, input_ids)
         self._acks += acks

@@ -660,7 +660,7 @@ class LLM:
             raise self._die(e, "releasing finished requests") from e
 
     def _output(self, req: Request) -> RequestOutput:
-        ids = list(req.output_token_ids)
+        ids = req.token_ids[len(req.prompt_token_ids):]     # one copy (a new list)
         error = self._errors.pop(req.req_id, None)
         reason = req.finish_reason
         text = None

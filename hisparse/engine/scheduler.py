@@ -47,8 +47,9 @@ class Scheduler:
         self.running: list[Request] = []          # admission order (the newest is preempted)
         self._running_by_id: dict[str, Request] = {}
         self.step_id = 0
-        # Per planned step: the request and KV handle of each sampling sequence, in plan order.
-        self._samplers: dict[int, list[tuple[Request, RequestKV]]] = {}
+        # Per planned step: the requests of its sampling sequences (plan order) and their KV
+        # handles at plan time (parallel lists).
+        self._samplers: dict[int, tuple[list[Request], list[RequestKV]]] = {}
         self.num_preempted = 0
         self.peak_running = 0
 
@@ -111,10 +112,15 @@ class Scheduler:
             handle = req.kv
             if req.status is not running or handle is None:
                 continue
-            if handle.num_draft_tokens and handle.num_tokens - handle.num_computed > budget:
+            known = handle.num_tokens
+            if handle.num_draft_tokens and known - handle.num_computed > budget:
                 drop_drafts(req)    # a verify step is never split: decode one token instead
-            n = min(handle.num_tokens - handle.num_computed, budget)
-            if n == 0 or (handle.num_pending_tokens and self._ends_by_length(req, handle)):
+                known = handle.num_tokens
+            n = min(known - handle.num_computed, budget)
+            # Its pending tokens alone will finish it (max_len or max_tokens): nothing to plan.
+            if n == 0 or (handle.num_pending_tokens and (
+                    known >= req.max_len
+                    or known - len(req.prompt_token_ids) >= req.max_tokens)):
                 continue
             while not kv.allocate_slots(handle, n):
                 if not may_preempt:
@@ -156,15 +162,9 @@ class Scheduler:
         self.step_id += 1
         plan = kv.build_plan(self.step_id)
         by_id = self._running_by_id
-        self._samplers[plan.step_id] = [(r, r.kv) for r in
-                                        (by_id[s.req_id] for s in plan.seqs if s.sample)]
+        samplers = [by_id[s.req_id] for s in plan.seqs if s.sample]
+        self._samplers[plan.step_id] = (samplers, [r.kv for r in samplers])
         return plan
-
-    @staticmethod
-    def _ends_by_length(req: Request, handle: RequestKV) -> bool:
-        """Its pending tokens alone will finish it (max_tokens or max_len)."""
-        total = handle.num_tokens
-        return total >= req.max_len or total - len(req.prompt_token_ids) >= req.max_tokens
 
     def running_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of ``plan``'s sequences, in plan order (call before any of them
@@ -173,8 +173,9 @@ class Scheduler:
         return [by_id[s.req_id] for s in plan.seqs]
 
     def sampling_requests(self, plan: StepPlan) -> list[Request]:
-        """The requests of ``plan``'s sampling sequences, in plan order."""
-        return [r for r, _ in self._samplers[plan.step_id]]
+        """The requests of ``plan``'s sampling sequences, in plan order (the scheduler's own
+        list until :meth:`update`: read it, do not mutate it)."""
+        return self._samplers[plan.step_id][0]
 
     def update(self, plan: StepPlan, tokens: Sequence[int],
                eos_token_ids: frozenset[int] = frozenset()) -> StepUpdate:
@@ -184,7 +185,8 @@ class Scheduler:
         plan are dropped."""
         out = StepUpdate()
         running = RequestStatus.RUNNING
-        for (req, handle), token in zip(self._samplers.pop(plan.step_id), tokens, strict=True):
+        reqs, handles = self._samplers.pop(plan.step_id)
+        for req, handle, token in zip(reqs, handles, tokens, strict=True):
             handle.num_pending_tokens -= 1
             if req.kv is not handle or req.status is not running:
                 continue
@@ -218,8 +220,9 @@ class Scheduler:
         - 1); the next drafts are capped so the next step stays within max_tokens / max_len."""
         out = StepUpdate()
         running = RequestStatus.RUNNING
-        for (req, handle), toks, dr, dp in zip(self._samplers.pop(plan.step_id), outs, drafts,
-                                               draft_probs, strict=True):
+        reqs, handles = self._samplers.pop(plan.step_id)
+        for req, handle, toks, dr, dp in zip(reqs, handles, outs, drafts, draft_probs,
+                                             strict=True):
             handle.num_pending_tokens -= 1
             handle.num_draft_tokens = 0
             req.spec_draft, req.spec_draft_probs = [], None

@@ -28,7 +28,16 @@ import numpy as np
 
 from hisparse.config import KVCacheConfig, Mode, cdiv
 from hisparse.kv.block_pool import BlockPool
-from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan, flat_rows, page_rows, token_layout
+from hisparse.kv.plan import (
+    TABLES,
+    ChangedRows,
+    RowCopy,
+    ScheduledSeq,
+    StepPlan,
+    flat_rows,
+    page_rows,
+    token_layout,
+)
 from hisparse.kv.prefix import PrefixCache
 from hisparse.kv.reclaim import Reclaimer
 from hisparse.kv.state import KVStats, PendingWrite, RequestKV
@@ -50,10 +59,13 @@ class KVCoordinator:
         self.hot_table = np.full((cfg.max_num_seqs, cfg.hot_blocks_per_request), -1,
                                  dtype=np.int32)
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        # Per table, the slots whose row was written since the last plan (StepPlan.changed_rows).
+        self._changed: dict[str, set[int]] = {name: set() for name in TABLES}
         self.requests: dict[str, RequestKV] = {}
         self.by_uid: dict[int, RequestKV] = {}       # live and draining requests
         self.draining: dict[int, RequestKV] = {}     # freed, waiting for in-flight mirrors
-        self.pending_by_step: dict[int, list[tuple[RequestKV, PendingWrite]]] = {}
+        # Per planned step with mirrors: its requests and their writes (parallel lists).
+        self.pending_by_step: dict[int, tuple[list[RequestKV], list[PendingWrite]]] = {}
         self.stats = KVStats()
         self.prefix = PrefixCache(cfg.block_size, self.host_pool, self.gpu_pool,
                                   cfg.enable_prefix_caching)
@@ -152,6 +164,7 @@ class KVCoordinator:
                         indexer=self.indexer_table[slot])
         self.requests[req_id] = req
         self.by_uid[req.uid] = req
+        self._mark_changed(slot, "resident", "host", "indexer")
         req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
         if self.host_pool is not None:
             # Take every hit block before allocating anything: an allocation could otherwise
@@ -200,9 +213,10 @@ class KVCoordinator:
                              f"with {req.num_tokens} known tokens (freed={req.freed})")
         first_page, last_page = start // block_size, (end - 1) // block_size
         resident = req.resident
-        if end > req.prompt_len >= start:
+        prompt_ends = end > req.prompt_len >= start     # its first decode token is in here
+        if prompt_ends:
             self.reclaim.prefilling.pop(req.uid, None)   # its pages stay until it switches
-        if (end > req.prompt_len >= start and not req.host_read and self.cfg.uses_host
+        if (prompt_ends and not req.host_read and self.cfg.uses_host
                 and self.reclaim.has_host_only_history(req, start, block_size)):
             # Its history has host-only pages (released during prefill or unrestored prefix
             # hits): decode must read through a hot buffer, so it switches now.
@@ -219,7 +233,8 @@ class KVCoordinator:
             if not self.reclaim.ensure_free_gpu(len(new_pages)):
                 return False
             resident[new_pages] = self.gpu_pool.allocate(len(new_pages))
-        if end > req.prompt_len >= start:
+            self._changed["resident"].add(req.slot)
+        if prompt_ends:
             self.reclaim.started_decoding(req)
         req.num_computed = end
         if req.host_read and new_pages:
@@ -235,7 +250,7 @@ class KVCoordinator:
         self.reclaim.switch_to_host_read()
         scheduled, self._scheduled = self._scheduled, []
         uses_host = self.cfg.uses_host
-        seqs, writes = [], []
+        seqs, write_reqs, writes = [], [], []
         for req, start, n in scheduled:
             if req.freed:
                 continue
@@ -252,23 +267,38 @@ class KVCoordinator:
             if uses_host:
                 write = PendingWrite(end)
                 req.pending.append(write)
-                writes.append((req, write))
+                write_reqs.append(req)
+                writes.append(write)
         mirrors = indexer_mirrors = RowCopy()
         if writes:
-            self.pending_by_step[step_id] = writes
+            self.pending_by_step[step_id] = (write_reqs, writes)
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
         self._restore_pages, self._indexer_restore_pages = [], []
+        # A switch to host-read mode writes the request's hot-table row and resets its state.
+        self._changed["hot"].update(self.reclaim.hot_resets)
         hot_resets = np.asarray(self.reclaim.hot_resets, dtype=np.int32)
         self.reclaim.hot_resets = []
         return StepPlan(step_id=step_id, seqs=seqs,
                         resident_block_table=self.resident_table,
                         host_block_table=self.host_table,
                         indexer_block_table=self.indexer_table,
-                        hot_block_table=self.hot_table, hot_resets=hot_resets,
+                        hot_block_table=self.hot_table, changed_rows=self._take_changed(),
+                        hot_resets=hot_resets,
                         restores=restores, indexer_restores=indexer_restores,
                         mirrors=mirrors, indexer_mirrors=indexer_mirrors)
+
+    def _mark_changed(self, slot: int, *tables: str) -> None:
+        for name in tables:
+            self._changed[name].add(slot)
+
+    def _take_changed(self) -> ChangedRows:
+        changed = {name: np.fromiter(slots, dtype=np.int64, count=len(slots))
+                   for name, slots in self._changed.items()}
+        for slots in self._changed.values():
+            slots.clear()
+        return ChangedRows(**changed)
 
     def _plan_mirrors(self, step_id: int, seqs: list[ScheduledSeq]) -> tuple[RowCopy, RowCopy]:
         block_size = self.block_size
@@ -303,16 +333,17 @@ class KVCoordinator:
     def apply_acks(self, copy_ids: Iterable[int]) -> None:
         """The worker reports the mirrors of these steps durable on host (any order)."""
         pending_by_step = self.pending_by_step
-        batches = [pending_by_step.pop(step_id, ()) for step_id in copy_ids]
+        batches = [pending_by_step.pop(step_id, ((), ())) for step_id in copy_ids]
         if len(batches) == 1:  # the usual case: one step's writes (processing twice is harmless)
-            touched = [req for req, _ in batches[0]]
-            for _, write in batches[0]:
+            touched, writes = batches[0]
+            for write in writes:
                 write.acked = True
         else:
             by_uid = {}
-            for batch in batches:
-                for req, write in batch:
+            for reqs, writes in batches:
+                for write in writes:
                     write.acked = True
+                for req in reqs:
                     by_uid[req.uid] = req
             touched = by_uid.values()
         block_size = self.block_size
@@ -347,6 +378,7 @@ class KVCoordinator:
                                                req.indexer.copy())
         self.resident_table[req.slot] = self.host_table[req.slot] = -1
         self.indexer_table[req.slot] = -1
+        self._mark_changed(req.slot, *TABLES)
         self.free_slots.append(req.slot)
         if req.pending:
             self.draining[req.uid] = req
@@ -369,3 +401,5 @@ class KVCoordinator:
         if req is not None and req.resident[page] == block:
             req.resident[page] = -1
             self.stats.lost_pages += 1
+            if not req.freed:   # a freed request's tables are its own copies
+                self._changed["resident"].add(req.slot)

@@ -16,6 +16,9 @@ import numpy as np
 
 EMPTY_ROWS = np.zeros(0, dtype=np.int64)
 
+# The block tables of a plan, by name (``StepPlan.<name>_block_table``).
+TABLES = ("resident", "host", "indexer", "hot")
+
 
 @dataclass(frozen=True)
 class RowCopy:
@@ -52,6 +55,19 @@ class ScheduledSeq:
     staged: bool = False
 
 
+@dataclass(frozen=True)
+class ChangedRows:
+    """Per block table, the slots (int64, unique, any order) whose row was written since the
+    previous plan. A worker whose copy of the tables equals the previous plan's holds this
+    plan's tables after copying just these rows (per-step table work proportional to what
+    changed, DESIGN.md section 7). The first plan lists every row written since start-up."""
+
+    resident: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)
+    host: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)
+    indexer: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)
+    hot: np.ndarray = field(default_factory=lambda: EMPTY_ROWS)
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -64,6 +80,8 @@ class StepPlan:
     indexer_block_table: np.ndarray
     # [max_num_seqs, hot_blocks_per_request] int32: leased hot blocks, or -1 (not host-read).
     hot_block_table: np.ndarray
+    # The table rows written since the previous plan (every worker applies every plan).
+    changed_rows: ChangedRows
     # Slots whose hot-buffer state (keys and LRU, every layer) is cleared before the forward.
     hot_resets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     # Before the forward: host -> GPU arena, and host indexer keys -> GPU indexer cache.

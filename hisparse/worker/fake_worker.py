@@ -7,6 +7,9 @@ It is how tests (and ``hisparse simulate``) exercise the KV core without a model
   request's token prefix and the layer, and reads every history row it is entitled to read
   (resident rows directly, host-only rows through a per-(slot, layer) hot buffer), checking the
   bytes;
+- its own copy of the block tables is updated only from each plan's ``changed_rows`` (as the
+  real worker's device tables are) and must equal the plan's tables: a table write the KV core
+  does not report is caught;
 - mirror copies are performed *lazily*, when their acknowledgement is released 0..``max_delay``
   steps later and in random order: a page released before its acknowledgement has no valid host
   copy, and the checks see it.
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 from hisparse.config import KVCacheConfig
-from hisparse.kv.plan import RowCopy, ScheduledSeq, StepPlan, flat_rows
+from hisparse.kv.plan import TABLES, RowCopy, ScheduledSeq, StepPlan, flat_rows
 
 POISON = -7
 
@@ -58,6 +61,9 @@ class FakeWorker:
         # themselves live in the arena rows of the slot's leased hot blocks.
         self.hot: dict[int, list[OrderedDict[int, int]]] = {}
         self.in_flight: list[tuple[int, int, RowCopy, RowCopy]] = []  # (due, copy_id, ...)
+        self.tables = {name: np.full((cfg.max_num_seqs, width), -1, dtype=np.int32)
+                       for name, width in zip(TABLES, (cfg.max_pages_per_request,) * 3
+                                              + (cfg.hot_blocks_per_request,))}
         self.step = 0
         self.hot_hits = self.hot_misses = 0
         self.h2d_rows = self.d2h_rows = 0
@@ -67,6 +73,7 @@ class FakeWorker:
         """Run one step (or none) and return the copy ids acknowledged now."""
         self.step += 1
         if plan is not None:
+            self._apply_changed_rows(plan)
             for slot in plan.hot_resets.tolist():
                 self.hot[slot] = [OrderedDict() for _ in range(self.num_layers)]
             self._copy(self.host, self.arena, plan.restores)
@@ -79,6 +86,15 @@ class FakeWorker:
                 self.in_flight.append((due, plan.mirrors.copy_id, plan.mirrors,
                                        plan.indexer_mirrors))
         return self._release_acks()
+
+    def _apply_changed_rows(self, plan: StepPlan) -> None:
+        for name in TABLES:
+            table, rows = getattr(plan, f"{name}_block_table"), getattr(plan.changed_rows, name)
+            self.tables[name][rows] = table[rows]
+            if not np.array_equal(self.tables[name], table):
+                stale = np.flatnonzero((self.tables[name] != table).any(axis=1)).tolist()
+                raise KVMismatch(f"step {plan.step_id}: {name} table rows {stale} changed but "
+                                 f"were not reported in changed_rows")
 
     def drain(self) -> list[int]:
         """Complete every in-flight copy now."""

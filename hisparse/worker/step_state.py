@@ -8,9 +8,9 @@ more). Both the eager path and the captured CUDA graphs read the same persistent
 (``tables``, ``ids``, ``positions``, ``slots``), so a graph replay needs no table upload of
 its own. No ``.tolist()``, ``.item()`` or pageable upload happens here.
 
-Changed table rows are found by comparing the plan's tables with a host shadow copy of what the
-device holds (vectorised numpy, O(table)); a ``StepPlan.dirty_slots`` field from the KV side
-would make it O(changed).
+The rows to upload are the plan's ``changed_rows`` (the KV core reports every table row it
+wrote since the previous plan), so the table work per step is proportional to what changed, not
+to the tables. The device tables are correct only if every plan is staged, in order.
 
 Staging buffers are double-buffered: the host fills one while the copy from the other may still
 be in flight; before reusing one it waits for the copy that last read it (an event recorded
@@ -24,9 +24,8 @@ import torch
 from torch import Tensor
 
 from hisparse.config import KVCacheConfig
-from hisparse.kv.plan import ScheduledSeq, StepPlan, token_layout
+from hisparse.kv.plan import TABLES, ScheduledSeq, StepPlan, token_layout
 
-TABLES = ("resident", "host", "indexer", "hot")
 COPIES = ("restores", "indexer_restores", "mirrors", "indexer_mirrors")
 
 
@@ -82,7 +81,6 @@ class StepState:
         self.max_tokens = max(1, int(max_tokens))
         self.tables = {n: torch.full((R, w), -1, dtype=torch.int32, device=device)
                        for n, w in widths.items()}
-        self.shadow = {n: np.full((R, w), -1, dtype=np.int32) for n, w in widths.items()}
         self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
         self.slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
@@ -100,15 +98,12 @@ class StepState:
 
     # ------------------------------------------------------------------ per step
     def stage_plan(self, plan: StepPlan) -> None:
-        """Upload the table rows that changed since the last plan, the hot resets and every
-        copy's row lists (one host -> device copy)."""
-        changed = {}
-        n = 0
-        for name in TABLES:
-            new = getattr(plan, f"{name}_block_table")
-            rows = np.flatnonzero((new != self.shadow[name]).any(axis=1))
-            changed[name] = rows
-            n += rows.size * (1 + new.shape[1])
+        """Upload the table rows the plan reports changed since the previous plan, the hot
+        resets and every copy's row lists (one host -> device copy). Call for every plan, in
+        order."""
+        changed = plan.changed_rows
+        n = sum(getattr(changed, name).size * (1 + getattr(plan, f"{name}_block_table").shape[1])
+                for name in TABLES)
         resets = np.asarray(plan.hot_resets, dtype=np.int64)
         n += resets.size
         sample_slots = np.fromiter((s.slot for s in plan.seqs if s.sample), dtype=np.int64)
@@ -119,13 +114,12 @@ class StepState:
         o = 0
         spans = {}
         for name in TABLES:
-            rows = changed[name]
+            rows = getattr(changed, name)
             if rows.size:
                 new = getattr(plan, f"{name}_block_table")
                 w = new.shape[1]
                 buf[o:o + rows.size] = rows
                 buf[o + rows.size:o + rows.size * (1 + w)] = new[rows].ravel()
-                self.shadow[name][rows] = new[rows]
                 spans[name] = (o, rows.size, w)
                 o += rows.size * (1 + w)
         buf[o:o + resets.size] = resets
