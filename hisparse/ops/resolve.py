@@ -92,16 +92,23 @@ HOT_POLICIES = ("lru", "score", "score+prefetch")
 DEFAULT_HOT_POLICY = "score+prefetch"
 
 
-def hot_policy_params(name: str, index_topk: int) -> tuple[str, int, int]:
+def hot_policy_params(name: str, index_topk: int,
+                      prefetch_rows: int | None = None) -> tuple[str, int, int]:
     """Engine hot policy name -> ``(policy, band, prefetch)`` for :func:`resolve_rows`: the band
     is ``index_topk`` next-ranked rows (the indexer returns top-``2 * index_topk``, sorted) and
-    prefetch moves at most ``max(1, index_topk // 64)`` rows per (layer, request) step (the
-    settings measured by ``hisparse bench-policy``: docs in the report of issue 15)."""
+    prefetch moves at most ``prefetch_rows`` rows per (layer, request) step, by default
+    ``max(1, index_topk // 64)`` (the settings measured by ``hisparse bench-policy``: docs in
+    the report of issue 15); ``prefetch_rows`` is ignored by the policies without prefetch."""
     if name not in HOT_POLICIES:
         raise ValueError(f"hot_policy must be one of {HOT_POLICIES}, got {name!r}")
+    if prefetch_rows is not None and (not isinstance(prefetch_rows, int) or prefetch_rows < 0):
+        raise ValueError(f"hot_prefetch_rows must be None or an integer >= 0, "
+                         f"got {prefetch_rows!r}")
     if name == "lru":
         return "lru", 0, 0
-    pf = max(1, index_topk // 64) if name == "score+prefetch" else 0
+    pf = 0
+    if name == "score+prefetch":
+        pf = max(1, index_topk // 64) if prefetch_rows is None else int(prefetch_rows)
     return "score", int(index_topk), pf
 
 
