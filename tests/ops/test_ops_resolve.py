@@ -737,6 +737,91 @@ def test_prefetch_copy_consumes_plan(backend):
     assert (plan == -1).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("policy", ["score", "lru"])
+def test_gpu_prefetch_on_side_stream_matches_fused_reference(mode, policy):
+    """The worker's split at production shape on the H200: resolver (plan) on the main stream,
+    the prefetch copy forked onto a side stream and joined (HotPrefetcher), eager or captured
+    in a CUDA graph (fork/join inside the capture) and replayed with new selections: rows, hot
+    state, flags, counters and arena bytes equal the fused reference every step, the plan is
+    consumed, and rows prefetched at step t and selected at t + 1 count as prefetch hits."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops.resolve import hot_policy_params
+    from hisparse.worker.model_runner import HotPrefetcher
+
+    R, K, NB = 16, 2048, 2048
+    H = 2 * K
+    PF = 32
+    P = (8 * K) // BS + 4
+    _, _, default_pf = hot_policy_params("score+prefetch", K)
+    assert default_pf == 32
+    b = Batch(R=R, P=P, H=H, seed=29, resident_frac=0.3, device="cuda", pin=True)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ref = b.clone()
+    ref.host_all = b.host_all
+    flags_b = torch.zeros(R, H, dtype=torch.int32, device="cuda")
+    flags_r = flags_b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cuda")
+    plan = torch.full((2, R, PF), -1, dtype=torch.int64, device="cuda")
+    topk_s = torch.full((R, K), -1, dtype=torch.int32, device="cuda")
+    band_s = torch.full((R, NB), -1, dtype=torch.int32, device="cuda")
+    req_s = torch.full((R,), -1, dtype=torch.int32, device="cuda")   # padding: touches nothing
+    out_s = torch.empty((R, K), dtype=torch.int32, device="cuda")
+    pf = HotPrefetcher(torch.device("cuda"))
+
+    def body():
+        resolve_rows(topk_s, req_s, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+                     b.host_all[0], BS, b.counters[0], out=out_s, workspace=ws, band=band_s,
+                     policy=policy, prefetch=PF, hot_flags=flags_b, prefetch_plan=plan)
+        pf.launch(plan, b.arena_all[0], b.host_all[0])
+        pf.join()
+
+    graph = None
+    if mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()                                   # warm-up (compiles), on padding
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(29)
+    prev_band = None
+    for _ in range(4):
+        topk, band = ranked_rows(g, R, K, NB, P * BS)
+        if prev_band is not None:                    # last step's best band rows move up
+            top = prev_band[:, :PF].tolist()
+            rest = torch.cat([topk, band], 1).tolist()
+            rows = []
+            for i in range(R):
+                head = set(top[i])
+                rows.append(top[i] + [p for p in rest[i] if p not in head][:K + NB - PF])
+            sel = torch.tensor(rows, dtype=torch.int32)
+            topk, band = sel[:, :K].contiguous(), sel[:, K:].contiguous()
+        topk_s.copy_(topk)
+        band_s.copy_(band)
+        req_s.copy_(torch.arange(R, dtype=torch.int32))
+        if graph is not None:
+            graph.replay()
+        else:
+            body()
+        o_ref = policy_resolve(ref, "reference", topk.cuda(), band.cuda(),
+                               torch.arange(R, dtype=torch.int32, device="cuda"), flags_r,
+                               policy, PF)
+        torch.cuda.synchronize()
+        assert torch.equal(out_s, o_ref)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r)
+        assert torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert (plan == -1).all()
+        prev_band = band
+    assert int(b.counters[0][3]) > 0 and int(b.counters[0][4]) > 0
+
+
 # ------------------------------------------------------------------ MTP verify groups (issue 14)
 def test_verify_group_shared_rows_load_once(backend):
     """k + 1 tokens of one request selecting the same rows: one miss per row, one hot slot per
