@@ -19,13 +19,25 @@ unless ``--baseline-eager``.
     python benchmarks/bench_mtp.py --geometry production --layers 4 --context 16384
     python benchmarks/bench_mtp.py --device cpu --requests 4 --context 256 --outputs 16  # smoke
 
+Every run gets its own ``LLM`` (torch's garbage collector runs between them so GPU memory and
+the pinned host pool go back); the GPU pool defaults to what every request needs resident
+(``--gpu-blocks`` forces pressure) and the host pool to what they need on host
+(``--host-pool-gib`` overrides). Before timing, a warm-up pass runs every k once at a short
+context (``--warmup-context``; default on CUDA) so no kernel compiles inside a measurement, and
+each run captures its CUDA graphs before its requests. The engine is driven through its public
+API (``LLM``, ``add_request``, ``step``, ``stats``); the one seam used is
+``LLM.core.draft_hook``, the engine's documented test and benchmark hook for replacing MTP
+drafts. ``--out`` writes every row as JSON.
+
 Not run on a GPU yet (no device time in the session that wrote it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import tempfile
 import time
@@ -42,7 +54,10 @@ def oracle_hook(refs: dict, accept: float, vocab: int, seed: int = 0):
     def hook(reqs, outs, drafts):
         new = []
         for req, out, dr in zip(reqs, outs, drafts):
-            ref = refs[tuple(req.prompt_token_ids)]
+            ref = refs.get(tuple(req.prompt_token_ids))
+            if ref is None:             # a warm-up request: its own MTP drafts
+                new.append(dr)
+                continue
             done = req.num_output_tokens + len(out)
             want = ref[done:done + len(dr)]
             new.append([t if rng.random() < accept else (t + 1) % vocab for t in want]
@@ -52,39 +67,65 @@ def oracle_hook(refs: dict, accept: float, vocab: int, seed: int = 0):
     return hook
 
 
+def host_pool_gib(path: str, args, k: int) -> float:
+    """Host pool for every request at full length (every cache layer's row and key, bf16)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    layers = cfg["num_hidden_layers"] + (1 if k else 0)
+    per_token = layers * 2 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+                              + cfg["index_head_dim"])
+    pages = -(-(args.context + args.outputs + 8) // args.block_size)
+    n = args.requests
+    return round(n * pages * args.block_size * per_token * 1.25 / (1 << 30) + 1 / 64, 4)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _drive(llm, ids: list[str], outs: dict, until_first: bool) -> int:
+    """Step; keep each request's latest output. ``until_first``: stop once every one of ``ids``
+    has a token, else when nothing is left. Returns the steps taken."""
+    steps = 0
+    while llm.has_unfinished_requests():
+        if until_first and all(i in outs for i in ids):
+            break
+        for o in llm.step():
+            outs[o.request_id] = o
+        steps += 1
+    return steps
+
+
 def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float = 1.0) -> dict:
+    max_len = args.context + args.outputs + 8
+    pages = -(-max_len // args.block_size)
     kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
-              max_model_len=args.context + args.outputs + 8, max_num_seqs=args.requests,
+              max_model_len=max_len, max_num_seqs=args.requests,
               max_num_batched_tokens=args.batched_tokens, mode=args.mode,
-              host_pool_gib=args.host_pool_gib, num_speculative_tokens=k,
-              enforce_eager=args.baseline_eager or k > 0)
-    if args.gpu_blocks:
-        kw["num_gpu_blocks"] = args.gpu_blocks
+              num_speculative_tokens=k, enforce_eager=args.baseline_eager or k > 0,
+              # every request resident unless --gpu-blocks forces pressure
+              num_gpu_blocks=args.gpu_blocks or args.requests * (pages + 2))
+    if args.mode != "gpu-only":
+        kw["host_pool_gib"] = args.host_pool_gib or host_pool_gib(path, args, k)
     llm = LLM(path, **kw)
     vocab = llm.model_config.vocab_size
     if k and refs is not None:
         llm.core.draft_hook = oracle_hook(refs, accept, vocab)
+    llm.capture_cuda_graphs()       # no-op when eager / on CPU
     ids = [llm.add_request(p, params) for p in prompts]
-    outs = {}
-    # prefill: step until every request has produced its first token
-    while llm.scheduler.waiting or any(r.num_output_tokens == 0
-                                       for r in llm.scheduler.running):
-        for o in llm.step():
-            outs[o.request_id] = o
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    n0 = sum(r.num_output_tokens for r in llm.scheduler.running) + sum(
-        len(o.outputs[0].token_ids) for o in outs.values() if o.finished)
+    outs: dict = {}
+    _drive(llm, ids, outs, until_first=True)     # prefill: every request has its first token
+    _sync(args.device)
+    n0 = sum(len(outs[i].outputs[0].token_ids) for i in ids)
     t0 = time.perf_counter()
-    steps = 0
-    while llm.has_unfinished_requests():
-        for o in llm.step():
-            outs[o.request_id] = o
-        steps += 1
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
+    steps = _drive(llm, ids, outs, until_first=False)
+    _sync(args.device)
     dt = time.perf_counter() - t0
-    toks = [outs[i].outputs[0].token_ids for i in ids]
+    for i in ids:
+        if not outs[i].finished or outs[i].outputs[0].finish_reason == "error":
+            raise RuntimeError(f"request {i} failed: {outs[i].outputs[0].error}")
+    toks = [list(outs[i].outputs[0].token_ids) for i in ids]
     n1 = sum(len(t) for t in toks)
     s = llm.stats()
     res = dict(k=k, accept_injected=accept if k else None, decode_s=round(dt, 4), steps=steps,
@@ -92,8 +133,10 @@ def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float =
                spec_acceptance_rate=round(s["spec_acceptance_rate"], 3),
                spec_mean_accepted_length=round(s["spec_mean_accepted_length"], 3),
                spec_union_size_mean=round(s["spec_union_size_mean"], 1),
-               spec_union_size_max=s["spec_union_size_max"])
+               spec_union_size_max=s["spec_union_size_max"],
+               spec_draft_tokens=s["spec_draft_tokens"])
     del llm
+    gc.collect()        # the runner, graphs and caches refer to each other: free them now
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return res, toks
@@ -116,13 +159,25 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="hisparse")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU pool (blocks); small values force spills and host reads")
-    p.add_argument("--host-pool-gib", type=float, default=16.0)
+    p.add_argument("--host-pool-gib", type=float, default=None,
+                   help="default: what every request needs at full length")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batched-tokens", type=int, default=8192)
     p.add_argument("--baseline-eager", action="store_true",
                    help="k = 0 without CUDA graphs (compare eager with eager)")
     p.add_argument("--checkpoint", default=None, help="reuse a checkpoint with MTP layers")
+    p.add_argument("--warmup", dest="warmup", action="store_true", default=None,
+                   help="untimed pass over every k first (default on CUDA)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--warmup-context", type=int, default=512)
+    p.add_argument("--out", default=None, help="write every row as JSON to this file")
     args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = args.device.startswith("cuda")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available (--device cpu for the smoke run)")
+    ks = [int(x) for x in args.ks.split(",") if x.strip()]
+    accepts = [float(x) for x in args.accepts.split(",") if x.strip()]
 
     path = args.checkpoint
     if path is None:
@@ -137,18 +192,37 @@ def main(argv=None) -> int:
     prompts = [{"prompt_token_ids": [rng.randrange(2, 300) for _ in range(args.context)]}
                for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.outputs, ignore_eos=True)
+    if args.warmup:     # same batch, short prompts: compile every kernel before timing
+        t = time.perf_counter()
+        wargs = argparse.Namespace(**{**vars(args), "context": min(args.context,
+                                                                   args.warmup_context),
+                                      "outputs": min(args.outputs, 8)})
+        wp = [{"prompt_token_ids": pr["prompt_token_ids"][:wargs.context]} for pr in prompts]
+        wparams = SamplingParams(temperature=0.0, max_tokens=wargs.outputs, ignore_eos=True)
+        for k in [0] + ks:
+            run_one(path, wargs, k, wp, wparams)
+        print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
     base, ref = run_one(path, args, 0, prompts, params)
     refs = {tuple(pr["prompt_token_ids"]): r for pr, r in zip(prompts, ref)}
     rows = [base]
-    print(json.dumps(base))
-    for k in (int(x) for x in args.ks.split(",")):
-        for a in (float(x) for x in args.accepts.split(",")):
+    print(json.dumps(base), flush=True)
+    for k in ks:
+        for a in accepts:
             res, toks = run_one(path, args, k, prompts, params, refs, a)
             res["lossless"] = toks == ref
             res["speedup_vs_k0"] = round(res["decode_tok_s"] / base["decode_tok_s"], 3)
             rows.append(res)
-            print(json.dumps(res))
-    return 0 if all(r.get("lossless", True) for r in rows) else 1
+            print(json.dumps(res), flush=True)
+    ok = all(r.get("lossless", True) for r in rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(config=vars(args), rows=rows, ok=ok), f, indent=1)
+    cols = ["k", "accept_injected", "decode_tok_s", "speedup_vs_k0", "spec_acceptance_rate",
+            "spec_mean_accepted_length", "spec_union_size_mean", "hot_misses", "lossless"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

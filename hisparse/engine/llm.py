@@ -251,12 +251,6 @@ class LLM:
             if first + tp > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {first}.."
                                  f"{first + tp - 1}; only {torch.cuda.device_count()} exist")
-        if kv_cache_dtype == "fp8" and self.device.type == "cuda":
-            # Measured on the H200: the engine with FP8 KV stops with "CUDA error: misaligned
-            # address" (tests/engine/test_engine_gpu.py::test_fp8_kv_lossless_on_gpu). Refuse it
-            # rather than fault the device; the CPU path (references, interpreter) is exact.
-            raise ValueError("kv_cache_dtype='fp8' is not available on CUDA yet (a kernel of "
-                             "the FP8 path faults there); use kv_cache_dtype='bf16'")
 
         # ---- 2. the model's config.json, then every size (still nothing loaded)
         mc = load_config(model)

@@ -227,18 +227,25 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         return sparse_mla_attention_fp8(q, kv, indices, sm_scale, d_v, backend, out, lse)
     return _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse,
                      flashmla_ok=_flashmla_supported, triton="sparse_mla_attention_triton",
-                     reference=sparse_mla_attention_reference, flashmla=_flashmla)
+                     triton_ok=_triton_supported, reference=sparse_mla_attention_reference,
+                     flashmla=_flashmla)
+
+
+def _triton_supported(q, d_v) -> bool:
+    """The bf16 Triton kernel is written for DeepSeek's latent: d_qk = 576, d_v = 512."""
+    return q.shape[-1] == 576 and d_v == 512
 
 
 def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
-              reference, flashmla):
+              reference, flashmla, triton_ok=None):
     """Pick the backend ("auto": FlashMLA when importable and ``flashmla_ok``, else Triton where
-    it applies, else the reference) and run one row format's implementation of it. ``triton``
-    names the function in ``_attention_triton`` (imported only when used: Triton is optional)."""
+    it applies (``triton_ok(q, d_v)``, default any shape), else the reference) and run one row
+    format's implementation of it. ``triton`` names the function in ``_attention_triton``
+    (imported only when used: Triton is optional)."""
     if backend == "auto":
         if q.is_cuda and flashmla_available() and flashmla_ok(q, kv, indices, d_v):
             backend = "flashmla"
-        elif want_triton(q, kv):
+        elif want_triton(q, kv) and (triton_ok is None or triton_ok(q, d_v)):
             backend = "triton"
         else:
             backend = "reference"

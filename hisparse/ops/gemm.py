@@ -132,6 +132,10 @@ def _scaled_mm_usable(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tens
                       block: tuple[int, int], out_dtype: torch.dtype) -> bool:
     if not x2.is_cuda or tuple(block) != (128, 128) or not hasattr(torch, "_scaled_mm"):
         return False
+    if x2.shape[0] % 16:
+        # cuBLASLt's 1x128 x 128x128 block scaling has no algorithm for M = 1 (H200, CUDA 13:
+        # CUBLAS_STATUS_NOT_SUPPORTED); M = 16, 64, 256 ran. Other M go to the Triton kernel.
+        return False
     N, K = w.shape
     if N % 128 or K % 128 or out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False

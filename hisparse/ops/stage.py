@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import want_triton
 from .copy import copy_rows
 
 
@@ -116,4 +117,152 @@ def stage_groups(topk: torch.Tensor, token_slot: torch.Tensor, num_pages: int, b
         else:
             mid = (a + b) // 2
             stack += [(mid, b), (a, mid)]
+    return out
+
+
+# ---------------------------------------------------------------------- device-side plan
+# The same spec as stage_rows_reference, computed without a host sync: a fixed-capacity plan
+# (sort + mask-unique into a bounded buffer, the union's size kept on the device) and one
+# fixed-grid copy launch. Overflow and unreadable members are *reported* on the device and
+# raise at the caller's next sync point (check_stage_status), and never write out of bounds.
+
+_SENTINEL = torch.iinfo(torch.int64).max
+
+
+def stage_plan(topk: torch.Tensor, token_slot: torch.Tensor, resident_table: torch.Tensor,
+               host_table: torch.Tensor, block_size: int, capacity: int):
+    """Steps 1-4 of the spec on the device, no host sync. Returns ``(rows, res_rows,
+    host_rows, count)``:
+
+    - ``rows [T, K]`` int32: as the reference (member index), all ``-1`` when ``|U| >
+      capacity`` (overflow: nothing is staged);
+    - ``res_rows`` / ``host_rows`` ``[capacity]`` int64: member ``m``'s resident arena row and
+      host row (``-1`` none; both ``-1`` past the union);
+    - ``count [1]`` int64: ``|U|`` (may exceed ``capacity``: the caller's overflow check).
+    """
+    T, K = topk.shape
+    dev = topk.device
+    num_pages = resident_table.shape[1]
+    span = num_pages * block_size
+    slot = token_slot.long()[:, None].expand(T, K)
+    pos = topk.long()
+    valid = (pos >= 0) & (slot >= 0) & (pos < span)
+    keys = torch.where(valid, slot.clamp(min=0) * span + pos.clamp(min=0),
+                       torch.full_like(pos, _SENTINEL)).reshape(-1)
+    skeys, order = torch.sort(keys)
+    live = skeys != _SENTINEL
+    new = live.clone()
+    new[1:] &= skeys[1:] != skeys[:-1]
+    member = torch.cumsum(new, 0) - 1                       # member index of each sorted entry
+    count = new.sum().reshape(1)
+    overflow = count > capacity
+    fits = live & (member < capacity) & ~overflow
+    rows = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
+    rows[order] = torch.where(fits, member, -1).to(torch.int32)
+    # member keys into a bounded buffer (slot `capacity` is the sink of everything else)
+    mkeys = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    mkeys.scatter_(0, torch.where(new & fits, member, capacity), skeys)
+    mkeys = mkeys[:capacity]
+    has = mkeys >= 0
+    k = mkeys.clamp(min=0)
+    m_slot, m_pos = k // span, k % span
+    page, off = m_pos // block_size, m_pos % block_size
+    res_blk = resident_table[m_slot, page].long()
+    if host_table.numel():
+        host_blk = host_table[m_slot, page].long()
+    else:
+        host_blk = torch.full_like(res_blk, -1)
+    res_rows = torch.where(has & (res_blk >= 0), res_blk * block_size + off, -1)
+    host_rows = torch.where(has & (res_blk < 0) & (host_blk >= 0), host_blk * block_size + off,
+                            -1)
+    return rows.view(T, K), res_rows, host_rows, count
+
+
+def _stage_copy_torch(arena, host, staging, res_rows, host_rows) -> None:
+    """The copy of :func:`stage_rows_device` with torch indexing (CPU; a fallback that syncs)."""
+    r = (res_rows >= 0).nonzero().squeeze(1)
+    if r.numel():
+        staging[r] = arena[res_rows[r]]
+    h = (host_rows >= 0).nonzero().squeeze(1)
+    if h.numel():
+        staging[h] = host[host_rows[h].to(host.device)].to(staging.device)
+
+
+def stage_rows_device(topk: torch.Tensor, token_slot: torch.Tensor,
+                      resident_table: torch.Tensor, host_table: torch.Tensor,
+                      arena: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
+                      block_size: int, counter: torch.Tensor | None = None,
+                      status: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`stage_rows_reference`'s result (same ``rows``, same ``staging[:|U|]``, same
+    ``counter``) from :func:`stage_plan` and one fixed-grid copy: no host sync on CUDA.
+
+    ``status`` (int64 ``[2]`` on the device, optional): ``status[0] += 1`` when the union
+    exceeds the staging area (then nothing is staged and every row is ``-1``), ``status[1] +=``
+    the members with neither a resident nor a host row (not copied); the caller raises with
+    :func:`check_stage_status` at its next sync point. Without ``status`` the check runs here
+    (one sync) and raises ``ValueError`` like the reference.
+    """
+    cap = staging.shape[0]
+    rows, res_rows, host_rows, count = stage_plan(topk, token_slot, resident_table, host_table,
+                                                  block_size, cap)
+    overflow = count > cap
+    live = torch.arange(cap, device=topk.device) < count
+    bad = (live & (res_rows < 0) & (host_rows < 0) & ~overflow).sum()
+    # nothing is copied on overflow (count -> 0 for the kernel)
+    n_copy = torch.where(overflow, torch.zeros_like(count), count)
+    if want_triton(staging, arena):
+        from ._stage_triton import stage_copy_triton
+        kdev = staging.device
+        stage_copy_triton(arena, host, staging, res_rows.to(kdev), host_rows.to(kdev),
+                          n_copy.to(kdev))
+    else:
+        keep = live & ~overflow
+        _stage_copy_torch(arena, host, staging, torch.where(keep, res_rows, -1),
+                          torch.where(keep, host_rows, -1))
+    if counter is not None:
+        counter += ((host_rows >= 0) & live & ~overflow).sum().to(counter.device)
+    if status is not None:
+        status[0] += overflow.to(status.dtype).squeeze(0).to(status.device)
+        status[1] += bad.to(status.dtype).to(status.device)
+    else:
+        check_stage_status(torch.stack([overflow.long().squeeze(0), bad]), cap, count)
+    return rows
+
+
+def check_stage_status(status: torch.Tensor, capacity: int | None = None,
+                       count: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` if a :func:`stage_rows_device` call reported an overflow or an
+    unreadable member into ``status`` (one host sync)."""
+    over, bad = (int(x) for x in status.tolist())
+    if over:
+        n = f" ({int(count.item())})" if count is not None else ""
+        raise ValueError(f"stage_rows: the union of selected rows{n} exceeds the staging area"
+                         f"{f' ({capacity} rows)' if capacity is not None else ''}: split the "
+                         "tokens (stage_rows_device, overflow reported on the device)")
+    if bad:
+        raise ValueError(f"stage_rows: {bad} selected row(s) neither resident nor on host")
+
+
+def stage_groups_bounded(token_slot: list[int], history: list[int], topk: int,
+                         capacity: int) -> list[tuple[int, int]]:
+    """Consecutive token ranges whose union is *guaranteed* to fit ``capacity`` rows, from host
+    data only (no sync): a range's union is at most ``min(tokens * topk, sum over its slots of
+    the slot's largest history)`` (``history[t]`` = positions token ``t`` can select, e.g.
+    ``pos + 1``; ``token_slot[t]`` its request). Greedy; a single token is always a range (it
+    fits when ``capacity >= topk``)."""
+    out: list[tuple[int, int]] = []
+    a, T = 0, len(token_slot)
+    while a < T:
+        hist: dict[int, int] = {}
+        b = a
+        while b < T:
+            s, h = token_slot[b], history[b]
+            old = hist.get(s, 0)
+            bound = sum(hist.values()) - old + max(old, h)
+            if b > a and min((b - a + 1) * topk, bound) > capacity:
+                break
+            hist[s] = max(old, h)
+            b += 1
+        out.append((a, b))
+        a = b
     return out

@@ -61,8 +61,6 @@ def test_cuda_graph_decode_is_lossless(dense_path, mode):
     assert llm.runner.graphs is not None and any(k[1] for k in llm.runner.graphs.graphs)
 
 
-@pytest.mark.skip(reason="FP8 KV on CUDA faults with a misaligned address (H200, 2026-11-29); "
-                         "LLM refuses kv_cache_dtype='fp8' on CUDA until it is found")
 @pytest.mark.parametrize("mode", ["hisparse", "always-host"])
 def test_fp8_kv_lossless_on_gpu(dense_path, moe_path, mode):
     """kv_cache_dtype="fp8" (656-B rows, 132-B keys): tiering on vs off, eager vs CUDA graphs,
