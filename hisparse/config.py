@@ -74,6 +74,10 @@ class KVCacheConfig:
     # Rows of the GPU staging area a prefill chunk reads spilled history through (one buffer
     # shared by all layers, allocated once); None = default rule (:attr:`num_staging_rows`).
     staging_rows: int | None = None
+    # hot_policy="score+prefetch": band rows prefetched per (layer, request) step at most (the
+    # bound on prefetch H2D: num_layers x running host-read requests x this x row bytes per
+    # step); None = max(1, index_topk // 64); 0 = no prefetch.
+    hot_prefetch_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "num_indexer_blocks", "max_model_len",
@@ -109,6 +113,11 @@ class KVCacheConfig:
                                or st < self.index_topk):
             raise ValueError(f"staging_rows must be None or an integer >= index_topk "
                              f"({self.index_topk}), got {st!r}")
+        pf = self.hot_prefetch_rows
+        if pf is not None and (not isinstance(pf, int) or isinstance(pf, bool) or pf < 0
+                               or pf > self.hot_buffer_size):
+            raise ValueError(f"hot_prefetch_rows must be None or an integer in [0, "
+                             f"hot_buffer_size={self.hot_buffer_size}], got {pf!r}")
         wm = self.watermark_blocks
         if wm is not None and (not isinstance(wm, int) or isinstance(wm, bool) or wm < 0):
             raise ValueError(f"watermark_blocks must be None or an integer >= 0, got {wm!r}")

@@ -20,7 +20,9 @@ Policies (each one a configuration of :func:`hisparse.ops.resolve_rows`):
   top-(cut + band), not only the top-cut);
 - ``score+prefetch``: ``score``, plus up to ``prefetch`` band rows per step that miss the hot
   buffer are fetched (best rank first) into slots that hold neither a selected nor a band row
-  (LRU order), off the critical path;
+  (LRU order), off the critical path (the engine's resolver only plans them; the copies run on
+  a side stream after it and land before the next step: the state after a step is the fused
+  call's, so this model holds for both, tested);
 - ``belady``: the offline optimum of demand paging (evict the row used farthest in the future).
 
 Per policy, per layer and overall, summed over requests and steps (``warmup`` first steps

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    "and 132-B keys, CPU only for now (default: %(default)s)")
     g.add_argument("--hot-policy", default="lru", choices=["lru", "score", "score+prefetch"],
                    help="hot-buffer replacement (default: %(default)s)")
+    g.add_argument("--hot-prefetch-rows", type=int, default=None,
+                   help="score+prefetch: band rows prefetched per layer and request step at "
+                   "most, off the critical path (default: max(1, index_topk / 64))")
     g.add_argument("--num-indexer-blocks", type=int, default=None,
                    help="indexer-cache pages (default: max_num_seqs full requests)")
     g.add_argument("--watermark-blocks", type=int, default=None,
@@ -80,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
               hot_policy=args.hot_policy,
+              hot_prefetch_rows=getattr(args, "hot_prefetch_rows", None),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
               num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
     if getattr(args, "mode", None) is not None:

@@ -176,6 +176,9 @@ class LLM:
     in the synchronous loop (``async_scheduling`` is ignored) and eagerly (no CUDA graphs), and
     needs ``hot_buffer_size >= (k + 1) * index_topk`` outside gpu-only mode (the default grows
     to that), so a verify group's union of selections always fits.
+    ``hot_policy``: ``"lru"`` (default), ``"score"`` or ``"score+prefetch"`` (issue 15); with
+    prefetch, up to ``hot_prefetch_rows`` (default ``max(1, index_topk // 64)``) band rows per
+    (layer, request) step are copied into the hot buffer on a side stream, off the critical path.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
@@ -190,7 +193,8 @@ class LLM:
                  enforce_eager: bool = False, mode: Mode | str | None = None,
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
                  hot_policy: str = "lru", tensor_parallel_size: int = 1,
-                 num_speculative_tokens: int = 0, staging_rows: int | None = None):
+                 num_speculative_tokens: int = 0, staging_rows: int | None = None,
+                 hot_prefetch_rows: int | None = None):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
         if hot_policy not in ("lru", "score", "score+prefetch"):
@@ -217,6 +221,7 @@ class LLM:
         _check_int("num_indexer_blocks", num_indexer_blocks, optional=True)
         _check_int("watermark_blocks", watermark_blocks, minimum=0, optional=True)
         _check_int("staging_rows", staging_rows, minimum=1, optional=True)
+        _check_int("hot_prefetch_rows", hot_prefetch_rows, minimum=0, optional=True)
         _check_bool("enable_prefix_caching", enable_prefix_caching)
         _check_bool("enforce_eager", enforce_eager)
         _check_bool("async_scheduling", async_scheduling)
@@ -293,7 +298,8 @@ class LLM:
                        index_topk=mc.index_topk, hot_buffer_size=hot_buffer_size,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        mode=mode, enable_prefix_caching=enable_prefix_caching,
-                       watermark_blocks=watermark_blocks, staging_rows=staging_rows)
+                       watermark_blocks=watermark_blocks, staging_rows=staging_rows,
+                       hot_prefetch_rows=hot_prefetch_rows)
         # Validates everything but the GPU pool size; gives the smallest workable pool.
         probe = KVCacheConfig(num_gpu_blocks=max(num_gpu_blocks or 0, 1 << 40), **kv_args)
         min_gpu = probe.min_gpu_blocks

@@ -28,12 +28,19 @@ from .quant import (
     quantize_write_index_keys,
     quantize_write_mla_rows,
 )
-from .resolve import ResolveWorkspace, resolve_rows, resolve_rows_reference
+from .resolve import (
+    ResolveWorkspace,
+    prefetch_copy,
+    prefetch_copy_reference,
+    resolve_rows,
+    resolve_rows_reference,
+)
 from .stage import stage_groups, stage_rows, stage_rows_reference, staging_union_size
 
 __all__ = [
     "indexer_topk", "indexer_topk_reference", "IndexerWorkspace",
-    "resolve_rows", "resolve_rows_reference", "ResolveWorkspace",
+    "resolve_rows", "resolve_rows_reference", "ResolveWorkspace", "prefetch_copy",
+    "prefetch_copy_reference",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
     "copy_rows", "copy_rows_reference", "gather_rows",
     "stage_rows", "stage_rows_reference", "stage_groups", "staging_union_size",

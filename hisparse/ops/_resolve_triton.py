@@ -37,7 +37,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr, arena_row_w, host_row_w,
-                    stride_band, stride_flags, plan_half,
+                    stride_band, stride_flags, plan_half, PLAN_W,
                     K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
                     VEC: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr,
@@ -64,14 +64,6 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             prv = tl.load(req_ptr + offs - 1, mask=m & (offs > 0), other=-1)
             g += tl.sum((m & (cur >= 0) & (cur != prv)).to(tl.int32))
             b0 += BLOCK_K
-    if PLAN:       # every token's plan row is rewritten: -1 unless its group prefetches
-        offs_p = tl.arange(0, BLOCK_P)
-        pm0 = offs_p < PF
-        tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p, tl.full([BLOCK_P], -1, tl.int64),
-                 mask=pm0)
-        tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
-                 tl.full([BLOCK_P], -1, tl.int64), mask=pm0)
-        tl.debug_barrier()
     if r < 0:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -322,18 +314,20 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         offs_c = tl.arange(0, BLOCK_C)
         offs_v = tl.arange(0, VEC)
         # (demand misses first, then the prefetched band rows, unless they go to the plan)
-        if PLAN:
+        if PLAN:       # the group's plan row g is written whole: its targets, then -1
             offs_p = tl.arange(0, BLOCK_P)
+            pw = offs_p < PLAN_W
             pm = offs_p < n_pf
             s = tl.load(pv_row + offs_p, mask=pm, other=0, volatile=True)
             p = tl.load(bp_row + offs_p, mask=pm, other=0, volatile=True)
             pm = pm & (s >= 0) & (s < H) & (p >= 0)
             hb = tl.load(host_row + p // PAGE, mask=pm, other=0)
             ab = tl.load(hot_row + s // PAGE, mask=pm, other=0)
-            tl.store(plan_ptr + t.to(tl.int64) * PF + offs_p,
-                     hb.to(tl.int64) * PAGE + p % PAGE, mask=pm)
-            tl.store(plan_ptr + plan_half + t.to(tl.int64) * PF + offs_p,
-                     ab.to(tl.int64) * PAGE + s % PAGE, mask=pm)
+            src_r = tl.where(pm, hb.to(tl.int64) * PAGE + p % PAGE, -1)
+            dst_r = tl.where(pm, ab.to(tl.int64) * PAGE + s % PAGE, -1)
+            prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
+            tl.store(prow, src_r, mask=pw)
+            tl.store(prow + plan_half, dst_r, mask=pw)
             total = n_load * CHUNKS
         else:
             total = (n_load + n_pf) * CHUNKS
@@ -423,20 +417,31 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 @triton.jit
 def _plan_copy_kernel(plan_ptr, arena_ptr, host_ptr, n_entries, plan_half, arena_row_w,
                       host_row_w, CHUNKS: tl.constexpr, VEC: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
-    """Copies host row ``plan[0, e]`` to arena row ``plan[1, e]`` for every entry ``>= 0``."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Copies host row ``plan[0, e]`` to arena row ``plan[1, e]`` for every entry ``>= 0`` of
+    this program's ``BLOCK_E`` entries (flat 16-byte chunks), then resets them to ``-1``: every
+    chunk of an entry is moved by this program, so after the CTA barrier no lane still needs
+    the entry (the plan is consumed race-free)."""
+    e0 = tl.program_id(0).to(tl.int64) * BLOCK_E
+    offs_c = tl.arange(0, BLOCK_C)
     offs_v = tl.arange(0, VEC)
-    cm = c < n_entries * CHUNKS
-    e = c // CHUNKS
-    w = c % CHUNKS
-    src_row = tl.load(plan_ptr + e, mask=cm, other=-1)
-    dst_row = tl.load(plan_ptr + plan_half + e, mask=cm, other=-1)
-    cm = cm & (src_row >= 0) & (dst_row >= 0)
-    src = tl.multiple_of(src_row * host_row_w + w * VEC, VEC)
-    dst = tl.multiple_of(dst_row * arena_row_w + w * VEC, VEC)
-    val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
-    tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+    for c0 in range(0, BLOCK_E * CHUNKS, BLOCK_C):
+        c = c0 + offs_c
+        e = e0 + c // CHUNKS
+        w = c % CHUNKS
+        cm = (c < BLOCK_E * CHUNKS) & (e < n_entries)
+        src_row = tl.load(plan_ptr + e, mask=cm, other=-1)
+        dst_row = tl.load(plan_ptr + plan_half + e, mask=cm, other=-1)
+        cm = cm & (src_row >= 0) & (dst_row >= 0)
+        src = tl.multiple_of(src_row * host_row_w + w * VEC, VEC)
+        dst = tl.multiple_of(dst_row * arena_row_w + w * VEC, VEC)
+        val = tl.load(host_ptr + src[:, None] + offs_v[None, :], mask=cm[:, None])
+        tl.store(arena_ptr + dst[:, None] + offs_v[None, :], val, mask=cm[:, None])
+    tl.debug_barrier()
+    offs_e = e0 + tl.arange(0, BLOCK_E)
+    em = offs_e < n_entries
+    tl.store(plan_ptr + offs_e, tl.full([BLOCK_E], -1, tl.int64), mask=em)
+    tl.store(plan_ptr + plan_half + offs_e, tl.full([BLOCK_E], -1, tl.int64), mask=em)
 
 
 def _vec(arena_w, host_w, arena_rw, host_rw, words):
@@ -444,21 +449,33 @@ def _vec(arena_w, host_w, arena_rw, host_rw, words):
                  and arena_w.data_ptr() % 16 == 0 and host_w.data_ptr() % 16 == 0) else 1
 
 
+PLAN_COPY_ENTRIES = 16   # plan entries per program of the prefetch copy
+
+
 def prefetch_copy_triton(plan, arena, host):
-    """Executes a prefetch plan ``[2, T, PF]`` int64 (host rows, arena rows; ``-1`` skip)."""
+    """Executes and consumes a prefetch plan ``[2, G, PF]`` int64 (host rows, arena rows;
+    ``-1`` skip): one launch, the plan is all ``-1`` afterwards."""
     if plan.numel() == 0:
         return
+    if plan.dtype != torch.int64 or not plan.is_contiguous() or plan.shape[0] != 2:
+        raise ValueError(f"prefetch_copy: plan must be contiguous int64 [2, G, PF], got "
+                         f"{tuple(plan.shape)} {plan.dtype}")
     if arena.shape[-1] * arena.element_size() != host.shape[-1] * host.element_size():
         raise ValueError("prefetch_copy: arena and host rows must have the same byte size")
+    if arena.is_cuda and not host.is_cuda and not host.is_pinned():
+        raise ValueError("prefetch_copy: on CUDA the host tensor must be pinned (zero-copy)")
     arena_w, arena_rw = _words(arena)
     host_w, host_rw = _words(host)
     words = arena.shape[-1] * arena.element_size() // 4
     vec = _vec(arena_w, host_w, arena_rw, host_rw, words)
+    chunks = words // vec
     n = plan[0].numel()
-    block_c = 512
-    grid = (triton.cdiv(n * (words // vec), block_c),)
-    _plan_copy_kernel[grid](plan, arena_w, host_w, n, plan[0].numel(), arena_rw, host_rw,
-                            CHUNKS=words // vec, VEC=vec, BLOCK_C=block_c, num_warps=8)
+    block_e = PLAN_COPY_ENTRIES
+    block_c = min(1024, max(128, next_pow2(block_e * chunks)))
+    grid = (triton.cdiv(n, block_e),)
+    _plan_copy_kernel[grid](plan, arena_w, host_w, n, n, arena_rw, host_rw,
+                            CHUNKS=chunks, VEC=vec, BLOCK_C=block_c, BLOCK_E=block_e,
+                            num_warps=4)
 
 
 def _words(t: torch.Tensor):
@@ -509,13 +526,11 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     nb = 0 if band is None else band.shape[1]
     if band is not None and band.shape[0] != T:
         raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
+    plan_w = int(prefetch)
     prefetch = min(int(prefetch), H) if nb else 0
     if prefetch_plan is not None:
-        if prefetch_plan.shape != (2, T, prefetch) or prefetch_plan.dtype != torch.int64 \
-                or not prefetch_plan.is_contiguous():
-            raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 "
-                             f"[2, {T}, {prefetch}], got {tuple(prefetch_plan.shape)} "
-                             f"{prefetch_plan.dtype}")
+        from .resolve import _check_plan
+        _check_plan(prefetch_plan, plan_w, T, R)
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
         hot_keys, hot_lru, arena_w, host_w, out, counters, m, scr[0], scr[1], scr[2],
@@ -528,13 +543,13 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         m.stride(0), scr.stride(1), arena_rw, host_rw,
         band.stride(0) if band is not None else 0,
         hot_flags.stride(0) if hot_flags is not None else 0,
-        T * prefetch,
+        prefetch_plan[0].numel() if prefetch_plan is not None else 0, plan_w,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h, CHUNKS=chunks, VEC=vec,
         BLOCK_C=512, COUNT_BAD=counters.numel() >= 3, NB=nb,
         BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP,
         PLAN=prefetch_plan is not None and prefetch > 0,
-        BLOCK_P=max(2, next_pow2(max(prefetch, 1))), num_warps=8,
+        BLOCK_P=max(2, next_pow2(max(plan_w, 1))), num_warps=8,
     )
     return out

@@ -50,12 +50,17 @@ before is *band-held* if a usable slot holds it (band ordinal = first-reference 
 - With ``counters`` of 5 entries: ``counters[3] += #prefetched``, ``counters[4] += #prefetch
   hits``. ``counters[1]`` stays the demand (critical-path) misses.
 
-Off the critical path: with ``prefetch_plan`` (``[2, T, prefetch]`` int64, rewritten whole by
-every call) the prefetched rows are not copied; the group led by token ``t`` lists them in
-``prefetch_plan[0, t, :n]`` (host rows) and ``prefetch_plan[1, t, :n]`` (arena rows), the rest
-is ``-1``; keys, LRU order and flags are updated as if copied. :func:`prefetch_copy` then moves
-them, on a side stream on GPU: the targets are slots no token of the step reads, so attention
-need not wait; the next call on the same layer's hot state (and any hot reset) must.
+Off the critical path: with ``prefetch_plan`` (``[2, G, prefetch]`` int64, ``G >= min(T, R)``)
+the prefetched rows are not copied; the ``g``-th request group of the call (in token order) lists
+them in ``prefetch_plan[0, g, :n]`` (host rows) and ``prefetch_plan[1, g, :n]`` (arena rows) and
+``-1`` in the rest of row ``g``; rows of no group are left as they are. Keys, LRU order, flags
+and counters are updated exactly as if the rows were copied, so the next call's state is the
+fused call's. :func:`prefetch_copy` then moves them and *consumes* the plan (resets it to all
+``-1``: a plan is all ``-1`` between a copy and the next resolve, so stale rows are never
+replayed). On GPU the copy runs on a side stream: the targets are slots no token of the step
+reads, so attention need not wait; the next call on the same layer's hot state (and any hot
+reset, and the next write of the plan) must (the worker joins the side stream at the end of
+every forward).
 
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
@@ -87,16 +92,23 @@ HOT_POLICIES = ("lru", "score", "score+prefetch")
 DEFAULT_HOT_POLICY = "score+prefetch"
 
 
-def hot_policy_params(name: str, index_topk: int) -> tuple[str, int, int]:
+def hot_policy_params(name: str, index_topk: int,
+                      prefetch_rows: int | None = None) -> tuple[str, int, int]:
     """Engine hot policy name -> ``(policy, band, prefetch)`` for :func:`resolve_rows`: the band
     is ``index_topk`` next-ranked rows (the indexer returns top-``2 * index_topk``, sorted) and
-    prefetch moves at most ``max(1, index_topk // 64)`` rows per (layer, request) step (the
-    settings measured by ``hisparse bench-policy``: docs in the report of issue 15)."""
+    prefetch moves at most ``prefetch_rows`` rows per (layer, request) step, by default
+    ``max(1, index_topk // 64)`` (the settings measured by ``hisparse bench-policy``: docs in
+    the report of issue 15); ``prefetch_rows`` is ignored by the policies without prefetch."""
     if name not in HOT_POLICIES:
         raise ValueError(f"hot_policy must be one of {HOT_POLICIES}, got {name!r}")
+    if prefetch_rows is not None and (not isinstance(prefetch_rows, int) or prefetch_rows < 0):
+        raise ValueError(f"hot_prefetch_rows must be None or an integer >= 0, "
+                         f"got {prefetch_rows!r}")
     if name == "lru":
         return "lru", 0, 0
-    pf = max(1, index_topk // 64) if name == "score+prefetch" else 0
+    pf = 0
+    if name == "score+prefetch":
+        pf = max(1, index_topk // 64) if prefetch_rows is None else int(prefetch_rows)
     return "score", int(index_topk), pf
 
 
@@ -145,14 +157,25 @@ def _check_policy(policy: str, band, prefetch: int, hot_flags) -> None:
         raise ValueError("resolve_rows: prefetch needs hot_flags (per-slot prefetch marks)")
 
 
+def _check_plan(plan, prefetch: int, T: int, R: int) -> None:
+    if plan is None:
+        return
+    G = min(T, R)
+    if (plan.dim() != 3 or plan.shape[0] != 2 or plan.shape[1] < G
+            or plan.shape[2] != int(prefetch) or plan.dtype != torch.int64
+            or not plan.is_contiguous()):
+        raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 [2, >= {G}, "
+                         f"{int(prefetch)}] (request groups x prefetch), got "
+                         f"{tuple(plan.shape)} {plan.dtype}")
+
+
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                            hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters,
                            band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None,
                            prefetch_plan=None):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
     _check_policy(policy, band, prefetch, hot_flags)
-    if prefetch_plan is not None:
-        prefetch_plan.fill_(-1)
+    _check_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
     T, K = topk.shape
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
@@ -162,6 +185,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
     band_l = band.tolist() if band is not None else [[] for _ in range(T)]
     req_l = token_req.tolist()
     n_hits = n_misses = n_bad = n_pf_total = n_pf_used = 0
+    group = -1                                         # ordinal of the current request group
     t = 0
     while t < T:
         r = req_l[t]
@@ -171,6 +195,7 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         t1 = t + 1
         while t1 < T and req_l[t1] == r:
             t1 += 1
+        group += 1
         res_row = resident_block_table[r].tolist()
         host_row = host_block_table[r].tolist()
         hot_row = hot_block_table[r].tolist()
@@ -242,13 +267,15 @@ def resolve_rows_reference(topk, token_req, resident_block_table, host_block_tab
         pf_pos = band_miss[:len(pf_victims)]
         fills = list(zip(misses, victims)) + list(zip(pf_pos, pf_victims))
         copies = fills
-        if prefetch_plan is not None and pf_victims:    # prefetch copies go to the plan
+        if prefetch_plan is not None and prefetch:      # prefetch copies go to the plan
             copies = list(zip(misses, victims))
             src = [host_row[p // block_size] * block_size + p % block_size for p in pf_pos]
             dst = [hot_row[s // block_size] * block_size + s % block_size for s in pf_victims]
             n = len(src)
-            prefetch_plan[0, t, :n] = torch.tensor(src, dtype=torch.int64)
-            prefetch_plan[1, t, :n] = torch.tensor(dst, dtype=torch.int64)
+            prefetch_plan[:, group] = -1
+            if n:
+                prefetch_plan[0, group, :n] = torch.tensor(src, dtype=torch.int64)
+                prefetch_plan[1, group, :n] = torch.tensor(dst, dtype=torch.int64)
         if copies:
             src = torch.tensor([host_row[p // block_size] * block_size + p % block_size
                                 for p, _ in copies],
@@ -316,6 +343,7 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
     temporary workspace sized for itself.
     """
     _check_policy(policy, band, prefetch, hot_flags)
+    _check_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
     if want_triton(arena, topk):
         from ._resolve_triton import resolve_rows_triton
         if workspace is None:
@@ -338,18 +366,21 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
 
 
 def prefetch_copy_reference(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
-    """Spec of :func:`prefetch_copy`: ``arena[plan[1, e]] = host[plan[0, e]]`` where ``>= 0``."""
+    """Spec of :func:`prefetch_copy`: ``arena[plan[1, e]] = host[plan[0, e]]`` where both are
+    ``>= 0``, then ``plan`` is reset to all ``-1`` (consumed)."""
     src, dst = plan[0].reshape(-1), plan[1].reshape(-1)
     keep = (src >= 0) & (dst >= 0)
     if bool(keep.any()):
         arena[dst[keep].to(arena.device)] = host[src[keep].to(host.device)].to(
             device=arena.device, dtype=arena.dtype)
+    plan.fill_(-1)
 
 
 def prefetch_copy(plan: torch.Tensor, arena: torch.Tensor, host: torch.Tensor) -> None:
-    """Executes a ``prefetch_plan`` written by :func:`resolve_rows`: host rows ``plan[0]`` into
-    arena rows ``plan[1]`` (``-1`` skip). Fixed shapes, no host sync on CUDA (Triton, zero-copy
-    reads of pinned ``host``); launch it on a side stream ordered after the resolver."""
+    """Executes and consumes a ``prefetch_plan`` written by :func:`resolve_rows`: host rows
+    ``plan[0]`` into arena rows ``plan[1]`` (``-1`` skip), then the plan is all ``-1``. Fixed
+    shapes, one launch, no host sync on CUDA (Triton, zero-copy reads of pinned ``host``);
+    launch it on a side stream ordered after the resolver."""
     if want_triton(arena, plan):
         from ._resolve_triton import prefetch_copy_triton
         return prefetch_copy_triton(plan, arena, host)

@@ -13,7 +13,8 @@
 - ``hot_flags``: ``[L, R, H]`` int32 per-slot policy state: ``uses << 1 | prefetched``.
 - ``hot_policy`` / ``hot_band`` / ``hot_prefetch``: the resolver's replacement policy (``"lru"``
   or ``"score"``), next-ranked rows the indexer hands it, prefetched rows per (layer, request)
-  step at most (see :meth:`KVCaches.set_hot_policy`).
+  step at most (see :meth:`KVCaches.set_hot_policy`); the prefetch copies run from per-layer
+  plans in ``workspace`` (:meth:`StepWorkspace.prefetch_plan`) on a side stream.
 - ``counters``: int64 ``[5]``: hot hits, hot (demand) misses, corrupt LRU entries skipped by the
   resolver, prefetched rows, prefetched rows later hit.
 - ``staging``: ``[num_staging_rows, D]`` rows (storage dtype), one buffer shared by every
@@ -112,20 +113,50 @@ class CacheGeometry:
 
 class StepWorkspace:
     """Kernel state shared by all layers of a step, sized once for the largest batch:
-    the resolver's position map + scratch (``max_num_seqs`` request groups) and the indexer's
-    score-key buffer. Ops receive these explicitly; nothing here is ever reallocated."""
+    the resolver's position map + scratch (``max_num_seqs`` request groups), the indexer's
+    score-key buffer and, with prefetch, one prefetch plan per layer. Ops receive these
+    explicitly; nothing here is ever reallocated once a step ran."""
 
     def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
         positions = cfg.max_pages_per_request * cfg.block_size
+        self.device = device
+        self.max_groups = cfg.max_num_seqs
         self.resolve = ResolveWorkspace(cfg.max_num_seqs, positions, cfg.hot_buffer_size, device)
         rows = IndexerWorkspace.default_rows(max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                                              positions)
         self.indexer = IndexerWorkspace(rows, positions, device)
+        # [L, 2 * max_groups * prefetch] int64, all -1 between steps (prefetch_copy consumes
+        # it); one per layer: layer l's side-stream copy may still read it while layer l + 1
+        # resolves. Allocated by set_prefetch (the policy is set after the caches).
+        self.prefetch_plans: torch.Tensor | None = None
+        self.prefetch_rows = 0
+
+    def set_prefetch(self, num_layers: int, prefetch_rows: int) -> None:
+        """(Re)allocate the per-layer prefetch plans for ``prefetch_rows`` rows per (layer,
+        request) step; before the first step only (a captured graph keeps the addresses)."""
+        self.prefetch_rows = int(prefetch_rows)
+        self.prefetch_plans = None
+        if self.prefetch_rows:
+            self.prefetch_plans = torch.full(
+                (num_layers, 2 * self.max_groups * self.prefetch_rows), -1, dtype=torch.int64,
+                device=self.device)
+
+    def prefetch_plan(self, layer: int, groups: int) -> torch.Tensor | None:
+        """Layer ``layer``'s plan as a contiguous ``[2, groups, prefetch_rows]`` view (groups
+        ``<= max_num_seqs``: a call has at most ``min(T, max_num_seqs)`` request groups)."""
+        if self.prefetch_plans is None:
+            return None
+        groups = min(int(groups), self.max_groups)
+        n = 2 * groups * self.prefetch_rows
+        return self.prefetch_plans[layer, :n].view(2, groups, self.prefetch_rows)
 
     def data_ptrs(self) -> tuple[int, ...]:
         """Addresses of every buffer (tests check they never change)."""
-        return (self.resolve.position_map.data_ptr(), self.resolve.scratch.data_ptr(),
+        ptrs = (self.resolve.position_map.data_ptr(), self.resolve.scratch.data_ptr(),
                 self.indexer.keys.data_ptr())
+        if self.prefetch_plans is not None:
+            ptrs += (self.prefetch_plans.data_ptr(),)
+        return ptrs
 
 
 class KVCaches:
@@ -175,12 +206,22 @@ class KVCaches:
 
     def set_hot_policy(self, name: str) -> None:
         """``"lru"``, ``"score"`` or ``"score+prefetch"`` (issue 15): score-aware replacement
-        over a band of ``index_topk`` next-ranked rows; prefetch of up to ``index_topk // 64``
-        of them per (layer, request) step. Set before the first step (graphs capture it)."""
+        over a band of ``index_topk`` next-ranked rows; prefetch of up to
+        ``cfg.hot_prefetch_rows`` (default ``max(1, index_topk // 64)``) of them per (layer,
+        request) step, copied on a side stream from per-layer plans in the workspace. Set
+        before the first step (graphs capture it)."""
         from hisparse.ops.resolve import hot_policy_params
 
         self.hot_policy, self.hot_band, self.hot_prefetch = hot_policy_params(
-            name, self.cfg.index_topk)
+            name, self.cfg.index_topk, self.cfg.hot_prefetch_rows)
+        self.workspace.set_prefetch(self.hot_keys.shape[0], self.hot_prefetch)
+
+    @property
+    def prefetch_bytes_bound(self) -> int:
+        """Most prefetch H2D bytes one step can move: every layer, every request slot, the
+        per-(layer, request) prefetch budget, one row each."""
+        return self.hot_keys.shape[0] * self.cfg.max_num_seqs * self.hot_prefetch * \
+            self.geo.row_bytes
 
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""

@@ -10,7 +10,9 @@ not the GPU, set the step time. A captured step replays them in one call. Inputs
 buffers that each step overwrites; padding tokens carry slot ``-1`` (they write to the sink rows
 and select nothing). Capture runs on padding only, so it changes no KV and no hot-buffer state.
 One graph per (batch bucket, host-read or not); models with a host sync in their forward
-(the MoE's expert dispatch) are not captured.
+(the MoE's expert dispatch) are not captured. With ``hot_policy="score+prefetch"`` each layer's
+prefetch copy is forked onto the runner's prefetch side stream and joined before the step ends
+(:class:`~hisparse.worker.model_runner.HotPrefetcher`); its plans live in the caches' workspace.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class DecodeGraphs:
     def _body(self, batch: int, host_read: bool) -> Tensor:
         self.ctx.begin(host_read, self.tables, self.slots[:batch], self.positions[:batch])
         hidden = self.model(self.ids[:batch], self.positions[:batch], self.ctx)
+        # join the prefetch side stream inside the capture (fork/join: the copies are a
+        # parallel branch of the graph that every replay completes before it ends)
+        self.ctx.finish()
         return self.model.compute_logits(hidden)
 
     def _capture(self, batch: int, host_read: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:

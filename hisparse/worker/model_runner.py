@@ -24,6 +24,40 @@ from hisparse.worker.cuda_graph import BUCKETS
 from hisparse.worker.step_state import StepState
 
 
+class HotPrefetcher:
+    """Runs the resolver's prefetch plans (:func:`hisparse.ops.prefetch_copy`) off the critical
+    path (issue 15).
+
+    On CUDA each :meth:`launch` forks a side stream from the current stream right after the
+    resolver wrote the plan (the side stream waits on an event of the current stream), copies
+    the planned host rows into the hot buffer there, and :meth:`join` makes the current stream
+    wait for the side stream. Inside a CUDA-graph capture this is the fork/join pattern: the
+    copies become a parallel branch of the graph, joined before the captured step ends. The
+    targets are hot slots no token of the step reads (:mod:`hisparse.ops.resolve`), so nothing
+    in the step waits for them; the plans are per layer (layer ``l``'s copy may still read its
+    plan while layer ``l + 1`` resolves) and the next step's hot resets, resolver calls and plan
+    writes come after the join. On CPU (no streams) the copy runs inline, same code path."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending = False
+
+    def launch(self, plan: Tensor, arena: Tensor, host: Tensor) -> None:
+        if self.stream is None:
+            ops.prefetch_copy(plan, arena, host)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(arena.device))     # fork
+        with torch.cuda.stream(self.stream):
+            ops.prefetch_copy(plan, arena, host)
+        self.pending = True
+
+    def join(self) -> None:
+        """The current stream waits for every prefetch launched so far (no host sync)."""
+        if self.pending:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)   # join
+            self.pending = False
+
+
 class PagedContext:
     """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches."""
 
@@ -32,6 +66,7 @@ class PagedContext:
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
         self.block_size = caches.cfg.block_size
+        self.prefetcher = HotPrefetcher(caches.device)
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor, staged: Tensor | None = None) -> None:
@@ -39,6 +74,7 @@ class PagedContext:
         sink rows and selects nothing. ``host_read``: some request may miss GPU (resolver).
         ``staged``: int64 indices of the tokens whose history has host-only pages (prefill
         chunks, eager steps only): they attend through the staging area."""
+        self.finish()       # a previous forward's prefetches land before this one resolves
         c, block_size = self.caches, self.block_size
         self.staged = staged if staged is not None and staged.numel() else None
         self.tables = tables
@@ -133,6 +169,11 @@ class PagedContext:
                                            meta=False).to(out.dtype)
         return out.to(q_latent.dtype)
 
+    def finish(self) -> None:
+        """End of a forward: join the prefetch side stream (on CPU a no-op). Captured steps
+        call it inside the capture; :class:`ModelRunner` also calls it after every step."""
+        self.prefetcher.join()
+
     def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
                     keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
@@ -155,13 +196,21 @@ class PagedContext:
             rows = flat_rows(self.tables["resident"],
                              self.token_slot.clamp(min=0).long()[:, None], pos, block_size)
             return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
-        return ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
+        arena, host = c.resolve_view(c.arena_layer(layer)), c.resolve_view(c.host_layer(layer))
+        prefetch = c.hot_prefetch if band is not None else 0
+        plan = None
+        if prefetch:    # at most min(T, R) request groups in one call
+            plan = c.workspace.prefetch_plan(
+                layer, min(topk.shape[0], self.tables["resident"].shape[0]))
+        rows = ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
                                 self.tables["host"], self.tables["hot"], c.hot_keys[layer],
-                                c.hot_lru[layer], c.resolve_view(c.arena_layer(layer)),
-                                c.resolve_view(c.host_layer(layer)),
-                                block_size, c.counters, workspace=c.workspace.resolve, band=band,
-                                policy=c.hot_policy, prefetch=c.hot_prefetch,
-                                hot_flags=c.hot_flags[layer])
+                                c.hot_lru[layer], arena, host, block_size, c.counters,
+                                workspace=c.workspace.resolve, band=band, policy=c.hot_policy,
+                                prefetch=prefetch, hot_flags=c.hot_flags[layer],
+                                prefetch_plan=plan)
+        if plan is not None:    # band rows for the next step, off the critical path
+            self.prefetcher.launch(plan, arena, host)
+        return rows
 
 
 class ModelRunner:
@@ -220,6 +269,7 @@ class ModelRunner:
             logits = self.graphs.run(plan, input_ids)
         else:
             logits = self.forward_eager(plan, input_ids, inputs.tables)
+        self.ctx.finish()       # prefetch copies joined before anything after the step
         self._mirror(plan)
         return logits, self._poll_acks()
 
@@ -227,6 +277,7 @@ class ModelRunner:
         """Stage the plan (changed table rows, resets, row lists: one pinned upload), reset the
         hot buffers it names and run its restores (host -> GPU rows and indexer keys)."""
         c, inputs = self.caches, self.inputs
+        self.ctx.finish()       # (no-op normally: every step joins its prefetches)
         inputs.stage_plan(plan)
         if len(plan.hot_resets):
             c.reset_hot(inputs.hot_resets)
@@ -249,6 +300,7 @@ class ModelRunner:
         self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t,
                        self._staged_tokens(seqs))
         hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+        self.ctx.finish()
         if not S:
             return hidden.new_zeros(0, 0).float()
         return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
@@ -284,6 +336,7 @@ class ModelRunner:
         staged = self._staged_tokens(plan.seqs)
         self.ctx.begin(host_read, tables, inputs.slots[:T], pos_t, staged)
         hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+        self.ctx.finish()
         rows, unions, end, i = [], [], 0, 0
         topk = self.ctx.topk
         for seq in plan.seqs:
@@ -343,6 +396,7 @@ class ModelRunner:
                 logits = model.mtp_logits(h)
                 logits_out.append(logits)
                 tok = sample_draft(logits, j)
+        self.ctx.finish()
         self._mirror(plan)
         return logits_out, self._poll_acks()
 

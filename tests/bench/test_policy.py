@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hisparse.bench.policy import PolicyHotBuffer, load_trace, main, replay_policies
-from hisparse.ops import resolve_rows_reference
+from hisparse.ops import prefetch_copy_reference, resolve_rows_reference
 
 BS = 16
 
@@ -32,7 +32,7 @@ def small_trace(R=2, L=2, S=12, k=24, ctx=160, seed=0):
 class ResolverBuffer:
     """One request through resolve_rows_reference (nothing resident, all on host)."""
 
-    def __init__(self, H, max_pos, policy, prefetch):
+    def __init__(self, H, max_pos, policy, prefetch, split=False):
         P = -(-max_pos // BS)
         HB = -(-H // BS)
         self.res = torch.full((1, P), -1, dtype=torch.int32)
@@ -45,6 +45,9 @@ class ResolverBuffer:
         self.host = torch.arange(P * BS, dtype=torch.float32).view(-1, 1)
         self.counters = torch.zeros(5, dtype=torch.int64)
         self.policy, self.prefetch = policy, prefetch
+        # split: the worker's way (the resolver plans the prefetch, a separate copy moves it)
+        self.plan = (torch.full((2, 1, prefetch), -1, dtype=torch.int64)
+                     if split and prefetch else None)
 
     def access(self, sel, band):
         resolve_rows_reference(
@@ -52,15 +55,29 @@ class ResolverBuffer:
             self.res, self.host_bt, self.hot_bt, self.keys, self.lru, self.arena, self.host, BS,
             self.counters, band=None if band is None else
             torch.from_numpy(band.astype(np.int32)).view(1, -1),
-            policy=self.policy, prefetch=self.prefetch, hot_flags=self.flags)
+            policy=self.policy, prefetch=self.prefetch, hot_flags=self.flags,
+            prefetch_plan=self.plan)
+        if self.plan is not None:
+            prefetch_copy_reference(self.plan, self.arena, self.host)
+
+    def check_rows(self):
+        """Every keyed slot holds its position's host row (host row value = position)."""
+        H = self.keys.shape[1]
+        for j in range(H):
+            key = int(self.keys[0, j])
+            if key >= 0:
+                assert float(self.arena[int(self.hot_bt[0, j // BS]) * BS + j % BS, 0]) == key
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("policy,prefetch", [("lru", 0), ("score", 0), ("score", 3), ("lru", 2)])
-def test_numpy_model_equals_resolver_reference(policy, prefetch):
+def test_numpy_model_equals_resolver_reference(policy, prefetch, split):
+    """``split``: the worker's prefetch off the critical path (plan + separate copy) has the
+    fused semantics, so the replay models it unchanged."""
     topk, _ = small_trace(R=1, L=1, S=15)
     cut, H, band = 12, 20, 12
     a = PolicyHotBuffer(H, policy, prefetch, max_pos=160)
-    b = ResolverBuffer(H, 160, policy, prefetch)
+    b = ResolverBuffer(H, 160, policy, prefetch, split=split)
     tot = np.zeros(4, dtype=np.int64)
     for t in range(topk.shape[2]):
         row = topk[0, 0, t]
@@ -70,6 +87,7 @@ def test_numpy_model_equals_resolver_reference(policy, prefetch):
         assert np.array_equal(a.keys, b.keys[0].numpy())
         assert np.array_equal(a.lru_order(), b.lru[0].numpy())
         assert np.array_equal(a.state(), b.flags[0].numpy())
+        b.check_rows()
     assert tot.tolist() == [int(b.counters[0]), int(b.counters[1]), int(b.counters[3]),
                             int(b.counters[4])]
 

@@ -629,10 +629,22 @@ def test_gpu_policy_production_shape_matches_reference(policy, prefetch):
         assert torch.equal(b.counters[0], ref.counters[0])
 
 
+def _groups(req):
+    """Request groups of a call, in token order: ``[(first token, request)]``."""
+    out, prev = [], -1
+    for t, r in enumerate(req.tolist()):
+        if r >= 0 and r != prev:
+            out.append((t, r))
+        prev = r
+    return out
+
+
 @pytest.mark.parametrize("policy", ["lru", "score"])
 def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
     """Demand on the critical path, prefetch copies from the plan afterwards (a side stream on
-    GPU): same outputs, state and arena as the one-call prefetch; the plan is rewritten whole."""
+    GPU): same outputs, state and arena as the one-call prefetch. The plan is indexed by request
+    group (row ``g`` whole: targets then ``-1``), rows of no group are left alone, and the copy
+    consumes it (all ``-1`` after)."""
     from hisparse.ops.resolve import prefetch_copy
 
     PF = 4
@@ -641,29 +653,173 @@ def test_prefetch_plan_then_copy_equals_inline_prefetch(backend, policy):
     ref = b.clone()
     flags_b = torch.zeros(3, 40, dtype=torch.int32)
     flags_r = flags_b.clone()
-    plan = torch.full((2, 6, PF), 123, dtype=torch.int64)
+    plan = torch.full((2, 3, PF), 123, dtype=torch.int64)   # G = min(T, R) = 3
     total = 0
     g = torch.Generator().manual_seed(33)
     for step in range(6):
         req = torch.tensor([0, 0, 2, -1, 1, 1] if step % 2 else [1, 2, 0, 0, -1, -1],
                            dtype=torch.int32)
+        if step == 5:                         # one group: rows 1, 2 of the plan stay as they are
+            req = torch.tensor([2, 2, -1, -1, -1, -1], dtype=torch.int32)
+            plan[:, 1:] = 77
         topk, band = ranked_rows(g, 6, 8, 12, 10 * BS)
         args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
                 b.host_all[0], BS, b.counters[0])
         kw = dict(band=band, policy=policy, prefetch=PF, hot_flags=flags_b, prefetch_plan=plan)
+        pf_before = int(b.counters[0][3])
+        keys_before = b.keys[0].clone()
         o1 = (resolve_rows_reference(*args, **kw) if backend == "reference"
               else resolve_rows(*args, **kw))
-        leaders = [0] + [t for t in range(1, 6) if req[t] != req[t - 1]]
-        others = [t for t in range(6) if t not in leaders or req[t] < 0]
-        assert (plan[:, others] == -1).all()
+        n_groups = len(_groups(req))
+        if step == 5:
+            assert (plan[:, n_groups:] == 77).all()
+            plan[:, n_groups:] = -1
+        # row g lists group g's prefetches: arena rows of slots whose key changed to a band row
+        for gi, (_t0, r) in enumerate(_groups(req)):
+            row_src, row_dst = plan[0, gi].tolist(), plan[1, gi].tolist()
+            n = sum(x >= 0 for x in row_src)
+            assert all(x >= 0 for x in row_src[:n]) and all(x == -1 for x in row_src[n:])
+            assert all(x >= 0 for x in row_dst[:n]) and all(x == -1 for x in row_dst[n:])
+            band_r = set(band[[t for t in range(6) if int(req[t]) == r]].flatten().tolist())
+            for dst in row_dst[:n]:
+                slot = next(j for j in range(40) if b.hot_row(r, j) == dst)
+                key = int(b.keys[0][r, slot])
+                assert key in band_r and key != int(keys_before[r, slot])
+        n_plan = int((plan[0] >= 0).sum())
+        assert n_plan == int(b.counters[0][3]) - pf_before
         prefetch_copy(plan, b.arena_all[0], b.host_all[0])
+        assert (plan == -1).all()
         o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, PF)
         assert torch.equal(o1, o2)
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert torch.equal(flags_b, flags_r) and torch.equal(b.counters[0], ref.counters[0])
         assert torch.equal(b.arena_all, ref.arena_all)
-        total += int((plan[0] >= 0).sum())
+        total += n_plan
     assert total == int(ref.counters[0][3]) > 0
+
+
+def test_prefetch_plan_shape_is_checked(backend):
+    b = Batch(R=3, P=4, H=16, seed=0)
+    topk = torch.zeros(4, 4, dtype=torch.int32)
+    band = torch.zeros(4, 4, dtype=torch.int32)
+    req = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    flags = torch.zeros(3, 16, dtype=torch.int32)
+    args = (topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+            b.host_all[0], BS, b.counters[0])
+    fn = resolve_rows_reference if backend == "reference" else resolve_rows
+    for bad in (torch.full((2, 2, 2), -1, dtype=torch.int64),       # fewer rows than min(T, R)
+                torch.full((2, 3, 3), -1, dtype=torch.int64),       # width != prefetch
+                torch.full((2, 3, 2), -1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="prefetch_plan"):
+            fn(*args, band=band, policy="score", prefetch=2, hot_flags=flags, prefetch_plan=bad)
+
+
+def test_prefetch_copy_consumes_plan(backend):
+    """Entries ``>= 0`` copy host -> arena rows (either ``-1`` skips), then the plan is all -1;
+    entries past a program's block (more than 16) are covered."""
+    from hisparse.ops.resolve import prefetch_copy
+
+    g = torch.Generator().manual_seed(4)
+    arena = torch.randn(64, D, generator=g).to(torch.bfloat16)
+    host = torch.randn(80, D, generator=g).to(torch.bfloat16)
+    plan = torch.full((2, 5, 7), -1, dtype=torch.int64)
+    src = torch.randperm(80, generator=g)[:35]
+    dst = torch.randperm(64, generator=g)[:35]
+    plan[0].view(-1)[:] = src
+    plan[1].view(-1)[:] = dst
+    plan[0, 1, 3] = -1           # skipped: no source
+    plan[1, 4, 6] = -1           # skipped: no target
+    want = arena.clone()
+    keep = (plan[0] >= 0) & (plan[1] >= 0)
+    want[plan[1][keep]] = host[plan[0][keep]]
+    prefetch_copy(plan, arena, host)
+    assert torch.equal(arena, want)
+    assert (plan == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("policy", ["score", "lru"])
+def test_gpu_prefetch_on_side_stream_matches_fused_reference(mode, policy):
+    """The worker's split at production shape on the H200: resolver (plan) on the main stream,
+    the prefetch copy forked onto a side stream and joined (HotPrefetcher), eager or captured
+    in a CUDA graph (fork/join inside the capture) and replayed with new selections: rows, hot
+    state, flags, counters and arena bytes equal the fused reference every step, the plan is
+    consumed, and rows prefetched at step t and selected at t + 1 count as prefetch hits."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops.resolve import hot_policy_params
+    from hisparse.worker.model_runner import HotPrefetcher
+
+    R, K, NB = 16, 2048, 2048
+    H = 2 * K
+    PF = 32
+    P = (8 * K) // BS + 4
+    _, _, default_pf = hot_policy_params("score+prefetch", K)
+    assert default_pf == 32
+    b = Batch(R=R, P=P, H=H, seed=29, resident_frac=0.3, device="cuda", pin=True)
+    b.counters[0] = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ref = b.clone()
+    ref.host_all = b.host_all
+    flags_b = torch.zeros(R, H, dtype=torch.int32, device="cuda")
+    flags_r = flags_b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cuda")
+    plan = torch.full((2, R, PF), -1, dtype=torch.int64, device="cuda")
+    topk_s = torch.full((R, K), -1, dtype=torch.int32, device="cuda")
+    band_s = torch.full((R, NB), -1, dtype=torch.int32, device="cuda")
+    req_s = torch.full((R,), -1, dtype=torch.int32, device="cuda")   # padding: touches nothing
+    out_s = torch.empty((R, K), dtype=torch.int32, device="cuda")
+    pf = HotPrefetcher(torch.device("cuda"))
+
+    def body():
+        resolve_rows(topk_s, req_s, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0], b.arena_all[0],
+                     b.host_all[0], BS, b.counters[0], out=out_s, workspace=ws, band=band_s,
+                     policy=policy, prefetch=PF, hot_flags=flags_b, prefetch_plan=plan)
+        pf.launch(plan, b.arena_all[0], b.host_all[0])
+        pf.join()
+
+    graph = None
+    if mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()                                   # warm-up (compiles), on padding
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(29)
+    prev_band = None
+    for _ in range(4):
+        topk, band = ranked_rows(g, R, K, NB, P * BS)
+        if prev_band is not None:                    # last step's best band rows move up
+            top = prev_band[:, :PF].tolist()
+            rest = torch.cat([topk, band], 1).tolist()
+            rows = []
+            for i in range(R):
+                head = set(top[i])
+                rows.append(top[i] + [p for p in rest[i] if p not in head][:K + NB - PF])
+            sel = torch.tensor(rows, dtype=torch.int32)
+            topk, band = sel[:, :K].contiguous(), sel[:, K:].contiguous()
+        topk_s.copy_(topk)
+        band_s.copy_(band)
+        req_s.copy_(torch.arange(R, dtype=torch.int32))
+        if graph is not None:
+            graph.replay()
+        else:
+            body()
+        o_ref = policy_resolve(ref, "reference", topk.cuda(), band.cuda(),
+                               torch.arange(R, dtype=torch.int32, device="cuda"), flags_r,
+                               policy, PF)
+        torch.cuda.synchronize()
+        assert torch.equal(out_s, o_ref)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r)
+        assert torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        assert (plan == -1).all()
+        prev_band = band
+    assert int(b.counters[0][3]) > 0 and int(b.counters[0][4]) > 0
 
 
 # ------------------------------------------------------------------ MTP verify groups (issue 14)
