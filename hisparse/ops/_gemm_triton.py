@@ -120,19 +120,28 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+BATCH_INVARIANT_MAX_M = 512
+
+
 def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)``: small M tiles for decode, enough programs to fill the
-    SMs (memory-bound GEMV-like shapes need every SM streaming weights)."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    """``(BLOCK_M, BLOCK_N, splits)``. Batch-invariant up to ``BATCH_INVARIANT_MAX_M`` rows:
+    every such M gets the same 64-row tiles and the same K splits, so a row's result does not
+    depend on how many other rows share its step (a tiered run batches differently from an
+    unconstrained one). Measured on the H200: 16-row tiles (mma.sync) and 64-row tiles (wgmma)
+    round differently, and so do different K splits; with either varying by M, greedy tokens of
+    an FP8-weight MoE model diverged between the two runs. ``BLOCK_N`` and the splits are chosen
+    from N so one row of tiles fills the SMs (decode GEMMs are GEMV-like: every SM must stream
+    weights). Larger M (prefill chunks) get no split, which changes their rounding only."""
+    block_m = 64
     block_n = min(bn, 128)
     while block_n > 16 and bn % block_n:
         block_n //= 2
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    if block_n > 64 and tiles < _num_sms(device) and bn % 64 == 0:
+    if block_n > 64 and triton.cdiv(N, block_n) < _num_sms(device) and bn % 64 == 0:
         block_n = 64
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if M > BATCH_INVARIANT_MAX_M:
+        return block_m, block_n, 1
     want = 2 * _num_sms(device)
-    splits = max(1, min(KB, want // max(tiles, 1)))
+    splits = max(1, min(KB, want // triton.cdiv(N, block_n)))
     return block_m, block_n, splits
 
 

@@ -315,16 +315,17 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         offs_v = tl.arange(0, VEC)
         # (demand misses first, then the prefetched band rows, unless they go to the plan)
         if PLAN:       # the group's plan row g is written whole: its targets, then -1
+            # (own names: Triton types a name once per scope, and the loop below reuses s/p/...)
             offs_p = tl.arange(0, BLOCK_P)
             pw = offs_p < PLAN_W
-            pm = offs_p < n_pf
-            s = tl.load(pv_row + offs_p, mask=pm, other=0, volatile=True)
-            p = tl.load(bp_row + offs_p, mask=pm, other=0, volatile=True)
-            pm = pm & (s >= 0) & (s < H) & (p >= 0)
-            hb = tl.load(host_row + p // PAGE, mask=pm, other=0)
-            ab = tl.load(hot_row + s // PAGE, mask=pm, other=0)
-            src_r = tl.where(pm, hb.to(tl.int64) * PAGE + p % PAGE, -1)
-            dst_r = tl.where(pm, ab.to(tl.int64) * PAGE + s % PAGE, -1)
+            qm = offs_p < n_pf
+            q_slot = tl.load(pv_row + offs_p, mask=qm, other=0, volatile=True)
+            q_pos = tl.load(bp_row + offs_p, mask=qm, other=0, volatile=True)
+            qm = qm & (q_slot >= 0) & (q_slot < H) & (q_pos >= 0)
+            q_hb = tl.load(host_row + q_pos // PAGE, mask=qm, other=0)
+            q_ab = tl.load(hot_row + q_slot // PAGE, mask=qm, other=0)
+            src_r = tl.where(qm, q_hb.to(tl.int64) * PAGE + q_pos % PAGE, -1)
+            dst_r = tl.where(qm, q_ab.to(tl.int64) * PAGE + q_slot % PAGE, -1)
             prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
             tl.store(prow, src_r, mask=pw)
             tl.store(prow + plan_half, dst_r, mask=pw)

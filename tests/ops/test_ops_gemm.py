@@ -161,3 +161,15 @@ def test_gpu_fp8_gemm_is_deterministic_and_capturable():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton"))
+
+
+def test_gemm_config_is_batch_invariant_for_decode_sized_steps():
+    """A row's FP8 GEMM result must not depend on how many rows share its step (tiered and
+    unconstrained runs batch differently): same tiles and K splits for every M up to the bound."""
+    from hisparse.ops import _gemm_triton as G
+
+    dev = torch.device("cpu")
+    for N, KB in [(7168, 16), (1536, 56), (256, 56), (24576, 12)]:
+        configs = {G.gemm_config(M, N, KB, 128, dev) for M in range(1, G.BATCH_INVARIANT_MAX_M + 1)}
+        assert len(configs) == 1, (N, KB, configs)
+    assert G.gemm_config(G.BATCH_INVARIANT_MAX_M + 1, 7168, 16, 128, dev)[2] == 1
