@@ -50,6 +50,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# ~0.3 GB of bf16 rows: staging a whole 256k history per layer costs less than re-staging.
+MAX_DEFAULT_STAGING_ROWS = 262144
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Sizes of the three tiers, in blocks of ``block_size`` tokens.
@@ -165,15 +169,18 @@ class KVCacheConfig:
 
     @property
     def num_staging_rows(self) -> int:
-        """Rows of the prefill staging area (0 in gpu-only mode). Default: enough for 8 query
-        tokens' worth of distinct selected rows (``8 * index_topk``), capped at
-        ``max_model_len`` (a chunk's union never exceeds its history). The worker splits a
-        chunk's staged attention into token groups whose union fits."""
+        """Rows of the prefill staging area (0 in gpu-only mode). Default: a whole history
+        (``max_model_len``, capped at :data:`MAX_DEFAULT_STAGING_ROWS`): a chunk's union of
+        selected rows never exceeds its history, so each layer stages it once per chunk. The
+        worker splits a chunk's staged attention into token groups whose union fits; smaller
+        areas re-stage rows shared by several groups (measured on the H200 at 64k with
+        ``8 * index_topk`` rows: 1,230 prefill tok/s, 251 GB staged, against 32,184 tok/s
+        for GPU-only)."""
         if self.mode == "gpu-only":
             return 0
         if self.staging_rows is not None:
             return self.staging_rows
-        return max(self.index_topk, min(8 * self.index_topk, self.max_model_len))
+        return max(self.index_topk, min(self.max_model_len, MAX_DEFAULT_STAGING_ROWS))
 
     @property
     def watermark(self) -> int:

@@ -21,7 +21,7 @@ def test_defaults_and_derived_sizes():
     assert c.chunk_pages == 256 // 16 + 1
     assert c.watermark == max(4, 64 // 10) and c.uses_host
     assert c.min_gpu_blocks == 4 + ACTIVE_TAIL_PAGES + 17
-    assert c.num_staging_rows == 8 * 32 and cfg(mode="gpu-only").num_staging_rows == 0
+    assert c.num_staging_rows == c.max_model_len and cfg(mode="gpu-only").num_staging_rows == 0
 
 
 @pytest.mark.parametrize("field", ["block_size", "num_gpu_blocks", "num_indexer_blocks",
@@ -79,7 +79,7 @@ def test_gpu_minimum_does_not_need_one_max_model_len_prompt():
               num_gpu_blocks=100, num_host_blocks=2048, num_indexer_blocks=2048)
     assert big.max_pages_per_request == 2048
     assert big.min_gpu_blocks == 64 + ACTIVE_TAIL_PAGES + 33 == 99
-    assert big.num_staging_rows == 8 * 2048
+    assert big.num_staging_rows == 131072          # a whole history: one group per chunk
     with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 99 \(hot blocks 64"):
         cfg(block_size=64, max_model_len=131072, index_topk=2048, max_num_batched_tokens=2048,
             num_gpu_blocks=98, num_host_blocks=2048, num_indexer_blocks=2048)
@@ -125,3 +125,11 @@ def test_host_pool_gib(gib):
 def test_host_blocks_for_gib_and_cdiv():
     assert host_blocks_for_gib(1, 1 << 20) == 1024
     assert cdiv(7, 2) == 4 and cdiv(8, 2) == 4
+
+
+def test_default_staging_is_capped():
+    from hisparse.config import MAX_DEFAULT_STAGING_ROWS
+
+    huge = cfg(block_size=64, max_model_len=1 << 20, index_topk=2048, max_num_batched_tokens=2048,
+               num_gpu_blocks=100, num_host_blocks=16384, num_indexer_blocks=16384)
+    assert huge.num_staging_rows == MAX_DEFAULT_STAGING_ROWS < huge.max_model_len

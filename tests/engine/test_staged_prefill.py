@@ -15,8 +15,11 @@ def _prompts(lens, seed=0):
     return [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]} for n in lens]
 
 
-@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
-def test_prompts_5x_the_gpu_pool_are_lossless(dsv32_path, mode):
+@pytest.mark.parametrize("mode,staging_rows", [("hisparse", None), ("always-host", None),
+                                               ("hisparse", 32)])
+def test_prompts_5x_the_gpu_pool_are_lossless(dsv32_path, mode, staging_rows):
+    """Default staging (a whole history: one group per chunk and layer) and a staging area of
+    two tokens' top-k (each chunk split into token groups whose unions fit)."""
     batch = _prompts((500, 430))                     # GPU pool: 12 blocks x 8 = 96 tokens
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = LLM(dsv32_path, mode="gpu-only", device="cpu", dtype="float32", block_size=8,
@@ -24,7 +27,7 @@ def test_prompts_5x_the_gpu_pool_are_lossless(dsv32_path, mode):
     want = [o.outputs[0].token_ids for o in ref.generate(batch, sp)]
     llm = LLM(dsv32_path, mode=mode, device="cpu", dtype="float32", block_size=8,
               max_model_len=640, max_num_seqs=4, num_gpu_blocks=12, hot_buffer_size=32,
-              host_pool_gib=0.05, max_num_batched_tokens=32)
+              host_pool_gib=0.05, max_num_batched_tokens=32, staging_rows=staging_rows)
     assert llm.kv_config.min_gpu_blocks <= 12 < 640 // 8
     assert [o.outputs[0].token_ids for o in llm.generate(batch, sp)] == want
     s = llm.stats()
