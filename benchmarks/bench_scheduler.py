@@ -24,6 +24,7 @@ Targets: scheduler + plan + sampling <= 1 ms per step at 256 host-read requests.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -68,7 +69,35 @@ def prompt(i: int, context: int) -> list[int]:
 def summary(times: list[float]) -> dict:
     return dict(median=round(1e3 * statistics.median(times), 3),
                 p99=round(1e3 * sorted(times)[max(int(0.99 * len(times)) - 1, 0)], 3),
-                mean=round(1e3 * statistics.fmean(times), 3))
+                max=round(1e3 * max(times), 3), mean=round(1e3 * statistics.fmean(times), 3))
+
+
+class GCMonitor:
+    """Cyclic-GC collections while active (``gc.callbacks``): count, total and longest pause per
+    generation."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = defaultdict(list)
+        self._t = 0.0
+
+    def __enter__(self) -> GCMonitor:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._t)
+
+    def report(self) -> dict:
+        return {f"gen{g}": dict(count=len(self.pauses[g]),
+                                total_ms=round(1e3 * sum(self.pauses[g]), 1),
+                                max_ms=round(1e3 * max(self.pauses[g], default=0.0), 2))
+                for g in range(3)}
 
 
 # ---------------------------------------------------------------------- scheduler only
@@ -212,7 +241,9 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
+    monitor = GCMonitor()
     try:
+        monitor.__enter__()
         for _ in range(steps):
             t = time.perf_counter()
             outs = llm.step()
@@ -224,6 +255,7 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
             phases["other"].append(total - sum(acc.values()))
             phases["total"].append(total)
     finally:
+        monitor.__exit__()
         if prof is not None:
             prof.disable()
             prof.dump_stats(profile)
@@ -239,7 +271,8 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
                 setup_s=round(setup_s, 2), prefill_steps=prefill_steps,
                 table_rows_uploaded_per_step=None if not steps else round(
                     runner.inputs.rows_uploaded / (prefill_steps + 3 + steps), 2),
-                ms_per_step={name: summary(phases[name]) for name in order})
+                ms_per_step={name: summary(phases[name]) for name in order},
+                gc_during_steps=monitor.report(), gc_frozen_objects=gc.get_freeze_count())
 
 
 def main() -> None:
