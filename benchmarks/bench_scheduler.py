@@ -18,7 +18,7 @@ Two measurements:
 Targets: scheduler + plan + sampling <= 1 ms per step at 256 host-read requests.
 
     PYTHONPATH=. python benchmarks/bench_scheduler.py [--what engine|scheduler] [--requests 147]
-        [--context 32768] [--steps 300] [--mode hisparse]
+        [--context 32768] [--steps 300] [--mode hisparse] [--no-gc-freeze]
 """
 
 from __future__ import annotations
@@ -190,13 +190,14 @@ class PhaseTimer:
         return out
 
 
-def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner) -> LLM:
+def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner, gc_freeze: bool = True) -> LLM:
     """An ``LLM`` around a scheduler and ``runner``, without a model: the step path
     (``LLM.step`` -> ``EngineCore.step``, output building) is the engine's own code; only the
     constructor (checkpoint, caches) is skipped."""
     llm = LLM.__new__(LLM)
     llm.scheduler = Scheduler(cfg)
-    llm.core = EngineCore(llm.scheduler, runner, frozenset(), async_scheduling=True)
+    llm.core = EngineCore(llm.scheduler, runner, frozenset(), async_scheduling=True,
+                          gc_freeze=gc_freeze)
     llm.tokenizer = None
     llm._fault = None
     llm._stashed = []
@@ -207,10 +208,11 @@ def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner) -> LLM:
 
 
 def run_engine(requests: int, context: int, block_size: int, steps: int, mode: str,
-               max_num_seqs: int | None = None, profile: str | None = None) -> dict:
+               max_num_seqs: int | None = None, profile: str | None = None,
+               gc_freeze: bool = True) -> dict:
     cfg = make_config(requests, context, block_size, steps, mode, max_num_seqs)
     runner = HostPathRunner(cfg)
-    llm = engine_llm(cfg, runner)
+    llm = engine_llm(cfg, runner, gc_freeze)
     sched = llm.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_model_len - context,
                             ignore_eos=True)
@@ -265,7 +267,8 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
     host_read = sum(r.host_read for r in kv.requests.values())
     order = ("schedule", "stage_plan", "stage_tokens", "sampling", "update", "outputs",
              "other", "total")
-    return dict(what="engine", mode=mode, requests=requests, context=context,
+    return dict(what="engine", mode=mode, gc_freeze=gc_freeze, requests=requests,
+                context=context,
                 block_size=block_size, max_num_seqs=cfg.max_num_seqs,
                 gpu_blocks=cfg.num_gpu_blocks, host_read_requests=host_read, steps=steps,
                 setup_s=round(setup_s, 2), prefill_steps=prefill_steps,
@@ -287,13 +290,16 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: --requests")
     p.add_argument("--mode", default="hisparse")
     p.add_argument("--profile", default=None, help="engine: write cProfile stats here")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="engine: LLM(gc_freeze=False), the collector walks every request")
     a = p.parse_args()
     if a.what == "scheduler":
         print(json.dumps(run(a.requests or 256, a.context or 65536, a.block_size,
                              a.steps or 500, a.mode)))
     else:
         print(json.dumps(run_engine(a.requests or 147, a.context or 32768, a.block_size,
-                                    a.steps or 300, a.mode, a.max_num_seqs, a.profile)))
+                                    a.steps or 300, a.mode, a.max_num_seqs, a.profile,
+                                    gc_freeze=not a.no_gc_freeze)))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ has mirrored them (acks), and its GPU blocks are reused only by later steps on t
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,69 @@ from hisparse.engine import sampling, spec
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler, StepUpdate
 from hisparse.kv.plan import StepPlan
+
+
+class RequestFreezer:
+    """Keeps the cyclic garbage collector off admitted requests' token lists.
+
+    Why: a request holds its prompt list (shared by every output, ``RequestOutput``) and
+    ``Request.token_ids`` (prompt plus sampled tokens), each a list of context-length entries.
+    A full collection walks every entry of every such list: at 256 requests x 32k tokens it
+    stalled one step for 170-320 ms (CPU box), about every 250 decode steps
+    (``benchmarks/bench_scheduler.py``, docs/BENCHMARKS.md). Lists cannot be untracked, so,
+    like vLLM after start-up, the engine moves them to the collector's permanent generation
+    with ``gc.freeze()``.
+
+    The contract (``gc.freeze`` is process-wide, so this is what every caller sees):
+
+    - :meth:`request_added` marks that requests arrived; the next engine step (before it
+      schedules) runs ``gc.collect()`` and then ``gc.freeze()``, once for every request
+      added since the previous freeze. The collection first means no garbage is ever
+      frozen; it walks only what is not frozen yet (mostly the new requests' lists: ~0.7 ms
+      per 32k-token request, once per request, at admission).
+    - Frozen objects are still freed by reference counting: a finished request (no cycles:
+      ``tests/engine/test_gc.py`` checks that finished requests die with the engine frozen)
+      goes away as before. Lists keep growing while frozen (appends), and are never walked.
+    - Every object alive at a freeze, the caller's included, is ignored by the collector
+      until the next ``gc.unfreeze()``: an object that later becomes garbage *inside a
+      reference cycle* is not reclaimed until then. To bound that, :meth:`idle` (no request
+      left in this engine, or shutdown) calls ``gc.unfreeze()`` once no engine of the process
+      holds frozen requests, so the collector sees everything again (its next full collection
+      walks the whole heap once, while idle).
+    - Nothing is frozen per request beyond the objects alive at that moment, and the
+      engine's own long-lived state (model, caches, scheduler) was alive before the first
+      freeze anyway; no per-request structure outlives its request.
+    - ``enabled=False`` (``LLM(gc_freeze=False)``) leaves the collector alone.
+    """
+
+    # Engines whose requests are frozen now; unfreeze when the last one goes idle.
+    _holders: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._added = False
+        self.freezes = 0
+
+    def request_added(self) -> None:
+        if self.enabled:
+            self._added = True
+
+    def before_step(self) -> None:
+        if self._added:
+            self._added = False
+            gc.collect()
+            gc.freeze()
+            self.freezes += 1
+            RequestFreezer._holders.add(self)
+
+    def idle(self) -> None:
+        """No request is left in this engine: unfreeze once no engine holds frozen requests."""
+        self._added = False
+        holders = RequestFreezer._holders
+        if self in holders:
+            holders.discard(self)
+            if not holders:
+                gc.unfreeze()
 
 
 @dataclass
@@ -46,8 +111,10 @@ class EngineCore:
     """
 
     def __init__(self, scheduler: Scheduler, runner, eos_token_ids: frozenset[int],
-                 async_scheduling: bool, num_speculative_tokens: int = 0) -> None:
+                 async_scheduling: bool, num_speculative_tokens: int = 0,
+                 gc_freeze: bool = True) -> None:
         self.num_speculative_tokens = num_speculative_tokens
+        self.freezer = RequestFreezer(gc_freeze)
         self.spec_stats = spec.SpecStats()
         # Test / benchmark seam: ``draft_hook(requests, outs, drafts) -> drafts`` (``outs``:
         # the tokens each request gets from this step, not appended yet) replaces the MTP
@@ -71,7 +138,12 @@ class EngineCore:
         self._sampling_staging = sampling.SamplingStaging(n, self.device)
 
     # ------------------------------------------------------------------ the loop
+    def request_added(self) -> None:
+        """A request was queued: its token lists are frozen before the next step."""
+        self.freezer.request_added()
+
     def step(self) -> tuple[StepUpdate, dict[str, str]]:
+        self.freezer.before_step()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
         if self.num_speculative_tokens and plan is not None:
@@ -102,6 +174,8 @@ class EngineCore:
             self._apply(launched)
         self.scheduler.kv.apply_acks(self._acks + self.runner.drain())
         self._acks = []
+        if not self.scheduler.has_unfinished:
+            self.freezer.idle()
 
     # ------------------------------------------------------------------ one step
     def _launch(self, plan: StepPlan) -> _LaunchedStep:
