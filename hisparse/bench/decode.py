@@ -113,6 +113,10 @@ class Point:
     planned_max_running: int = 0             # the capacity planner's prediction
     planned_bound_by: str = ""
     planned_tok_s: float = float("nan")      # roofline: HBM and PCIe bytes per step
+    hot_policy: str = "lru"                  # hot-buffer replacement (HiSparse modes)
+    hot_demand_misses: int = 0               # rows a step waited for
+    hot_prefetched: int = 0                  # band rows copied ahead (score+prefetch)
+    hot_prefetch_hits: int = 0               # prefetched rows later selected
 
 
 PROFILES = {
@@ -182,7 +186,7 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
-              kv_cache_dtype: str = "bf16") -> Point:
+              kv_cache_dtype: str = "bf16", hot_policy: str = "lru") -> Point:
     from hisparse import LLM, SamplingParams
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
@@ -197,7 +201,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode != "gpu-only" else None,
-              enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
+              enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, hot_policy=hot_policy,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     llm.capture_cuda_graphs()
     planned = llm.capacity(context=max_len, weight_bytes=touched_weight_bytes(
@@ -241,7 +245,9 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
         gpu_ms_per_step=steps["gpu_ms_per_step"],
         planned_max_running=planned.max_running, planned_bound_by=planned.bound_by,
-        planned_tok_s=planned.decode_tok_s)
+        planned_tok_s=planned.decode_tok_s, hot_policy=hot_policy,
+        hot_demand_misses=s["hot_demand_misses"], hot_prefetched=s["hot_prefetched"],
+        hot_prefetch_hits=s["hot_prefetch_hits"])
     del llm
     gc.collect()  # captured graphs and the runner refer to each other
     torch.cuda.empty_cache()
@@ -275,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
     p.add_argument("--locality-concurrency", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument("--hot-policies", default="lru",
+                   help="comma list of hot-buffer policies (lru, score, score+prefetch) run at "
+                        "every HiSparse / always-host point")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
@@ -331,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
             json.dump([asdict(x) for x in points], f, indent=1)
 
+    def policies_of(mode_name: str) -> list[str]:
+        return ["lru"] if mode_name == "gpu-only" else a.hot_policies.split(",")
+
     contexts = [int(c) for c in a.contexts.split(",")]
     for context in contexts:
         host_cap = host_rows // (context + a.outputs + 64)
@@ -344,27 +356,32 @@ def main(argv: list[str] | None = None) -> int:
         table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
         for conc in levels:
             for name in a.modes.split(","):
-                record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
-                                 num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
-                                 enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype))
+                for policy in policies_of(name):
+                    record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
+                                     num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
+                                     enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
+                                     hot_policy=policy))
         sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
         for source in sources:
             table = topk_table(source, a.layers, context, a.outputs, 2048)
             conc = min(a.locality_concurrency, cap)
             for name in ("hisparse", "always-host"):
-                record(run_point(path, modes[name], source, table, context, conc, a.outputs,
-                                 num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
-                                 enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype))
+                for policy in policies_of(name):
+                    record(run_point(path, modes[name], source, table, context, conc, a.outputs,
+                                     num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
+                                     enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
+                                     hot_policy=policy))
     print_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0
 
 
 def print_table(points: list[Point]) -> None:
-    cols = ["mode", "context", "concurrency", "decode_tok_s", "steady_tok_s", "tpot_p50_ms",
+    cols = ["mode", "hot_policy", "topk_source", "context", "concurrency", "decode_tok_s",
+            "steady_tok_s", "tpot_p50_ms",
             "tpot_p99_ms", "wall_ms_per_step", "gpu_ms_per_step", "running_reached",
             "planned_max_running", "planned_bound_by", "planned_tok_s", "hot_hit_rate", "h2d_gb_s",
-            "num_preempted"]
+            "hot_demand_misses", "hot_prefetched", "hot_prefetch_hits", "num_preempted"]
     print(" | ".join(cols))
     for pt in points:
         d = asdict(pt)

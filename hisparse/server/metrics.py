@@ -31,6 +31,15 @@ _ENGINE_COUNTERS = {
     "spec_accepted_tokens": ("hisparse_spec_accepted_tokens", "MTP draft tokens accepted"),
     "spec_verify_steps": ("hisparse_spec_verify_steps",
                           "Request-steps that verified MTP drafts"),
+    "hot_demand_misses": ("hisparse_hot_buffer_demand_misses",
+                          "Top-k rows a step waited for (not prefetched)"),
+    "hot_prefetched": ("hisparse_hot_buffer_prefetched",
+                       "Band rows copied into hot buffers ahead of use"),
+    "hot_prefetch_hits": ("hisparse_hot_buffer_prefetch_hits",
+                          "Prefetched rows later selected"),
+    "staged_rows": ("hisparse_staged_rows", "Spilled history rows staged for prefill chunks"),
+    "staged_bytes": ("hisparse_staged_bytes", "Bytes staged host to GPU for prefill chunks"),
+    "staged_chunks": ("hisparse_staged_chunks", "Prefill chunks that read staged history"),
 }
 
 

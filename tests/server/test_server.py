@@ -237,6 +237,9 @@ def test_metrics_parse_and_move(srv):
     before = _metrics(srv)
     srv.client.completions.create(model="tiny", prompt=rand_prompts(1, 30, 31, seed=6)[0],
                                   max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    bad = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                        "max_tokens": -1})
+    assert bad.status_code == 400
     time.sleep(0.6)    # the engine publishes its idle snapshot
     after = _metrics(srv)
     assert (_value(after, "hisparse_requests_finished", finished_reason="length")
@@ -249,14 +252,17 @@ def test_metrics_parse_and_move(srv):
               "hisparse_time_per_output_token_seconds"):
         assert _value(after, h, "_count") == _value(before, h, "_count") + 1
     assert _value(after, "hisparse_d2h_bytes") > _value(before, "hisparse_d2h_bytes")
-    assert _value(after, "hisparse_requests_rejected", status="400") >= 1
+    assert (_value(after, "hisparse_requests_rejected", status="400")
+            == _value(before, "hisparse_requests_rejected", status="400") + 1)
     for state in ("dirty", "clean", "host_only"):
         assert _value(after, "hisparse_gpu_pages", "", state=state) == 0   # idle
     for name in ("hisparse_hot_buffer_hits", "hisparse_hot_buffer_misses", "hisparse_h2d_bytes",
                  "hisparse_spilled_pages", "hisparse_restored_pages", "hisparse_preemptions",
                  "hisparse_host_read_switches", "hisparse_prefix_hit_tokens",
                  "hisparse_host_blocks_used", "hisparse_copies_in_flight",
-                 "hisparse_requests_running", "hisparse_requests_waiting"):
+                 "hisparse_requests_running", "hisparse_requests_waiting",
+                 "hisparse_hot_buffer_demand_misses", "hisparse_hot_buffer_prefetched",
+                 "hisparse_staged_rows", "hisparse_staged_bytes"):
         assert name in after, name
 
 
