@@ -68,11 +68,13 @@ def oracle_hook(refs: dict, accept: float, vocab: int, seed: int = 0):
 
 
 def host_pool_gib(path: str, args, k: int) -> float:
-    """Host pool for every request at full length (every cache layer's row and key, bf16)."""
+    """Host pool for every request at full length (every cache layer's row and key, in the
+    run's dtype)."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     layers = cfg["num_hidden_layers"] + (1 if k else 0)
-    per_token = layers * 2 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    per_token = layers * elem * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
                               + cfg["index_head_dim"])
     pages = -(-(args.context + args.outputs + 8) // args.block_size)
     n = args.requests

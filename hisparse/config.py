@@ -119,9 +119,11 @@ class KVCacheConfig:
                              f"({self.index_topk}), got {st!r}")
         pf = self.hot_prefetch_rows
         if pf is not None and (not isinstance(pf, int) or isinstance(pf, bool) or pf < 0
-                               or pf > self.hot_buffer_size):
+                               or pf > min(self.index_topk, self.hot_buffer_size)):
+            # the band the indexer hands over is index_topk rows: no step can prefetch more
             raise ValueError(f"hot_prefetch_rows must be None or an integer in [0, "
-                             f"hot_buffer_size={self.hot_buffer_size}], got {pf!r}")
+                             f"min(index_topk, hot_buffer_size)="
+                             f"{min(self.index_topk, self.hot_buffer_size)}], got {pf!r}")
         wm = self.watermark_blocks
         if wm is not None and (not isinstance(wm, int) or isinstance(wm, bool) or wm < 0):
             raise ValueError(f"watermark_blocks must be None or an integer >= 0, got {wm!r}")

@@ -124,14 +124,16 @@ BATCH_INVARIANT_MAX_M = 512
 
 
 def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)``. Batch-invariant up to ``BATCH_INVARIANT_MAX_M`` rows:
+    """``(BLOCK_M, BLOCK_N, splits)``, batch-invariant up to ``BATCH_INVARIANT_MAX_M`` rows:
     every such M gets the same 64-row tiles and the same K splits, so a row's result does not
     depend on how many other rows share its step (a tiered run batches differently from an
     unconstrained one). Measured on the H200: 16-row tiles (mma.sync) and 64-row tiles (wgmma)
     round differently, and so do different K splits; with either varying by M, greedy tokens of
-    an FP8-weight MoE model diverged between the two runs. ``BLOCK_N`` and the splits are chosen
-    from N so one row of tiles fills the SMs (decode GEMMs are GEMV-like: every SM must stream
-    weights). Larger M (prefill chunks) get no split, which changes their rounding only."""
+    an FP8-weight MoE model diverged between the two runs. Larger M (prefill chunks, alone or
+    with decode tokens) get no split and round differently. Not covered here: the fused MoE
+    picks its tile height from tokens per expert (``moe.moe_block_m``; it did not change tokens
+    in that test). ``BLOCK_N`` and the splits are chosen from N so one row of tiles fills the
+    SMs (decode GEMMs are GEMV-like: every SM must stream weights)."""
     block_m = 64
     block_n = min(bn, 128)
     while block_n > 16 and bn % block_n:

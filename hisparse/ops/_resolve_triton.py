@@ -318,14 +318,14 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             # (own names: Triton types a name once per scope, and the loop below reuses s/p/...)
             offs_p = tl.arange(0, BLOCK_P)
             pw = offs_p < PLAN_W
-            qm = offs_p < n_pf
-            q_slot = tl.load(pv_row + offs_p, mask=qm, other=0, volatile=True)
-            q_pos = tl.load(bp_row + offs_p, mask=qm, other=0, volatile=True)
-            qm = qm & (q_slot >= 0) & (q_slot < H) & (q_pos >= 0)
-            q_hb = tl.load(host_row + q_pos // PAGE, mask=qm, other=0)
-            q_ab = tl.load(hot_row + q_slot // PAGE, mask=qm, other=0)
-            src_r = tl.where(qm, q_hb.to(tl.int64) * PAGE + q_pos % PAGE, -1)
-            dst_r = tl.where(qm, q_ab.to(tl.int64) * PAGE + q_slot % PAGE, -1)
+            pf_ok = offs_p < n_pf
+            pf_slot = tl.load(pv_row + offs_p, mask=pf_ok, other=0, volatile=True)
+            pf_pos = tl.load(bp_row + offs_p, mask=pf_ok, other=0, volatile=True)
+            pf_ok = pf_ok & (pf_slot >= 0) & (pf_slot < H) & (pf_pos >= 0)
+            pf_host_blk = tl.load(host_row + pf_pos // PAGE, mask=pf_ok, other=0)
+            pf_hot_blk = tl.load(hot_row + pf_slot // PAGE, mask=pf_ok, other=0)
+            src_r = tl.where(pf_ok, pf_host_blk.to(tl.int64) * PAGE + pf_pos % PAGE, -1)
+            dst_r = tl.where(pf_ok, pf_hot_blk.to(tl.int64) * PAGE + pf_slot % PAGE, -1)
             prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
             tl.store(prow, src_r, mask=pw)
             tl.store(prow + plan_half, dst_r, mask=pw)

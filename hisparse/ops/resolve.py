@@ -101,7 +101,8 @@ def hot_policy_params(name: str, index_topk: int,
     the report of issue 15); ``prefetch_rows`` is ignored by the policies without prefetch."""
     if name not in HOT_POLICIES:
         raise ValueError(f"hot_policy must be one of {HOT_POLICIES}, got {name!r}")
-    if prefetch_rows is not None and (not isinstance(prefetch_rows, int) or prefetch_rows < 0):
+    if prefetch_rows is not None and (not isinstance(prefetch_rows, int)
+                                      or isinstance(prefetch_rows, bool) or prefetch_rows < 0):
         raise ValueError(f"hot_prefetch_rows must be None or an integer >= 0, "
                          f"got {prefetch_rows!r}")
     if name == "lru":

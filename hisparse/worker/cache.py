@@ -216,13 +216,6 @@ class KVCaches:
             name, self.cfg.index_topk, self.cfg.hot_prefetch_rows)
         self.workspace.set_prefetch(self.hot_keys.shape[0], self.hot_prefetch)
 
-    @property
-    def prefetch_bytes_bound(self) -> int:
-        """Most prefetch H2D bytes one step can move: every layer, every request slot, the
-        per-(layer, request) prefetch budget, one row each."""
-        return self.hot_keys.shape[0] * self.cfg.max_num_seqs * self.hot_prefetch * \
-            self.geo.row_bytes
-
     def arena_layer(self, layer: int) -> torch.Tensor:
         """``[num_gpu_blocks * block_size, D]`` rows of one layer (a view with its own offset)."""
         return self.arena[layer]

@@ -70,10 +70,12 @@ class DecodeGraphs:
     def _body(self, batch: int, host_read: bool) -> Tensor:
         self.ctx.begin(host_read, self.tables, self.slots[:batch], self.positions[:batch])
         hidden = self.model(self.ids[:batch], self.positions[:batch], self.ctx)
+        logits = self.model.compute_logits(hidden)
         # join the prefetch side stream inside the capture (fork/join: the copies are a
-        # parallel branch of the graph that every replay completes before it ends)
+        # parallel branch of the graph that every replay completes before it ends); after the
+        # LM head, which reads no hot rows, so the last layers' copies overlap it
         self.ctx.finish()
-        return self.model.compute_logits(hidden)
+        return logits
 
     def _capture(self, batch: int, host_read: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         # Capture on padding only: the real inputs are copied in before each replay.

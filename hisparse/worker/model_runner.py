@@ -300,10 +300,12 @@ class ModelRunner:
         self.ctx.begin(any(s.host_read for s in seqs), tables, inputs.slots[:T], pos_t,
                        self._staged_tokens(seqs))
         hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
-        self.ctx.finish()
         if not S:
+            self.ctx.finish()
             return hidden.new_zeros(0, 0).float()
-        return self.model.compute_logits(hidden[inputs.sample_idx[:S]])
+        logits = self.model.compute_logits(hidden[inputs.sample_idx[:S]])
+        self.ctx.finish()   # after the LM head (no hot rows read): the copies overlap it
+        return logits
 
     def _staged_tokens(self, seqs) -> Tensor | None:
         """Flat indices of the tokens of staged sequences (prefill chunks whose history has
