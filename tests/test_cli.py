@@ -26,3 +26,18 @@ def test_generate_from_token_ids(tmp_path, capsys):
              if line.startswith("{")]
     assert len(lines[0]["token_ids"]) == 4 and lines[0]["finish_reason"] == "length"
     assert "hot_hits" in lines[-1]
+
+
+def test_engine_flags_reach_llm_kwargs():
+    import argparse
+
+    from hisparse.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args([]))
+    assert kw["gc_freeze"] is True and kw["kv_cache_dtype"] == "bf16"
+    kw = engine_kwargs(p.parse_args(["--no-gc-freeze", "--kv-cache-dtype", "fp8",
+                                     "--hot-policy", "score+prefetch", "--hot-prefetch-rows", "4"]))
+    assert kw["gc_freeze"] is False and kw["kv_cache_dtype"] == "fp8"
+    assert kw["hot_policy"] == "score+prefetch" and kw["hot_prefetch_rows"] == 4

@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="no CUDA graphs (default: capture decode steps)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="do not overlap scheduling with the GPU step (default: overlapped)")
+    g.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="leave Python's cyclic GC alone (default: freeze admitted requests' "
+                   "token lists so full collections do not walk them)")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="MTP speculative decoding: draft tokens verified per step (needs "
                    "num_nextn_predict_layers >= 1; 0 = off) (default: %(default)s)")
@@ -86,7 +89,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               hot_policy=args.hot_policy,
               hot_prefetch_rows=getattr(args, "hot_prefetch_rows", None),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-              num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
+              num_speculative_tokens=getattr(args, "num_speculative_tokens", 0),
+              gc_freeze=getattr(args, "gc_freeze", True))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw
