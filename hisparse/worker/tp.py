@@ -4,13 +4,23 @@ Process layout (``LLM(..., tensor_parallel_size=N)``):
 
 - **rank 0** is the caller's process: it runs the scheduler (pure Python, no device work), plans,
   samples, and executes its own shard of the model through :class:`TPRunner`, which sends every
-  ``(plan, input_ids)`` to the other ranks before running it and broadcasts the sampled tokens
-  (``dist.broadcast`` on the device group: NCCL on CUDA, gloo on CPU) after.
+  plan to the other ranks (a :class:`PlanMessage`) before running it and broadcasts the sampled
+  tokens (``dist.broadcast`` on the device group: NCCL on CUDA, gloo on CPU) after.
 - **ranks 1..N-1** are processes started with ``torch.multiprocessing`` (spawn). Each loads the
   checkpoint, keeps its shard (:mod:`hisparse.models.tp`), builds its own GPU arena / indexer
   cache / hot state, and runs :func:`_worker_main`'s loop: receive a command over its pipe,
   execute the same plan. Control messages travel over ``multiprocessing`` pipes (an idle engine
   never times out; a dead peer is an EOF); tensors over ``torch.distributed``.
+
+**Every rank executes every plan, in order.** The block tables do not travel whole: a
+:class:`PlanMessage` carries the plan without its four tables plus, per table, the rows of the
+slots in ``plan.changed_rows`` (what the KV core wrote since the previous plan). Each worker rank
+keeps its own host copy of the tables (:class:`RankTables`), applies those rows and hands its
+:class:`~hisparse.worker.step_state.StepState` a plan whose tables are that copy, so per-step
+traffic and table work stay proportional to what changed (at 256 requests x 1024 pages the four
+tables are 4 MB; a decode step's message is a few KB). This holds only if no plan is skipped or
+reordered, so messages are numbered and a rank that receives one out of order stops with
+:class:`PlanOrderError`.
 
 **One host pool.** Rank 0 allocates the pool (``host``, ``host_indexer``) once in shared memory
 (``share_memory_()``: one mapping of one shm segment) before spawning; every rank's
@@ -32,16 +42,21 @@ the same host pool bytes (a nonce rank 0 wrote before spawning).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hisparse.kv.plan import TABLES, StepPlan
 
 TIMEOUT_S = float(os.environ.get("HISPARSE_TP_TIMEOUT", "120"))
 START_TIMEOUT_S = float(os.environ.get("HISPARSE_TP_START_TIMEOUT", "600"))
@@ -49,6 +64,98 @@ START_TIMEOUT_S = float(os.environ.get("HISPARSE_TP_START_TIMEOUT", "600"))
 
 class TPWorkerDied(RuntimeError):
     """A tensor-parallel rank exited or a collective with it failed."""
+
+
+class PlanOrderError(RuntimeError):
+    """A worker rank received a plan out of order (its block tables would silently diverge)."""
+
+
+# ---------------------------------------------------------------------- what travels per step
+@dataclass(frozen=True)
+class PlanMessage:
+    """One StepPlan as rank 0 sends it to ranks 1..N-1 (pickled over each rank's pipe).
+
+    ``plan`` is the plan with its four ``*_block_table`` fields set to ``None``; ``rows[i]`` is
+    table ``TABLES[i]``'s rows of the slots in ``plan.changed_rows`` (``[k, width]`` int32, in
+    the order of those slots), or ``None`` when none changed. ``seq`` numbers the messages 0, 1,
+    2, ...: a rank applies message ``n`` only after ``n - 1`` (:class:`RankTables`). ``shapes``
+    (the tables' shapes, :data:`TABLES` order) rides on message 0 only: each rank allocates its
+    copy of the tables from it, once.
+    """
+
+    seq: int
+    plan: StepPlan
+    rows: tuple[np.ndarray | None, ...]
+    input_ids: list[int]
+    shapes: tuple[tuple[int, int], ...] | None = None
+
+
+def plan_message(plan: StepPlan, input_ids: list[int], seq: int) -> PlanMessage:
+    """Rank 0's side: the message for ``plan`` (the ``seq``-th plan sent, counting from 0).
+    Reads only the changed rows of the tables (copied now: the KV core reuses its tables)."""
+    changed = plan.changed_rows
+    rows = []
+    for name in TABLES:
+        slots = getattr(changed, name)
+        rows.append(getattr(plan, f"{name}_block_table")[slots] if slots.size else None)
+    shapes = (tuple(tuple(getattr(plan, f"{n}_block_table").shape) for n in TABLES)
+              if seq == 0 else None)
+    bare = dataclasses.replace(plan, **{f"{n}_block_table": None for n in TABLES})
+    return PlanMessage(seq=seq, plan=bare, rows=tuple(rows), input_ids=input_ids, shapes=shapes)
+
+
+class RankTables:
+    """A worker rank's host copy of the block tables, kept from the changed rows rank 0 sends.
+
+    :meth:`apply` turns each :class:`PlanMessage` back into a full :class:`StepPlan` whose tables
+    are this copy (updated in place; the rank's ``StepState`` then uploads only
+    ``changed_rows``, as on rank 0). The copy equals rank 0's tables as of the last plan only if
+    every plan is applied, in order: a gap or a repeat raises :class:`PlanOrderError`.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.tables: dict[str, np.ndarray] | None = None   # allocated by message 0
+        self.applied = 0                                   # plans applied = next expected seq
+
+    def apply(self, msg: PlanMessage) -> StepPlan:
+        if msg.seq != self.applied:
+            raise PlanOrderError(
+                f"tensor-parallel rank {self.rank} received plan #{msg.seq} (step "
+                f"{msg.plan.step_id}) but expected plan #{self.applied}: every rank must "
+                "execute every plan, in order (its block tables are kept from each plan's "
+                "changed rows)")
+        if self.tables is None:
+            if msg.shapes is None:
+                raise PlanOrderError(f"tensor-parallel rank {self.rank}: plan #0 carries no "
+                                     "table shapes")
+            self.tables = {n: np.full(shape, -1, dtype=np.int32)
+                           for n, shape in zip(TABLES, msg.shapes)}
+        for name, rows in zip(TABLES, msg.rows):
+            slots = getattr(msg.plan.changed_rows, name)
+            if rows is None:
+                if slots.size:
+                    raise ValueError(f"plan #{msg.seq}: {name} rows missing for {slots.size} "
+                                     "changed slots")
+                continue
+            table = self.tables[name]
+            if rows.shape != (slots.size, table.shape[1]):
+                raise ValueError(f"plan #{msg.seq}: {name} rows of shape {rows.shape} for "
+                                 f"{slots.size} changed slots of a table {table.shape}")
+            table[slots] = rows
+        self.applied += 1
+        return dataclasses.replace(msg.plan, **{f"{n}_block_table": self.tables[n]
+                                                for n in TABLES})
+
+    def digest(self) -> dict[str, str] | None:
+        """SHA-1 of each table (tests compare them with rank 0's tables)."""
+        if self.tables is None:
+            return None
+        return {n: table_sha1(t) for n, t in self.tables.items()}
+
+
+def table_sha1(table: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(table, dtype=np.int32).tobytes()).hexdigest()
 
 
 # ---------------------------------------------------------------------- the shared host pool
@@ -157,18 +264,20 @@ def _worker_main(rank: int, spec: dict, host_buffers, conn) -> None:
         from hisparse.models.tp import set_tp_group
         set_tp_group(model, _init_group(rank, spec["world"], spec["port"],
                                         runner.device.type == "cuda"))
+        tables = RankTables(rank)
         with torch.inference_mode():
             while True:
                 cmd = conn.recv()          # EOFError when rank 0 is gone: exit
                 op = cmd[0]
-                if op == "execute":
-                    runner.execute(cmd[1], cmd[2])
+                if op == "execute":        # every plan, in order (RankTables checks)
+                    msg = cmd[1]
+                    runner.execute(tables.apply(msg), msg.input_ids)
                 elif op == "commit":
                     tokens = torch.empty(cmd[1], dtype=torch.int64, device=runner.device)
                     dist.broadcast(tokens, 0)
                     runner.commit_sampled(tokens)
                 elif op == "info":
-                    conn.send(("info", _info(rank, runner, caches, cmd[1])))
+                    conn.send(("info", _info(rank, runner, caches, tables, cmd[1])))
                 elif op == "stop":
                     break
                 else:
@@ -186,13 +295,15 @@ def _worker_main(rank: int, spec: dict, host_buffers, conn) -> None:
     conn.close()
 
 
-def _info(rank: int, runner, caches, digest: bool) -> dict:
+def _info(rank: int, runner, caches, tables: RankTables, digest: bool) -> dict:
     hits, misses = runner.hot_counters()
     out = {"rank": rank, "pid": os.getpid(), "hot_hits": hits, "hot_misses": misses,
            "host_nbytes": caches.host.untyped_storage().nbytes(),
-           "host_shared": caches.host.is_shared(), "d2h_bytes": runner.d2h_bytes}
+           "host_shared": caches.host.is_shared(), "d2h_bytes": runner.d2h_bytes,
+           "plans_applied": tables.applied}
     if digest:
         out["host_sha1"] = hashlib.sha1(pool_bytes(caches.host).numpy().tobytes()).hexdigest()
+        out["tables_sha1"] = tables.digest()   # this rank's block tables as of its last plan
     return out
 
 
@@ -295,7 +406,9 @@ class TPWorkers:
                 self._died(rank)
 
     def info(self, digest: bool = False) -> list[dict]:
-        """Each worker rank's counters and host pool facts (tests, diagnostics)."""
+        """Each worker rank's counters, host pool facts and plans applied (tests, diagnostics);
+        with ``digest``, SHA-1s of its host pool bytes and of its block tables (``tables_sha1``,
+        :meth:`RankTables.digest`)."""
         self.send("info", digest)
         return [self._recv(rank)[1] for rank in range(1, self.world)]
 
@@ -323,17 +436,22 @@ class TPWorkers:
 
 class TPRunner:
     """Rank 0's runner: forwards every step to the other ranks, then runs its own shard.
-    Everything else (counters, ``drain``, ``graphs``...) is rank 0's :class:`ModelRunner`."""
+    Everything else (counters, ``drain``, ``graphs``...) is rank 0's :class:`ModelRunner`.
+
+    Every plan goes to every rank, in order, as a :class:`PlanMessage` (changed table rows
+    only); ``plans_sent`` counts them (each rank's ``plans_applied`` must equal it)."""
 
     def __init__(self, runner, workers: TPWorkers) -> None:
         self.runner = runner
         self.workers = workers
+        self.plans_sent = 0
 
     def __getattr__(self, name):
         return getattr(self.__dict__["runner"], name)
 
     def execute(self, plan, input_ids):
-        self.workers.send("execute", plan, input_ids)
+        self.workers.send("execute", plan_message(plan, input_ids, self.plans_sent))
+        self.plans_sent += 1
         try:
             return self.runner.execute(plan, input_ids)
         except Exception as e:
