@@ -27,11 +27,13 @@ Output (npz, default ``~/.cache/hisparse/smollm2_trace.npz``; never commit it):
 (ranks k .. 2k-1, for prefetch studies); ``topk`` int32 [docs, layers, steps, 2k] (both, in rank
 order: the policy-replay format of ``hisparse bench-policy``) and ``scores`` float32 of the same
 shape (the summed probabilities); ``context_lens`` int32 [docs, steps]; metadata (``genre``,
-(``model``, ``gguf_file``, ``doc_len``, ``k``, ``k_div``, ``doc_essays``, ``score``,
+``model``, ``gguf_file``, ``doc_len``, ``k``, ``k_div``, ``doc_essays``, ``score``,
 ``torch_version``, ``transformers_version``, ``seconds``).
 
-Command used for docs/BENCHMARKS.md (about 3 minutes on 2 CPU cores):
+Commands used for docs/BENCHMARKS.md (3.5-6 minutes each on 2 CPU cores; ~112 MB each):
     python benchmarks/record_trace.py --docs 4 --doc-len 8192 --steps 256 --self-check
+    python benchmarks/record_trace.py .bench_data/trace_code.npz --docs 4 --doc-len 8192 \
+        --steps 256 --genre code --self-check
 """
 
 from __future__ import annotations

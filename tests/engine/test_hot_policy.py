@@ -261,3 +261,38 @@ def test_gpu_prefetch_with_cuda_graphs_equals_eager_and_gpu_only(gpu_dense_path,
         runs[eager] = {k: s[k] for k in ("hot_hits", "hot_demand_misses", "hot_prefetched",
                                          "hot_prefetch_hits")}
     assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_gpu_delayed_prefetch_copies_are_joined(gpu_dense_path, monkeypatch, eager):
+    """Every prefetch copy is held back ~5 ms on its side stream (a spin kernel before it) and
+    nothing synchronizes between steps: the tokens still equal gpu-only's only if every step
+    waits for the previous step's copies before its resolver reads or reuses those slots (a
+    missing join would let attention read slots whose rows have not landed)."""
+    import torch
+
+    from hisparse import ops
+    from hisparse.worker import model_runner
+
+    real = ops.prefetch_copy
+
+    def late_copy(plan, arena, host):
+        torch.cuda._sleep(10_000_000)          # ~5 ms of spinning on the current (side) stream
+        real(plan, arena, host)
+
+    monkeypatch.setattr(model_runner.ops, "prefetch_copy", late_copy)
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(rng.randrange(150, 400))]}
+               for _ in range(6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
+                  max_num_seqs=6, max_num_batched_tokens=256)
+    want = [o.outputs[0].token_ids for o in LLM(gpu_dense_path, mode="gpu-only",
+                                                enforce_eager=True, **common).generate(prompts, sp)]
+    llm = LLM(gpu_dense_path, mode="always-host", num_gpu_blocks=70, hot_buffer_size=128,
+              host_pool_gib=0.5, hot_policy="score+prefetch", hot_prefetch_rows=8,
+              enforce_eager=eager, **common)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    s = llm.stats()
+    assert s["hot_prefetched"] > 0 and s["hot_prefetch_hits"] > 0
