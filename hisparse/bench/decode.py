@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--hot-policies", default="lru",
                    help="comma list of hot-buffer policies (lru, score, score+prefetch) run at "
-                        "every HiSparse / always-host point")
+                        "every HiSparse / always-host point. With a synthetic or trace top-k the "
+                        "band of next-ranked rows still comes from the model's own indexer, so "
+                        "prefetch here measures its cost and overlap, not its hit-rate gain "
+                        "(that is hisparse bench-policy's job)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
