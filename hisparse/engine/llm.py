@@ -24,6 +24,7 @@ import torch
 
 from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib
 from hisparse.engine.core import EngineCore
+from hisparse.engine.detokenizer import IncrementalDetokenizer
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
@@ -351,6 +352,7 @@ class LLM:
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}   # by request id
         self._ids = itertools.count()
         # Outputs of requests that finished inside generate() but were not its own: the next
         # step() returns them.
@@ -608,6 +610,7 @@ class LLM:
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
             self._forget(request_id)
+            self._detokenizers.pop(request_id, None)   # no last output: its state goes here
 
     def _forget(self, req_id: str) -> Request:
         return self._requests.pop(req_id)
@@ -685,7 +688,14 @@ class LLM:
         text = None
         if self.tokenizer is not None:
             try:
-                text = self.tokenizer.decode(ids)
+                # the last output uses the same detokenizer: every text extends the previous one
+                detok = (self._detokenizers.pop(req.req_id, None) if req.finished
+                         else self._detokenizers.get(req.req_id))
+                if detok is None:
+                    detok = IncrementalDetokenizer(self.tokenizer)
+                    if not req.finished:
+                        self._detokenizers[req.req_id] = detok
+                text = detok.update(ids, final=req.finished)
             except Exception as e:  # noqa: BLE001 - one request's failure
                 reason, error = "error", f"detokenizing failed: {type(e).__name__}: {e}"
         # The prompt list is shared, not copied: step() builds an output per running request
