@@ -167,7 +167,7 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
             raise APIError(400, "echo is not supported", "echo")
         prompts = _completion_prompts(st, req.prompt)
         params = _sampling(req, req.max_tokens if req.max_tokens is not None else 16)
-        return await _serve(st, req, prompts, params, chat=False)
+        return await _serve(st, req, prompts, params, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
@@ -179,7 +179,7 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
         prompt = _chat_prompt(st, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or st.max_model_len
         params = _sampling(req, max_tokens)
-        return await _serve(st, req, [prompt], params, chat=True)
+        return await _serve(st, req, [prompt], params, chat=True, raw=raw)
 
     return app
 
@@ -318,7 +318,8 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return out.outputs[0].finish_reason if out.finished else None
 
 
-async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, chat: bool):
+async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, chat: bool,
+                 raw: Request):
     prompt_field = "messages" if chat else "prompt"
     stop = req.stop_strings()
     subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field)
@@ -331,12 +332,9 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
             _stream(st, subs, rid, chat, prompt_lens, include_usage, holdback,
                     req.return_token_ids),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try:
-        finals = await asyncio.gather(*(_last(st, s) for s in subs))
-    except asyncio.CancelledError:
-        for r, _ in subs:
-            st.engine.abort(r)
-        raise
+    finals = await _finals_unless_disconnected(st, subs, raw)
+    if finals is None:      # the client went away: its requests are aborted, nobody reads this
+        return Response(status_code=499)
     failed = [o for o in finals if o.outputs[0].finish_reason == "error"]
     if failed and len(failed) == len(finals):
         raise APIError(500, f"generation failed: {failed[0].outputs[0].error}", None,
@@ -363,6 +361,35 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
         for c in body["choices"]:
             c.pop("token_ids", None)
     return JSONResponse(body)
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def _finals_unless_disconnected(st: _State, subs, raw: Request
+                                      ) -> list[RequestOutput] | None:
+    """The last output of every sub-request, or None once the client has disconnected (polled
+    every :data:`DISCONNECT_POLL_S`: a non-streaming response has no write that would fail);
+    then, or if this handler is cancelled, every sub-request is aborted and its KV freed."""
+    finals = asyncio.ensure_future(asyncio.gather(*(_last(st, s) for s in subs)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({finals}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return finals.result()
+            if await raw.is_disconnected():
+                break
+    except asyncio.CancelledError:
+        _abort_all(st, subs, finals)
+        raise
+    _abort_all(st, subs, finals)
+    return None
+
+
+def _abort_all(st: _State, subs, finals: asyncio.Future) -> None:
+    finals.cancel()
+    for r, _ in subs:
+        st.engine.abort(r)
 
 
 async def _last(st: _State, sub) -> RequestOutput:

@@ -167,6 +167,30 @@ def test_client_disconnect_aborts_and_frees_every_pool(srv):
     assert _value(fams, "hisparse_requests_finished", finished_reason="abort") >= 1
 
 
+def test_non_streaming_client_disconnect_aborts(srv, monkeypatch):
+    """A non-streaming client that gives up: its request is aborted within the disconnect poll
+    instead of decoding to max_tokens (each step slowed to >= 20 ms: 120 tokens take >= 2.4 s)."""
+    real = srv.llm.runner.execute
+
+    def slow(*args, **kw):
+        time.sleep(0.02)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(srv.llm.runner, "execute", slow)
+    srv.wait_idle()
+    before = _metrics(srv)
+    body = {"model": "tiny", "prompt": rand_prompts(1, 60, 61, seed=9)[0], "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    srv.wait_idle(timeout=10)
+    assert time.monotonic() - t0 < 1.8          # aborted, not decoded to the end
+    after = _metrics(srv)
+    assert (_value(after, "hisparse_requests_finished", finished_reason="abort")
+            == _value(before, "hisparse_requests_finished", finished_reason="abort") + 1)
+
+
 def test_bad_requests_get_400_naming_the_field(srv):
     good = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
     cases = [
