@@ -99,8 +99,26 @@ class _LaunchedStep:
     plan: StepPlan
     requests: list[Request]                 # its sampling sequences' requests, plan order
     tokens: Tensor | None = None            # int64 [S] host copy being filled (pinned on CUDA)
-    event: torch.cuda.Event | None = None   # recorded after the copy
+    # host copies of sampling.token_logprobs (sampled [S], top values [S, n], top ids [S, n])
+    # when some row asked for logprobs; filled by the same copy stream position as ``tokens``
+    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    event: torch.cuda.Event | None = None   # recorded after the copies
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its sampling failed
+
+
+def _attach_logprobs(launched: _LaunchedStep, update: StepUpdate) -> None:
+    """Append ``{token id: log-probability}`` (the sampled token first, then the requested
+    number of most likely ones) to ``Request.logprobs`` of each row whose token was appended."""
+    chosen, top_vals, top_ids = (t.tolist() for t in launched.logprobs)
+    appended = {id(r) for r in update.progressed}
+    for i, req in enumerate(launched.requests):
+        n = req.sampling.logprobs if req.sampling is not None else None
+        if n is None or id(req) not in appended:
+            continue
+        entry = {req.token_ids[-1]: chosen[i]}
+        for tok, val in zip(top_ids[i][:n], top_vals[i][:n]):
+            entry.setdefault(tok, val)
+        req.logprobs.append(entry)
 
 
 class EngineCore:
@@ -209,12 +227,19 @@ class EngineCore:
         self.runner.commit_sampled(tokens)
         buf = self._token_bufs[self._turn][:len(samplers)]
         self._turn ^= 1
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        on_device = sampling.token_logprobs(logits, tokens, max(wanted)) if wanted else None
         if self.device.type == "cuda":
             buf.copy_(tokens, non_blocking=True)
+            if on_device is not None:   # rare: a pinned copy per step that asks for them
+                launched.logprobs = tuple(
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                        t, non_blocking=True) for t in on_device)
             launched.event = torch.cuda.Event()
             launched.event.record()
         else:
             buf.copy_(tokens)
+            launched.logprobs = on_device
         launched.tokens = buf
         return launched
 
@@ -325,6 +350,8 @@ class EngineCore:
                 launched.event.synchronize()
             tokens = launched.tokens.tolist()
         update = self.scheduler.update(launched.plan, tokens, self.eos_token_ids)
+        if launched.logprobs is not None:
+            _attach_logprobs(launched, update)
         errors = {}
         for req in update.failed:
             errors[req.req_id] = launched.errors.get(req.req_id) or (

@@ -59,6 +59,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None      # "stop" | "length" | "abort" | "error"
     error: str | None = None       # why, when finish_reason == "error"
+    # per output token ``{token id: log-probability}``, the sampled token first, then the
+    # ``SamplingParams.logprobs`` most likely (raw model distribution); None unless asked
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -570,6 +573,9 @@ class LLM:
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                              f"[0, {vocab})")
+        if params.logprobs is not None and self.core.num_speculative_tokens:
+            raise ValueError("logprobs: not supported with num_speculative_tokens > 0 (the "
+                             "verify step does not report them yet)")
         return params
 
     def _check_id(self, request_id, taken: set[str] = frozenset()) -> None:
@@ -701,7 +707,9 @@ class LLM:
         # The prompt list is shared, not copied: step() builds an output per running request
         # per step, and copying 147 prompts of 32k tokens cost 27-34 ms per step (CPU box).
         return RequestOutput(req.req_id, req.prompt_text, req.prompt_token_ids,
-                             [CompletionOutput(0, text, ids, reason, error)],
+                             [CompletionOutput(0, text, ids, reason, error,
+                                               None if req.logprobs is None
+                                               else req.logprobs[:len(ids)])],
                              finished=req.finished)
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams |

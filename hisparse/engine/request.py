@@ -38,10 +38,15 @@ class Request:
     # their draft distributions ``[len(spec_draft), vocab]`` on the device.
     spec_draft: list[int] = field(default_factory=list, repr=False)
     spec_draft_probs: Any = field(default=None, repr=False)
+    # per output token, ``{token id: log-probability}`` (sampled token first), when the request
+    # asked for logprobs (``SamplingParams.logprobs``); else None
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and getattr(self.sampling, "logprobs", None) is not None:
+            self.logprobs = []
 
     @property
     def num_computed(self) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20      # top log-probabilities per token, at most (OpenAI's limit)
 
 
 def _is_int(v) -> bool:
@@ -49,6 +50,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities of each sampled token and of the ``logprobs`` most likely tokens, from
+    # the model's distribution (log-softmax of the raw logits: before temperature, top-k and
+    # top-p, like vLLM's default). None: off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -83,6 +88,10 @@ class SamplingParams:
         self.stop_token_ids = [int(s) for s in stop]
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {lp!r}")
 
     @property
     def greedy(self) -> bool:
@@ -241,6 +250,20 @@ def sample_tensor(logits: Tensor, st: SamplingTensors) -> Tensor:
     score = (x - torch.log(-torch.log(u))).masked_fill(~keep, float("-inf"))
     tok = torch.where(st.temperature > 0, score.argmax(dim=-1), greedy_tok)
     return torch.where(finite, tok, -1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-softmax of the raw ``logits [n, vocab]``: the sampled ``tokens``' (``[n]`` fp32; a
+    ``-1`` row gets the log-probability of token 0, unused) and the ``top`` largest per row
+    (``[n, top]`` fp32 and int64 ids, descending)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    if top:
+        vals, ids = lp.topk(top, dim=-1)
+    else:
+        vals = lp.new_empty(lp.shape[0], 0)
+        ids = tokens.new_empty(lp.shape[0], 0)
+    return chosen, vals, ids
 
 
 def sample(logits: Tensor, params: list[SamplingParams], steps: list[int] | None = None,
