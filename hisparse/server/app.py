@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hisparse.engine.async_engine import AsyncLLM, Overloaded
 from hisparse.engine.llm import EngineDeadError, RequestOutput
-from hisparse.engine.sampling import SamplingParams
+from hisparse.engine.sampling import MAX_LOGPROBS, SamplingParams
+from hisparse.server import logprobs as lp
 from hisparse.server.metrics import ServerMetrics
 from hisparse.server.protocol import (
     ChatChoice,
@@ -161,24 +162,23 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         _check_common(st, req)
-        if req.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         if req.echo:
             raise APIError(400, "echo is not supported", "echo")
         prompts = _completion_prompts(st, req.prompt)
-        params = _sampling(req, req.max_tokens if req.max_tokens is not None else 16)
+        params = _sampling(req, req.max_tokens if req.max_tokens is not None else 16,
+                           req.logprobs)
         return await _serve(st, req, prompts, params, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         _check_common(st, req)
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if req.top_logprobs is not None:
-            raise APIError(400, "logprobs are not supported (top_logprobs)", "top_logprobs")
+        if req.top_logprobs is not None and (
+                not req.logprobs or not 0 <= req.top_logprobs <= MAX_LOGPROBS):
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] and "
+                           f"needs logprobs=true, got {req.top_logprobs!r}", "top_logprobs")
         prompt = _chat_prompt(st, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or st.max_model_len
-        params = _sampling(req, max_tokens)
+        params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         return await _serve(st, req, [prompt], params, chat=True, raw=raw)
 
     return app
@@ -208,12 +208,12 @@ def _check_common(st: _State, req) -> None:
                            "stop_token_ids", "stop")
 
 
-def _sampling(req, max_tokens: int) -> SamplingParams:
+def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, max_tokens=max_tokens,
                               stop_token_ids=list(req.stop_token_ids or []),
-                              ignore_eos=req.ignore_eos)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs)
     except ValueError as e:
         raise _bad(e, "prompt") from None
 
@@ -297,6 +297,7 @@ class _Delta:
     def __init__(self, holdback: int) -> None:
         self.sent_text = 0
         self.sent_tokens = 0
+        self.token_text_pos = 0     # text offset of the next token (completions logprobs)
         self.holdback = holdback
 
     def take(self, out: RequestOutput) -> tuple[str, list[int]]:
@@ -330,7 +331,7 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
         holdback = max((len(s) for s in stop), default=1) - 1
         return StreamingResponse(
             _stream(st, subs, rid, chat, prompt_lens, include_usage, holdback,
-                    req.return_token_ids),
+                    req.return_token_ids, params.logprobs),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     finals = await _finals_unless_disconnected(st, subs, raw)
     if finals is None:      # the client went away: its requests are aborted, nobody reads this
@@ -344,14 +345,26 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                   completion_tokens=completion)
     usage.total_tokens = usage.prompt_tokens + completion
     tok_ids = (lambda o: o.outputs[0].token_ids) if req.return_token_ids else (lambda o: None)
+    n_top = params.logprobs
+
+    def logprobs_of(o: RequestOutput) -> dict | None:
+        comp = o.outputs[0]
+        if comp.logprobs is None:
+            return None
+        if chat:
+            return lp.chat_logprobs(st.tokenizer, comp.token_ids, comp.logprobs, n_top)
+        return lp.completion_logprobs(st.tokenizer, comp.token_ids, comp.logprobs, n_top)
+
     if chat:
         choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.outputs[0].text or ""),
+                              logprobs=logprobs_of(o),
                               finish_reason=o.outputs[0].finish_reason, token_ids=tok_ids(o))
                    for i, o in enumerate(finals)]
         resp = ChatCompletionResponse(id=rid, model=st.model_name, choices=choices,
                                       usage=usage)
     else:
         choices = [CompletionChoice(index=i, text=o.outputs[0].text or "",
+                                    logprobs=logprobs_of(o),
                                     finish_reason=o.outputs[0].finish_reason,
                                     token_ids=tok_ids(o))
                    for i, o in enumerate(finals)]
@@ -407,8 +420,8 @@ def _sse(obj) -> str:
 
 
 async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int],
-                  include_usage: bool, holdback: int, return_token_ids: bool
-                  ) -> AsyncIterator[str]:
+                  include_usage: bool, holdback: int, return_token_ids: bool,
+                  n_logprobs: int | None) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
@@ -449,16 +462,27 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
                     f"{type(item).__name__}: {item}"
                 yield _sse(error_body(msg, None, "server_error", 500))
                 continue
+            sent = deltas[i].sent_tokens
             text, toks = deltas[i].take(item)
             completion[i] = len(item.outputs[0].token_ids)
             reason = _finish_reason(item)
             if not text and not toks and reason is None:
                 continue
+            logprobs = None
+            entries = item.outputs[0].logprobs
+            if n_logprobs is not None and entries is not None and toks:
+                entries = entries[sent:sent + len(toks)]
+                logprobs = (lp.chat_logprobs(st.tokenizer, toks, entries, n_logprobs) if chat
+                            else lp.completion_logprobs(st.tokenizer, toks, entries,
+                                                        n_logprobs, deltas[i].token_text_pos))
+                if not chat:
+                    deltas[i].token_text_pos += sum(len(t) for t in logprobs["tokens"])
             if chat:
                 choice = {"index": i, "delta": {"content": text} if text else {},
-                          "logprobs": None, "finish_reason": reason}
+                          "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                choice = {"index": i, "text": text, "logprobs": logprobs,
+                          "finish_reason": reason}
             if return_token_ids:
                 choice["token_ids"] = toks
             yield chunk([choice])

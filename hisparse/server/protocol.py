@@ -66,7 +66,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -88,7 +88,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 

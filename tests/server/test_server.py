@@ -191,6 +191,44 @@ def test_non_streaming_client_disconnect_aborts(srv, monkeypatch):
             == _value(before, "hisparse_requests_finished", finished_reason="abort") + 1)
 
 
+def test_logprobs_completions_chat_and_streams(srv, ref):
+    """OpenAI logprobs objects carry the engine's values (LLM.generate with the same
+    SamplingParams.logprobs); streamed chunks' logprobs concatenate to the non-streamed ones."""
+    import math
+
+    p = rand_prompts(1, 30, 31, seed=12)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = ref.generate([{"prompt_token_ids": p}], sp)[0].outputs[0]
+    r = srv.client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                      logprobs=2, extra_body={"ignore_eos": True})
+    got = r.choices[0].logprobs
+    assert got.tokens == [ref.tokenizer.decode([t]) for t in want.token_ids]
+    assert all(math.isclose(a, e[t], abs_tol=1e-5)
+               for a, t, e in zip(got.token_logprobs, want.token_ids, want.logprobs))
+    assert all(len(top) == 2 and max(top.values()) <= 0 for top in got.top_logprobs)
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    stream = srv.client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                           logprobs=2, stream=True,
+                                           extra_body={"ignore_eos": True})
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    # (the second request reuses the first's cached prefix: same values up to rounding)
+    flat = [x for s in streamed for x in s.token_logprobs]
+    assert len(flat) == 8 and all(math.isclose(a, b, abs_tol=1e-5)
+                                  for a, b in zip(flat, got.token_logprobs))
+    assert [x for s in streamed for x in s.text_offset] == got.text_offset
+    msgs = [{"role": "user", "content": words(p)}]
+    chat = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                              temperature=0, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert item.logprob == max(t.logprob for t in item.top_logprobs)     # greedy: the top
+        assert len(item.top_logprobs) == 3 and bytes(item.bytes).decode() == item.token
+    plain = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_bad_requests_get_400_naming_the_field(srv):
     good = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
     cases = [
@@ -198,7 +236,8 @@ def test_bad_requests_get_400_naming_the_field(srv):
         ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5, 999]}, "prompt"),
         ({"prompt": list(range(2, 202))}, "prompt"), ({"prompt": []}, "prompt"),
         ({"stop_token_ids": [999]}, "stop_token_ids"), ({"n": 0}, "n"),
-        ({"logprobs": 1}, "logprobs"), ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop"),
+        ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
         ({"prompt": None}, "prompt"), ({"stream_options": {"include_usage": True}},
                                        "stream_options"),
     ]
@@ -212,8 +251,9 @@ def test_bad_requests_get_400_naming_the_field(srv):
             assert c.post("/v1/completions", json=good).status_code == 200
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "t5 t6"}],
                 "max_tokens": 2}
-        for patch, field in [({"messages": []}, "messages"), ({"logprobs": True}, "logprobs"),
+        for patch, field in [({"messages": []}, "messages"),
                              ({"top_logprobs": 2}, "top_logprobs"),
+                             ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                              ({"temperature": "hot"}, "temperature")]:
             r = c.post("/v1/chat/completions", json={**chat, **patch})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (patch, r.text)
