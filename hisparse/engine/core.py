@@ -16,6 +16,7 @@ has mirrored them (acks), and its GPU blocks are reused only by later steps on t
 
 from __future__ import annotations
 
+import atexit
 import gc
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ class RequestFreezer:
     """
 
     FULL_PASS_MIN_GROWTH = 50_000
+    _unfreeze_at_exit = False   # one atexit hook per process: frozen objects would otherwise
+    #                             skip interpreter teardown (extensions report them as leaks)
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -80,6 +83,9 @@ class RequestFreezer:
             gc.collect(1)
             gc.freeze()
             self.freezes += 1
+            if not RequestFreezer._unfreeze_at_exit:
+                RequestFreezer._unfreeze_at_exit = True
+                atexit.register(gc.unfreeze)
             if self._baseline is None:
                 self._baseline = gc.get_freeze_count()
 
@@ -103,9 +109,10 @@ class _LaunchedStep:
     plan: StepPlan
     requests: list[Request]                 # its sampling sequences' requests, plan order
     tokens: Tensor | None = None            # int64 [S] host copy being filled (pinned on CUDA)
-    # host copies of sampling.token_logprobs (sampled [S], top values [S, n], top ids [S, n])
-    # when some row asked for logprobs; filled by the same copy stream position as ``tokens``
+    # host copies of sampling.token_logprobs for the rows that asked (sampled [m], top values
+    # [m, n], top ids [m, n]), rows ``logprob_rows`` of ``requests``; behind ``event`` too
     logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    logprob_rows: list[int] = field(default_factory=list)
     event: torch.cuda.Event | None = None   # recorded after the copies
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its sampling failed
 
@@ -115,12 +122,13 @@ def _attach_logprobs(launched: _LaunchedStep, update: StepUpdate) -> None:
     number of most likely ones) to ``Request.logprobs`` of each row whose token was appended."""
     chosen, top_vals, top_ids = (t.tolist() for t in launched.logprobs)
     appended = {id(r) for r in update.progressed}
-    for i, req in enumerate(launched.requests):
-        n = req.sampling.logprobs if req.sampling is not None else None
-        if n is None or id(req) not in appended:
+    for k, i in enumerate(launched.logprob_rows):
+        req = launched.requests[i]
+        if id(req) not in appended:
             continue
-        entry = {req.token_ids[-1]: chosen[i]}
-        for tok, val in zip(top_ids[i][:n], top_vals[i][:n]):
+        n = req.sampling.logprobs
+        entry = {req.token_ids[-1]: chosen[k]}
+        for tok, val in zip(top_ids[k][:n], top_vals[k][:n]):
             entry.setdefault(tok, val)
         req.logprobs.append(entry)
 
@@ -231,8 +239,13 @@ class EngineCore:
         self.runner.commit_sampled(tokens)
         buf = self._token_bufs[self._turn][:len(samplers)]
         self._turn ^= 1
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        on_device = sampling.token_logprobs(logits, tokens, max(wanted)) if wanted else None
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        on_device = None
+        if rows:    # only the rows that asked: a [rows, vocab] fp32 log-softmax, not [S, vocab]
+            launched.logprob_rows = rows
+            pick = torch.tensor(rows, device=logits.device)
+            on_device = sampling.token_logprobs(logits[pick], tokens[pick],
+                                                max(params[i].logprobs for i in rows))
         if self.device.type == "cuda":
             buf.copy_(tokens, non_blocking=True)
             if on_device is not None:   # rare: a pinned copy per step that asks for them

@@ -297,7 +297,6 @@ class _Delta:
     def __init__(self, holdback: int) -> None:
         self.sent_text = 0
         self.sent_tokens = 0
-        self.token_text_pos = 0     # text offset of the next token (completions logprobs)
         self.holdback = holdback
 
     def take(self, out: RequestOutput) -> tuple[str, list[int]]:
@@ -353,7 +352,8 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
             return None
         if chat:
             return lp.chat_logprobs(st.tokenizer, comp.token_ids, comp.logprobs, n_top)
-        return lp.completion_logprobs(st.tokenizer, comp.token_ids, comp.logprobs, n_top)
+        return lp.completion_logprobs(st.tokenizer, comp.token_ids, comp.logprobs,
+                                      lp.TextOffsets(st.tokenizer))
 
     if chat:
         choices = [ChatChoice(index=i, message=ChatMessageOut(content=o.outputs[0].text or ""),
@@ -438,6 +438,7 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
     deltas = [_Delta(holdback) for _ in subs]
+    offsets = [lp.TextOffsets(st.tokenizer) for _ in subs]
     completion = [0] * len(subs)
     left = len(subs)
 
@@ -474,9 +475,7 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
                 entries = entries[sent:sent + len(toks)]
                 logprobs = (lp.chat_logprobs(st.tokenizer, toks, entries, n_logprobs) if chat
                             else lp.completion_logprobs(st.tokenizer, toks, entries,
-                                                        n_logprobs, deltas[i].token_text_pos))
-                if not chat:
-                    deltas[i].token_text_pos += sum(len(t) for t in logprobs["tokens"])
+                                                        offsets[i]))
             if chat:
                 choice = {"index": i, "delta": {"content": text} if text else {},
                           "logprobs": logprobs, "finish_reason": reason}

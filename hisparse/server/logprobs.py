@@ -3,7 +3,12 @@
 An engine entry (``CompletionOutput.logprobs[i]``) is ``{token id: log-probability}`` with the
 sampled token first and then the request's top-n (the sampled token appears once, also when it
 is among the top-n). Token strings are the tokenizer's decoding of the single token (``str(id)``
-without a tokenizer); chat entries also carry the UTF-8 bytes, as OpenAI does.
+without a tokenizer). Completions' ``top_logprobs`` hold the top-n plus the sampled token (up
+to n + 1 entries, as OpenAI's legacy API and vLLM); chat's hold exactly the top n, and its
+``bytes`` are the UTF-8 bytes of that token string (a token holding part of a multi-byte
+character decodes to U+FFFD, so its bytes are not the raw token bytes). ``text_offset`` is
+each token's start in the completion text, from the same incremental detokenization as the
+text (stop-string truncation cuts the text, not the token lists).
 """
 
 from __future__ import annotations
@@ -20,22 +25,40 @@ def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
 
+class TextOffsets:
+    """Start of each token in the detokenized completion text (one per choice; feed tokens in
+    order, across streamed chunks)."""
+
+    def __init__(self, tokenizer) -> None:
+        from hisparse.engine.detokenizer import IncrementalDetokenizer
+
+        self.ids: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.length = 0          # text length without a tokenizer (token strings joined)
+
+    def add(self, token_ids: Sequence[int]) -> list[int]:
+        starts = []
+        for t in token_ids:
+            if self.detok is None:
+                starts.append(self.length)
+                self.length += len(str(t))
+                continue
+            starts.append(len(self.detok.text))
+            self.ids.append(t)
+            self.detok.update(self.ids)
+        return starts
+
+
 def completion_logprobs(tokenizer, token_ids: Sequence[int], entries: Sequence[dict],
-                        n: int, text_offset: int = 0) -> dict:
+                        offsets: TextOffsets) -> dict:
     """``/v1/completions`` ``choice.logprobs``: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (one ``{token: logprob}`` per token) and ``text_offset`` (character
-    offsets into the completion text, starting at ``text_offset``)."""
-    tokens, offsets = [], []
-    for t in token_ids:
-        offsets.append(text_offset)
-        s = token_text(tokenizer, t)
-        tokens.append(s)
-        text_offset += len(s)
-    return {"tokens": tokens,
+    ``top_logprobs`` (per token ``{token: logprob}``: the top-n and the sampled token) and
+    ``text_offset``."""
+    return {"tokens": [token_text(tokenizer, t) for t in token_ids],
             "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{token_text(tokenizer, k): v for k, v in top_n(e, n)}
+            "top_logprobs": [{token_text(tokenizer, k): v for k, v in e.items()}
                              for e in entries],
-            "text_offset": offsets}
+            "text_offset": offsets.add(token_ids)}
 
 
 def _chat_item(tokenizer, token_id: int, logprob: float) -> dict:

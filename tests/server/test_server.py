@@ -206,7 +206,16 @@ def test_logprobs_completions_chat_and_streams(srv, ref):
     assert all(math.isclose(a, e[t], abs_tol=1e-5)
                for a, t, e in zip(got.token_logprobs, want.token_ids, want.logprobs))
     assert all(len(top) == 2 and max(top.values()) <= 0 for top in got.top_logprobs)
+    text = r.choices[0].text
     assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    for token, off in zip(got.tokens, got.text_offset):      # offsets into the text itself
+        assert text[off:].lstrip().startswith(token), (text, token, off)
+    sampled = srv.client.completions.create(model="tiny", prompt=p, max_tokens=8, seed=3,
+                                            temperature=1.5, logprobs=1,
+                                            extra_body={"ignore_eos": True}).choices[0]
+    for token, lp_, top in zip(sampled.logprobs.tokens, sampled.logprobs.token_logprobs,
+                               sampled.logprobs.top_logprobs):
+        assert top[token] == lp_ and 1 <= len(top) <= 2    # the top 1, plus the sampled token
     stream = srv.client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
                                            logprobs=2, stream=True,
                                            extra_body={"ignore_eos": True})
