@@ -12,8 +12,9 @@ appends whatever is left, as a full decode would.
 
 Contract: every returned ``text`` is a prefix of the next one (streaming clients send
 differences). For byte-level BPE and word-level tokenizers the final text equals
-``tokenizer.decode(ids)``; tokenizers that rewrite text across token boundaries (e.g. cleanup of
-spaces before punctuation) may differ from a full decode at those boundaries, as in vLLM.
+``tokenizer.decode(ids, skip_special_tokens=...)``; tokenizers that rewrite text across token
+boundaries (e.g. cleanup of spaces before punctuation) may differ from a full decode at those
+boundaries, as in vLLM.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text of one request's output tokens, updated as tokens are appended."""
 
-    __slots__ = ("tokenizer", "text", "prefix_offset", "read_offset")
+    __slots__ = ("tokenizer", "skip_special_tokens", "text", "prefix_offset", "read_offset")
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens   # e.g. EOS: in token ids, not in text
         self.text = ""
         self.prefix_offset = 0     # window start: decoded again with the new tokens
         self.read_offset = 0       # tokens whose text is already in ``text``
@@ -40,9 +42,10 @@ class IncrementalDetokenizer:
         text so far."""
         if len(ids) <= self.read_offset and not final:
             return self.text
+        skip = self.skip_special_tokens
         decode = self.tokenizer.decode
-        prefix_text = decode(ids[self.prefix_offset:self.read_offset])
-        new_text = decode(ids[self.prefix_offset:])
+        prefix_text = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        new_text = decode(ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT)):
             self.text += new_text[len(prefix_text):]
             self.prefix_offset = self.read_offset

@@ -698,7 +698,8 @@ class LLM:
                 detok = (self._detokenizers.pop(req.req_id, None) if req.finished
                          else self._detokenizers.get(req.req_id))
                 if detok is None:
-                    detok = IncrementalDetokenizer(self.tokenizer)
+                    detok = IncrementalDetokenizer(
+                        self.tokenizer, getattr(req.sampling, "skip_special_tokens", True))
                     if not req.finished:
                         self._detokenizers[req.req_id] = detok
                 text = detok.update(ids, final=req.finished)

@@ -54,6 +54,7 @@ class SamplingParams:
     # the model's distribution (log-softmax of the raw logits: before temperature, top-k and
     # top-p, like vLLM's default). None: off.
     logprobs: int | None = None
+    skip_special_tokens: bool = True   # leave special tokens (EOS...) out of the text
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -88,6 +89,9 @@ class SamplingParams:
         self.stop_token_ids = [int(s) for s in stop]
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got "
+                             f"{self.skip_special_tokens!r}")
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "

@@ -213,7 +213,8 @@ def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, max_tokens=max_tokens,
                               stop_token_ids=list(req.stop_token_ids or []),
-                              ignore_eos=req.ignore_eos, logprobs=logprobs)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise _bad(e, "prompt") from None
 

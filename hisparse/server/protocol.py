@@ -25,6 +25,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False        # vLLM's extension: token ids in each choice
+    skip_special_tokens: bool = True      # vLLM's extension: special tokens out of the text
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

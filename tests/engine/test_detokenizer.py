@@ -81,3 +81,15 @@ def test_each_update_decodes_a_short_window():
         detok.update(ids[:n], final=n == len(ids))
     assert detok.text == real(ids)
     assert max(calls[-200:]) < 16       # a few tokens, not the whole output
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_stay_out_of_the_text_unless_asked(skip):
+    tok = byte_level_bpe()
+    tok.add_special_tokens({"eos_token": "<|end|>"})
+    ids = tok.encode("Sparse attention keeps long contexts cheap") + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    for n in range(1, len(ids) + 1):
+        text = detok.update(ids[:n], final=n == len(ids))
+    assert text == tok.decode(ids, skip_special_tokens=skip)
+    assert text.endswith("<|end|>") != skip
