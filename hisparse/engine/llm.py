@@ -705,6 +705,10 @@ class LLM:
                 text = detok.update(ids, final=req.finished)
             except Exception as e:  # noqa: BLE001 - one request's failure
                 reason, error = "error", f"detokenizing failed: {type(e).__name__}: {e}"
+                if not req.finished:    # stop it now: it would fail again at every step
+                    self.scheduler.finish(req.req_id, "error")
+                    self._forget(req.req_id)
+                    self._detokenizers.pop(req.req_id, None)
         # The prompt list is shared, not copied: step() builds an output per running request
         # per step, and copying 147 prompts of 32k tokens cost 27-34 ms per step (CPU box).
         return RequestOutput(req.req_id, req.prompt_text, req.prompt_token_ids,

@@ -108,7 +108,7 @@ def test_a_detokenizer_error_fails_only_that_request(dsv32_path):
         def encode(self, text):
             return [int(w) for w in text.split()]
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             if 7 in ids[:1]:
                 raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad byte")
             return " ".join(map(str, ids))
@@ -120,6 +120,39 @@ def test_a_detokenizer_error_fails_only_that_request(dsv32_path):
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     assert all(o.outputs[0].finish_reason in ("length", "error") for o in outs)
     assert all((o.outputs[0].error is None) == (o.outputs[0].text is not None) for o in outs)
+
+
+def test_a_streamed_detokenizer_error_finishes_that_request(dsv32_path):
+    """Streaming: the request whose text cannot be decoded finishes with an error at once (it
+    would fail again every step); the other one runs to its length."""
+    class Tok:
+        failed = False
+
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+        def decode(self, ids, skip_special_tokens=True):
+            if len(ids) == 2 and not Tok.failed:
+                Tok.failed = True
+                raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad byte")
+            return " ".join(map(str, ids))
+
+    llm = small(dsv32_path)
+    llm.tokenizer = Tok()
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = [llm.add_request("5 6 7 8", sp), llm.add_request("9 10 11", sp)]
+    last = {}
+    for _ in range(100):
+        for out in llm.step():
+            last[out.request_id] = out
+        if not llm.has_unfinished_requests():
+            break
+    reasons = sorted(last[i].outputs[0].finish_reason for i in ids)
+    assert reasons == ["error", "length"] and all(last[i].finished for i in ids)
+    bad = next(last[i] for i in ids if last[i].outputs[0].finish_reason == "error")
+    assert "detokenizing failed" in bad.outputs[0].error
+    assert len(bad.outputs[0].token_ids) == 2        # stopped at the step that failed
+    assert llm.stats()["free_gpu_blocks"] == llm.kv_config.num_gpu_blocks
 
 
 def test_an_engine_wide_fault_stops_the_engine_with_a_clear_error(dsv32_path, monkeypatch):
