@@ -55,10 +55,13 @@ def _act_tile_fp8(x_ptr, xs_ptr, rows, rmask, offs_k, kmask, kbc, stride_x, stri
 
 
 @triton.jit
-def _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask, kb, K, KB,
-                  stride_x, stride_w, stride_xs, ws_off,
+def _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, sw, rows, rmask, offs_n, nmask, kb, K, KB,
+                  stride_x, stride_w, stride_xs,
                   BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, POW2: tl.constexpr):
-    """``acc += (quant(x[rows, kb-block]) @ w[offs_n, kb-block]^T) * a_scale * w_scale``."""
+    """``acc += (quant(x[rows, kb-block]) @ w[offs_n, kb-block]^T) * a_scale * sw`` (``sw``:
+    the weight tile's scale for block ``kb``, loaded one iteration ahead by the caller: the
+    software pipeliner only prefetches loads that feed the MMA, and a scale load waited on in
+    every K step costs a memory latency per step)."""
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K          # false for every k of a block past the end (kb >= KB)
     kbc = tl.minimum(kb, KB - 1)  # scale index kept in bounds; its product is with zeros
@@ -66,7 +69,6 @@ def _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask,
                           QUANT_A, POW2)
     w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
                 mask=nmask[:, None] & kmask[None, :], other=0.0)
-    sw = tl.load(ws_ptr + ws_off + kbc)
     return acc + tl.dot(q, tl.trans(w)) * (sa[:, None] * sw)
 
 
@@ -84,13 +86,16 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     rmask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    ws_off = ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+    ws_tile = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+    kb0 = pid_s * KB_PER_SPLIT
+    sw = tl.load(ws_tile + tl.minimum(kb0, KB - 1))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(KB_PER_SPLIT):
-        kb = pid_s * KB_PER_SPLIT + i
-        acc = _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, rows, rmask, offs_n, nmask, kb,
-                            K, KB, stride_xm, stride_wn, stride_xsm, ws_off, BLOCK_K, QUANT_A,
-                            POW2)
+        kb = kb0 + i
+        sw_next = tl.load(ws_tile + tl.minimum(kb + 1, KB - 1))
+        acc = _fp8_tile_dot(acc, x_ptr, xs_ptr, w_ptr, sw, rows, rmask, offs_n, nmask, kb,
+                            K, KB, stride_xm, stride_wn, stride_xsm, BLOCK_K, QUANT_A, POW2)
+        sw = sw_next
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -203,7 +208,9 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
 
 
 # ----------------------------------------------------------------------------- decode kernel
-@triton.jit
+# M (and M * N) only bound masks and offsets: not specialized, so one compile serves every M of
+# a tile width
+@triton.jit(do_not_specialize=["M", "stride_ps"])
 def _fp8_gemm_nt_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
                         M, N, K, KB, N_TILES,
                         stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
@@ -226,12 +233,16 @@ def _fp8_gemm_nt_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     if SCALE_N % BLOCK_N == 0:  # one weight scale per tile and K block
-        ws_tile = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
-    else:
-        ws_rows = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
+        ws_blk = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+    else:                       # one per row (tiles over several scale blocks: small bn)
+        ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
+    kb0 = pid_s * KB_PER_SPLIT
+    sw = tl.load(ws_blk + tl.minimum(kb0, KB - 1))
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for i in range(KB_PER_SPLIT):
-        kb = pid_s * KB_PER_SPLIT + i
+        kb = kb0 + i
+        # next block's weight scale loaded a step ahead (see _fp8_tile_dot)
+        sw_next = tl.load(ws_blk + tl.minimum(kb + 1, KB - 1))
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K          # false for every k of a block past the end (kb >= KB)
         kbc = tl.minimum(kb, KB - 1)  # scale index kept in bounds; its product is with zeros
@@ -241,9 +252,10 @@ def _fp8_gemm_nt_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr
                               stride_xsm, QUANT_A, POW2)
         d = tl.dot(w, tl.trans(q))
         if SCALE_N % BLOCK_N == 0:
-            acc += d * (tl.load(ws_tile + kbc) * sa)[None, :]
+            acc += d * (sw * sa)[None, :]
         else:
-            acc += d * (tl.load(ws_rows + kbc)[:, None] * sa[None, :])
+            acc += d * (sw[:, None] * sa[None, :])
+        sw = sw_next
     omask = nmask[:, None] & rmask[None, :]
     out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     if SPLITS == 1:
@@ -276,13 +288,16 @@ def nt_splits(N: int, KB: int, sms: int) -> int:
     return max(1, min(KB // 2, (2 * sms) // triton.cdiv(N, NT_BLOCK_N)))
 
 
-def nt_tiles(M: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_N, num_warps)`` by M. Not part of the numerics: one MMA instruction
-    kind (wgmma) computes each output element the same way whatever the tile (checked bitwise
-    on the GPU: tests/ops/test_ops_gemm.py)."""
+def nt_tiles(M: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, num_warps, max_stages)`` by M. Not part of the numerics: one MMA
+    instruction kind (wgmma) computes each output element the same way whatever the tile
+    (checked bitwise on the GPU: tests/ops/test_ops_gemm.py). The pipeline is as deep as shared
+    memory allows (a stage holds the weight tile and the bf16 activation tile) for 2+ CTAs per
+    SM: decode GEMMs are bound by the weight bytes in flight."""
     if M <= 64:
-        return max(16, triton.next_power_of_2(M)), NT_BLOCK_N, 4
-    return 128, 2 * NT_BLOCK_N, 8
+        block_t = max(16, triton.next_power_of_2(M))
+        return block_t, NT_BLOCK_N, 4, 6 if block_t <= 32 else 4
+    return 128, 2 * NT_BLOCK_N, 8, 3
 
 
 COUNTER_SLOTS = 1 << 15
@@ -311,12 +326,13 @@ _STAGES: dict[tuple, int] = {}
 def fp8_block_linear_nt(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                         block: tuple[int, int], out_dtype: torch.dtype,
                         quant_in_kernel: bool | None = None, pow2_scale: bool = False,
-                        splits: int | None = None, tiles: tuple[int, int, int] | None = None,
+                        splits: int | None = None,
+                        tiles: tuple[int, int, int, int] | None = None,
                         num_stages: int | None = None) -> torch.Tensor:
     """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype`` through the decode kernel:
     one launch, K split by :func:`nt_splits` and reduced in-kernel in a fixed order, so row
     ``i`` of any batch equals that row computed alone, bitwise. ``M * N * splits`` must stay
-    below 2**31. ``splits`` / ``tiles`` (``(BLOCK_T, BLOCK_N, num_warps)``) / ``num_stages``
+    below 2**31. ``splits`` / ``tiles`` (:func:`nt_tiles`) / ``num_stages``
     override the defaults (benchmarks; another split count changes the rounding)."""
     from .gemm import quantize_fp8_act
 
@@ -337,7 +353,7 @@ def fp8_block_linear_nt(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Ten
     splits = splits or nt_splits(N, KB, _num_sms(x.device))
     kb_per_split = triton.cdiv(KB, splits)
     splits = triton.cdiv(KB, kb_per_split)
-    block_t, block_n, warps = tiles or nt_tiles(M)
+    block_t, block_n, warps, max_stages = tiles or nt_tiles(M)
     t_tiles, n_tiles = triton.cdiv(M, block_t), triton.cdiv(N, block_n)
     out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if splits > 1:
@@ -356,7 +372,7 @@ def fp8_block_linear_nt(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Ten
     # pipeline depth: deep enough to keep a split's weight loads in flight; fewer stages if
     # shared memory runs out (remembered per configuration)
     key = (x.device, splits, kb_per_split, block_t, block_n, bk, out_dtype, quant_in_kernel)
-    stages = num_stages or _STAGES.get(key, min(4, max(2, kb_per_split + 1)))
+    stages = num_stages or _STAGES.get(key, min(max_stages, max(2, kb_per_split + 1)))
     while True:
         try:
             _fp8_gemm_nt_kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
