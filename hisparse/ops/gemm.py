@@ -187,8 +187,7 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     x2 = x.reshape(-1, K)
     if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
         return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
-    from ._gemm_triton import (BATCH_INVARIANT_MAX_M, fp8_block_linear_nt,
-                               fp8_block_linear_triton)
+    from ._gemm_triton import BATCH_INVARIANT_MAX_M, fp8_block_linear_nt, fp8_block_linear_triton
     if b != "triton_tile" and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
         y = fp8_block_linear_nt(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     else:
