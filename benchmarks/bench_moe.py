@@ -195,12 +195,14 @@ def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches=(16, 25
                     continue
                 row[label] = _rates(t, 2 * M * N * K, N * K + M * K * 2 + M * N * 2, peaks)
             rows.append(row)
+            print_sweep([row], header=len(rows) == 1)  # as it goes: the sweep may be cut short
         del pool
     return rows
 
 
-def print_sweep(rows: list[dict]) -> None:
-    print("\nDecode-kernel sweep (us; * = the default split count)")
+def print_sweep(rows: list[dict], header: bool = True) -> None:
+    if header:
+        print("\nDecode-kernel sweep (us; * = the default split count)")
     for r in rows:
         default = f"splits={r['default_splits']}"
         cells = []
@@ -208,7 +210,7 @@ def print_sweep(rows: list[dict]) -> None:
             if isinstance(v, dict):
                 mark = "*" if k == default else ""
                 cells.append(f"{k}{mark}:{v['us']:.1f}" if "us" in v else f"{k}:{v['error']}")
-        print(f"{r['op']:>15} {r['M']:>4} | " + " ".join(cells))
+        print(f"{r['op']:>15} {r['M']:>4} | " + " ".join(cells), flush=True)
 
 
 GEMM_COLUMNS = (("triton", "decode kernel"), ("tile", "tile kernel (old)"),
@@ -355,7 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         print_moe(out["moe"])
     if a.sweep:
         out["sweep"] = sweep_gemm(peaks, device, linears, l2, [16] if a.smoke else (16, 256))
-        print_sweep(out["sweep"])
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nwrote {a.out}")
