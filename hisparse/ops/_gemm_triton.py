@@ -144,11 +144,14 @@ BATCH_INVARIANT_MAX_M = 512
 
 
 def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)``, batch-invariant up to ``BATCH_INVARIANT_MAX_M`` rows:
+    """``(BLOCK_M, BLOCK_N, splits)`` of the tile kernel (``backend="triton"`` runs it above
+    ``BATCH_INVARIANT_MAX_M`` rows only; ``"triton_tile"`` for every M), batch-invariant up to
+    ``BATCH_INVARIANT_MAX_M`` rows:
     every such M gets the same 64-row tiles and the same K splits, so a row's result does not
     depend on how many other rows share its step (a tiered run batches differently from an
     unconstrained one). Measured on the H200: 16-row tiles (mma.sync) and 64-row tiles (wgmma)
-    round differently, and so do different K splits; with either varying by M, greedy tokens of
+    round differently (the 16-row path upcasts to fp16 for mma.sync, wgmma multiplies fp8), and
+    so do different K splits; with either varying by M, greedy tokens of
     an FP8-weight MoE model diverged between the two runs. Larger M (prefill chunks, alone or
     with decode tokens) get no split and round differently. Not covered here: the fused MoE
     picks its tile height from tokens per expert (``moe.moe_block_m``; it did not change tokens
