@@ -56,10 +56,11 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
             slot = offs_s % PAGE
             kmask = valid[:, None] & dmask[None, :]
             if FP8:
-                vrow = blk.to(tl.int64) * stride_kr + slot * D
+                vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
                 if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
-                    kmask = valid[:, None]
-                f8 = tl.load(k_ptr + vrow[:, None] + offs_d[None, :], mask=kmask, other=0)
+                    f8 = tl.load(vptrs, mask=valid[:, None], other=0)
+                else:
+                    f8 = tl.load(vptrs, mask=kmask, other=0)
                 f8 = f8.to(tl.float8e4nv, bitcast=True)
                 srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
                 if NT == 1:
