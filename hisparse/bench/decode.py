@@ -8,7 +8,13 @@ speed is what is measured; see :mod:`hisparse.bench.synthetic`, plugged in throu
 
 Top-k sources: ``indexer`` (the model's own indexer: random weights, unrealistic locality),
 ``synthetic:<overlap>`` and ``trace:<npz>`` (selections replayed in place of the indexer output;
-the indexer still runs so its cost is counted).
+the indexer still runs so its cost is counted). The hot policies ``score`` and
+``score+prefetch`` read the next-ranked band (ranks k..2k-1): a trace replays its recorded band
+(``below_cut``, tiled like its top-k), the indexer has its own; a synthetic source has none (no
+rank structure), so ``--topk synthetic:<p>`` takes ``lru`` only and ``--locality`` sources without
+a band run ``lru`` only (``synthetic:1.0`` is the all-hit baseline: the only row entering per step
+is the newest token, which is resident). When ``synthetic:1.0`` points ran, a last table gives
+every point's step time as a ratio to the all-hit point of its mode, context and concurrency.
 
 Profiles (``--profile``): ``default`` is the 8-layer model above. ``tp8-rank`` has the per-step
 cost shape of one TP-8 rank of DeepSeek-V3.2 at high batch (DESIGN section 7): 4 layers whose
@@ -139,37 +145,100 @@ def write_config(layers: int | None, intermediate_size: int | None = None,
     return path
 
 
-def topk_table(source: str, layers: int, context: int, outputs: int, k: int,
-               streams: int = 4) -> torch.Tensor | None:
-    """``[streams, layers, outputs, k]`` int32 positions selected at each decode step."""
-    if source == "indexer":
+ALL_HIT = "synthetic:1.0"     # the all-hit baseline source of the ratio table
+TABLE_LIMIT_BYTES = 1 << 30   # bound on one top-k table (it lives on the GPU during a point)
+
+
+def needs_band(policy: str) -> bool:
+    """Whether hot policy ``policy`` reads the next-ranked band (``score``, ``score+prefetch``)."""
+    from hisparse.ops.resolve import hot_policy_params
+
+    return hot_policy_params(policy, 1)[1] > 0
+
+
+def make_source(spec: str, layers: int):
+    """The :class:`~hisparse.bench.locality.TopkSource` of ``synthetic:<overlap>`` or
+    ``trace:<npz>``; ``None`` for ``indexer`` (the model's own)."""
+    if spec == "indexer":
         return None
     from hisparse.bench import locality
 
-    kind, _, arg = source.partition(":")
+    kind, _, arg = spec.partition(":")
     if kind == "synthetic":
-        src = locality.SyntheticTopk(overlap=float(arg), num_layers=layers, seed=0)
-    elif kind == "trace":
-        src = locality.TraceTopk(arg)
-    else:
-        raise ValueError(f"topk source must be indexer, synthetic:<overlap> or trace:<npz>, "
-                         f"got {source!r}")
+        return locality.SyntheticTopk(overlap=float(arg), num_layers=layers, seed=0)
+    if kind == "trace":
+        return locality.TraceTopk(arg)
+    raise ValueError(f"topk source must be indexer, synthetic:<overlap> or trace:<npz>, "
+                     f"got {spec!r}")
+
+
+def check_band_policies(spec: str, policies: list[str], source=None) -> None:
+    """``ValueError`` naming ``--hot-policies`` if a policy that reads the next-ranked band is
+    asked for with a replayed source that has none (``source``: the loaded source of ``spec``;
+    without it only what ``spec`` alone tells is checked: synthetic sources have no band)."""
+    band_policies = [p for p in policies if needs_band(p)]
+    if not band_policies or spec == "indexer":
+        return
+    if spec.startswith("synthetic:"):
+        raise ValueError(
+            f"--hot-policies {','.join(band_policies)} read the next-ranked band (ranks k..2k-1), "
+            f"which --topk {spec} does not have (SyntheticTopk has no rank structure, see "
+            f"has_band); use --topk trace:<npz> (a trace with below_cut) or --hot-policies lru")
+    if source is not None and not source.has_band:
+        raise ValueError(
+            f"--hot-policies {','.join(band_policies)} read the next-ranked band, which --topk "
+            f"{spec} does not have: the trace holds no below_cut (re-record it with "
+            f"benchmarks/record_trace.py) or use --hot-policies lru")
+
+
+def topk_table(source, layers: int, context: int, outputs: int, k: int, streams: int = 4,
+               band: int = 0, limit_bytes: int = TABLE_LIMIT_BYTES) -> torch.Tensor | None:
+    """``[streams, layers, outputs, k + band]`` int32 (CPU): at decode step ``s`` of a request
+    in stream ``d``, layer ``l`` selects ``table[d, l, s, :k]`` and has the next-ranked band
+    ``table[d, l, s, k:]`` (best rank first); ``-1`` pads rows the source has fewer of.
+    ``source``: a spec (``indexer`` gives ``None``) or a loaded source; ``band > 0`` needs a
+    source with a band (``ValueError`` otherwise). Size ``streams * layers * outputs *
+    (k + band) * 4`` bytes (16 MiB for 4 x 4 x 64 x 4096); more than ``limit_bytes`` raises
+    ``ValueError`` (fewer ``--outputs``: steps past the table replay its last one)."""
     import numpy as np
 
-    table = np.stack([np.stack([np.stack([src.select(l, d, s, context + s + 1, k)
-                                          for s in range(outputs)]) for l in range(layers)])
-                      for d in range(streams)])
-    return torch.from_numpy(table.astype(np.int32))
+    src = make_source(source, layers) if isinstance(source, str) else source
+    if src is None:
+        return None
+    if band and not src.has_band:
+        raise ValueError(f"topk_table: band={band} asked of a source without a band ({src!r})")
+    shape = (streams, layers, outputs, k + band)
+    nbytes = int(np.prod(shape)) * 4
+    if nbytes > limit_bytes:
+        raise ValueError(f"topk_table: {shape} int32 is {nbytes / (1 << 20):.0f} MiB, over the "
+                         f"{limit_bytes / (1 << 20):.0f} MiB bound: run fewer --outputs")
+    table = np.full(shape, -1, dtype=np.int32)
+    for d in range(streams):
+        for layer in range(layers):
+            for s in range(outputs):
+                sel = src.select(layer, d, s, context + s + 1, k)
+                table[d, layer, s, :len(sel)] = sel
+                if band:
+                    table[d, layer, s, k:] = src.select_band(layer, d, s, context + s + 1, k,
+                                                             band)
+    return torch.from_numpy(table)
 
 
-def make_topk_override(table: torch.Tensor, context: int):
-    streams, layers, steps, _ = table.shape
+def make_topk_override(table: torch.Tensor, context: int, k: int | None = None):
+    """The ``topk_override`` replaying ``table`` (:func:`topk_table`, on the engine's device):
+    returns ``(topk [T, k], band [T, NB] or None)``, ``k`` = the table's width when not given
+    (no band). A request's stream is its slot modulo the table's streams; decode step =
+    position - ``context`` (clamped to the table). Padding tokens (slot ``-1``) select nothing
+    and have no band. CUDA-graph safe: one gather from a device tensor, fixed shapes."""
+    streams, layers, steps, width = table.shape
+    k = width if k is None else k
 
     def override(layer: int, token_slot: torch.Tensor, positions: torch.Tensor,
-                 computed: torch.Tensor) -> torch.Tensor:
+                 computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = (positions - context).clamp(0, steps - 1)
         selected = table[token_slot.long() % streams, layer % layers, step]
-        return torch.where(token_slot[:, None] >= 0, selected, -1)  # padding selects nothing
+        selected = torch.where(token_slot[:, None] >= 0, selected, -1)
+        return selected[:, :k], (selected[:, k:] if width > k else None)
 
     return override
 
@@ -185,14 +254,16 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
-              kv_cache_dtype: str = "bf16", hot_policy: str = "lru") -> Point:
-    from hisparse import LLM, SamplingParams
+              kv_cache_dtype: str = "bf16", hot_policy: str = "lru", k: int = 2048) -> Point:
+    """One engine run (``table``: :func:`topk_table` of ``topk_source`` with top-``k``, or
+    ``None``); the engine is shut down before returning, also on failure."""
+    from hisparse import LLM
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
     max_len = context + outputs
     torch.cuda.reset_peak_memory_stats()
     clock = TokenClock()
-    override = None if table is None else make_topk_override(table.to("cuda"), context)
+    override = None if table is None else make_topk_override(table.to("cuda"), context, k)
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
               num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, mode=mode,
               max_model_len=max_len, max_num_seqs=max_seqs,
@@ -202,8 +273,19 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               host_buffers=host_buffers if mode != "gpu-only" else None,
               enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, hot_policy=hot_policy,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
+    try:
+        return _measure(llm, clock, mode, topk_source, context, concurrency, outputs,
+                        host_pool_gib, hot_policy)
+    finally:
+        llm.shutdown()   # frees the model, caches and graphs (frozen with the engine's requests)
+
+
+def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int, outputs: int,
+             host_pool_gib: float, hot_policy: str) -> Point:
+    from hisparse import SamplingParams
+
     llm.capture_cuda_graphs()
-    planned = llm.capacity(context=max_len, weight_bytes=touched_weight_bytes(
+    planned = llm.capacity(context=context + outputs, weight_bytes=touched_weight_bytes(
         llm.model_config, concurrency))[str(mode)]
     g = torch.Generator().manual_seed(0)
     req_ids = []
@@ -231,7 +313,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     # Steady state: decode steps with (nearly) every running request in them.
     steps = clock.decode_step_stats(min_running=max(1, int(0.9 * s["peak_running"])))
     lookups = s["hot_hits"] + s["hot_misses"]
-    point = Point(
+    return Point(
         mode=s["mode"], topk_source=topk_source, context=context, concurrency=concurrency,
         outputs=outputs, decode_tok_s=decode_tokens / (time.perf_counter() - start),
         tpot_p50_ms=statistics.median(tpots), tpot_p99_ms=tpots[int(0.99 * (len(tpots) - 1))],
@@ -247,8 +329,6 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         planned_tok_s=planned.decode_tok_s, hot_policy=hot_policy,
         hot_demand_misses=s["hot_demand_misses"], hot_prefetched=s["hot_prefetched"],
         hot_prefetch_hits=s["hot_prefetch_hits"])
-    llm.shutdown()   # frees the model, caches and graphs (frozen with the engine's requests)
-    return point
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,15 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
     p.add_argument("--locality", default="",
-                   help="extra HiSparse points: comma list of synthetic:<p> / trace:<npz>")
+                   help="extra points at the first context, in the HiSparse modes of --modes "
+                        "(hisparse and always-host if it has none): comma list of "
+                        "synthetic:<p> / trace:<npz>; sources without a band (synthetic, a "
+                        "trace without below_cut) run lru only")
     p.add_argument("--locality-concurrency", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--hot-policies", default="lru",
                    help="comma list of hot-buffer policies (lru, score, score+prefetch) run at "
-                        "every HiSparse / always-host point. With a synthetic or trace top-k the "
-                        "band of next-ranked rows still comes from the model's own indexer, so "
-                        "prefetch here measures its cost and overlap, not its hit-rate gain "
-                        "(that is hisparse bench-policy's job)")
+                        "every HiSparse / always-host point. score and score+prefetch read the "
+                        "next-ranked band: the indexer's own, or a trace's recorded ranks k.. "
+                        "(below_cut); a synthetic --topk has none (an error)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
@@ -294,12 +376,53 @@ def main(argv: list[str] | None = None) -> int:
             continue   # the real rank's own depth and widths; KV from free memory
         if getattr(a, key) is None:
             setattr(a, key, value)
+    policies = a.hot_policies.split(",")
+    try:
+        for pol in policies:
+            needs_band(pol)              # validates the name
+        check_band_policies(a.topk, policies)
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("hisparse bench needs a CUDA device")
     modes = {m.value: m.value for m in Mode}
     path = write_config(a.layers, a.intermediate_size, a.model_shape)
     with open(os.path.join(path, "config.json")) as f:
-        a.layers = json.load(f)["num_hidden_layers"]
+        model_cfg = json.load(f)
+    a.layers, topk_k = model_cfg["num_hidden_layers"], model_cfg["index_topk"]
+    contexts = [int(c) for c in a.contexts.split(",")]
+    extra = list(filter(None, a.locality.split(",")))
+    # every replayed source loaded once, before anything is pinned or compiled
+    sources = {spec: make_source(spec, a.layers) for spec in dict.fromkeys([a.topk, *extra])}
+    try:
+        check_band_policies(a.topk, policies, sources[a.topk])
+    except ValueError as e:
+        p.error(str(e))
+
+    def policies_of(mode_name: str, spec: str) -> list[str]:
+        src = sources[spec]
+        if mode_name == "gpu-only" or (src is not None and not src.has_band):
+            return ["lru"]
+        return policies
+
+    def table_of(spec: str, context: int) -> torch.Tensor | None:
+        """The top-k table of ``spec``, with the band when a policy run on it reads one."""
+        src = sources[spec]
+        band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
+        table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band)
+        if table is not None:
+            print(f"top-k table {spec}: {tuple(table.shape)} int32 (top-{topk_k}"
+                  f"{f' + band {band}' if band else ''}), "
+                  f"{table.numel() * 4 / (1 << 20):.1f} MiB on the GPU per point", flush=True)
+        return table
+
+    locality_modes = [m for m in a.modes.split(",") if m != "gpu-only"] or ["hisparse",
+                                                                          "always-host"]
+    try:    # every table before anything is pinned or compiled (a trace may not fit a context)
+        tables = {(spec, c): table_of(spec, c)
+                  for c in contexts for spec in [a.topk] + (extra if c == contexts[0] else [])}
+    except ValueError as e:
+        p.error(str(e))
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)
     if a.gpu_kv_tokens is not None:
@@ -340,38 +463,34 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
             json.dump([asdict(x) for x in points], f, indent=1)
 
-    def policies_of(mode_name: str) -> list[str]:
-        return ["lru"] if mode_name == "gpu-only" else a.hot_policies.split(",")
-
-    contexts = [int(c) for c in a.contexts.split(",")]
     for context in contexts:
         host_cap = host_rows // (context + a.outputs + 64)
         # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
         # blocks, and 10% of the blocks stay free (the watermark).
         cap = host_cap
         if num_gpu_blocks is not None:
-            cap = min(cap, max(int(num_gpu_blocks * 0.9) // (2 * 2048 // block_size + 2), 1))
+            cap = min(cap, max(int(num_gpu_blocks * 0.9) // (2 * topk_k // block_size + 2), 1))
         levels = sorted({cap if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
-        table = topk_table(a.topk, a.layers, context, a.outputs, 2048)
+        table = tables[a.topk, context]
         for conc in levels:
             for name in a.modes.split(","):
-                for policy in policies_of(name):
+                for policy in policies_of(name, a.topk):
                     record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
-                                     hot_policy=policy))
-        sources = filter(None, a.locality.split(",")) if context == contexts[0] else ()
-        for source in sources:
-            table = topk_table(source, a.layers, context, a.outputs, 2048)
+                                     hot_policy=policy, k=topk_k))
+        for spec in extra if context == contexts[0] else ():
+            table = tables[spec, context]
             conc = min(a.locality_concurrency, cap)
-            for name in ("hisparse", "always-host"):
-                for policy in policies_of(name):
-                    record(run_point(path, modes[name], source, table, context, conc, a.outputs,
+            for name in locality_modes:
+                for policy in policies_of(name, spec):
+                    record(run_point(path, modes[name], spec, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
-                                     hot_policy=policy))
+                                     hot_policy=policy, k=topk_k))
     print_table(points)
+    print_ratio_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0
 
@@ -386,6 +505,39 @@ def print_table(points: list[Point]) -> None:
     for pt in points:
         d = asdict(pt)
         print(" | ".join(f"{d[c]:.3g}" if isinstance(d[c], float) else str(d[c]) for c in cols))
+
+
+def ratio_rows(points: list[Point], baseline: str = ALL_HIT) -> list[dict]:
+    """Every point that has an all-hit baseline (the ``lru`` point of source ``baseline`` at
+    the same mode, context and concurrency, itself included): its hit and prefetch counters,
+    steady-state wall and GPU ms per decode step, and both as ratios to the baseline's."""
+    base = {(p.mode, p.context, p.concurrency): p for p in points
+            if p.topk_source == baseline and p.hot_policy == "lru"}
+    rows = []
+    for p in points:
+        b = base.get((p.mode, p.context, p.concurrency))
+        if b is None:
+            continue
+        rows.append(dict(
+            mode=p.mode, source=os.path.basename(p.topk_source), policy=p.hot_policy,
+            context=p.context, concurrency=p.concurrency, hit_rate=p.hot_hit_rate,
+            demand_misses=p.hot_demand_misses, prefetched=p.hot_prefetched,
+            prefetch_hits=p.hot_prefetch_hits, wall_ms=p.wall_ms_per_step,
+            gpu_ms=p.gpu_ms_per_step, wall_x=p.wall_ms_per_step / b.wall_ms_per_step,
+            gpu_x=p.gpu_ms_per_step / b.gpu_ms_per_step))
+    return rows
+
+
+def print_ratio_table(points: list[Point], baseline: str = ALL_HIT) -> None:
+    rows = ratio_rows(points, baseline)
+    if not rows:
+        return
+    print(f"step time vs the all-hit baseline ({baseline}, lru) of the same mode, context and "
+          f"concurrency:")
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
 
 
 def plot(points: list[Point], path: str) -> None:

@@ -42,6 +42,7 @@ class TopkSource(Protocol):
     """Per-(layer, stream, step) top-k selections standing in for the indexer output."""
 
     num_layers: int
+    has_band: bool      # ``select_band`` gives the next-ranked positions (a trace's ranks k..)
 
     def select(self, layer: int, stream: int, step: int, context_len: int, k: int) -> np.ndarray:
         """``min(k, context_len)`` unique positions in ``[0, context_len)`` (int64),
@@ -89,7 +90,13 @@ class SyntheticTopk:
     is cached, so sequential calls cost one step (~tens of us at k = 2048) and any other access
     order replays the chain from step 0 (same result, slower). Layers are statistically identical
     and independent; ``num_layers`` only satisfies the protocol.
+
+    No next-ranked band (``has_band = False``): the model has no rank structure (which rows enter
+    next is drawn at the next step, not ranked below the cut now), so the hot policies that read a
+    band (``score``, ``score+prefetch``) have nothing to use with this source.
     """
+
+    has_band = False
 
     def __init__(self, overlap: float, num_layers: int, seed: int = 0, return_frac: float = 0.5,
                  recent_frac: float = 0.25, return_window: int = 8,
@@ -248,14 +255,26 @@ class TraceTopk:
     equal the trace's (one LRU over the union is close to per-tile LRUs of ``H / S`` slots), but
     locality at 64k (and of a DSA indexer rather than of summed softmax attention) may differ.
     Steps beyond the trace wrap around (``step % steps``), which breaks continuity once.
+
+    Next-ranked band (:meth:`select_band`, for the score policy and prefetch): a trace holding
+    ``below_cut`` int32 ``[docs, layers, steps, kb]`` (the recorded ranks ``k_t .. k_t + kb - 1``,
+    best first) has one (:attr:`has_band`). Tile ``i`` contributes its ranks after those it put
+    in the selection: ``positions[..., n_i:]`` (a partial last tile) then ``below_cut``, shifted
+    by the tile's offset. Tiles are interleaved by rank (sorted by the tile's own rank, then tile
+    index), so a lower band index means a better rank and a prefix of the band takes the same
+    number of rows from every tile. Entries outside their context (a recorder edge case) are
+    dropped. The band and the selection of one call are disjoint.
     """
 
     def __init__(self, path: str):
         with np.load(path, allow_pickle=False) as z:
             self.positions = np.ascontiguousarray(z["positions"].astype(np.int64))
             self.context_lens = np.asarray(z["context_lens"], dtype=np.int64)
+            below = z["below_cut"] if "below_cut" in z.files else None
+            # "topk" and "scores" are the policy replay's copies (bench-policy): not loaded
             self.meta = {name: z[name] for name in z.files
-                         if name not in ("positions", "context_lens", "below_cut")}
+                         if name not in ("positions", "context_lens", "below_cut", "topk",
+                                         "scores")}
         if self.positions.ndim != 4:
             raise ValueError(f"TraceTopk: positions must be [docs, layers, steps, k], got shape "
                              f"{self.positions.shape}")
@@ -270,8 +289,22 @@ class TraceTopk:
         if (self.positions.min() < 0
                 or (self.positions >= self.context_lens[:, None, :, None]).any()):
             raise ValueError("TraceTopk: trace positions out of their context range")
+        self.below_cut: np.ndarray | None = None
+        if below is not None:
+            if below.ndim != 4 or below.shape[:3] != self.positions.shape[:3]:
+                raise ValueError(f"TraceTopk: below_cut must be [docs, layers, steps, kb] with "
+                                 f"[docs, layers, steps] = {self.positions.shape[:3]}, got shape "
+                                 f"{below.shape}")
+            below = below.astype(np.int64)
+            inside = (below >= 0) & (below < self.context_lens[:, None, :, None])
+            self.below_cut = np.ascontiguousarray(np.where(inside, below, -1))
         self.ctx0 = int(self.context_lens[0, 0])
         self.span = int(self.context_lens.max())          # R: tile pitch
+
+    @property
+    def has_band(self) -> bool:
+        """Whether the trace holds the next-ranked band (``below_cut``)."""
+        return self.below_cut is not None
 
     def tiles(self, k: int) -> int:
         return max(1, math.ceil(k / self.k))
@@ -280,7 +313,9 @@ class TraceTopk:
         """Smallest ``context_len`` at step 0 that :meth:`select` accepts for this ``k``."""
         return self.ctx0 + (self.tiles(k) - 1) * self.span
 
-    def select(self, layer: int, stream: int, step: int, context_len: int, k: int) -> np.ndarray:
+    def _tiles(self, layer: int, stream: int, step: int, context_len: int,
+               k: int) -> list[tuple[int, int, int, int]]:
+        """Per tile: (trace doc, trace layer, positions it puts in the selection, offset)."""
         S = self.tiles(k)
         c0 = context_len - step
         base = c0 - self.ctx0                               # offset of the last tile
@@ -288,17 +323,42 @@ class TraceTopk:
             raise ValueError(
                 f"TraceTopk: k={k} needs {S} tiles of {self.span} positions (trace k={self.k}); "
                 f"context_len at step 0 must be >= {self.min_context(k)}, got {c0}")
-        t = step % self.steps
-        parts = []
+        out = []
         left = k
         for i in range(S):
             u = stream * S + i
-            d = u % self.docs
-            tl = (layer + u // self.docs) % self.num_layers
             n = min(self.k, left)
             left -= n
-            parts.append(self.positions[d, tl, t, :n] + (base - (S - 1 - i) * self.span))
-        return np.concatenate(parts)
+            out.append((u % self.docs, (layer + u // self.docs) % self.num_layers, n,
+                        base - (S - 1 - i) * self.span))
+        return out
+
+    def select(self, layer: int, stream: int, step: int, context_len: int, k: int) -> np.ndarray:
+        t = step % self.steps
+        return np.concatenate([self.positions[d, tl, t, :n] + off
+                               for d, tl, n, off in self._tiles(layer, stream, step,
+                                                                context_len, k)])
+
+    def select_band(self, layer: int, stream: int, step: int, context_len: int, k: int,
+                    width: int) -> np.ndarray:
+        """The next-ranked band of :meth:`select` with the same arguments: ``width`` int64
+        positions, best rank first, ``-1`` padding where the trace has fewer (see the class
+        doc). Raises ``ValueError`` if the trace has no ``below_cut``."""
+        if self.below_cut is None:
+            raise ValueError("TraceTopk: this trace has no below_cut (the ranks below the "
+                             "top-k cut): no next-ranked band; re-record it with "
+                             "benchmarks/record_trace.py")
+        t = step % self.steps
+        ranks, tiles, pos = [], [], []
+        for i, (d, tl, n, off) in enumerate(self._tiles(layer, stream, step, context_len, k)):
+            cand = np.concatenate([self.positions[d, tl, t, n:], self.below_cut[d, tl, t]])
+            keep = cand >= 0
+            ranks.append((n + np.arange(len(cand)))[keep])
+            tiles.append(np.full(int(keep.sum()), i))
+            pos.append(cand[keep] + off)
+        ranks, tiles, pos = (np.concatenate(x) for x in (ranks, tiles, pos))
+        band = pos[np.lexsort((tiles, ranks))][:width]
+        return np.concatenate([band, np.full(width - len(band), -1, dtype=np.int64)])
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,9 +4,12 @@
 - :class:`SyntheticPrefillRunner`: prompt chunks get random KV rows and indexer keys instead of a
   forward (decode speed is what is measured; a 64k-token prefill per request would not fit the
   run); decode tokens run the real model; sampled prompt ends get random logits.
-- ``topk_override``: ``(layer, token_slot, positions, computed_topk) -> topk`` replaces the
-  indexer's selection (e.g. a replayed trace of a real model's selections); the indexer still
-  runs so its cost is counted. Must be CUDA-graph safe (fixed shapes, no host sync).
+- ``topk_override``: ``(layer, token_slot, positions, computed_topk) -> topk`` or
+  ``-> (topk, band)`` replaces the indexer's selection (e.g. a replayed trace of a real model's
+  selections) and, for the hot policies that read one, its next-ranked band (``band [T, NB]``
+  int32, best rank first, ``-1`` padding; ``None`` or a bare ``topk``: no band, since the
+  indexer's band ranks rows of another selection). The indexer still runs (top-``k + band``)
+  so its cost is counted. Must be CUDA-graph safe (fixed shapes, no host sync).
 - :class:`TokenClock`: wall time of every sampled token per request, recorded by the runner (so
   the benchmark needs nothing from the engine but its public API), and per pure decode step the
   wall time between step launches and the GPU time of the step (CUDA events around it).
@@ -77,7 +80,11 @@ class TokenClock:
 
 
 class ReplayTopkContext(PagedContext):
-    """A :class:`PagedContext` whose selections come from ``topk_override``."""
+    """A :class:`PagedContext` whose selections (and band) come from ``topk_override``.
+
+    With an override, ``self.band`` is the override's band (its first ``caches.hot_band``
+    columns) when the hot policy reads one (``caches.hot_band > 0``), else ``None``: never the
+    indexer's band, which ranks the rows below the cut of a different selection."""
 
     topk_override = None
 
@@ -86,7 +93,11 @@ class ReplayTopkContext(PagedContext):
         topk = super().select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk_override is None:
             return topk
-        return self.topk_override(layer_idx, self.token_slot, self.positions, topk)
+        out = self.topk_override(layer_idx, self.token_slot, self.positions, topk)
+        topk, band = out if isinstance(out, tuple) else (out, None)
+        nb = self.caches.hot_band
+        self.band = None if band is None or nb == 0 else band[:, :nb]
+        return topk
 
 
 class SyntheticPrefillRunner(ModelRunner):
