@@ -301,7 +301,7 @@ class SpecGraphs:
         pos = inputs.positions[:n]
         self.ctx.begin(host_read, inputs.tables, inputs.slots[:n], pos)
         h = self.model.mtp_forward(self.next_ids[:n], self.hidden[:n], pos, self.ctx)
-        h = h[self.draft_rows[:batch]]
+        h = h.index_select(0, self.draft_rows[:batch])
         self.draft_hidden[:batch].copy_(h)
         self.draft_logits[:batch].copy_(self.model.mtp_logits(h))
         self.ctx.finish()
