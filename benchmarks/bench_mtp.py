@@ -35,7 +35,6 @@ drafts. ``--out`` writes every row as JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -143,10 +142,7 @@ def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float =
                spec_union_size_mean=round(s["spec_union_size_mean"], 1),
                spec_union_size_max=s["spec_union_size_max"],
                spec_draft_tokens=s["spec_draft_tokens"])
-    del llm
-    gc.collect()        # the runner, graphs and caches refer to each other: free them now
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    llm.shutdown()      # frees the model, caches and graphs
     return res, toks
 
 

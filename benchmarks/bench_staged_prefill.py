@@ -41,7 +41,6 @@ the whole comparison runs in seconds. ``--kv-cache-dtype fp8`` stages 656-B rows
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -166,10 +165,7 @@ def prefill_once(llm, ids: list[int], args, track_blocks: bool) -> dict:
 def run_mode(path: str, cfg: dict, mode: str, prompts: list[list[int]], args) -> dict:
     llm, blocks, clamped = make_llm(path, cfg, mode, len(prompts[0]), args, args.gpu_fraction)
     runs = [prefill_once(llm, ids, args, args.track_blocks) for ids in prompts]
-    del llm
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    llm.shutdown()
     context = len(prompts[0])
     best = min(runs, key=lambda r: r["ttft_s"])
     first = runs[0]
@@ -194,8 +190,7 @@ def warm_up(path: str, cfg: dict, modes: list[str], args) -> None:
     for mode in modes:
         llm, _, _ = make_llm(path, cfg, mode, ctx, args, fraction=0.0)
         prefill_once(llm, ids, args, track_blocks=False)
-        del llm
-        gc.collect()
+        llm.shutdown()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
 

@@ -20,7 +20,6 @@ step-to-step overlap, concurrency swept up to the host-pool and hot-buffer limit
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -248,9 +247,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
         planned_tok_s=planned.decode_tok_s, hot_policy=hot_policy,
         hot_demand_misses=s["hot_demand_misses"], hot_prefetched=s["hot_prefetched"],
         hot_prefetch_hits=s["hot_prefetch_hits"])
-    del llm
-    gc.collect()  # captured graphs and the runner refer to each other
-    torch.cuda.empty_cache()
+    llm.shutdown()   # frees the model, caches and graphs (frozen with the engine's requests)
     return point
 
 

@@ -59,6 +59,9 @@ class RequestFreezer:
       keeps such garbage until it does.
     - Another engine's full pass may unfreeze this engine's lists; they return to the oldest
       generation and are frozen again at this engine's next admission.
+    - The engine's own objects (model, caches, captured graphs) are frozen too, and some sit in
+      reference cycles: :meth:`release` (``LLM.shutdown``) unfreezes so that they can be freed;
+      an engine dropped without shutdown keeps its memory until some full pass runs.
     - ``enabled=False`` (``LLM(gc_freeze=False)``) leaves the collector alone.
     """
 
@@ -88,6 +91,15 @@ class RequestFreezer:
                 atexit.register(gc.unfreeze)
             if self._baseline is None:
                 self._baseline = gc.get_freeze_count()
+
+    def release(self) -> None:
+        """The engine is shut down: unfreeze the heap so that the engine's own objects (caches,
+        captured graphs: they sit in reference cycles, frozen by this engine's freezes) can be
+        collected. Other engines' lists are frozen again at their next admission."""
+        self._added = False
+        if self.freezes:
+            gc.unfreeze()
+            self._baseline = None
 
     def idle(self) -> None:
         """No request is left in this engine: a full pass if the frozen set grew enough."""

@@ -421,14 +421,29 @@ class LLM:
         return self._tp.info(digest) if self._tp is not None else []
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (no-op without TP); the engine is unusable after."""
-        core = getattr(self, "core", None)
-        if core is not None:
-            core.freezer.idle()
+        """Stop the engine and free its memory: tensor-parallel workers stop, the model, caches
+        and captured graphs are released (GPU memory returns to the allocator's cache, which
+        is emptied), and the heap frozen for the engine's requests is unfrozen so that nothing
+        of the engine outlives this call. Idempotent; every later call raises
+        :class:`EngineDeadError`. ``with LLM(...) as llm:`` calls it on exit."""
+        if hasattr(self, "core"):
+            self.core.freezer.release()
         if self._tp is not None and not self._tp.closed:
             self._tp.close()
-            if self._fault is None:
-                self._fault = RuntimeError("the engine was shut down")
+        if self._fault is None:
+            self._fault = RuntimeError("the engine was shut down")
+        for name in ("core", "scheduler", "runner", "caches", "model", "_requests"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def _log_summary(self, geo: CacheGeometry) -> None:
         """One start-up summary: the model, the pools in tokens and bytes, mode, graphs."""
@@ -624,6 +639,7 @@ class LLM:
         self.core.request_added()
 
     def abort(self, request_id: str) -> None:
+        self._check_open()
         if self.scheduler.abort(request_id) is not None:
             self._forget(request_id)
             self._detokenizers.pop(request_id, None)   # no last output: its state goes here
@@ -636,15 +652,22 @@ class LLM:
         of measurements): the plain decode graphs, or with ``num_speculative_tokens`` the
         speculative steps' verify and draft graphs. No-op when decode is not captured (CPU,
         eager, models whose forward syncs with the host)."""
+        self._check_open()
         graphs = self.runner.graphs or getattr(self.runner, "spec_graphs", None)
         if graphs is not None:
             variants = (False,) if self.kv_config.mode == Mode.GPU_ONLY else (False, True)
             graphs.capture_all(variants)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return hasattr(self, "scheduler") and self.scheduler.has_unfinished
 
     # ------------------------------------------------------------------ stepping
+    def _check_open(self) -> None:
+        """Raise if :meth:`shutdown` ran (the engine's state is gone; a faulted engine's
+        stats and aborts still work)."""
+        if not hasattr(self, "core"):
+            raise EngineDeadError("the engine was shut down; create a new LLM")
+
     def _check_alive(self) -> None:
         if self._fault is not None:
             raise EngineDeadError(f"the engine stopped after an engine-wide fault "
@@ -800,6 +823,7 @@ class LLM:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
+        self._check_open()
         kv = self.scheduler.kv
         hits, misses = self.runner.hot_counters()
         prefetched, prefetch_hits = (int(x) for x in self.caches.counters[3:5].tolist())

@@ -144,3 +144,24 @@ def test_bench_engine_reports_gc_and_freezes():
         assert total["max"] >= total["p99"] >= total["median"] > 0
         assert (res["gc_frozen_objects"] > 0) == freeze
     gc.unfreeze()
+
+
+def test_shutdown_frees_the_engine_frozen_with_its_requests(dsv32_path):
+    """The engine's own objects are frozen along with its requests' lists, and the runner and
+    captured graphs sit in reference cycles: dropping a frozen engine freed nothing (a benchmark
+    creating one engine per point ran out of GPU memory). ``shutdown`` must free them."""
+    with tiny(dsv32_path) as llm:
+        llm.generate([{"prompt_token_ids": list(range(1, 30))}],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert llm.core.freezer.freezes >= 1 and gc.get_freeze_count() > 0
+        # a cycle through the caches, like the graphs <-> runner one on CUDA
+        llm.runner.caches.back_reference = llm.runner
+        caches = weakref.ref(llm.runner.caches)
+        model = weakref.ref(llm.model)
+    assert caches() is None and model() is None
+    assert not llm.has_unfinished_requests()
+    with pytest.raises(Exception, match="shut down"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1))
+    with pytest.raises(Exception, match="shut down"):
+        llm.stats()
+    llm.shutdown()      # idempotent

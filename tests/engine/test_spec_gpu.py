@@ -65,8 +65,8 @@ def k0_outputs(mtp_path):
     """Eager k = 0 greedy outputs of :func:`graph_batch` (the reference of every graph run)."""
     batch = graph_batch()
     kw = graph_kw(2)
-    return batch, [o.outputs[0].token_ids
-                   for o in LLM(mtp_path, enforce_eager=True, **kw).generate(batch, GREEDY)]
+    with LLM(mtp_path, enforce_eager=True, **kw) as llm:
+        return batch, [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
 
 
 def graph_batch():
@@ -114,7 +114,7 @@ def test_spec_cuda_graphs_lossless_and_replayed(mtp_path, k0_outputs, k):
     assert eager.runner.spec_graphs is None
     eager.core.draft_hook = injected(refs, k)
     assert [o.outputs[0].token_ids for o in eager.generate(batch, GREEDY)] == ref
-    del eager
+    eager.shutdown()
 
     llm = LLM(mtp_path, num_speculative_tokens=k, **graph_kw(k))
     graphs = llm.runner.spec_graphs
@@ -136,3 +136,4 @@ def test_spec_cuda_graphs_lossless_and_replayed(mtp_path, k0_outputs, k):
     assert any(key[2] for key in graphs.graphs)                         # host-read variant
     assert graphs.data_ptrs() + llm.caches.workspace.data_ptrs() == ptrs
     assert int(llm.caches.counters[2]) == 0
+    llm.shutdown()
