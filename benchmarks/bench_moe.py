@@ -5,11 +5,13 @@ Measures, in one run, against peaks measured in the same run:
 - peaks: HBM bandwidth (device-to-device copy of 4 GiB: read + write bytes), dense FP8 rate
   (``torch._scaled_mm`` tensorwise, 8192^3; falls back to the Triton block kernel), dense bf16
   rate (``torch.mm`` 8192^3);
-- GEMM: for every rank linear ``(N, K)`` and ``M`` in 16..256: the Triton block-FP8 kernel
-  (activation quantization fused), ``torch._scaled_mm`` block scaling (1x128 / 128x128; "n/a"
-  where cuBLAS refuses it), and bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations +
-  output), and the fractions of the FP8 peak and of HBM bandwidth. Weights rotate through
-  copies larger than L2 so every call reads HBM;
+- GEMM: for every rank linear ``(N, K)`` and ``M`` in 1, 16, 64, 256: the Triton block-FP8
+  decode kernel (``backend="triton"``: what the model runs up to 512 rows), the older tile
+  kernel (``backend="triton_tile"``), ``torch._scaled_mm`` block scaling (1x128 / 128x128;
+  "n/a" where cuBLAS refuses it), and bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations
+  + output), and the fractions of the FP8 peak and of HBM bandwidth. Weights rotate through
+  copies larger than L2 so every call reads HBM. ``--sweep``: the decode kernel at M = 16 and
+  256 under other K splits / pipeline depths (tuning data; other splits round differently);
 - MoE: one rank's MoE layer (256 experts, top 8, expert intermediate 256, hidden 7168, FP8 and
   bf16) at batch 16..256 with uniformly random routing: the routed experts alone
   (``fused_moe``) and the whole layer (router + routed + shared expert), each against the time
@@ -81,15 +83,15 @@ def time_fn(fn, *, reps: int = 20, device: str = "cuda") -> float:
 def measure_peaks(device: str) -> dict:
     if device != "cuda":
         return {"hbm_gb_s": 1.0, "fp8_tflops": 1.0, "bf16_tflops": 1.0}
+    S = 8192
+    a = torch.randn(S, S, device=device, dtype=torch.bfloat16)
+    b = torch.randn(S, S, device=device, dtype=torch.bfloat16)
+    bf16 = 2 * S ** 3 / time_fn(lambda: torch.mm(a, b), reps=5) / 1e12  # also raises the clocks
     n = 1 << 31
     bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
     t = time_fn(lambda: bufs[1].copy_(bufs[0]), reps=5)
     hbm = 2 * n / t / 1e9
     bufs.clear()
-    S = 8192
-    a = torch.randn(S, S, device=device, dtype=torch.bfloat16)
-    b = torch.randn(S, S, device=device, dtype=torch.bfloat16)
-    bf16 = 2 * S ** 3 / time_fn(lambda: torch.mm(a, b), reps=5) / 1e12
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.ones((), device=device)
     try:
@@ -103,8 +105,8 @@ def measure_peaks(device: str) -> dict:
         w, s = quantize_fp8_weight(b)
         t8 = time_fn(functools.partial(fp8_block_linear, a, w, s, backend="triton"), reps=5)
         fp8_src = "hisparse triton block kernel"
-    return {"hbm_gb_s": hbm, "bf16_tflops": bf16, "fp8_tflops": 2 * S ** 3 / t8 / 1e12,
-            "fp8_peak_source": fp8_src}
+    return {"hbm_gb_s": hbm, "hbm_source": "device copy, read + write bytes",
+            "bf16_tflops": bf16, "fp8_tflops": 2 * S ** 3 / t8 / 1e12, "fp8_peak_source": fp8_src}
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -138,6 +140,8 @@ def bench_gemm(peaks: dict, device: str, batches, linears, l2_bytes: int) -> lis
             for label, fn, pool, wbytes in (
                 ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
                  fp8_ws, N * K),
+                ("tile", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton_tile"),
+                 fp8_ws, N * K),
                 ("scaled_mm",
                  lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="scaled_mm"),
                  fp8_ws, N * K),
@@ -150,26 +154,81 @@ def bench_gemm(peaks: dict, device: str, batches, linears, l2_bytes: int) -> lis
                 call, n = _rotating(fn, pool)
                 t = time_fn(call, reps=max(n, 8), device=device)
                 byts = wbytes + M * K * 2 + M * N * 2
-                row[label] = {
-                    "us": t * 1e6, "tflops": flops / t / 1e12, "gb_s": byts / t / 1e9,
-                    "frac_fp8_peak": flops / t / 1e12 / peaks["fp8_tflops"],
-                    "frac_hbm": byts / t / 1e9 / peaks["hbm_gb_s"],
-                }
+                row[label] = _rates(t, flops, byts, peaks)
             rows.append(row)
     return rows
 
 
+def _rates(t: float, flops: int, byts: int, peaks: dict) -> dict:
+    return {"us": t * 1e6, "tflops": flops / t / 1e12, "gb_s": byts / t / 1e9,
+            "frac_fp8_peak": flops / t / 1e12 / peaks["fp8_tflops"],
+            "frac_hbm": byts / t / 1e9 / peaks["hbm_gb_s"]}
+
+
+def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches=(16, 256)
+               ) -> list[dict]:
+    """The decode kernel under K splits of half, twice and one (no split) the default, pipeline
+    depths 2 / 6, and (M > 64) 64 x 64 tiles: tuning data for ``nt_splits`` / ``nt_tiles``."""
+    from hisparse.ops._gemm_triton import _num_sms, fp8_block_linear_nt, nt_splits
+    from hisparse.ops.gemm import quantize_fp8_weight
+
+    rows = []
+    for name, (N, K) in linears.items():
+        wq, ws = quantize_fp8_weight(torch.randn(N, K, device=device) * 0.02)
+        pool = [(wq.clone(), ws.clone()) for _ in range(max(1, math.ceil(4 * l2_bytes / (N * K))))]
+        KB = math.ceil(K / 128)
+        base = nt_splits(N, KB, _num_sms(wq.device))
+        variants = {f"splits={sp}": {"splits": sp}
+                    for sp in sorted({1, max(1, base // 2), base, min(KB, 2 * base)})}
+        variants.update({f"stages={st}": {"splits": base, "num_stages": st} for st in (2, 6)})
+        for M in batches:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            row = {"op": name, "M": M, "N": N, "K": K, "default_splits": base}
+            extra = {"tiles=64x64": {"splits": base, "tiles": (64, 64, 4, 4)}} if M > 64 else {}
+            for label, kw in {**variants, **extra}.items():
+                call, n = _rotating(lambda p, x=x, kw=kw: fp8_block_linear_nt(
+                    x, p[0], p[1], (128, 128), torch.bfloat16, **kw), pool)
+                try:
+                    t = time_fn(call, reps=max(n, 8), device=device)
+                except Exception as e:  # noqa: BLE001 - a config that does not build is data too
+                    row[label] = {"error": type(e).__name__}
+                    continue
+                row[label] = _rates(t, 2 * M * N * K, N * K + M * K * 2 + M * N * 2, peaks)
+            rows.append(row)
+            print_sweep([row], header=len(rows) == 1)  # as it goes: the sweep may be cut short
+        del pool
+    return rows
+
+
+def print_sweep(rows: list[dict], header: bool = True) -> None:
+    if header:
+        print("\nDecode-kernel sweep (us; * = the default split count)")
+    for r in rows:
+        default = f"splits={r['default_splits']}"
+        cells = []
+        for k, v in r.items():
+            if isinstance(v, dict):
+                mark = "*" if k == default else ""
+                cells.append(f"{k}{mark}:{v['us']:.1f}" if "us" in v else f"{k}:{v['error']}")
+        print(f"{r['op']:>15} {r['M']:>4} | " + " ".join(cells), flush=True)
+
+
+GEMM_COLUMNS = (("triton", "decode kernel"), ("tile", "tile kernel (old)"),
+                ("scaled_mm", "scaled_mm"), ("bf16", "bf16 mm"))
+
+
 def print_gemm(rows: list[dict]) -> None:
-    print("\nFP8 block GEMM (us | TFLOP/s | frac FP8 peak | frac HBM)")
-    print(f"{'op':>15} {'M':>4} | {'triton':>30} | {'scaled_mm':>30} | {'bf16 mm':>30}")
+    print("\nFP8 block GEMM: us | frac FP8 peak | frac HBM  (decode kernel = backend triton)")
+    print(f"{'op':>15} {'M':>4} | " + " | ".join(f"{h:>22}" for _, h in GEMM_COLUMNS)
+          + " | decode/bf16")
     for r in rows:
         cells = []
-        for k in ("triton", "scaled_mm", "bf16"):
+        for k, _ in GEMM_COLUMNS:
             c = r[k]
-            cells.append("n/a".rjust(30) if c is None else
-                         f"{c['us']:7.1f} {c['tflops']:7.1f} {c['frac_fp8_peak']:6.2f} "
-                         f"{c['frac_hbm']:6.2f}")
-        print(f"{r['op']:>15} {r['M']:>4} | " + " | ".join(cells))
+            cells.append("n/a".rjust(22) if c is None else
+                         f"{c['us']:8.1f} {c['frac_fp8_peak']:6.2f} {c['frac_hbm']:6.2f}")
+        speed = r["bf16"]["us"] / r["triton"]["us"]
+        print(f"{r['op']:>15} {r['M']:>4} | " + " | ".join(cells) + f" | {speed:10.2f}x")
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -264,7 +323,9 @@ def print_moe(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="16,32,64,128,256")
+    p.add_argument("--batches", default="1,16,64,256", help="GEMM rows M")
+    p.add_argument("--moe-batches", default="16,64,256", help="MoE tokens T")
+    p.add_argument("--sweep", action="store_true", help="decode-kernel split / stage sweep")
     p.add_argument("--out", default="bench_moe.json")
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
@@ -274,12 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["HISPARSE_FORCE_TRITON"] = "1"
-        device, batches, linears = "cpu", [16], SMOKE_LINEARS
+        device, batches, moe_batches, linears = "cpu", [1, 16], [16], SMOKE_LINEARS
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_moe needs a CUDA device (or --smoke)")
         device, linears = "cuda", RANK_LINEARS
         batches = [int(b) for b in a.batches.split(",")]
+        moe_batches = [int(b) for b in a.moe_batches.split(",")]
     l2 = (torch.cuda.get_device_properties(0).L2_cache_size
           if device == "cuda" and hasattr(torch.cuda.get_device_properties(0), "L2_cache_size")
           else 64 << 20)
@@ -291,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         out["gemm"] = bench_gemm(peaks, device, batches, linears, l2)
         print_gemm(out["gemm"])
     if not a.skip_moe:
-        out["moe"] = bench_moe(peaks, device, batches, a.smoke)
+        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke)
         print_moe(out["moe"])
+    if a.sweep:
+        out["sweep"] = sweep_gemm(peaks, device, linears, l2, [16] if a.smoke else (16, 256))
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nwrote {a.out}")

@@ -3,6 +3,7 @@ resolver, attention (bf16 and FP8 rows) vs the RAW FlashMLA kernels, indexer + t
 FP8 keys). Usage:
     python benchmarks/bench_ops.py [--out DIR|FILE.json] [--sweep] [--pool-gib 16]
                                    [--only gather,resolver,attention,indexer]
+                                   [--indexer-ctx 8192,32768,131072]
 
 Every figure is also reported as a ratio against a baseline measured in the same run.
 """
@@ -409,10 +410,30 @@ def bench_attention(res, sweep):
     return rows
 
 
-def bench_indexer(res, sweep):
+INDEXER_SWEEP = [(64, 1, 4), (64, 2, 4), (64, 4, 4), (128, 1, 4), (128, 2, 4), (128, 2, 8),
+                 (128, 4, 8), (32, 8, 4)]
+
+
+def _sweep_indexer(res, keys: str, ctx: int, run) -> None:
+    for cfg in INDEXER_SWEEP:
+        tc = timeit(lambda: run(cfg), reps=10)
+        print(f"  indexer scoring {keys} ctx={ctx} config {cfg}: {tc * 1e6:.0f} us", flush=True)
+        res.append(dict(bench="indexer_score", keys=keys, ctx=ctx, config=str(cfg), us=tc * 1e6))
+
+
+def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
+    """Indexer scoring and scoring + top-k, batch 64, 64 heads, D 128, page 64, top-k 2048:
+    bf16 keys (256 B) vs page-split FP8 keys (132 B, quant.FP8KeyLayout) on the same values;
+    ``sweep``: every (BLOCK_S, NSUB, num_warps) of INDEXER_SWEEP for both key formats."""
     from hisparse.ops._indexer_triton import indexer_keys
+    from hisparse.ops.quant import (
+        FP8KeyLayout,
+        dequantize_index_keys_reference,
+        quantize_index_keys_reference,
+    )
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
-    for ctx in (8192, 32768, 131072):
+    layout = FP8KeyLayout(D, bs)
+    for ctx in contexts:
         P = ctx // bs
         kc = torch.randn(T * P * bs, D, device="cuda").to(torch.bfloat16)
         bt = torch.arange(T * P, dtype=torch.int32, device="cuda").view(T, P)
@@ -422,26 +443,38 @@ def bench_indexer(res, sweep):
         pos = torch.full((T,), ctx - 1, dtype=torch.int32, device="cuda")
         t_all = timeit(lambda: indexer_topk(q, w, kc, bt, req, pos, bs, topk), reps=10)
         t_score = timeit(lambda: indexer_keys(q, w, kc, bt, req, pos, bs), reps=10)
-        if sweep:
-            for cfg in [(64, 1, 4), (64, 8, 4), (128, 4, 8), (128, 2, 4), (32, 8, 4)]:
-                tc = timeit(lambda: indexer_keys(q, w, kc, bt, req, pos, bs, config=cfg), reps=10)
-                print(f"  indexer scoring ctx={ctx} config {cfg}: {tc * 1e6:.0f} us", flush=True)
-                res.append(dict(bench="indexer_score", ctx=ctx, config=str(cfg), us=tc * 1e6))
         kbytes = T * ctx * D * 2
         res.append(dict(bench="indexer", batch=T, ctx=ctx, us=t_all * 1e6, score_us=t_score * 1e6,
                         score_gbs=kbytes / t_score / 1e9))
-        from hisparse.ops import quantize_index_keys_reference
-        k8 = quantize_index_keys_reference(kc)
-        t8 = timeit(lambda: indexer_keys(q, w, k8, bt, req, pos, bs), reps=10)
-        res.append(dict(bench="indexer_fp8", batch=T, ctx=ctx, score_us=t8 * 1e6,
-                        score_gbs=T * ctx * 132 / t8 / 1e9, vs_bf16=t_score / t8))
-        print(f"indexer scoring FP8 keys (132 B) ctx={ctx}: {t8 * 1e6:.0f} us "
-              f"({t_score / t8:.2f}x the bf16 keys' throughput)", flush=True)
-        print(f"indexer+topk B={T} ctx={ctx}: {t_all * 1e6:.0f} us "
-              f"(scoring {t_score * 1e6:.0f} us, "
-              f"{kbytes / t_score / 1e9:.0f} GB/s of keys; top-k {(t_all - t_score) * 1e6:.0f} us)",
-              flush=True)
+        if sweep:
+            _sweep_indexer(res, "bf16", ctx, lambda cfg: indexer_keys(q, w, kc, bt, req, pos, bs,
+                                                                     config=cfg))
+        rows8 = quantize_index_keys_reference(kc)
         del kc
+        k8 = layout.pages(rows8)
+        deq = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
+        del rows8
+        # same selection as the bf16 kernel over the dequantized keys (exact in bf16)
+        sel8 = torch.sort(indexer_topk(q, w, k8, bt, req, pos, bs, topk), 1).values
+        sel16 = torch.sort(indexer_topk(q, w, deq, bt, req, pos, bs, topk), 1).values
+        agree = (sel8 == sel16).float().mean().item()
+        del deq
+        t8 = timeit(lambda: indexer_keys(q, w, k8, bt, req, pos, bs), reps=10)
+        t8_all = timeit(lambda: indexer_topk(q, w, k8, bt, req, pos, bs, topk), reps=10)
+        res.append(dict(bench="indexer_fp8", batch=T, ctx=ctx, us=t8_all * 1e6,
+                        score_us=t8 * 1e6, score_gbs=T * ctx * 132 / t8 / 1e9,
+                        vs_bf16=t_score / t8, total_vs_bf16=t_all / t8_all, agree=agree))
+        if sweep:
+            _sweep_indexer(res, "fp8", ctx, lambda cfg: indexer_keys(q, w, k8, bt, req, pos, bs,
+                                                                    config=cfg))
+        print(f"indexer+topk B={T} ctx={ctx}: bf16 keys {t_all * 1e6:.0f} us "
+              f"(scoring {t_score * 1e6:.0f} us, {kbytes / t_score / 1e9:.0f} GB/s of keys; "
+              f"top-k {(t_all - t_score) * 1e6:.0f} us)", flush=True)
+        print(f"  FP8 page-split keys (132 B): scoring {t8 * 1e6:.0f} us = {t_score / t8:.2f}x "
+              f"the bf16 keys' throughput ({T * ctx * 132 / t8 / 1e9:.0f} GB/s); "
+              f"indexer+topk {t8_all * 1e6:.0f} us = {t_all / t8_all:.2f}x; same selection as "
+              f"bf16 over dequantized keys: {agree:.4f}", flush=True)
+        del k8
 
 
 def main():
@@ -452,6 +485,8 @@ def main():
                     help="pinned host pool the gather rows spread over (>= 16 for issue 11)")
     ap.add_argument("--sweep", action="store_true", help="also try alternative kernel configs")
     ap.add_argument("--only", default="gather,resolver,attention,indexer")
+    ap.add_argument("--indexer-ctx", default="8192,32768,131072",
+                    help="contexts of the indexer benchmark (comma-separated)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     try:
@@ -474,7 +509,7 @@ def main():
     if "attention" in only:
         bench_attention(res, args.sweep)
     if "indexer" in only:
-        bench_indexer(res, args.sweep)
+        bench_indexer(res, args.sweep, [int(c) for c in args.indexer_ctx.split(",")])
     print_summary(res)
     if args.out:
         path = args.out
@@ -498,6 +533,24 @@ def print_summary(res):
             rel = "raw" if r["backend"] == "raw_flashmla" else (f"{ratio:.2f}x" if ratio else "-")
             print(f"  H={r['H']:>3} {r['fmt']:<4} {r['backend']:<34} {r['us']:8.1f} "
                   f"{r['tflops']:7.1f}  {rel}")
+    ix = {(r["bench"], r["ctx"]): r for r in res if r["bench"] in ("indexer", "indexer_fp8")}
+    if ix:
+        print("\nindexer (B=64, 64 heads, D 128, page 64, top-k 2048): bf16 vs FP8 page-split keys")
+        print("  ctx     | bf16 score us | fp8 score us | fp8/bf16 scoring throughput | "
+              "fp8/bf16 indexer+topk | selection agreement")
+        for ctx in sorted({c for _, c in ix}):
+            b, f = ix.get(("indexer", ctx)), ix.get(("indexer_fp8", ctx))
+            if b and f:
+                print(f"  {ctx:>7} | {b['score_us']:13.0f} | {f['score_us']:12.0f} | "
+                      f"{f['vs_bf16']:27.2f} | {f['total_vs_bf16']:21.2f} | {f['agree']:.4f}")
+        sw = [r for r in res if r["bench"] == "indexer_score"]
+        for name in ("bf16", "fp8"):
+            for ctx in sorted({r["ctx"] for r in sw}):
+                best = min((r for r in sw if r["keys"] == name and r["ctx"] == ctx),
+                           key=lambda r: r["us"], default=None)
+                if best:
+                    print(f"  best {name} scoring config at {ctx}: {best['config']} "
+                          f"{best['us']:.0f} us")
     g = [r for r in res if r["bench"] == "gather"]
     if g:
         print("\ngather (zero-copy, rows of 64x2048 misses): best variant per row size and spread")

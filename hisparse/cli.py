@@ -70,6 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **{**engine_kwargs(args), "mode": _mode(args)})
     try:
         outs = llm.generate(prompts, params, use_tqdm=True)
+        stats = llm.stats()
     finally:
         llm.shutdown()
     for out in outs:
@@ -77,7 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "token_ids": c.token_ids, "text": c.text,
                           "finish_reason": c.finish_reason, "error": c.error}))
-    print(json.dumps(llm.stats()))
+    print(json.dumps(stats))
     return 0
 
 

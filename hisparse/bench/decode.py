@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_cache_dtype == "fp8":
         host_buffers = (torch.empty(a.layers, host_rows, row_b, dtype=torch.uint8,
                                     pin_memory=True),
-                        torch.empty(a.layers, host_rows, key_b, dtype=torch.uint8,
-                                    pin_memory=True))
+                        torch.empty(a.layers, host_rows // block_size, block_size * key_b,
+                                    dtype=torch.uint8, pin_memory=True))    # FP8 key pages
     else:
         host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16,
                                     pin_memory=True),

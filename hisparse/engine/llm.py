@@ -382,7 +382,7 @@ class LLM:
             try:
                 host_buffers = shared_host_buffers(
                     (geo.num_layers, rows, geo.row_width),
-                    (len(geo.indexer_layers), rows, geo.key_width), geo.storage_dtype,
+                    geo.indexer_shape(rows // cfg.block_size, cfg.block_size), geo.storage_dtype,
                     self.device.type == "cuda")
             except RuntimeError as e:
                 raise EngineStartupError(

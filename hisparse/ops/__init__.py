@@ -8,7 +8,13 @@ from .attention import (
     sparse_mla_attention_fp8_reference,
     sparse_mla_attention_reference,
 )
-from .copy import copy_rows, copy_rows_reference, gather_rows
+from .copy import (
+    copy_index_keys,
+    copy_index_keys_reference,
+    copy_rows,
+    copy_rows_reference,
+    gather_rows,
+)
 from .gemm import (
     dequantize_fp8_weight,
     fp8_block_linear,
@@ -19,6 +25,7 @@ from .gemm import (
 from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
 from .moe import fused_moe, fused_moe_reference, moe_align
 from .quant import (
+    FP8KeyLayout,
     dequantize_index_keys_reference,
     dequantize_mla_rows_reference,
     index_key_bytes,
@@ -42,12 +49,13 @@ __all__ = [
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace", "prefetch_copy",
     "prefetch_copy_reference",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",
-    "copy_rows", "copy_rows_reference", "gather_rows",
+    "copy_rows", "copy_rows_reference", "gather_rows", "copy_index_keys",
+    "copy_index_keys_reference",
     "stage_rows", "stage_rows_reference", "stage_groups", "staging_union_size",
     "sparse_mla_attention_fp8", "sparse_mla_attention_fp8_reference",
     "quantize_write_mla_rows", "quantize_write_index_keys", "quantize_mla_rows_reference",
     "dequantize_mla_rows_reference", "quantize_index_keys_reference",
-    "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes",
+    "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes", "FP8KeyLayout",
     "fp8_block_linear", "fp8_block_linear_reference", "quantize_fp8_act", "quantize_fp8_weight",
     "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
 ]

@@ -10,27 +10,24 @@ from ._common import next_pow2
 
 
 @triton.jit
-def _fp8_byte_plane(words, sc, J: tl.constexpr, IEEE: tl.constexpr):
-    """Byte ``J`` of every int32 word (little-endian: key element ``4 * w + J``) as e4m3 times
-    its tile scale ``sc`` (same shape), in fp32 (``IEEE``) or bf16 (exact: power-of-two scale)."""
-    f8 = ((words >> (8 * J)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    if IEEE:
-        return f8.to(tl.float32) * sc
-    return f8.to(tl.bfloat16) * sc.to(tl.bfloat16)
-
-
-@triton.jit
 def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
                          S_MAX, HI, D,
-                         stride_qt, stride_qh, stride_wt, stride_kr, stride_btr, stride_keyt,
+                         stride_qt, stride_qh, stride_wt, stride_kr, stride_ksp, stride_btr,
+                         stride_keyt,
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, TILE: tl.constexpr):
-    """``FP8``: ``k_ptr`` is the key bytes viewed as int32 words (row stride ``stride_kr``
-    words; a 132-B key is 33 words, so rows are only 4-byte aligned: every load is one word),
-    ``ks_ptr`` the same memory as fp32; key element ``d`` = e4m3 byte ``d`` times the
-    power-of-two scale of its tile. The 4 bytes of a word are 4 interleaved planes of the key
-    (elements ``4w + j``): the score is the sum of 4 dots against the matching planes of q."""
+                         FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                         EVEN_D: tl.constexpr):
+    """Unquantized keys: ``k_ptr`` rows of ``stride_kr`` elements, flat row ``blk * PAGE + o``.
+
+    ``FP8``: page-split keys (:class:`hisparse.ops.quant.FP8KeyLayout`): ``k_ptr`` the uint8
+    pages (``stride_kr`` bytes apart), ``ks_ptr`` the same memory as fp32 (``stride_ksp`` words
+    per page). Slot ``o`` of page ``blk`` has its ``D`` e4m3 values at byte ``o * D`` (16-B
+    aligned rows: plain vector loads) and its ``NT`` scales at word ``PAGE * D / 4 + o * NT``.
+    One tile (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two
+    scale after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a
+    power of two commutes with fp32 rounding). Several tiles: each value is scaled by its
+    tile's scale before the dot (exact in bf16 as well)."""
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     pos = tl.load(pos_ptr + t)
@@ -39,22 +36,9 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    if FP8:
-        # Words in the odd-stride order 5w mod W (a permutation: the dot sums over all of them):
-        # no two adjacent lanes read adjacent words, so Triton never vectorises the key load.
-        # Its divisibility analysis credits `rows * stride` with the page-start alignment of
-        # `rows`; with contiguous words it issued 16-B loads on 4-B aligned 132-B keys
-        # (misaligned address, H200, triton 3.6).
-        offs_w = (tl.arange(0, BLOCK_D // 4) * 5) % (BLOCK_D // 4)
-        q0 = tl.load(q_row + 4 * offs_w[None, :], mask=hmask[:, None], other=0.0)
-        q1 = tl.load(q_row + 4 * offs_w[None, :] + 1, mask=hmask[:, None], other=0.0)
-        q2 = tl.load(q_row + 4 * offs_w[None, :] + 2, mask=hmask[:, None], other=0.0)
-        q3 = tl.load(q_row + 4 * offs_w[None, :] + 3, mask=hmask[:, None], other=0.0)
-        if IEEE:
-            q0, q1 = q0.to(tl.float32), q1.to(tl.float32)
-            q2, q3 = q2.to(tl.float32), q3.to(tl.float32)
-    else:
-        qv = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    qv = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        qv = qv.to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0)
     invalid_key = tl.full([BLOCK_S], -9223372036854775808, tl.int64)
     for i in range(NSUB):
@@ -69,32 +53,35 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
             page = offs_s // PAGE
             blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
             valid = valid & (blk >= 0)
-            rows = blk.to(tl.int64) * PAGE + (offs_s % PAGE)
+            slot = offs_s % PAGE
+            kmask = valid[:, None] & dmask[None, :]
             if FP8:
-                wrow = rows[:, None] * stride_kr
-                words = tl.load(k_ptr + wrow + offs_w[None, :], mask=valid[:, None], other=0)
-                sc = tl.load(ks_ptr + wrow + D // 4 + offs_w[None, :] // (TILE // 4),
-                             mask=valid[:, None], other=0.0)
-                k0 = _fp8_byte_plane(words, sc, 0, IEEE)
-                k1 = _fp8_byte_plane(words, sc, 1, IEEE)
-                k2 = _fp8_byte_plane(words, sc, 2, IEEE)
-                k3 = _fp8_byte_plane(words, sc, 3, IEEE)
-                if IEEE:
-                    s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
-                    s += tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                    s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-                    s += tl.dot(q3, tl.trans(k3), input_precision="ieee")
+                vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
+                if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
+                    f8 = tl.load(vptrs, mask=valid[:, None], other=0)
                 else:
-                    s = tl.dot(q0, tl.trans(k0.to(q0.dtype)))
-                    s += tl.dot(q1, tl.trans(k1.to(q1.dtype)))
-                    s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
-                    s += tl.dot(q3, tl.trans(k3.to(q3.dtype)))
+                    f8 = tl.load(vptrs, mask=kmask, other=0)
+                f8 = f8.to(tl.float8e4nv, bitcast=True)
+                srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
+                if NT == 1:
+                    sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)          # [BLOCK_S]
+                    if IEEE:
+                        s = tl.dot(qv, tl.trans(f8.to(tl.float32)), input_precision="ieee")
+                    else:
+                        s = tl.dot(qv, tl.trans(f8.to(qv.dtype)))
+                    s = s * sc[None, :]
+                else:
+                    sc = tl.load(ks_ptr + srow[:, None] + (offs_d // TILE)[None, :], mask=kmask,
+                                 other=0.0)
+                    if IEEE:
+                        s = tl.dot(qv, tl.trans(f8.to(tl.float32) * sc), input_precision="ieee")
+                    else:
+                        s = tl.dot(qv, tl.trans((f8.to(tl.float32) * sc).to(qv.dtype)))
             else:
-                k = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
-                            mask=valid[:, None] & dmask[None, :], other=0.0)
+                k = tl.load(k_ptr + (blk.to(tl.int64) * PAGE + slot)[:, None] * stride_kr
+                            + offs_d[None, :], mask=kmask, other=0.0)
                 if IEEE:
-                    s = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)),
-                               input_precision="ieee")
+                    s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
             s = tl.maximum(s, 0.0)
@@ -111,8 +98,10 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
 def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None,
                  out=None):
     """int64 keys [T, P*block_size]: (orderable fp32 score << 32) | (2^32-1-pos); INT64_MIN
-    invalid. ``out``: a ``[T, P*block_size]`` int64 buffer with unit column stride (e.g. a
-    workspace view)."""
+    invalid. ``k_cache``: one layer's keys ``[rows, D]``, or FP8 page-split keys ``[blocks,
+    block_size * key_bytes]`` uint8 (``quant.FP8KeyLayout``). ``out``: a ``[T, P*block_size]``
+    int64 buffer with unit column stride (e.g. a workspace view). ``config``: ``(BLOCK_S, NSUB,
+    num_warps)``."""
     T, HI, D = q.shape
     s_max = block_table.shape[1] * block_size
     if out is None:
@@ -123,41 +112,46 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
                              "column stride")
         keys = out
     fp8 = k_cache.dtype == torch.uint8
-    tile = 1
+    tile = nt = 1
     if fp8:
-        from .quant import fp8_tile, index_key_bytes
+        from .quant import FP8KeyLayout, fp8_tile
+        layout = FP8KeyLayout.of(k_cache, D)
+        if layout.block_size != block_size or k_cache.dim() != 2:
+            raise ValueError(f"indexer_keys: FP8 keys must be one layer's pages [blocks, "
+                             f"{block_size} * {layout.key_bytes}], got {tuple(k_cache.shape)}")
+        if q.is_cuda and (layout.page_bytes % 16 or k_cache.stride(0) % 16
+                          or k_cache.data_ptr() % 16):
+            # 16-B aligned value rows are the point of the layout; smaller pages (block_size
+            # < 4) would only be 4- or 8-B aligned, and Triton's alignment analysis has issued
+            # 16-B loads on such rows before (misaligned address on the H200).
+            raise ValueError(f"indexer_keys: FP8 key pages on CUDA must be 16-B aligned "
+                             f"(block_size {block_size} x {layout.key_bytes} B)")
         tile = fp8_tile(D)
-        if (k_cache.shape[-1] != index_key_bytes(D) or k_cache.stride(-1) != 1
-                or k_cache.stride(0) % 4 or k_cache.storage_offset() % 4 or D & (D - 1)
-                or tile % 4):
-            raise ValueError(f"indexer_keys: FP8 keys must be uint8 [rows, {index_key_bytes(D)}]"
-                             " contiguous, 4-byte aligned, with a power-of-two head dim >= 4")
-        if q.is_cuda and D < 64:
-            raise ValueError(f"indexer_keys: FP8 keys on CUDA need a head dim >= 64, got {D} "
-                             "(each of the 4 byte planes is one tl.dot of D / 4 >= 16)")
+        nt = D // tile
         k_scale = k_cache.view(torch.float32)
-        k_cache = k_cache.view(torch.int32)
-    elif k_cache.dtype != q.dtype and q.dtype != torch.float32:
-        k_cache = k_cache.to(q.dtype)
+        stride_ksp = k_scale.stride(0)
+    else:
+        if k_cache.dtype != q.dtype and q.dtype != torch.float32:
+            k_cache = k_cache.to(q.dtype)
+        k_scale, stride_ksp = k_cache, 0
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
-    if not fp8:
-        k_scale = k_cache
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float()
     block_h = max(16, next_pow2(HI))
     block_d = max(16, next_pow2(D))
     if config is None:
         # (BLOCK_S, NSUB, num_warps); (128, 2, 4) was best or within 3% at 8k-128k on the H200
+        # for bf16 keys
         config = (128, 2, 4) if q.is_cuda else (64, 2, 4)
     block_s, nsub, nw = config
     grid = (T, triton.cdiv(s_max, block_s * nsub))
     _indexer_keys_kernel[grid](
         q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys,
         s_max, HI, D,
-        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), block_table.stride(0),
-        keys.stride(0),
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), stride_ksp,
+        block_table.stride(0), keys.stride(0),
         PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, NSUB=nsub, IEEE=ieee,
-        FP8=fp8, TILE=tile, num_warps=nw,
+        FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, num_warps=nw,
     )
     return keys

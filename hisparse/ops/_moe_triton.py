@@ -55,16 +55,22 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
     wu = wg + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:  # weight scales loaded a K step ahead (see _gemm_triton._fp8_tile_dot)
+        s_g = ws_ptr + e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+        s_u = s_g + NBI * stride_sn
+        sw_g = tl.load(s_g)
+        sw_u = tl.load(s_u)
     for kb in range(KB_TOTAL):
         if FP8:
-            s_g = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-            s_u = s_g + NBI * stride_sn
-            acc_g = _fp8_tile_dot(acc_g, x_ptr, xs_ptr, wg, ws_ptr, tok, rmask, offs_n, nmask, kb,
-                                  K, KB, stride_x, stride_wn, stride_xs, s_g, BLOCK_K, QUANT_A,
-                                  POW2)
-            acc_u = _fp8_tile_dot(acc_u, x_ptr, xs_ptr, wu, ws_ptr, tok, rmask, offs_n, nmask, kb,
-                                  K, KB, stride_x, stride_wn, stride_xs, s_u, BLOCK_K, QUANT_A,
-                                  POW2)
+            nxt = tl.minimum(kb + 1, KB - 1)
+            sw_g_next = tl.load(s_g + nxt)
+            sw_u_next = tl.load(s_u + nxt)
+            acc_g = _fp8_tile_dot(acc_g, x_ptr, xs_ptr, wg, sw_g, tok, rmask, offs_n, nmask, kb,
+                                  K, KB, stride_x, stride_wn, stride_xs, BLOCK_K, QUANT_A, POW2)
+            acc_u = _fp8_tile_dot(acc_u, x_ptr, xs_ptr, wu, sw_u, tok, rmask, offs_n, nmask, kb,
+                                  K, KB, stride_x, stride_wn, stride_xs, BLOCK_K, QUANT_A, POW2)
+            sw_g = sw_g_next
+            sw_u = sw_u_next
         else:
             acc_g = _plain_tile_dot(acc_g, x_ptr, wg, tok, rmask, offs_n, nmask, kb, K,
                                     stride_x, stride_wn, BLOCK_K, IEEE)
@@ -95,12 +101,15 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
     nmask = (offs_n < N) & ((tl.zeros((BLOCK_N,), dtype=tl.int32) + tl.max(ev, axis=0)) >= 0)
     wd = w_ptr + e * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:  # weight scales loaded a K step ahead (see _gemm_triton._fp8_tile_dot)
+        s_d = ws_ptr + e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+        sw = tl.load(s_d)
     for kb in range(KB_TOTAL):
         if FP8:
-            s_off = e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-            acc = _fp8_tile_dot(acc, h_ptr, hs_ptr, wd, ws_ptr, slots, rmask, offs_n, nmask, kb,
-                                K, KB, stride_h, stride_wn, stride_hs, s_off, BLOCK_K, QUANT_A,
-                                POW2)
+            sw_next = tl.load(s_d + tl.minimum(kb + 1, KB - 1))
+            acc = _fp8_tile_dot(acc, h_ptr, hs_ptr, wd, sw, slots, rmask, offs_n, nmask, kb,
+                                K, KB, stride_h, stride_wn, stride_hs, BLOCK_K, QUANT_A, POW2)
+            sw = sw_next
         else:
             acc = _plain_tile_dot(acc, h_ptr, wd, slots, rmask, offs_n, nmask, kb, K,
                                   stride_h, stride_wn, BLOCK_K, IEEE)

@@ -1,7 +1,9 @@
 """Triton quantize-and-write of FP8 rows and keys (imported lazily by quant.py).
 
 One program per token: it loads the token's values, computes each tile's power-of-two scale and
-writes ``[e4m3 | fp32 scales | bf16 rope]`` bytes into its flat row. The e4m3 and bf16 encodings
+writes ``[e4m3 | fp32 scales | bf16 rope]`` bytes into its flat row (MLA rows), or the e4m3
+values and the scales into the value and scale planes of its page (page-split indexer keys,
+:class:`~hisparse.ops.quant.FP8KeyLayout`). The e4m3 and bf16 encodings
 are done with integer bit operations (round to nearest even), so the kernel is bit-exact against
 the PyTorch reference on the GPU and under the CPU interpreter (whose fp8 casts are not).
 """
@@ -35,11 +37,16 @@ def _e4m3_code(y):
 
 
 @triton.jit
-def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, stride_row,
+def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, stride_page,
                         D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
-                        NT: tl.constexpr):
+                        NT: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Flat row ``r`` lives in page ``r // PAGE`` (``stride_page`` bytes apart), slot
+    ``o = r % PAGE``: values at byte ``o * D_NOPE`` of the page, scales at ``SCALE_OFF + o * 4 *
+    NT``, rope (``D_ROPE > 0``, MLA rows: ``PAGE == 1``) right after the scales."""
     t = tl.program_id(0)
     row = tl.load(rows_ptr + t).to(tl.int64)
+    page = row // PAGE
+    slot = row % PAGE
     x_base = x_ptr + t.to(tl.int64) * stride_xt
     offs_i = tl.arange(0, NT)
     offs_j = tl.arange(0, TILE)
@@ -53,18 +60,20 @@ def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, st
     scale = sb.to(tl.float32, bitcast=True)
     inv = ((254 << 23) - sb).to(tl.float32, bitcast=True)              # exact 2^-k
     code = _e4m3_code(x * inv[:, None])
-    base = row * stride_row
-    tl.store(dst_u8 + base + offs, code.to(tl.uint8))
-    tl.store(dst_f32 + (base + D_NOPE) // 4 + offs_i, scale)
+    base = page * stride_page
+    tl.store(dst_u8 + base + slot * D_NOPE + offs, code.to(tl.uint8))
+    scale_at = base + SCALE_OFF + slot * (4 * NT)
+    tl.store(dst_f32 + scale_at // 4 + offs_i, scale)
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         r = tl.load(x_base + D_NOPE + offs_r).to(tl.float32)
         rb = r.to(tl.int32, bitcast=True)
         bf = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16                     # fp32 -> bf16, RNE
-        tl.store(dst_i16 + (base + D_NOPE + 4 * NT) // 2 + offs_r, bf.to(tl.int16))
+        tl.store(dst_i16 + (scale_at + 4 * NT) // 2 + offs_r, bf.to(tl.int16))
 
 
-def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int) -> None:
+def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int,
+            page: int = 1) -> None:
     T, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -75,12 +84,15 @@ def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int)
     rows = rows.to(device=dst.device, dtype=torch.int64)
     _quant_write_kernel[(T,)](
         x, rows, dst, dst.view(torch.float32), dst.view(torch.int16), x.stride(0), dst.stride(0),
-        D_NOPE=d_nope, D_ROPE=d_rope, TILE=tile, NT=d_nope // tile, num_warps=4)
+        D_NOPE=d_nope, D_ROPE=d_rope, TILE=tile, NT=d_nope // tile, PAGE=page,
+        SCALE_OFF=page * d_nope, num_warps=4)
 
 
 def quantize_write_mla_triton(kv, dst, rows, d_nope: int) -> None:
+    """MLA byte rows ``dst [rows, row_bytes]`` (a page of one row)."""
     _launch(kv, dst, rows, d_nope)
 
 
-def quantize_write_keys_triton(k, dst, rows) -> None:
-    _launch(k, dst, rows, k.shape[1])
+def quantize_write_keys_triton(k, dst, rows, block_size: int) -> None:
+    """Page-split keys ``dst [blocks, block_size * key_bytes]`` (quant.FP8KeyLayout)."""
+    _launch(k, dst, rows, k.shape[1], page=block_size)

@@ -12,7 +12,12 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 - ``reference``: dequantize the weight and matmul in fp32 (activations *not* quantized unless
   ``quantize_input=True``); the spec, any device. CPU models run this.
 - ``triton``: one kernel per call, activation quantization fused into the GEMM on CUDA (bf16
-  ``x`` read directly), split-K through a fp32 workspace reduced in a fixed order (deterministic).
+  ``x`` read directly). Up to ``BATCH_INVARIANT_MAX_M`` (512) rows the decode kernel: weight
+  rows on the MMA's tall side, K split by a count fixed by the weight shape, partials reduced in
+  the same launch in a fixed order (deterministic and batch invariant: a row's result does not
+  depend on the other rows of the batch). Larger M: the tile kernel (no split).
+- ``triton_tile``: the tile kernel for every M (64-row tiles and splits fixed up to 512 rows,
+  split partials summed by torch); kept for comparison and as a fallback.
 - ``scaled_mm``: ``torch._scaled_mm`` with (BlockWise1x128, BlockWise128x128) scaling
   (cuBLAS, SM90, bk = bn = 128 only), activations quantized by :func:`quantize_fp8_act`.
   Probed once per (device, shape class) outside graph capture; falls back to Triton if cuBLAS
@@ -33,7 +38,7 @@ from ._common import want_triton
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BACKEND_ENV = "HISPARSE_FP8_GEMM"
-BACKENDS = ("auto", "reference", "triton", "scaled_mm")
+BACKENDS = ("auto", "reference", "triton", "triton_tile", "scaled_mm")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -182,6 +187,9 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     x2 = x.reshape(-1, K)
     if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
         return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
-    from ._gemm_triton import fp8_block_linear_triton
-    return fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype,
-                                   pow2_scale=pow2_scale).reshape(*lead, N)
+    from ._gemm_triton import BATCH_INVARIANT_MAX_M, fp8_block_linear_nt, fp8_block_linear_triton
+    if b != "triton_tile" and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
+        y = fp8_block_linear_nt(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
+    else:
+        y = fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
+    return y.reshape(*lead, N)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._common import want_triton
+from .quant import FP8KeyLayout, dequantize_index_keys_reference
 
 INT64_MIN = -(2**63)
 
@@ -71,6 +72,14 @@ def _groups(token_req: list[int]):
         t = t1
 
 
+def _fp8_layout(k_cache: torch.Tensor, d: int, block_size: int):
+    layout = FP8KeyLayout.of(k_cache, d)
+    if layout.block_size != block_size or k_cache.dim() != 2:
+        raise ValueError(f"indexer_topk: FP8 keys must be one layer's pages [blocks, "
+                         f"{block_size} * {layout.key_bytes}], got {tuple(k_cache.shape)}")
+    return layout
+
+
 def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                            block_table: torch.Tensor, token_req: torch.Tensor,
                            token_pos: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
@@ -82,6 +91,8 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
     max_pos = P * block_size
     req_l = token_req.tolist()
     pos_l = token_pos.tolist()
+    if k_cache.dtype == torch.uint8:
+        layout = _fp8_layout(k_cache, q.shape[-1], block_size)
     for r, t0, t1 in _groups(req_l):
         ps = pos_l[t0:t1]
         S = min(max(ps) + 1, max_pos)
@@ -91,9 +102,8 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
         blk = block_table[r, positions // block_size].long()
         mapped = blk >= 0
         rows = blk.clamp(min=0) * block_size + positions % block_size
-        if k_cache.dtype == torch.uint8:                            # FP8 keys (quant.py)
-            from .quant import dequantize_index_keys_reference
-            k = dequantize_index_keys_reference(k_cache[rows], q.shape[-1])
+        if k_cache.dtype == torch.uint8:                            # FP8 key pages
+            k = dequantize_index_keys_reference(layout.gather(k_cache, rows), q.shape[-1])
         else:
             k = k_cache[rows].float()                               # [S, D]
         hi = q.shape[1]
@@ -158,8 +168,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
         q: ``[T, Hi, D]`` bf16/fp32 indexer queries, RoPE applied.
         weights: ``[T, Hi]`` fp32 per-head weights with all scales folded in (module docstring).
         k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows), or
-            FP8 keys ``[rows, index_key_bytes(D)]`` uint8 (:mod:`hisparse.ops.quant`: e4m3 + fp32
-            scale; scored as their dequantized values, exact in bf16).
+            FP8 keys as pages ``[num_idx_blocks, block_size * index_key_bytes(D)]`` uint8
+            (:class:`hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values, then the fp32
+            scales; scored as their dequantized values, exact in bf16).
         block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
@@ -168,9 +179,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
             CUDA-graph capture across batch sizes; without one each call allocates its own.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores every position
-    in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE fp32 for fp32 inputs)
-    and packs ``(score, -position)`` into one order-preserving int64 key; ``torch.topk`` on the
-    keys then gives exactly "score descending, ties by lower position" with no host sync.
+    in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE fp32 for fp32 inputs;
+    FP8 keys: one dot over the e4m3 values upcast to bf16, times the key's scale) and packs
+    ``(score, -position)`` into one order-preserving int64 key; ``torch.topk`` on the keys then
+    gives exactly "score descending, ties by lower position" with no host sync.
     """
     if want_triton(q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,

@@ -11,10 +11,16 @@ value = ``e4m3 * s_i``; the rope part is stored in bf16 unquantized. This equals
 ``tests/quant.py`` (``quantize_k_cache``), whose ``pow(2, ceil(log2(.)))`` this module computes
 exactly with ``frexp`` (no log2 rounding at exact powers of two).
 
-**Indexer key**: ``[ d x float8_e4m3fn | one fp32 scale per tile ]`` (128 + 4 = 132 B), same scale
-rule (DeepSeek-V3.2's indexer uses ue8m0, i.e. power-of-two, scales).
+**Indexer key**: ``d x float8_e4m3fn`` plus one fp32 scale per tile (128 + 4 = 132 B), same scale
+rule (DeepSeek-V3.2's indexer uses ue8m0, i.e. power-of-two, scales). One key in *row format*
+(:func:`quantize_index_keys_reference`) is ``[ d x e4m3 | scales ]``; the caches keep keys
+*page-split* (:class:`FP8KeyLayout`, as vLLM / DeepGEMM's indexer cache): a page of
+``block_size`` keys stores its ``[block_size, d]`` e4m3 values first, then its
+``[block_size, n_tiles]`` fp32 scales, so every key's values are 16-B aligned (still 132 B per
+key).
 
-Rows live in uint8 tensors ``[rows, row_bytes]``: every tier and copy moves them as opaque bytes.
+MLA rows live in uint8 tensors ``[rows, row_bytes]``: every tier and copy moves them as opaque
+bytes.
 A dequantized e4m3 value times a power of two is exact in bf16 (and fp32), so attention over FP8
 rows is defined as attention over :func:`dequantize_mla_rows_reference` of them.
 
@@ -24,6 +30,8 @@ their byte rows at given flat row ids; CUDA-graph safe: one launch, fixed shapes
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +59,123 @@ def mla_row_bytes(d_nope: int, d_rope: int) -> int:
 def index_key_bytes(d: int) -> int:
     """Bytes of one FP8 indexer key: 132 for 128."""
     return d + 4 * (d // fp8_tile(d))
+
+
+@dataclass(frozen=True)
+class FP8KeyLayout:
+    """Page-split FP8 indexer keys: the one description of where a key's bytes live.
+
+    A page (block) of ``block_size`` keys of ``head_dim`` values is ``page_bytes = block_size *
+    index_key_bytes(head_dim)`` bytes (132 per key for 128 values, as in row format)::
+
+        [ block_size x head_dim e4m3 (value plane) | block_size x n_tiles fp32 (scale plane) ]
+
+    Flat row ``r = block * block_size + o`` (the flat row id every table and plan uses) has its
+    e4m3 values at byte ``block * page_bytes + o * head_dim`` and its ``n_tiles`` fp32 scales at
+    byte ``block * page_bytes + block_size * head_dim + o * 4 * n_tiles`` of its layer's tensor
+    (:meth:`value_offset`, :meth:`scale_offset`). One layer's keys are a uint8 tensor
+    ``[num_blocks, page_bytes]``; several layers ``[L, num_blocks, page_bytes]`` (each layer
+    at its own stride). ``block_size == 1`` is exactly the row format ``[rows, key_bytes]``.
+
+    Alignment: with a 16-B aligned layer and ``page_bytes % 16 == 0`` (``block_size % 4 == 0``
+    for 128-value keys) every key's values are 16-B aligned (128-B aligned from block_size 32),
+    which is what lets the Triton kernels use plain 16-B vector loads.
+    """
+
+    head_dim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        fp8_tile(self.head_dim)
+        if self.block_size < 1 or (self.block_size * self.head_dim) % 4:
+            raise ValueError(f"FP8 key pages: block_size ({self.block_size}) x head_dim "
+                             f"({self.head_dim}) must be a positive multiple of 4 (the scale "
+                             "plane is fp32)")
+
+    @property
+    def n_tiles(self) -> int:
+        return self.head_dim // fp8_tile(self.head_dim)
+
+    @property
+    def key_bytes(self) -> int:
+        return index_key_bytes(self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.key_bytes
+
+    @property
+    def scale_plane(self) -> int:
+        """Byte offset of the scale plane inside a page."""
+        return self.block_size * self.head_dim
+
+    @classmethod
+    def of(cls, cache: torch.Tensor, head_dim: int) -> FP8KeyLayout:
+        """The layout of a page-split key tensor ``[..., num_blocks, page_bytes]`` uint8 (its
+        block size is ``page_bytes // key_bytes``); checks dtype, shape and 4-B alignment."""
+        kb = index_key_bytes(head_dim)
+        if (cache.dtype != torch.uint8 or cache.dim() < 2 or cache.shape[-1] % kb
+                or cache.shape[-1] == 0):
+            raise ValueError(f"FP8 keys must be uint8 [..., blocks, block_size * {kb}] pages, "
+                             f"got {tuple(cache.shape)} {cache.dtype}")
+        if cache.stride(-1) != 1 or any(s % 4 for s in cache.stride()[:-1]) \
+                or cache.storage_offset() % 4:
+            raise ValueError("FP8 key pages must be contiguous and 4-byte aligned")
+        return cls(head_dim, cache.shape[-1] // kb)
+
+    def shape(self, num_blocks: int, *lead: int) -> tuple[int, ...]:
+        """Shape of a tensor of ``num_blocks`` pages (``lead``: e.g. the number of layers)."""
+        return (*lead, num_blocks, self.page_bytes)
+
+    def value_offset(self, rows: torch.Tensor) -> torch.Tensor:
+        """Byte offset (int64) of the values of flat rows ``rows`` in a contiguous layer."""
+        rows = rows.long()
+        return rows // self.block_size * self.page_bytes + rows % self.block_size * self.head_dim
+
+    def scale_offset(self, rows: torch.Tensor) -> torch.Tensor:
+        """Byte offset (int64) of the first fp32 scale of flat rows ``rows``."""
+        rows = rows.long()
+        return (rows // self.block_size * self.page_bytes + self.scale_plane
+                + rows % self.block_size * 4 * self.n_tiles)
+
+    def planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``values [..., blocks, block_size, head_dim]`` uint8 and ``scales [..., blocks,
+        block_size, 4 * n_tiles]`` uint8 (the fp32 scales' bytes) of a page-split tensor."""
+        if FP8KeyLayout.of(cache, self.head_dim) != self:
+            raise ValueError(f"FP8 key pages: expected block_size {self.block_size}, got "
+                             f"{tuple(cache.shape)}")
+        values = cache[..., :self.scale_plane].unflatten(-1, (self.block_size, self.head_dim))
+        scales = cache[..., self.scale_plane:].unflatten(-1, (self.block_size, 4 * self.n_tiles))
+        return values, scales
+
+    def gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Row-format keys ``[..., n, key_bytes]`` of flat rows ``rows [n]``."""
+        values, scales = self.planes(cache)
+        rows = rows.to(device=cache.device, dtype=torch.long)
+        b, o = rows // self.block_size, rows % self.block_size
+        return torch.cat([values[..., b, o, :], scales[..., b, o, :]], dim=-1)
+
+    def scatter(self, cache: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """``cache[rows] = keys``: row-format keys ``[..., n, key_bytes]`` into flat rows
+        ``rows [n]``. A row listed twice gets one of its keys per plane (values and scale may
+        come from different tokens: only sink rows, which nothing reads, are written twice)."""
+        values, scales = self.planes(cache)
+        rows = rows.to(device=cache.device, dtype=torch.long)
+        b, o = rows // self.block_size, rows % self.block_size
+        keys = keys.to(cache.device)
+        values[..., b, o, :] = keys[..., :self.head_dim]
+        scales[..., b, o, :] = keys[..., self.head_dim:]
+
+    def pages(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row-format keys ``[num_blocks * block_size, key_bytes]`` -> pages ``[num_blocks,
+        page_bytes]`` (flat row ``r`` = key ``r``)."""
+        n = keys.shape[0] // self.block_size
+        if keys.shape != (n * self.block_size, self.key_bytes):
+            raise ValueError(f"pages: expected [blocks * {self.block_size}, {self.key_bytes}] "
+                             f"keys, got {tuple(keys.shape)}")
+        k = keys.view(n, self.block_size, self.key_bytes)
+        return torch.cat([k[..., :self.head_dim].reshape(n, -1),
+                          k[..., self.head_dim:].reshape(n, -1)], dim=1)
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -116,12 +241,7 @@ def dequantize_index_keys_reference(keys: torch.Tensor, d: int,
     return (q.reshape(N, nt, tile) * scale[..., None]).reshape(N, d).to(dtype)
 
 
-def _check_write(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, row_bytes: int) -> None:
-    if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != row_bytes:
-        raise ValueError(f"FP8 destination must be uint8 [rows, {row_bytes}], got "
-                         f"{tuple(dst.shape)} {dst.dtype}")
-    if dst.stride(1) != 1 or dst.stride(0) % 4:
-        raise ValueError("FP8 destination rows must be contiguous and 4-byte aligned")
+def _check_rows(x: torch.Tensor, rows: torch.Tensor) -> None:
     if rows.shape != (x.shape[0],):
         raise ValueError(f"rows must be [T={x.shape[0]}], got {tuple(rows.shape)}")
 
@@ -132,7 +252,13 @@ def quantize_write_mla_rows(kv: torch.Tensor, dst: torch.Tensor, rows: torch.Ten
     uint8 (one layer's byte rows), ``rows [T]`` flat row ids (several tokens may share a sink row:
     any one of them wins)."""
     T, D = kv.shape
-    _check_write(kv, dst, rows, mla_row_bytes(d_nope, D - d_nope))
+    row_bytes = mla_row_bytes(d_nope, D - d_nope)
+    if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != row_bytes:
+        raise ValueError(f"FP8 destination must be uint8 [rows, {row_bytes}], got "
+                         f"{tuple(dst.shape)} {dst.dtype}")
+    if dst.stride(1) != 1 or dst.stride(0) % 4 or dst.storage_offset() % 4:
+        raise ValueError("FP8 destination rows must be contiguous and 4-byte aligned")
+    _check_rows(kv, rows)
     if T == 0:
         return
     if want_triton(kv, dst):
@@ -144,14 +270,19 @@ def quantize_write_mla_rows(kv: torch.Tensor, dst: torch.Tensor, rows: torch.Ten
 
 
 def quantize_write_index_keys(k: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst[rows[t]] = quantize(k[t])``: ``k [T, d]``, ``dst [N, index_key_bytes(d)]`` uint8."""
+    """Key of flat row ``rows[t]`` = ``quantize(k[t])``: ``k [T, d]`` float, ``dst`` one layer's
+    page-split keys ``[num_blocks, block_size * index_key_bytes(d)]`` uint8
+    (:class:`FP8KeyLayout`; ``[rows, 132]`` is block size 1), ``rows [T]`` flat row ids."""
     T, d = k.shape
-    _check_write(k, dst, rows, index_key_bytes(d))
+    layout = FP8KeyLayout.of(dst, d)
+    if dst.dim() != 2:
+        raise ValueError(f"FP8 keys: one layer [blocks, page_bytes] expected, got "
+                         f"{tuple(dst.shape)}")
+    _check_rows(k, rows)
     if T == 0:
         return
     if want_triton(k, dst):
         from ._quant_triton import quantize_write_keys_triton
-        quantize_write_keys_triton(k, dst, rows)
+        quantize_write_keys_triton(k, dst, rows, layout.block_size)
         return
-    dst.index_copy_(0, rows.to(device=dst.device, dtype=torch.long),
-                    quantize_index_keys_reference(k).to(dst.device))
+    layout.scatter(dst, rows, quantize_index_keys_reference(k))

@@ -2,12 +2,15 @@
 
 - ``arena``: one packed GPU allocation ``[L, (num_gpu_blocks + 1) * block_size, D]`` of MLA rows
   (the last block is a write sink for padding tokens); with ``kv_cache_dtype="fp8"`` it is uint8
-  ``[L, rows, 656]`` byte rows (and the indexer cache uint8 ``[Li, rows, 132]``), so every copy,
-  mirror, restore and the resolver's gather move opaque bytes;
+  ``[L, rows, 656]`` byte rows, so every copy, mirror, restore and the resolver's gather move
+  opaque bytes;
   ``arena[l]`` is layer ``l``'s view (its own offset ``l * layer_stride``), addressed by flat
   row ids ``block * block_size + offset``. Resident pages and hot-buffer blocks share it.
-- ``indexer``: ``[Li, num_indexer_blocks * block_size, Di]`` keys, one layer per *indexer* layer
-  (GLM's shared layers have none).
+- ``indexer``: ``[Li, (num_indexer_blocks + 1) * block_size, Di]`` keys, one layer per *indexer*
+  layer (GLM's shared layers have none); with ``"fp8"`` uint8 pages ``[Li, num_indexer_blocks
+  + 1, block_size * 132]`` (:class:`~hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values,
+  then the fp32 scales; 132 B per key as in row format, values 16-B aligned). Keys are still
+  addressed by flat row ids; :meth:`KVCaches.copy_keys` moves them between tiers.
 - ``host`` / ``host_indexer``: the same layouts over host blocks, pinned when CUDA is used.
 - ``hot_keys`` / ``hot_lru``: ``[L, R, H]`` int32 per (layer, request slot) LRU state.
 - ``hot_flags``: ``[L, R, H]`` int32 per-slot policy state: ``uses << 1 | prefetched``.
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse.config import KVCacheConfig
-from hisparse.ops import IndexerWorkspace, ResolveWorkspace
+from hisparse.ops import IndexerWorkspace, ResolveWorkspace, copy_index_keys
 
 KV_CACHE_DTYPES = ("bf16", "fp8")
 
@@ -104,6 +107,16 @@ class CacheGeometry:
         """Host bytes per token: MLA rows of every layer plus indexer keys of indexer layers."""
         return self.num_layers * self.row_bytes + len(self.indexer_layers) * self.key_bytes
 
+    def indexer_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int]:
+        """Shape of an indexer cache (GPU or host) of ``num_blocks`` blocks: ``[Li, num_blocks *
+        block_size, key_width]`` rows, or FP8 key pages ``[Li, num_blocks, block_size *
+        key_bytes]`` (:class:`~hisparse.ops.quant.FP8KeyLayout`). Same bytes either way."""
+        n_idx = len(self.indexer_layers)
+        if self.fp8:
+            from hisparse.ops.quant import FP8KeyLayout
+            return FP8KeyLayout(self.index_head_dim, block_size).shape(num_blocks, n_idx)
+        return (n_idx, num_blocks * block_size, self.key_width)
+
     def gpu_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.num_layers * self.row_bytes
 
@@ -166,20 +179,23 @@ class KVCaches:
         (pinning costs ~0.45 s/GiB, so benchmarks pin one pool and reuse it across engines)."""
         self.cfg, self.geo, self.device = cfg, geo, device
         block_size = cfg.block_size
+        if geo.fp8 and device.type == "cuda" and (block_size * geo.key_bytes) % 16:
+            raise ValueError(f"kv_cache_dtype='fp8' on CUDA needs 16-B aligned indexer key "
+                             f"pages: block_size ({block_size}) x {geo.key_bytes} B must be a "
+                             f"multiple of 16 (block_size >= 4)")
         pin = device.type == "cuda"
         # One extra block per pool is a sink that padding tokens of a captured step write to.
         sdt = geo.storage_dtype
         self.arena = torch.empty(geo.num_layers, (cfg.num_gpu_blocks + 1) * block_size,
                                  geo.row_width, dtype=sdt, device=device)
-        n_idx = len(geo.indexer_layers)
-        self.indexer = torch.empty(n_idx, (cfg.num_indexer_blocks + 1) * block_size,
-                                   geo.key_width, dtype=sdt, device=device)
+        self.indexer = torch.empty(geo.indexer_shape(cfg.num_indexer_blocks + 1, block_size),
+                                   dtype=sdt, device=device)
         self.sink_row = cfg.num_gpu_blocks * block_size
         self.indexer_sink_row = cfg.num_indexer_blocks * block_size
         self.indexer_slot = {layer: i for i, layer in enumerate(geo.indexer_layers)}
-        host_rows = cfg.num_host_blocks * block_size if cfg.uses_host else 0
-        host_shape = (geo.num_layers, host_rows, geo.row_width)
-        idx_shape = (n_idx, host_rows, geo.key_width)
+        host_blocks = cfg.num_host_blocks if cfg.uses_host else 0
+        host_shape = (geo.num_layers, host_blocks * block_size, geo.row_width)
+        idx_shape = geo.indexer_shape(host_blocks, block_size)
         if host_buffers is not None:
             self.host, self.host_indexer = host_buffers
             if (self.host.shape != host_shape or self.host_indexer.shape != idx_shape
@@ -229,7 +245,16 @@ class KVCaches:
         return self.host[layer]
 
     def indexer_layer(self, layer: int) -> torch.Tensor:
+        """One indexer layer's keys (a view with its own offset): ``[rows, Di]`` or FP8 pages
+        ``[blocks, block_size * 132]``."""
         return self.indexer[self.indexer_slot[layer]]
+
+    def copy_keys(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                  dst_rows: torch.Tensor) -> None:
+        """Indexer keys of flat rows ``src_rows`` of ``src`` to ``dst_rows`` of ``dst``, every
+        indexer layer, one launch (``indexer`` / ``host_indexer``: mirrors, restores)."""
+        if src_rows.numel() and src.shape[0]:
+            copy_index_keys(src, dst, src_rows, dst_rows, self.geo.index_head_dim)
 
     def reset_hot(self, slots: torch.Tensor) -> None:
         """Forget every hot row of these request slots, in every layer (DESIGN I6)."""

@@ -307,7 +307,7 @@ class ModelRunner:
         if len(plan.hot_resets):
             c.reset_hot(inputs.hot_resets)
         self._copy(c.host, c.arena, inputs.copies["restores"])
-        self._copy(c.host_indexer, c.indexer, inputs.copies["indexer_restores"])
+        c.copy_keys(c.host_indexer, c.indexer, *inputs.copies["indexer_restores"])
         self.h2d_bytes += len(plan.restores) * self.row_bytes * c.geo.num_layers
         self.h2d_bytes += len(plan.indexer_restores) * self.key_bytes * c.indexer.shape[0]
 
@@ -460,14 +460,14 @@ class ModelRunner:
         copies = self.inputs.copies
         if self.copy_stream is None:
             self._copy(c.arena, c.host, copies["mirrors"])
-            self._copy(c.indexer, c.host_indexer, copies["indexer_mirrors"])
+            c.copy_keys(c.indexer, c.host_indexer, *copies["indexer_mirrors"])
             self.in_flight.append((plan.mirrors.copy_id, None))
             return
         rows, idx_rows = self._own(copies["mirrors"]), self._own(copies["indexer_mirrors"])
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             self._copy(c.arena, c.host, rows)
-            self._copy(c.indexer, c.host_indexer, idx_rows)
+            c.copy_keys(c.indexer, c.host_indexer, *idx_rows)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self.in_flight.append((plan.mirrors.copy_id, event))

@@ -96,6 +96,78 @@ def test_triton_split_k(triton_cpu, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` of a float dtype comes back full of NaN: an element a kernel should
+    write and does not shows up."""
+    real = torch.empty
+
+    def empty(*size, **kw):
+        t = real(*size, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    yield
+
+
+# (M, N, K, block, splits, tiles): per-row scales (bn < BLOCK_N) and one scale per tile, partial
+# N tiles, a partial last K block, 1 and several K splits, and each token-tile width
+NT_CASES = [(1, 48, 80, (16, 16), None, None), (19, 70, 96, (32, 32), 3, None),
+            (3, 64, 128, (64, 32), 1, (16, 64, 4, 2)), (40, 130, 33, (32, 16), 2, None),
+            (70, 200, 256, (128, 128), 2, None), (9, 72, 160, (32, 32), 5, (32, 64, 4, 2))]
+
+
+@pytest.mark.parametrize("M,N,K,block,splits,tiles", NT_CASES)
+def test_decode_kernel_matches_reference(triton_cpu, poisoned_empty, M, N, K, block, splits,
+                                         tiles):
+    from hisparse.ops import _gemm_triton as G
+
+    w, s = _weights(N, K, block, seed=M + N)
+    x = torch.randn(M, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(K))
+    want = fp8_block_linear_reference(x, w, s, block, quantize_input=True, out_dtype=torch.float32)
+    got = G.fp8_block_linear_nt(x, w, s, block, torch.float32, splits=splits, tiles=tiles)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the arrival counters are left zero: a second call (same buffer) sums the same partials
+    assert not G._COUNTERS[torch.device("cpu")].any()
+    again = G.fp8_block_linear_nt(x, w, s, block, torch.float32, splits=splits, tiles=tiles)
+    assert torch.equal(again, got)
+    g16 = G.fp8_block_linear_nt(x, w, s, block, torch.bfloat16, splits=splits, tiles=tiles)
+    assert g16.dtype == torch.bfloat16  # (the interpreter's fp32 -> bf16 cast is not torch's)
+    torch.testing.assert_close(g16.float(), got, rtol=1e-2, atol=1e-2)
+
+
+def test_decode_kernel_rows_are_batch_invariant(triton_cpu, poisoned_empty):
+    """Row i of a batch of M equals the same row computed alone, bitwise, for M across every
+    token-tile width (16, 32, 64, 128) and with K split: the split count comes from the weight
+    shape only."""
+    from hisparse.ops import _gemm_triton as G
+
+    N, K, block = 96, 256, (32, 32)
+    w, s = _weights(N, K, block, seed=11)
+    x = torch.randn(130, K, generator=torch.Generator().manual_seed(12)) * 3
+    splits = G.nt_splits(N, K // 32, G._num_sms(x.device))
+    assert splits > 1
+    full = fp8_block_linear(x, w, s, block, backend="triton", out_dtype=torch.float32)
+    alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton",
+                                        out_dtype=torch.float32) for i in (0, 17, 129)])
+    assert torch.equal(alone, full[[0, 17, 129]])
+    for M in (2, 16, 17, 40, 64, 65):
+        got = fp8_block_linear(x[:M], w, s, block, backend="triton", out_dtype=torch.float32)
+        assert torch.equal(got, full[:M]), M
+
+
+def test_decode_kernel_splits_ignore_batch():
+    from hisparse.ops import _gemm_triton as G
+
+    for N, KB in [(7168, 16), (1536, 56), (576, 56), (7168, 2), (3072, 12)]:
+        s = G.nt_splits(N, KB, 132)
+        assert 1 <= s <= max(1, KB // 2)
+    assert G.nt_splits(576, 56, 132) > 1 and G.nt_splits(7168, 2, 132) == 1
+    assert {G.nt_tiles(M)[0] for M in range(1, 513)} == {16, 32, 64, 128}
+
+
 def test_bad_shapes():
     w, s = _weights(32, 32, (16, 16))
     with pytest.raises(ValueError, match="weight_scale_inv"):
@@ -117,23 +189,48 @@ RANK_SHAPES = [(1536, 7168), (576, 7168), (3072, 1536), (7168, 2048), (8192, 153
 @pytest.mark.parametrize("M", [1, 16, 64, 256])
 @pytest.mark.parametrize("N,K", RANK_SHAPES)
 def test_gpu_fp8_gemm_matches_reference(M, N, K):
+    from hisparse.ops._gemm_triton import fp8_block_linear_nt
+
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
     x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
     want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
     tol = 2e-3 * want.abs().max().item()
+    nan = float("nan")
     got = fp8_block_linear(x, w, s, backend="triton", out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=tol)
     got16 = fp8_block_linear(x, w, s, backend="triton")
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), want, rtol=1e-2, atol=tol)
-    # the triton kernel fed pre-quantized activations (the interpreter's path) agrees too
-    from hisparse.ops._gemm_triton import fp8_block_linear_triton
-    pre = fp8_block_linear_triton(x, w, s, (128, 128), torch.float32, quant_in_kernel=False)
-    torch.testing.assert_close(pre, want, rtol=1e-3, atol=tol)
-    # torch._scaled_mm where cuBLAS takes the block scaling (falls back to Triton otherwise)
-    sm = fp8_block_linear(x, w, s, backend="scaled_mm", out_dtype=torch.float32)
-    torch.testing.assert_close(sm, want, rtol=1e-2, atol=4 * tol)
+    # the tile kernel (prefill-sized M, backend="triton_tile")
+    tile = fp8_block_linear(x, w, s, backend="triton_tile", out_dtype=torch.float32)
+    torch.testing.assert_close(tile, want, rtol=1e-3, atol=tol)
+    if M == 16:
+        # the decode kernel fed pre-quantized activations (the interpreter's path) agrees too,
+        # and writes every output element (the caching allocator hands back the NaN block)
+        torch.empty(M, N, device="cuda").fill_(nan)
+        pre = fp8_block_linear_nt(x, w, s, (128, 128), torch.float32, quant_in_kernel=False)
+        torch.testing.assert_close(pre, want, rtol=1e-3, atol=tol)
+    if M % 16 == 0:
+        # torch._scaled_mm where cuBLAS takes the block scaling (falls back to Triton otherwise)
+        sm = fp8_block_linear(x, w, s, backend="scaled_mm", out_dtype=torch.float32)
+        torch.testing.assert_close(sm, want, rtol=1e-2, atol=4 * tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", RANK_SHAPES)
+def test_gpu_fp8_gemm_rows_are_batch_invariant(N, K):
+    """Row i of a batch of M equals the same row in a batch of 512 (and alone), bitwise, for M
+    over every token-tile width of the decode kernel: the tile shape is not in the numerics."""
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    x = torch.randn(512, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = fp8_block_linear(x, w, s, backend="triton")
+    for M in (1, 7, 16, 33, 64, 100, 256):
+        got = fp8_block_linear(x[:M], w, s, backend="triton")
+        assert torch.equal(got, full[:M]), (M, (got.float() - full[:M].float()).abs().max())
+    alone = fp8_block_linear(x[300:301], w, s, backend="triton")
+    assert torch.equal(alone, full[300:301])
 
 
 @pytest.mark.gpu
@@ -149,17 +246,23 @@ def test_gpu_fp8_gemm_pow2_scales(M, N, K):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_gemm_is_deterministic_and_capturable():
-    w, s = quantize_fp8_weight(torch.randn(1536, 7168, device="cuda") * 0.02)
-    x = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("N,K", [(1536, 7168), (576, 7168)])
+def test_gpu_fp8_gemm_is_deterministic_and_capturable(N, K):
+    """Split-K with the in-kernel reduction: the same bits on every call (200 back-to-back
+    launches: the arrival counters are reset by each launch) and under graph replay."""
+    w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
+    x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     a = fp8_block_linear(x, w, s, backend="triton")
-    assert torch.equal(a, fp8_block_linear(x, w, s, backend="triton"))
-    fp8_block_linear(x, w, s, backend="triton")  # warm-up (compile) outside the capture
+    outs = [fp8_block_linear(x, w, s, backend="triton") for _ in range(200)]
+    assert all(torch.equal(a, o) for o in outs)
+    want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
+    torch.testing.assert_close(a.float(), want, rtol=1e-2, atol=2e-3 * want.abs().max().item())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fp8_block_linear(x, w, s, backend="triton")
     x.copy_(torch.randn_like(x))
-    graph.replay()
+    for _ in range(3):
+        graph.replay()
     assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton"))
 
 

@@ -128,8 +128,11 @@ def test_triton_interpreter_ties(triton_cpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ctx", [3000, 9000])
-def test_gpu_production_shape(ctx):
+@pytest.mark.parametrize("keys", ["bf16", "fp8"])
+@pytest.mark.parametrize("ctx", [3000, 8192, 32768])
+def test_gpu_production_shape(ctx, keys):
+    """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
+    ``fp8``: page-split FP8 keys (the oracle scores their dequantized values)."""
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T
@@ -140,9 +143,20 @@ def test_gpu_production_shape(ctx):
                      device="cuda")
     q, w, k, bt, tr, tp = case
     tr[5] = -1
+    cache = k
+    if keys == "fp8":
+        from hisparse.ops.quant import (
+            FP8KeyLayout,
+            dequantize_index_keys_reference,
+            quantize_index_keys_reference,
+        )
+        rows8 = quantize_index_keys_reference(k)
+        cache = FP8KeyLayout(D, bs).pages(rows8)
+        k = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
+        del rows8
     out = torch.full((T, topk), SENTINEL, dtype=torch.int32, device="cuda")
-    got = indexer_topk(q, w, k, bt, tr, tp, bs, topk, out=out)
-    ref = indexer_topk_reference(q, w, k, bt, tr, tp, bs, topk)
+    got = indexer_topk(q, w, cache, bt, tr, tp, bs, topk, out=out)
+    ref = indexer_topk_reference(q, w, cache, bt, tr, tp, bs, topk)
     torch.cuda.synchronize()
     assert not (got == SENTINEL).any()
     assert (got[5] == -1).all()

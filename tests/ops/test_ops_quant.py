@@ -66,6 +66,61 @@ def test_index_key_round_trip():
     assert ((back - k.float()).abs() <= k.float().abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
 
 
+@pytest.mark.parametrize("D,bs", [(128, 64), (128, 4), (32, 8), (256, 4), (128, 1)])
+def test_fp8_key_pages_layout(D, bs):
+    """Page-split keys: per page the [bs, D] e4m3 values, then the [bs, n_tiles] fp32 scales;
+    the byte offsets of the layout helper, its views, gather/scatter and pages() agree, and
+    132 B per key (for D = 128) hold."""
+    lay = Q.FP8KeyLayout(D, bs)
+    nblk = 5
+    keys = Q.quantize_index_keys_reference(_rows(nblk * bs, D, seed=D + bs))
+    kb = Q.index_key_bytes(D)
+    assert lay.key_bytes == kb and lay.page_bytes == bs * kb
+    pages = lay.pages(keys)
+    assert pages.shape == lay.shape(nblk) == (nblk, bs * kb)
+    assert Q.FP8KeyLayout.of(pages, D) == lay
+    flat = pages.reshape(-1)
+    rows = torch.randperm(nblk * bs)
+    vo, so = lay.value_offset(rows), lay.scale_offset(rows)
+    for r, v, s in zip(rows.tolist(), vo.tolist(), so.tolist()):
+        assert (v // (bs * kb), v % (bs * kb)) == (r // bs, (r % bs) * D)
+        assert torch.equal(flat[v:v + D], keys[r, :D])
+        assert torch.equal(flat[s:s + kb - D], keys[r, D:])
+        if bs % 4 == 0:
+            assert v % 16 == 0                           # 16-B aligned values
+    values, scales = lay.planes(pages)
+    assert values.shape == (nblk, bs, D) and scales.shape == (nblk, bs, kb - D)
+    assert values.data_ptr() == pages.data_ptr() and scales.data_ptr() == pages.data_ptr() + bs * D
+    assert torch.equal(lay.gather(pages, rows), keys[rows])
+    # scatter into a poisoned cache (packed layers: layer 1 only), untouched bytes stay
+    cache = torch.full((3, nblk + 1, bs * kb), 0xAB, dtype=torch.uint8)
+    sub = rows[:max(1, len(rows) // 2)]
+    lay.scatter(cache[1], sub, keys[sub])
+    assert torch.equal(lay.gather(cache[1], sub), keys[sub])
+    assert (cache[0] == 0xAB).all() and (cache[2] == 0xAB).all()
+    assert (cache[1] != 0xAB).sum() <= sub.numel() * kb
+    deq = Q.dequantize_index_keys_reference(lay.gather(pages, rows), D)
+    assert torch.equal(deq, Q.dequantize_index_keys_reference(keys[rows], D))
+    if bs == 1:                                          # block size 1 is the row format
+        assert torch.equal(pages, keys)
+
+
+def test_fp8_key_pages_are_checked():
+    with pytest.raises(ValueError, match="uint8"):
+        Q.FP8KeyLayout.of(torch.zeros(4, 132 * 4), 128)
+    with pytest.raises(ValueError, match="block_size"):
+        Q.FP8KeyLayout.of(torch.zeros(4, 130 * 4, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="aligned"):
+        Q.FP8KeyLayout.of(torch.zeros(4 * 528 + 1, dtype=torch.uint8)[1:].view(4, 528), 128)
+    lay = Q.FP8KeyLayout(128, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        lay.planes(torch.zeros(4, 132 * 8, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        ops.quantize_write_index_keys(torch.randn(2, 128),
+                                      torch.zeros(2, 4, 528, dtype=torch.uint8),
+                                      torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("d_nope,d_rope,dtype",
                          [(512, 64, torch.bfloat16), (32, 16, torch.float32)])
 def test_triton_quantize_write_is_bit_exact(triton_cpu, d_nope, d_rope, dtype):
@@ -80,9 +135,30 @@ def test_triton_quantize_write_is_bit_exact(triton_cpu, d_nope, d_rope, dtype):
     untouched[rows] = False
     assert not dst[1][untouched].any()
     k = _rows(9, 128, seed=6, dtype=dtype)
-    kd = torch.zeros(2, 20, 132, dtype=torch.uint8)
-    ops.quantize_write_index_keys(k, kd[1], rows)
-    assert torch.equal(kd[1][rows], Q.quantize_index_keys_reference(k)) and not kd[0].any()
+    for bs in (1, 4):                      # row format (block size 1) and page-split keys
+        lay = Q.FP8KeyLayout(128, bs)
+        kd = torch.zeros(3, 20 // bs, lay.page_bytes, dtype=torch.uint8)
+        ops.quantize_write_index_keys(k, kd[1], rows)
+        assert torch.equal(lay.gather(kd[1], rows), Q.quantize_index_keys_reference(k))
+        assert not kd[0].any() and not kd[2].any()
+        written = torch.zeros_like(kd[1]).view(-1)
+        for r in rows.tolist():
+            v, sc = lay.value_offset(torch.tensor(r)), lay.scale_offset(torch.tensor(r))
+            written[v:v + 128] = 1
+            written[sc:sc + 4] = 1
+        assert not kd[1].view(-1)[written == 0].any()
+
+
+@pytest.mark.parametrize("D,bs", [(128, 8), (32, 4)])
+def test_quantize_write_index_keys_reference_pages(no_force, D, bs):
+    k = _rows(7, D, seed=9)
+    lay = Q.FP8KeyLayout(D, bs)
+    kd = torch.full((2, 6, lay.page_bytes), 0x5A, dtype=torch.uint8)
+    rows = torch.tensor([3, 0, 6 * bs - 1, bs, bs + 1, 2 * bs + 2, 4 * bs + 3])
+    ops.quantize_write_index_keys(k, kd[0], rows)
+    assert torch.equal(lay.gather(kd[0], rows), Q.quantize_index_keys_reference(k))
+    assert (kd[1] == 0x5A).all()
+    assert (kd[0] != 0x5A).sum() <= 7 * lay.key_bytes
 
 
 def _fp8_case(T, H, K, N, d_nope=512, d_rope=64, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -123,21 +199,30 @@ def test_fp8_attention_triton_interpreter(triton_cpu, T, H, K, d_nope, d_rope, d
     assert (l[fin] - rl[fin]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("D,dtype", [(32, torch.float32), (128, torch.bfloat16)])
-def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype):
-    g = torch.Generator().manual_seed(D)
-    bs = 8
-    keys = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
+@pytest.mark.parametrize("D,dtype,bs", [(32, torch.float32, 8), (128, torch.bfloat16, 8),
+                                        (256, torch.float32, 4), (128, torch.float32, 16)])
+def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
+    """Page-split FP8 keys: Triton (one dot per head group, scale after the dot; 2 tiles for
+    D = 256) == the reference over the same pages == the reference over dequantized keys.
+    Pages no table maps hold NaN bytes, the output starts poisoned."""
+    g = torch.Generator().manual_seed(D + bs)
+    lay = Q.FP8KeyLayout(D, bs)
+    rows = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
+    keys = lay.pages(rows)
+    keys[7:] = 0x7F                                    # e4m3 NaN: pages 7.. are never mapped
     bt = torch.tensor([[3, 1, 5, -1], [0, 2, 4, 6]], dtype=torch.int32)
-    q = torch.randn(3, 32, D, generator=g).to(dtype)
-    w = torch.rand(3, 32, generator=g)
-    req = torch.tensor([0, 1, -1], dtype=torch.int32)
-    pos = torch.tensor([20, 30, 5], dtype=torch.int32)
-    got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 8)
+    q = torch.randn(4, 32, D, generator=g).to(dtype)
+    w = torch.rand(4, 32, generator=g)
+    req = torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    pos = torch.tensor([3 * bs - 5, 4 * bs - 2, 5, bs + 1], dtype=torch.int32)
+    out = torch.full((4, 8), -7, dtype=torch.int32)
+    got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 8, out=out)
+    assert got.data_ptr() == out.data_ptr() and not (got == -7).any()
     monkeypatch.delenv("HISPARSE_FORCE_TRITON")
     want = ops.indexer_topk_reference(q, w, keys, bt, req, pos, bs, 8)
     assert torch.equal(got, want)
-    deq = Q.dequantize_index_keys_reference(keys, D)
+    assert (got[2] == -1).all() and not ((got[0] >= 3 * bs) & (got[0] < 4 * bs)).any()
+    deq = Q.dequantize_index_keys_reference(rows, D)
     assert torch.equal(ops.indexer_topk_reference(q, w, deq, bt, req, pos, bs, 8), want)
 
 
@@ -150,9 +235,11 @@ def test_gpu_quantize_write_bit_exact_production():
     ops.quantize_write_mla_rows(x, dst[1], rows, 512)
     assert torch.equal(dst[1][rows].cpu(), Q.quantize_mla_rows_reference(x.cpu(), 512))
     k = _rows(4096, 128, seed=2).cuda()
-    kd = torch.zeros(2, 8192, 132, dtype=torch.uint8, device="cuda")
+    lay = Q.FP8KeyLayout(128, 64)
+    kd = torch.zeros(2, 8192 // 64, lay.page_bytes, dtype=torch.uint8, device="cuda")
     ops.quantize_write_index_keys(k, kd[1], rows)
-    assert torch.equal(kd[1][rows].cpu(), Q.quantize_index_keys_reference(k.cpu()))
+    assert torch.equal(lay.gather(kd[1], rows).cpu(), Q.quantize_index_keys_reference(k.cpu()))
+    assert not kd[0].any()
 
 
 @pytest.mark.gpu
@@ -185,7 +272,8 @@ def test_gpu_flashmla_fp8_matches_triton(T, H):
 def test_gpu_fp8_indexer_production():
     bs, P, R = 64, 1024, 2
     D = 128
-    keys = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()
+    rows = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()
+    keys = Q.FP8KeyLayout(D, bs).pages(rows)
     bt = torch.arange(R * P, dtype=torch.int32, device="cuda").view(R, P)
     q = torch.randn(8, 64, D, device="cuda").bfloat16()
     w = torch.rand(8, 64, device="cuda")
@@ -193,7 +281,7 @@ def test_gpu_fp8_indexer_production():
     pos = torch.tensor([60000, 60001, 60002, 60003, 3000, 3001, 3002, 65535], dtype=torch.int32,
                        device="cuda")
     got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 2048)
-    deq = Q.dequantize_index_keys_reference(keys, D, torch.bfloat16)
+    deq = Q.dequantize_index_keys_reference(rows, D, torch.bfloat16)
     want = ops.indexer_topk(q, w, deq, bt, req, pos, bs, 2048)   # bf16 Triton path
     # same scores (dequantized keys are exact in bf16): same selection up to fp32 ties
     agree = (torch.sort(got, 1).values == torch.sort(want, 1).values).float().mean().item()

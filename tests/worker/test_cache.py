@@ -43,7 +43,10 @@ def test_fp8_layer_views_start_at_their_own_offsets():
     from hisparse import ops
     cfg, geo, c = _fp8_caches()
     assert c.arena.dtype == torch.uint8 and c.arena.shape[-1] == 656
-    assert c.indexer.shape[-1] == 132 and c.host.shape[-1] == 656
+    assert c.indexer.shape == (2, cfg.num_indexer_blocks + 1, cfg.block_size * 132)
+    assert c.host_indexer.shape == (2, cfg.num_host_blocks, cfg.block_size * 132)
+    assert c.host.shape[-1] == 656
+    lay = ops.FP8KeyLayout(128, cfg.block_size)
     rows = torch.arange(32)
     data = [torch.randn(32, 576) * (layer + 1) for layer in range(3)]
     keys = {layer: torch.randn(32, 128) for layer in (0, 2)}
@@ -63,8 +66,39 @@ def test_fp8_layer_views_start_at_their_own_offsets():
         assert words.data_ptr() == c.arena_layer(layer).data_ptr()
         assert torch.equal(c.resolve_view(c.host_layer(layer))[:32], want.view(torch.int32))
     for i, (layer, k) in enumerate(keys.items()):
-        assert torch.equal(c.indexer_layer(layer)[:32], ops.quantize_index_keys_reference(k))
+        assert torch.equal(lay.gather(c.indexer_layer(layer), rows),
+                           ops.quantize_index_keys_reference(k))
         assert c.indexer_layer(layer).data_ptr() == c.indexer.data_ptr() + i * c.indexer.stride(0)
+
+
+def test_fp8_keys_mirror_and_restore_through_the_host_pool():
+    """Page-split FP8 keys: mirror (GPU -> host) then restore (host -> other GPU blocks) with
+    KVCaches.copy_keys, every indexer layer at once, random keys and rows; each layer gets its
+    own keys back, the sink block and unlisted rows keep their bytes."""
+    from hisparse import ops
+    cfg, geo, c = _fp8_caches(num_layers=4, indexer_layers=(0, 1, 3))
+    bs = cfg.block_size
+    lay = ops.FP8KeyLayout(128, bs)
+    c.indexer.random_(0, 256)
+    c.host_indexer.random_(0, 256)
+    keys = {layer: torch.randn(6 * bs, 128) * (layer + 1) for layer in geo.indexer_layers}
+    src = torch.randperm(6 * bs)
+    for layer, k in keys.items():
+        ops.quantize_write_index_keys(k, c.indexer_layer(layer), src)
+    host_rows = torch.randperm(cfg.num_host_blocks * bs)[:6 * bs]
+    c.copy_keys(c.indexer, c.host_indexer, src, host_rows)
+    before = c.indexer.clone()
+    dst = torch.randperm(cfg.num_indexer_blocks * bs)[:5 * bs]
+    c.copy_keys(c.host_indexer, c.indexer, host_rows[:5 * bs], dst)
+    for i, (layer, k) in enumerate(keys.items()):
+        want = ops.quantize_index_keys_reference(k)
+        assert torch.equal(lay.gather(c.host_indexer[i], host_rows), want)
+        assert torch.equal(lay.gather(c.indexer_layer(layer), dst), want[:5 * bs])
+    keep = torch.ones(cfg.num_indexer_blocks * bs, dtype=torch.bool)
+    keep[dst] = False
+    kept = keep.nonzero().squeeze(1)
+    assert torch.equal(lay.gather(c.indexer, kept), lay.gather(before, kept))
+    assert torch.equal(c.indexer[:, -1], before[:, -1])                 # the sink block
 
 
 def test_fp8_host_bytes_per_token_match_the_pool():
