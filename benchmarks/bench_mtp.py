@@ -11,13 +11,15 @@ baseline measured in the same process.
 What is measured: wall time of the decode phase (all requests admitted and prefilled first,
 then timed until done) and output tokens per second; per run the realised acceptance rate, the
 mean accepted length (tokens per verify step), the mean / max union of a verify group's
-selections, hot-buffer misses. Speculative steps run eagerly in the synchronous loop (no CUDA
-graphs for T = k + 1 yet), the k = 0 baseline runs with its CUDA graphs and the overlapped loop
-unless ``--baseline-eager``.
+selections, hot-buffer misses, and how many verify steps replayed CUDA graphs. Speculative
+steps run in the synchronous loop, with their CUDA graphs (verify of k + 1 tokens per request,
+MTP drafts) unless ``--spec-modes`` says ``eager`` (``graph,eager`` measures both); the k = 0
+baseline runs with its CUDA graphs and the overlapped loop unless ``--baseline-eager``.
 
     python benchmarks/bench_mtp.py                        # CUDA, tiny-but-sparse model
     python benchmarks/bench_mtp.py --geometry production --layers 4 --context 16384
     python benchmarks/bench_mtp.py --device cpu --requests 4 --context 256 --outputs 16  # smoke
+    python benchmarks/bench_mtp.py --ks 2 --accepts 0.7 --spec-modes graph,eager  # graphs' gain
 
 Every run gets its own ``LLM`` (torch's garbage collector runs between them so GPU memory and
 the pinned host pool go back); the GPU pool defaults to what every request needs resident
@@ -28,8 +30,6 @@ each run captures its CUDA graphs before its requests. The engine is driven thro
 API (``LLM``, ``add_request``, ``step``, ``stats``); the one seam used is
 ``LLM.core.draft_hook``, the engine's documented test and benchmark hook for replacing MTP
 drafts. ``--out`` writes every row as JSON.
-
-Not run on a GPU yet (no device time in the session that wrote it).
 """
 
 from __future__ import annotations
@@ -98,13 +98,15 @@ def _drive(llm, ids: list[str], outs: dict, until_first: bool) -> int:
     return steps
 
 
-def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float = 1.0) -> dict:
+def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float = 1.0,
+            spec_eager: bool = False) -> dict:
     max_len = args.context + args.outputs + 8
     pages = -(-max_len // args.block_size)
     kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
               max_model_len=max_len, max_num_seqs=args.requests,
               max_num_batched_tokens=args.batched_tokens, mode=args.mode,
-              num_speculative_tokens=k, enforce_eager=args.baseline_eager or k > 0,
+              num_speculative_tokens=k,
+              enforce_eager=args.baseline_eager if k == 0 else spec_eager,
               # every request resident unless --gpu-blocks forces pressure
               num_gpu_blocks=args.gpu_blocks or args.requests * (pages + 2))
     if args.mode != "gpu-only":
@@ -129,7 +131,11 @@ def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float =
     toks = [list(outs[i].outputs[0].token_ids) for i in ids]
     n1 = sum(len(t) for t in toks)
     s = llm.stats()
-    res = dict(k=k, accept_injected=accept if k else None, decode_s=round(dt, 4), steps=steps,
+    spec_graphs = getattr(llm.runner, "spec_graphs", None)
+    res = dict(k=k, accept_injected=accept if k else None,
+               spec_mode=("eager" if spec_eager else "graph") if k else None,
+               graph_verify_steps=spec_graphs.replays["verify"] if spec_graphs else 0,
+               decode_s=round(dt, 4), steps=steps,
                decode_tok_s=round((n1 - n0) / dt, 1), hot_misses=s["hot_misses"],
                spec_acceptance_rate=round(s["spec_acceptance_rate"], 3),
                spec_mean_accepted_length=round(s["spec_mean_accepted_length"], 3),
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--batched-tokens", type=int, default=8192)
     p.add_argument("--baseline-eager", action="store_true",
                    help="k = 0 without CUDA graphs (compare eager with eager)")
+    p.add_argument("--spec-modes", default="graph",
+                   help="comma list of graph (CUDA graphs) / eager: how k > 0 runs")
     p.add_argument("--checkpoint", default=None, help="reuse a checkpoint with MTP layers")
     p.add_argument("--warmup", dest="warmup", action="store_true", default=None,
                    help="untimed pass over every k first (default on CUDA)")
@@ -176,6 +184,9 @@ def main(argv=None) -> int:
         p.error("--device cuda but CUDA is not available (--device cpu for the smoke run)")
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     accepts = [float(x) for x in args.accepts.split(",") if x.strip()]
+    modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
+    if not modes or any(m not in ("graph", "eager") for m in modes):
+        p.error(f"--spec-modes: comma list of graph / eager, got {args.spec_modes!r}")
 
     path = args.checkpoint
     if path is None:
@@ -197,8 +208,10 @@ def main(argv=None) -> int:
                                       "outputs": min(args.outputs, 8)})
         wp = [{"prompt_token_ids": pr["prompt_token_ids"][:wargs.context]} for pr in prompts]
         wparams = SamplingParams(temperature=0.0, max_tokens=wargs.outputs, ignore_eos=True)
-        for k in [0] + ks:
-            run_one(path, wargs, k, wp, wparams)
+        run_one(path, wargs, 0, wp, wparams)
+        for k in ks:
+            for m in modes:
+                run_one(path, wargs, k, wp, wparams, spec_eager=m == "eager")
         print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
     base, ref = run_one(path, args, 0, prompts, params)
     refs = {tuple(pr["prompt_token_ids"]): r for pr, r in zip(prompts, ref)}
@@ -206,16 +219,19 @@ def main(argv=None) -> int:
     print(json.dumps(base), flush=True)
     for k in ks:
         for a in accepts:
-            res, toks = run_one(path, args, k, prompts, params, refs, a)
-            res["lossless"] = toks == ref
-            res["speedup_vs_k0"] = round(res["decode_tok_s"] / base["decode_tok_s"], 3)
-            rows.append(res)
-            print(json.dumps(res), flush=True)
+            for m in modes:
+                res, toks = run_one(path, args, k, prompts, params, refs, a,
+                                    spec_eager=m == "eager")
+                res["lossless"] = toks == ref
+                res["speedup_vs_k0"] = round(res["decode_tok_s"] / base["decode_tok_s"], 3)
+                rows.append(res)
+                print(json.dumps(res), flush=True)
     ok = all(r.get("lossless", True) for r in rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(config=vars(args), rows=rows, ok=ok), f, indent=1)
-    cols = ["k", "accept_injected", "decode_tok_s", "speedup_vs_k0", "spec_acceptance_rate",
+    cols = ["k", "accept_injected", "spec_mode", "graph_verify_steps", "decode_tok_s",
+            "speedup_vs_k0", "spec_acceptance_rate",
             "spec_mean_accepted_length", "spec_union_size_mean", "hot_misses", "lossless"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

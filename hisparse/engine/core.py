@@ -341,8 +341,8 @@ class EngineCore:
             draft_toks.append(toks)
             return toks
 
-        _, acks = self.runner.spec_draft(next_ids, draft_rows, k if samplers else 0,
-                                         sample_draft)
+        acks = self.runner.spec_draft(next_ids, draft_rows, k if samplers else 0,
+                                      sample_draft)
         self._acks += acks
         drafts: list[list[int]] = [[] for _ in samplers]
         probs_out: list[Tensor | None] = [None] * len(samplers)

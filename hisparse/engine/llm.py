@@ -177,8 +177,11 @@ class LLM:
     more cache layer); each step verifies every decoding request's last token and ``k`` drafts
     (``k + 1`` positions resolved as one group through its hot buffer), accepts by rejection
     sampling (exact; greedy output identical to ``k = 0``) and drafts the next ``k``. It runs
-    in the synchronous loop (``async_scheduling`` is ignored) and eagerly (no CUDA graphs), and
-    needs ``hot_buffer_size >= (k + 1) * index_topk`` outside gpu-only mode (the default grows
+    in the synchronous loop (``async_scheduling`` is ignored); on CUDA, unless
+    ``enforce_eager``, steps whose requests all decode replay CUDA graphs (the verify forward of
+    ``k + 1`` tokens per request and the MTP drafts:
+    :class:`~hisparse.worker.cuda_graph.SpecGraphs`), other steps run eagerly. It needs
+    ``hot_buffer_size >= (k + 1) * index_topk`` outside gpu-only mode (the default grows
     to that), so a verify group's union of selections always fits.
     ``hot_policy``: ``"lru"`` (default), ``"score"`` or ``"score+prefetch"`` (issue 15); with
     prefetch, up to ``hot_prefetch_rows`` (default ``max(1, index_topk // 64)``) band rows per
@@ -340,9 +343,11 @@ class LLM:
         try:
             self.caches = self._allocate_caches(geo, host_buffers, host_pool_gib)
             self.caches.set_hot_policy(hot_policy)
+            # k is passed only when set: a runner_cls without the argument still serves k = 0
+            spec_kw = {"num_speculative_tokens": k_spec} if k_spec else {}
             self.runner = (runner_cls or ModelRunner)(self.model, self.caches, mc.index_topk,
                                                       mc.kv_lora_rank,
-                                                      enforce_eager=enforce_eager or bool(k_spec))
+                                                      enforce_eager=enforce_eager, **spec_kw)
             if tp > 1:
                 self._join_tp()
         except BaseException:
@@ -444,12 +449,17 @@ class LLM:
         """One start-up summary: the model, the pools in tokens and bytes, mode, graphs."""
         cfg, mc, bs = self.kv_config, self.model_config, self.kv_config.block_size
         graphs = self.runner.graphs
+        spec_graphs = getattr(self.runner, "spec_graphs", None)
 
         def size(n: float) -> str:
             return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
-        buckets = ("off" if graphs is None else
-                   f"decode batches up to {graphs.max_batch}")
+        buckets = "off"
+        if graphs is not None:
+            buckets = f"decode batches up to {graphs.max_batch}"
+        elif spec_graphs is not None:
+            buckets = (f"speculative steps ({spec_graphs.k1} tokens per request) of batches up "
+                       f"to {spec_graphs.max_batch}")
         logger.info("model %s: %d layers, vocab %d, index_topk %d, dtype %s, device %s",
                     self.model_dir, mc.num_layers, mc.vocab_size, mc.index_topk,
                     str(geo.dtype).removeprefix("torch."), self.device)
@@ -639,11 +649,14 @@ class LLM:
 
     def capture_cuda_graphs(self) -> None:
         """Capture every decode batch bucket now instead of on first use (keeps capture time out
-        of measurements). No-op when decode is not captured (CPU, eager, MoE models)."""
+        of measurements): the plain decode graphs, or with ``num_speculative_tokens`` the
+        speculative steps' verify and draft graphs. No-op when decode is not captured (CPU,
+        eager, models whose forward syncs with the host)."""
         self._check_open()
-        if self.runner.graphs is not None:
+        graphs = self.runner.graphs or getattr(self.runner, "spec_graphs", None)
+        if graphs is not None:
             variants = (False,) if self.kv_config.mode == Mode.GPU_ONLY else (False, True)
-            self.runner.graphs.capture_all(variants)
+            graphs.capture_all(variants)
 
     def has_unfinished_requests(self) -> bool:
         return hasattr(self, "scheduler") and self.scheduler.has_unfinished

@@ -20,7 +20,7 @@ from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.ops.attention import flashmla_sched_meta
 from hisparse.worker.cache import KVCaches
-from hisparse.worker.cuda_graph import BUCKETS
+from hisparse.worker.cuda_graph import max_bucket
 from hisparse.worker.step_state import StepState
 
 
@@ -213,13 +213,29 @@ class PagedContext:
         return rows
 
 
+def selection_union_sizes(topk: Tensor, groups: list[tuple[int, int]]) -> list[int]:
+    """Per token group ``[a, b)`` of ``topk [T, K]`` (positions, ``-1`` none): how many
+    distinct positions its tokens select together (a verify group's hot-buffer demand). One
+    host sync for all groups."""
+    if not groups:
+        return []
+    width = max(b - a for a, b in groups)
+    idx = torch.tensor([[a + j if a + j < b else -1 for j in range(width)] for a, b in groups],
+                       dtype=torch.long, device=topk.device)
+    sel = topk[idx.clamp(min=0)].masked_fill((idx < 0)[:, :, None], -1).flatten(1)
+    s = sel.sort(dim=1).values
+    new = s >= 0
+    new[:, 1:] &= s[:, 1:] != s[:, :-1]
+    return new.sum(dim=1).tolist()
+
+
 class ModelRunner:
     """Owns the model and the caches; ``execute(plan, input_ids)`` runs one step."""
 
     context_cls = PagedContext
 
     def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, num_speculative_tokens: int = 0) -> None:
         self.model = model
         self.caches = caches
         self.device = caches.device
@@ -234,14 +250,23 @@ class ModelRunner:
         self.mirror_writer = True
         self.key_bytes = caches.geo.key_bytes
         cfg = caches.cfg
+        k = self.num_speculative_tokens = int(num_speculative_tokens)
+        # a speculative graph's bucket holds k + 1 tokens per request
         max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                         next((b for b in BUCKETS if b >= cfg.max_num_seqs), BUCKETS[-1]))
+                         max_bucket(cfg.max_num_seqs) * (k + 1))
         # persistent device step state shared by the eager path and the captured graphs
         self.inputs = StepState(cfg, self.device, max_tokens)
+        self._spec: tuple | None = None     # the speculative step between its two halves
+        # Captured steps: plain decode, or (speculative decoding, where every step is a
+        # speculative one) the verify + MTP draft graphs.
         self.graphs = None
+        self.spec_graphs = None
         if cuda and not enforce_eager and model.cuda_graph_safe:
-            from hisparse.worker.cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(self)
+            from hisparse.worker.cuda_graph import DecodeGraphs, SpecGraphs
+            if k:
+                self.spec_graphs = SpecGraphs(self, k)
+            else:
+                self.graphs = DecodeGraphs(self)
 
     def _copy(self, src: Tensor, dst: Tensor, rows: tuple[Tensor, Tensor]) -> None:
         src_rows, dst_rows = rows
@@ -323,40 +348,51 @@ class ModelRunner:
     @torch.inference_mode()
     def spec_forward(self, plan: StepPlan, input_ids: list[int],
                      num_logits: list[int]) -> tuple[Tensor, list[int]]:
-        """The verify forward of a speculative step (eager; no mirrors yet: call
-        :meth:`spec_draft` next, which mirrors). ``num_logits[i]``: how many trailing tokens
-        of the i-th sampling sequence need logits (its drafts + 1). Returns those logits
-        ``[sum(num_logits), vocab]`` fp32 (plan order, position order) and, per verify group
-        (a sampling sequence with drafts), the size of the union of its tokens' selections in
-        the last indexer layer of the main model."""
+        """The verify forward of a speculative step (no mirrors yet: call :meth:`spec_draft`
+        next, which mirrors). ``num_logits[i]``: how many trailing tokens of the i-th sampling
+        sequence need logits (its drafts + 1). Returns those logits ``[sum(num_logits),
+        vocab]`` fp32 (plan order, position order; with CUDA graphs possibly a view of a static
+        buffer, valid until the next forward) and, per verify group (a sampling sequence with
+        drafts), the size of the union of its tokens' selections in the last indexer layer
+        of the main model. Replays :class:`~hisparse.worker.cuda_graph.SpecGraphs` when they
+        serve the plan, else runs eagerly."""
         inputs = self.inputs
         self._before_forward(plan)
-        T, _ = inputs.stage_tokens(plan.seqs, input_ids)
-        pos_t = inputs.positions[:T]
-        tables = inputs.tables
         host_read = any(s.host_read for s in plan.seqs)
-        staged = self._staged_tokens(plan.seqs)
-        self.ctx.begin(host_read, tables, inputs.slots[:T], pos_t, staged)
-        hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
-        self.ctx.finish()
-        rows, unions, end, i = [], [], 0, 0
-        topk = self.ctx.topk
+        graphs = self.spec_graphs
+        batch = staged = None
+        if graphs is not None and graphs.supports(plan):
+            T, batch, host_read = graphs.verify(plan, input_ids)
+            hidden, all_logits, topk = graphs.hidden[:T], graphs.logits[:T], graphs.topk[:T]
+        else:
+            T, _ = inputs.stage_tokens(plan.seqs, input_ids)
+            pos_t = inputs.positions[:T]
+            staged = self._staged_tokens(plan.seqs)
+            self.ctx.begin(host_read, inputs.tables, inputs.slots[:T], pos_t, staged)
+            hidden = self.model(inputs.ids[:T], pos_t, self.ctx)
+            self.ctx.finish()
+            all_logits, topk = None, self.ctx.topk
+        rows, groups, end, i = [], [], 0, 0
         for seq in plan.seqs:
             end += seq.num_tokens
             if seq.sample:
                 n = num_logits[i]
                 i += 1
                 rows.extend(range(end - n, end))
-                if n > 1 and topk is not None:
-                    sel = topk[end - n:end]
-                    unions.append(int(torch.unique(sel[sel >= 0]).numel()))
-        self._spec = (plan, T, hidden, host_read, staged)
+                if n > 1:
+                    groups.append((end - n, end))
+        unions = selection_union_sizes(topk, groups) if topk is not None else []
+        self._spec = (plan, T, hidden, host_read, staged, batch)
+        if all_logits is not None and len(rows) == T:     # every token verifies (the rule)
+            return all_logits, unions
         idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        if all_logits is not None:
+            return all_logits[idx], unions
         return self.model.compute_logits(hidden[idx]), unions
 
     @torch.inference_mode()
     def spec_draft(self, next_ids: list[int], draft_rows: list[int], num_drafts: int,
-                   sample_draft) -> tuple[list[Tensor], list[int]]:
+                   sample_draft) -> list[int]:
         """The MTP stage of the step :meth:`spec_forward` ran, then its mirrors.
 
         MTP layer 0 runs over the step's tokens (same positions and slots): token ``t`` at
@@ -368,39 +404,46 @@ class ModelRunner:
         chain the MTP layer on its own output and draft, one token per request: such a token
         attends to the MTP history up to the last accepted position and its KV row goes to the
         sink (draft-only tokens are never stored). ``sample_draft(logits [S, vocab], j)`` ->
-        int64 ``[S]`` draft tokens. Returns the drafts' logits (one ``[S, vocab]`` per draft
-        index) and the copy ids acknowledged since the last call."""
-        plan, T, hidden, host_read, staged = self._spec
+        int64 ``[S]`` draft tokens (``logits`` may be a static buffer the next draft pass
+        overwrites: keep what it computes, not ``logits``). Returns the copy ids acknowledged
+        since the last call. Replays the draft graphs when the verify forward was replayed."""
+        plan, T, hidden, host_read, staged, batch = self._spec
         self._spec = None
+        if batch is not None:
+            self.spec_graphs.draft(plan, next_ids, draft_rows, num_drafts, sample_draft,
+                                   batch, host_read)
+        else:
+            self._spec_draft_eager(next_ids, draft_rows, num_drafts, sample_draft, T, hidden,
+                                   host_read, staged)
+        self.ctx.finish()
+        self._mirror(plan)
+        return self._poll_acks()
+
+    def _spec_draft_eager(self, next_ids: list[int], draft_rows: list[int], num_drafts: int,
+                          sample_draft, T: int, hidden: Tensor, host_read: bool,
+                          staged: Tensor | None) -> None:
         inputs, c, model = self.inputs, self.caches, self.model
         dev = hidden.device
         slots, pos_t = inputs.slots[:T], inputs.positions[:T]
         ids = torch.tensor(next_ids, dtype=torch.long, device=dev)
         self.ctx.begin(host_read, inputs.tables, slots, pos_t, staged)
         h = model.mtp_forward(ids, hidden, pos_t, self.ctx)
-        logits_out = []
-        if draft_rows and num_drafts > 0:
-            rows = torch.tensor(draft_rows, dtype=torch.long, device=dev)
-            h, d_slots, d_pos = h[rows], slots[rows], pos_t[rows]
-            # Drafts of a staged sequence (its last prefill chunk sampled) read its spilled
-            # history through the staging area too.
-            d_staged = None
-            if staged is not None:
-                d_staged = torch.isin(rows, staged).nonzero().squeeze(1)
-            logits = model.mtp_logits(h)
-            logits_out.append(logits)
-            tok = sample_draft(logits, 0)
-            for j in range(1, num_drafts):
-                self.ctx.begin(host_read, inputs.tables, d_slots, d_pos, d_staged)
-                self.ctx.kv_rows = torch.full_like(self.ctx.kv_rows, c.sink_row)
-                self.ctx.idx_rows = torch.full_like(self.ctx.idx_rows, c.indexer_sink_row)
-                h = model.mtp_forward(tok, h, d_pos, self.ctx, rope_positions=d_pos + j)
-                logits = model.mtp_logits(h)
-                logits_out.append(logits)
-                tok = sample_draft(logits, j)
-        self.ctx.finish()
-        self._mirror(plan)
-        return logits_out, self._poll_acks()
+        if not draft_rows or num_drafts == 0:
+            return
+        rows = torch.tensor(draft_rows, dtype=torch.long, device=dev)
+        h, d_slots, d_pos = h[rows], slots[rows], pos_t[rows]
+        # Drafts of a staged sequence (its last prefill chunk sampled) read its spilled
+        # history through the staging area too.
+        d_staged = None
+        if staged is not None:
+            d_staged = torch.isin(rows, staged).nonzero().squeeze(1)
+        tok = sample_draft(model.mtp_logits(h), 0)
+        for j in range(1, num_drafts):
+            self.ctx.begin(host_read, inputs.tables, d_slots, d_pos, d_staged)
+            self.ctx.kv_rows = torch.full_like(self.ctx.kv_rows, c.sink_row)
+            self.ctx.idx_rows = torch.full_like(self.ctx.idx_rows, c.indexer_sink_row)
+            h = model.mtp_forward(tok, h, d_pos, self.ctx, rope_positions=d_pos + j)
+            tok = sample_draft(model.mtp_logits(h), j)
 
     def commit_sampled(self, tokens: Tensor) -> None:
         """The tokens sampled from the last :meth:`execute`'s logits (device, plan order): the
