@@ -6,8 +6,8 @@ Measures, in one run, against peaks measured in the same run:
   (``torch._scaled_mm`` tensorwise, 8192^3; falls back to the Triton block kernel), dense bf16
   rate (``torch.mm`` 8192^3);
 - GEMM: for every rank linear ``(N, K)`` and ``M`` in 1, 16, 64, 256: the Triton block-FP8
-  decode kernel (``backend="triton"``: what the model runs up to 512 rows), the older tile
-  kernel (``backend="triton_tile"``), ``torch._scaled_mm`` block scaling (1x128 / 128x128;
+  split-K decode kernel (``backend="triton_decode"``), the tile kernel (``backend="triton"``,
+  what the model runs), ``torch._scaled_mm`` block scaling (1x128 / 128x128;
   "n/a" where cuBLAS refuses it), and bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations
   + output), and the fractions of the FP8 peak and of HBM bandwidth. Weights rotate through
   copies larger than L2 so every call reads HBM. ``--sweep``: the decode kernel at M = 16 and
@@ -138,9 +138,9 @@ def bench_gemm(peaks: dict, device: str, batches, linears, l2_bytes: int) -> lis
             row = {"op": name, "M": M, "N": N, "K": K}
 
             for label, fn, pool, wbytes in (
-                ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
+                ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton_decode"),
                  fp8_ws, N * K),
-                ("tile", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton_tile"),
+                ("tile", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
                  fp8_ws, N * K),
                 ("scaled_mm",
                  lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="scaled_mm"),

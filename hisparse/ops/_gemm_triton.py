@@ -12,7 +12,7 @@ and scale each block's product by ``a_scale[m] * w_scale[n-blk]``.
   tile: K is split by a count fixed by N and K (:func:`nt_splits`) and the fp32 partials are
   summed in split order by the last program of each tile (an atomic arrival counter), in the
   same launch. Tile sizes follow M; split count and order do not, so rows are batch invariant.
-- The tile kernel (``_fp8_gemm_kernel``, prefill-sized M; ``backend="triton_tile"`` for any M):
+- The tile kernel (``_fp8_gemm_kernel``; ``backend="triton"``, the default, for every M):
   one program per (M tile, N tile, K split), partials of several splits summed by torch in a
   fixed order. Autotuned over ``num_warps`` / ``num_stages`` only (tile shapes and K splits are
   fixed by :func:`gemm_config`), keyed on the shape; ``HISPARSE_TRITON_AUTOTUNE=0`` uses the
@@ -144,8 +144,8 @@ BATCH_INVARIANT_MAX_M = 512
 
 
 def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)`` of the tile kernel (``backend="triton"`` runs it above
-    ``BATCH_INVARIANT_MAX_M`` rows only; ``"triton_tile"`` for every M), batch-invariant up to
+    """``(BLOCK_M, BLOCK_N, splits)`` of the tile kernel (``backend="triton"`` for every M;
+    ``"triton_decode"`` above ``BATCH_INVARIANT_MAX_M`` rows only), batch-invariant up to
     ``BATCH_INVARIANT_MAX_M`` rows:
     every such M gets the same 64-row tiles and the same K splits, so a row's result does not
     depend on how many other rows share its step (a tiered run batches differently from an

@@ -149,12 +149,13 @@ def test_decode_kernel_rows_are_batch_invariant(triton_cpu, poisoned_empty):
     x = torch.randn(130, K, generator=torch.Generator().manual_seed(12)) * 3
     splits = G.nt_splits(N, K // 32, G._num_sms(x.device))
     assert splits > 1
-    full = fp8_block_linear(x, w, s, block, backend="triton", out_dtype=torch.float32)
-    alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton",
+    full = fp8_block_linear(x, w, s, block, backend="triton_decode", out_dtype=torch.float32)
+    alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton_decode",
                                         out_dtype=torch.float32) for i in (0, 17, 129)])
     assert torch.equal(alone, full[[0, 17, 129]])
     for M in (2, 16, 17, 40, 64, 65):
-        got = fp8_block_linear(x[:M], w, s, block, backend="triton", out_dtype=torch.float32)
+        got = fp8_block_linear(x[:M], w, s, block, backend="triton_decode",
+                               out_dtype=torch.float32)
         assert torch.equal(got, full[:M]), M
 
 
@@ -197,13 +198,13 @@ def test_gpu_fp8_gemm_matches_reference(M, N, K):
     want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
     tol = 2e-3 * want.abs().max().item()
     nan = float("nan")
-    got = fp8_block_linear(x, w, s, backend="triton", out_dtype=torch.float32)
+    got = fp8_block_linear(x, w, s, backend="triton_decode", out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=tol)
-    got16 = fp8_block_linear(x, w, s, backend="triton")
+    got16 = fp8_block_linear(x, w, s, backend="triton_decode")
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), want, rtol=1e-2, atol=tol)
-    # the tile kernel (prefill-sized M, backend="triton_tile")
-    tile = fp8_block_linear(x, w, s, backend="triton_tile", out_dtype=torch.float32)
+    # the tile kernel (the default backend="triton")
+    tile = fp8_block_linear(x, w, s, backend="triton", out_dtype=torch.float32)
     torch.testing.assert_close(tile, want, rtol=1e-3, atol=tol)
     if M == 16:
         # the decode kernel fed pre-quantized activations (the interpreter's path) agrees too,
@@ -218,18 +219,19 @@ def test_gpu_fp8_gemm_matches_reference(M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "triton_decode"])
 @pytest.mark.parametrize("N,K", RANK_SHAPES)
-def test_gpu_fp8_gemm_rows_are_batch_invariant(N, K):
+def test_gpu_fp8_gemm_rows_are_batch_invariant(N, K, backend):
     """Row i of a batch of M equals the same row in a batch of 512 (and alone), bitwise, for M
-    over every token-tile width of the decode kernel: the tile shape is not in the numerics."""
+    over every token-tile width of the decode kernel and the tile kernel's fixed tiles."""
     g = torch.Generator(device="cuda").manual_seed(N + K)
     w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
     x = torch.randn(512, K, device="cuda", generator=g, dtype=torch.bfloat16)
-    full = fp8_block_linear(x, w, s, backend="triton")
+    full = fp8_block_linear(x, w, s, backend=backend)
     for M in (1, 7, 16, 33, 64, 100, 256):
-        got = fp8_block_linear(x[:M], w, s, backend="triton")
+        got = fp8_block_linear(x[:M], w, s, backend=backend)
         assert torch.equal(got, full[:M]), (M, (got.float() - full[:M].float()).abs().max())
-    alone = fp8_block_linear(x[300:301], w, s, backend="triton")
+    alone = fp8_block_linear(x[300:301], w, s, backend=backend)
     assert torch.equal(alone, full[300:301])
 
 
@@ -252,18 +254,18 @@ def test_gpu_fp8_gemm_is_deterministic_and_capturable(N, K):
     launches: the arrival counters are reset by each launch) and under graph replay."""
     w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-    a = fp8_block_linear(x, w, s, backend="triton")
-    outs = [fp8_block_linear(x, w, s, backend="triton") for _ in range(200)]
+    a = fp8_block_linear(x, w, s, backend="triton_decode")
+    outs = [fp8_block_linear(x, w, s, backend="triton_decode") for _ in range(200)]
     assert all(torch.equal(a, o) for o in outs)
     want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
     torch.testing.assert_close(a.float(), want, rtol=1e-2, atol=2e-3 * want.abs().max().item())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_block_linear(x, w, s, backend="triton")
+        out = fp8_block_linear(x, w, s, backend="triton_decode")
     x.copy_(torch.randn_like(x))
     for _ in range(3):
         graph.replay()
-    assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton"))
+    assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton_decode"))
 
 
 def test_gemm_config_is_batch_invariant_for_decode_sized_steps():
