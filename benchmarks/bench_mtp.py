@@ -105,7 +105,7 @@ def run_one(path: str, args, k: int, prompts, params, refs=None, accept: float =
     kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
               max_model_len=max_len, max_num_seqs=args.requests,
               max_num_batched_tokens=args.batched_tokens, mode=args.mode,
-              num_speculative_tokens=k,
+              num_speculative_tokens=k, kv_cache_dtype=args.kv_cache_dtype,
               enforce_eager=args.baseline_eager if k == 0 else spec_eager,
               # every request resident unless --gpu-blocks forces pressure
               num_gpu_blocks=args.gpu_blocks or args.requests * (pages + 2))
@@ -151,6 +151,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default="bf16",
+                   help="KV format (default bf16: the format the recorded runs used)")
     p.add_argument("--geometry", choices=["tiny", "production"], default="tiny",
                    help="tiny dims, or DeepSeek-V3.2's attention / indexer dims")
     p.add_argument("--layers", type=int, default=2)

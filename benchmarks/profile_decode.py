@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--mode", default="gpu-only")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default="bf16")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--host-pool-gib", type=float, default=8.0)
     p.add_argument("--topk", default="indexer", help="indexer or synthetic:<overlap>")
@@ -56,7 +57,7 @@ def main() -> None:
               num_gpu_blocks=a.requests * (a.context // 64 + 8) + 200,
               host_pool_gib=a.host_pool_gib, mode=a.mode, max_model_len=a.context + 64,
               max_num_seqs=a.requests, max_num_batched_tokens=4 * a.context,
-              runner_cls=synthetic_runner(topk_override=override))
+              kv_cache_dtype=a.kv_cache_dtype, runner_cls=synthetic_runner(topk_override=override))
     llm.capture_cuda_graphs()
     for i in range(a.requests):
         llm.add_request({"prompt_token_ids": [5 + i] * a.context},

@@ -213,7 +213,7 @@ def _main(argv: list[str], debug: bool) -> int:
     demo.add_argument("--prompts", type=int, default=16)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--device", default=None)
-    demo.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"])
+    demo.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
     demo.set_defaults(func=_demo)
     from hisparse.engine.arg_utils import add_engine_args
 

@@ -26,7 +26,7 @@ def demo_checkpoint(cache_dir: str | None = None) -> str:
 
 def run_demo(num_prompts: int = 16, prompt_len: tuple[int, int] = (400, 700),
              max_tokens: int = 32, device: str | None = None, seed: int = 0,
-             kv_cache_dtype: str = "bf16") -> bool:
+             kv_cache_dtype: str = "auto") -> bool:
     if not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts must be an integer >= 1, got {num_prompts!r}")
     if not isinstance(max_tokens, int) or max_tokens < 1:

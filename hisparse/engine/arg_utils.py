@@ -38,10 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step (prefill chunk budget) (default: %(default)s)")
-    g.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
-                   help="bf16: exact rows (1152 B) and keys (256 B); fp8: FlashMLA's 656-B rows "
-                   "and 132-B keys: 1.75x the tokens per byte, slower kernels today "
-                   "(default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                   help="auto: fp8 on CUDA for DSA geometries (bf16 models), else bf16; "
+                   "bf16: exact rows (1152 B) and keys (256 B); fp8: FlashMLA's 656-B rows and "
+                   "132-B keys, 1.75x the tokens per byte (default: %(default)s)")
     g.add_argument("--hot-policy", default="lru", choices=["lru", "score", "score+prefetch"],
                    help="hot-buffer replacement (default: %(default)s)")
     g.add_argument("--hot-prefetch-rows", type=int, default=None,

@@ -147,6 +147,24 @@ def _parse_device(device) -> torch.device:
     return dev
 
 
+
+def auto_kv_cache_dtype(device: torch.device, compute_dtype: torch.dtype, mc,
+                        block_size: int) -> str:
+    """``kv_cache_dtype="auto"``: the deployment format (``"fp8"``) where it applies - a CUDA
+    device, a bf16 model, a latent and indexer keys of whole 128-value FP8 tiles and 16-B
+    aligned key pages - else the exact one (``"bf16"``: CPU runs, fp32 models, small test
+    geometries). Measured on the H200 (docs/BENCHMARKS.md, FP8 KV run 2): FP8 steps cost
+    1.03x bf16's at the same batch and fit 1.6x the requests in the same GPU bytes."""
+    from hisparse.ops.quant import TILE, index_key_bytes
+
+    if device.type != "cuda" or compute_dtype != torch.bfloat16:
+        return "bf16"
+    if mc.kv_lora_rank % TILE or mc.index_head_dim % TILE:
+        return "bf16"
+    if (block_size * index_key_bytes(mc.index_head_dim)) % 16:
+        return "bf16"
+    return "fp8"
+
 class LLM:
     """Continuous-batching DSA engine with lossless HiSparse KV tiering.
 
@@ -162,9 +180,12 @@ class LLM:
     limit). A request that fails (sampling, non-finite logits, detokenizing) finishes with
     ``finish_reason="error"`` and the engine keeps serving; an engine-wide fault raises
     :class:`EngineDeadError` from then on.
-    ``kv_cache_dtype``: ``"bf16"`` (rows and indexer keys unquantized in the model dtype: the
-    exact format, the default for now) or ``"fp8"`` (FlashMLA's 656-B FP8 rows and 132-B FP8
-    indexer keys, the deployment format; :mod:`hisparse.ops.quant`).
+    ``kv_cache_dtype``: ``"auto"`` (default: ``"fp8"`` on CUDA for a bf16 model whose latent
+    and indexer keys are whole 128-value tiles, as DeepSeek-V3.2 and GLM-5 are; ``"bf16"``
+    otherwise), ``"bf16"`` (rows and indexer keys unquantized in the model dtype: the exact
+    format, for comparisons against transformers) or ``"fp8"`` (FlashMLA's 656-B FP8 rows and
+    132-B FP8 indexer keys, the deployment format: 1.75x the tokens per byte in both tiers;
+    :mod:`hisparse.ops.quant`). ``stats()["kv_cache_dtype"]`` says which one runs.
     ``runner_cls``: the worker's one extension seam, a ``ModelRunner`` subclass (or callable with
     its signature) used instead of ``ModelRunner`` (benchmarks: ``hisparse.bench.synthetic``).
     ``tensor_parallel_size=N > 1``: this process is rank 0 (scheduler, sampling, its own shard)
@@ -204,7 +225,7 @@ class LLM:
                  load_format: str = "auto",
                  host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                  enforce_eager: bool = False, mode: Mode | str | None = None,
-                 runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "bf16",
+                 runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "auto",
                  hot_policy: str = "lru", tensor_parallel_size: int = 1,
                  num_speculative_tokens: int = 0, staging_rows: int | None = None,
                  hot_prefetch_rows: int | None = None, gc_freeze: bool = True):
@@ -220,9 +241,9 @@ class LLM:
             raise ValueError(f"model: no such checkpoint directory {model!r}")
         if dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
-                             f"{kv_cache_dtype!r}")
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
         _check_int("block_size", block_size)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -293,12 +314,15 @@ class LLM:
                 raise ValueError(f"hot_buffer_size ({hot_buffer_size}) must be >= "
                                  f"(num_speculative_tokens + 1) * index_topk = {need}: a "
                                  f"verify step resolves the union of its tokens' selections")
+        compute_dtype = parse_dtype(dtype) if dtype is not None else mc.dtype
+        if kv_cache_dtype == "auto":
+            kv_cache_dtype = auto_kv_cache_dtype(self.device, compute_dtype, mc, block_size)
         n_cache_layers = mc.num_layers + (1 if k_spec else 0)   # + the MTP layer's KV
         geo = CacheGeometry(num_layers=n_cache_layers, row_dim=mc.kv_row_dim,
                             indexer_layers=tuple(l for l in range(n_cache_layers)
                                                  if mc.layer_has_indexer(l)),
                             index_head_dim=mc.index_head_dim,
-                            dtype=parse_dtype(dtype) if dtype is not None else mc.dtype,
+                            dtype=compute_dtype,
                             kv_cache_dtype=kv_cache_dtype, rope_dim=mc.qk_rope_head_dim)
         pages = cdiv(self.max_model_len, block_size)
         if num_indexer_blocks is None:
@@ -460,9 +484,9 @@ class LLM:
         elif spec_graphs is not None:
             buckets = (f"speculative steps ({spec_graphs.k1} tokens per request) of batches up "
                        f"to {spec_graphs.max_batch}")
-        logger.info("model %s: %d layers, vocab %d, index_topk %d, dtype %s, device %s",
+        logger.info("model %s: %d layers, vocab %d, index_topk %d, dtype %s, KV %s, device %s",
                     self.model_dir, mc.num_layers, mc.vocab_size, mc.index_topk,
-                    str(geo.dtype).removeprefix("torch."), self.device)
+                    str(geo.dtype).removeprefix("torch."), geo.kv_cache_dtype, self.device)
         logger.info(
             "mode %s | GPU pool %d blocks x %d = %d tokens (%s) | host pool %d tokens "
             "(%s) | indexer %d tokens | hot buffer %d rows/layer/request | "
@@ -830,6 +854,7 @@ class LLM:
         row_bytes = self.runner.row_bytes
         return {
             "mode": str(self.kv_config.mode),
+            "kv_cache_dtype": self.caches.geo.kv_cache_dtype,
             "num_gpu_blocks": self.kv_config.num_gpu_blocks,
             "num_host_blocks": self.kv_config.num_host_blocks,
             "spilled_pages": kv.stats.spilled_pages,

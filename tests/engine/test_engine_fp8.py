@@ -34,6 +34,32 @@ def test_kv_cache_dtype_is_validated(dsv32_path):
         LLM(dsv32_path, device="cpu", kv_cache_dtype="int4")
 
 
+def test_auto_kv_cache_dtype_is_fp8_only_where_the_format_applies(dsv32_path):
+    """``"auto"`` (the default) picks the deployment format on CUDA for bf16 models of DSA
+    geometry (whole 128-value tiles: DeepSeek-V3.2 / GLM-5) and the exact one elsewhere."""
+    from types import SimpleNamespace
+
+    from hisparse.engine.llm import auto_kv_cache_dtype
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    dsa = SimpleNamespace(kv_lora_rank=512, index_head_dim=128)
+    assert auto_kv_cache_dtype(cuda, bf16, dsa, 64) == "fp8"
+    assert auto_kv_cache_dtype(cpu, bf16, dsa, 64) == "bf16"
+    assert auto_kv_cache_dtype(cuda, torch.float32, dsa, 64) == "bf16"
+    assert auto_kv_cache_dtype(cuda, bf16, SimpleNamespace(kv_lora_rank=32, index_head_dim=128),
+                               64) == "bf16"
+    assert auto_kv_cache_dtype(cuda, bf16, SimpleNamespace(kv_lora_rank=512, index_head_dim=64),
+                               64) == "bf16"
+    assert auto_kv_cache_dtype(cuda, bf16, dsa, 2) == "bf16"     # 264-B key pages: unaligned
+    llm = LLM(dsv32_path, device="cpu", dtype="float32", block_size=8, max_model_len=64)
+    assert llm.stats()["kv_cache_dtype"] == "bf16"
+    llm.shutdown()
+    llm = LLM(dsv32_path, device="cpu", dtype="float32", block_size=8, max_model_len=64,
+              kv_cache_dtype="fp8")
+    assert llm.stats()["kv_cache_dtype"] == "fp8"
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["dsv32", "glm"])
 def test_fp8_lossless_in_all_modes_under_forced_spills(arch, request):
     path = request.getfixturevalue(f"{arch}_path")
