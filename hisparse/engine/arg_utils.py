@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="auto: fp8 on CUDA for DSA geometries (bf16 models), else bf16; "
                    "bf16: exact rows (1152 B) and keys (256 B); fp8: FlashMLA's 656-B rows and "
                    "132-B keys, 1.75x the tokens per byte (default: %(default)s)")
-    g.add_argument("--hot-policy", default="lru", choices=["lru", "score", "score+prefetch"],
+    g.add_argument("--hot-policy", default="score", choices=["lru", "score", "score+prefetch"],
                    help="hot-buffer replacement (default: %(default)s)")
     g.add_argument("--hot-prefetch-rows", type=int, default=None,
                    help="score+prefetch: band rows prefetched per layer and request step at "
