@@ -285,10 +285,12 @@ NT_BLOCK_N = 64  # weight rows per tile (one wgmma M of 4 warps); the split coun
 @functools.cache
 def nt_splits(N: int, KB: int, sms: int) -> int:
     """K splits of the decode kernel, from the weight shape and the SM count only (never from
-    M: batch invariance): about two programs per SM for one token tile, each K split at least
+    M: batch invariance): about one program per SM for one token tile, each K split at least
     two K blocks long (a split of one block costs more in the in-kernel reduction than it
-    gains)."""
-    return max(1, min(KB // 2, (2 * sms) // triton.cdiv(N, NT_BLOCK_N)))
+    gains). Measured on the H200 (bench_moe.py --sweep, docs/BENCHMARKS.md): two programs per
+    SM, the first choice, was 1.1-1.6x slower at M = 16 and up to 2x at M = 256 than half the
+    splits on every rank linear but dense.gate_up."""
+    return max(1, min(KB // 2, sms // triton.cdiv(N, NT_BLOCK_N)))
 
 
 def nt_tiles(M: int) -> tuple[int, int, int, int]:
