@@ -254,7 +254,8 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
-              kv_cache_dtype: str = "bf16", hot_policy: str = "lru", k: int = 2048) -> Point:
+              kv_cache_dtype: str = "bf16", hot_policy: str = "lru", k: int = 2048,
+              hot_prefetch_rows: int | None = None) -> Point:
     """One engine run (``table``: :func:`topk_table` of ``topk_source`` with top-``k``, or
     ``None``); the engine is shut down before returning, also on failure."""
     from hisparse import LLM
@@ -272,6 +273,7 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode != "gpu-only" else None,
               enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, hot_policy=hot_policy,
+              hot_prefetch_rows=hot_prefetch_rows,
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     try:
         return _measure(llm, clock, mode, topk_source, context, concurrency, outputs,
@@ -366,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                         "every HiSparse / always-host point. score and score+prefetch read the "
                         "next-ranked band: the indexer's own, or a trace's recorded ranks k.. "
                         "(below_cut); a synthetic --topk has none (an error)")
+    p.add_argument("--hot-prefetch-rows", type=int, default=None,
+                   help="score+prefetch: band rows prefetched per layer and request step "
+                        "(LLM(hot_prefetch_rows=); default: the engine's, index_topk // 64)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--out", default=".")
@@ -479,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
-                                     hot_policy=policy, k=topk_k))
+                                     hot_policy=policy, k=topk_k,
+                                     hot_prefetch_rows=a.hot_prefetch_rows))
         for spec in extra if context == contexts[0] else ():
             table = tables[spec, context]
             conc = min(a.locality_concurrency, cap)
@@ -488,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                     record(run_point(path, modes[name], spec, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
-                                     hot_policy=policy, k=topk_k))
+                                     hot_policy=policy, k=topk_k,
+                                     hot_prefetch_rows=a.hot_prefetch_rows))
     print_table(points)
     print_ratio_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
