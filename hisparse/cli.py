@@ -126,8 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port,
                     log_level="debug" if args.debug else "warning")
     finally:
-        engine.shutdown()
-        llm.shutdown()
+        if engine.shutdown():
+            llm.shutdown()      # never under a step the engine thread still runs
     return 0
 
 

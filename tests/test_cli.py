@@ -35,8 +35,14 @@ def test_engine_flags_reach_llm_kwargs():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
+    import inspect
+
+    from hisparse import LLM
+
     kw = engine_kwargs(p.parse_args([]))
-    assert kw["gc_freeze"] is True and kw["kv_cache_dtype"] == "bf16"
+    llm_defaults = inspect.signature(LLM.__init__).parameters
+    for name in ("gc_freeze", "kv_cache_dtype", "hot_policy"):   # the CLI's defaults are LLM's
+        assert kw[name] == llm_defaults[name].default, name
     kw = engine_kwargs(p.parse_args(["--no-gc-freeze", "--kv-cache-dtype", "fp8",
                                      "--hot-policy", "score+prefetch", "--hot-prefetch-rows", "4"]))
     assert kw["gc_freeze"] is False and kw["kv_cache_dtype"] == "fp8"

@@ -137,7 +137,8 @@ def _bench_mode(args, mode: str | None, prompts) -> dict:
                    hot_hit_rate=s["hot_hits"] / lookups if lookups else math.nan)
         return res
     finally:
-        engine.shutdown()
+        if engine.shutdown():
+            llm.shutdown()      # one engine per mode in this process: free each one
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

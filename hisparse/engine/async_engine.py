@@ -143,12 +143,15 @@ class AsyncLLM:
         if not self._thread.is_alive():
             self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; open streams end with ``EngineDeadError``."""
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the engine thread; open streams end with ``EngineDeadError``. Returns whether
+        the thread has stopped (False: a step still runs after ``timeout`` s; the ``LLM`` must
+        not be shut down under it)."""
         self._stopping.set()
         self._commands.put(("wake",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def new_request_id(self) -> str:
         with self._lock:

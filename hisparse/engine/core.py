@@ -97,9 +97,9 @@ class RequestFreezer:
         captured graphs: they sit in reference cycles, frozen by this engine's freezes) can be
         collected. Other engines' lists are frozen again at their next admission."""
         self._added = False
-        if self.freezes:
+        if gc.get_freeze_count():     # frozen by this engine or another: either way unfreeze
             gc.unfreeze()
-            self._baseline = None
+        self._baseline = None
 
     def idle(self) -> None:
         """No request is left in this engine: a full pass if the frozen set grew enough."""

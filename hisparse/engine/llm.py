@@ -360,9 +360,13 @@ class LLM:
             from hisparse.models.tp import shard_model_
             shard_model_(self.model, 0, tp)
         if num_gpu_blocks is None:
+            reserve = 0
+            if k_spec and not enforce_eager and self.model.cuda_graph_safe:
+                from hisparse.worker.cuda_graph import spec_graph_bytes
+                reserve = spec_graph_bytes(max_num_seqs, k_spec, mc.vocab_size, mc.hidden_size)
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
                                                       max_num_seqs * pages, min_gpu,
-                                                      gpu_memory_utilization)
+                                                      gpu_memory_utilization, reserve)
         self.kv_config = KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)
         if tp > 1:
             host_buffers = self._start_tp(geo, host_buffers, runner_cls, model, dtype,
@@ -453,6 +457,11 @@ class LLM:
         is emptied), and the heap frozen for the engine's requests is unfrozen so that nothing
         of the engine outlives this call. Idempotent; every later call raises
         :class:`EngineDeadError`. ``with LLM(...) as llm:`` calls it on exit."""
+        if hasattr(self, "runner") and hasattr(self.runner, "drain"):
+            try:
+                self.runner.drain()    # mirror copies still in flight write the pools
+            except Exception:  # noqa: BLE001  (a faulted device: nothing more to wait for)
+                pass
         if hasattr(self, "core"):
             self.core.freezer.release()
         if self._tp is not None and not self._tp.closed:
@@ -524,10 +533,13 @@ class LLM:
         return blocks
 
     def _default_gpu_blocks(self, geo: CacheGeometry, block_size: int, num_indexer_blocks: int,
-                            unconstrained: int, min_gpu: int, utilization: float) -> int:
+                            unconstrained: int, min_gpu: int, utilization: float,
+                            reserve: int = 0) -> int:
+        """KV blocks that fit the free memory after the indexer cache, the staging area and
+        ``reserve`` bytes (the speculative CUDA graphs' buffers and pool)."""
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = (free * utilization - num_indexer_blocks * geo.indexer_bytes_per_block(block_size)
-                  - self._staging_rows_probe * geo.row_bytes)
+                  - self._staging_rows_probe * geo.row_bytes - reserve)
         blocks = min(int(budget // geo.gpu_bytes_per_block(block_size)), unconstrained)
         if blocks < min_gpu:
             raise ValueError(
@@ -893,4 +905,5 @@ class LLM:
         replace ``CapacityInputs`` fields (``hit_rate``, ``hbm_gb_s``, ...)."""
         from hisparse.engine.capacity import plan_for_llm
 
+        self._check_open()
         return plan_for_llm(self, context, **overrides)

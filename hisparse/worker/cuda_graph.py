@@ -32,6 +32,19 @@ from hisparse.worker.step_state import _Staging
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+def spec_graph_bytes(max_num_seqs: int, num_speculative_tokens: int, vocab: int,
+                     hidden_size: int) -> int:
+    """GPU bytes :class:`SpecGraphs` needs beyond the KV pools, for sizing them from free
+    memory: its fp32 verify and draft logits and the hidden states (exact), plus an estimate
+    of the graphs' activation pool (a forward of ``bucket x (k + 1)`` tokens: the LM head's
+    logits once more and 64 hidden-sized bf16 buffers per token)."""
+    B = max_bucket(max_num_seqs)
+    T = B * (num_speculative_tokens + 1)
+    static = (T + B) * vocab * 4 + (T + B) * hidden_size * 2
+    activations = T * vocab * 4 + T * hidden_size * 2 * 64
+    return static + activations
+
+
 def max_bucket(max_num_seqs: int) -> int:
     """The largest batch bucket captured for ``max_num_seqs`` requests: the smallest bucket
     that holds them all, at most ``BUCKETS[-1]`` (larger batches run eagerly)."""

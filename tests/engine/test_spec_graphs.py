@@ -21,7 +21,13 @@ from hisparse import LLM, SamplingParams
 from hisparse.kv.plan import ScheduledSeq
 from hisparse.models.random_checkpoint import make_random_checkpoint
 from hisparse.worker.cache import KVCaches
-from hisparse.worker.cuda_graph import BUCKETS, SpecGraphs, bucket_for, max_bucket
+from hisparse.worker.cuda_graph import (
+    BUCKETS,
+    SpecGraphs,
+    bucket_for,
+    max_bucket,
+    spec_graph_bytes,
+)
 from hisparse.worker.model_runner import ModelRunner, selection_union_sizes
 
 TOPK = 16
@@ -149,6 +155,12 @@ def test_cpu_keeps_eager_and_step_state_fits_the_largest_spec_bucket(mtp_path):
     assert SpecGraphs(runner, 1, emulate=True).kinds == ("verify", "draft")
     with pytest.raises(ValueError, match="the largest bucket needs 8 x 9 = 72"):
         SpecGraphs(runner, 8, emulate=True)
+    # the engine sizes its KV pools from free memory minus this estimate: it must cover at
+    # least every static buffer the graphs allocate
+    static = sum(t.numel() * t.element_size() for t in vars(graphs).values()
+                 if isinstance(t, torch.Tensor))
+    mc = llm.model_config
+    assert spec_graph_bytes(6, 2, mc.vocab_size, mc.hidden_size) >= static
 
     def seq(n, **kw):
         args = dict(req_id="r", slot=0, start_pos=40, num_tokens=n, host_read=False,

@@ -96,17 +96,17 @@ def sha1(t: torch.Tensor) -> str:
     return hashlib.sha1(pool_bytes(t).numpy().tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("arch", ["dsv32", "glm"])
-def test_tp2_greedy_matches_tp1_under_forced_spills_with_one_shared_host_pool(arch, request):
+@pytest.mark.parametrize("arch,kv", [("dsv32", "bf16"), ("glm", "bf16"), ("dsv32", "fp8")])
+def test_tp2_greedy_matches_tp1_under_forced_spills_with_one_shared_host_pool(arch, kv, request):
     path = request.getfixturevalue(f"{arch}_path")
     batch = prompts(8, 20, 120, seed=10)
     params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randrange(4, 30),
                              ignore_eos=True) for i in range(len(batch))]
-    ref = tiny_pool(path)
+    ref = tiny_pool(path, kv_cache_dtype=kv)
     assert ref._tp is None and type(ref.runner) is ModelRunner     # TP=1: no process, as before
     want = [o.outputs[0].token_ids for o in ref.generate(batch, params)]
 
-    llm = tiny_pool(path, tensor_parallel_size=2)
+    llm = tiny_pool(path, tensor_parallel_size=2, kv_cache_dtype=kv)
     try:
         assert isinstance(llm.runner, TPRunner)
         got = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
