@@ -113,6 +113,21 @@ def test_greedy_spec_identical_to_k0_under_spills(mtp_path, k):
         assert_pools_full(llm)
 
 
+def test_greedy_spec_with_fp8_kv_identical_to_k0_under_spills(mtp_path):
+    """FP8 KV (the CUDA default for DSA models) with MTP: the MTP layer's rows and keys go
+    through the same FP8 formats; greedy output equals k = 0 with the same KV format."""
+    batch = prompts(4, 90, 150, seed=7)
+    ref = tokens(tiny_pool(mtp_path, 0, hot_buffer_size=3 * TOPK, kv_cache_dtype="fp8")
+                 .generate(batch, GREEDY))
+    refs = {tuple(p["prompt_token_ids"]): r for p, r in zip(batch, ref)}
+    llm = tiny_pool(mtp_path, 2, kv_cache_dtype="fp8")
+    llm.core.draft_hook = oracle_hook(refs, 0.7, seed=2)
+    assert tokens(llm.generate(batch, GREEDY)) == ref
+    s = llm.stats()
+    assert s["kv_cache_dtype"] == "fp8" and s["spilled_pages"] > 0 and s["hot_misses"] > 0
+    assert s["spec_accepted_tokens"] > 0
+
+
 def test_greedy_spec_always_host_and_full_acceptance(mtp_path):
     batch = prompts(4, 60, 120, seed=5)
     ref = tokens(tiny_pool(mtp_path, 0, mode="always-host", hot_buffer_size=48)
