@@ -311,15 +311,21 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """``n`` int32 zeros that the kernel leaves zero again. One fixed buffer per device, made
-    on the first eager call (a warm-up precedes any graph capture), so split-K launches on one
-    device must not run concurrently on two streams (hisparse computes on one stream; its side
-    streams only copy). A call that needs more slots, or comes first inside a capture, gets
-    fresh zeros of its own."""
+    on the first eager call (the engine's graph captures run their body eagerly first), so
+    split-K launches on one device must not run concurrently on two streams (hisparse computes
+    on one stream; its side streams only copy). An eager call that needs more slots gets fresh
+    zeros of its own. Inside a CUDA-graph capture nothing is allocated (DESIGN section 7: a
+    buffer made in the graph's pool could be handed to another tensor while replays still
+    write it): no buffer yet, or too small, is an error."""
     buf = _COUNTERS.get(device)
     if buf is not None and n <= buf.numel():
         return buf
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if n > COUNTER_SLOTS or capturing:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"fp8_block_linear_nt: {n} split-K counters needed inside a CUDA "
+                           f"graph capture but {0 if buf is None else buf.numel()} exist: run "
+                           "the call once eagerly before capturing (counters are never "
+                           "allocated in a capture)")
+    if n > COUNTER_SLOTS:
         return torch.zeros(n, dtype=torch.int32, device=device)
     buf = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
