@@ -255,7 +255,9 @@ def _main(argv: list[str], debug: bool) -> int:
     pl.add_argument("--hot-buffer-size", type=int, default=None)
     pl.add_argument("--block-size", type=int, default=64)
     pl.add_argument("--max-num-seqs", type=int, default=256)
-    pl.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "fp16", "fp32"])
+    pl.add_argument("--kv-cache-dtype", default="fp8", choices=["bf16", "fp8", "fp16", "fp32"],
+                    help="KV format planned for (default: %(default)s, what the engine's 'auto' "
+                         "runs on CUDA for DSA models)")
     pl.add_argument("--hit-rate", type=float, default=0.9)
     pl.add_argument("--hbm-gb-s", type=float, default=4800.0)
     pl.add_argument("--pcie-gb-s", type=float, default=55.0)
