@@ -361,7 +361,8 @@ class LLM:
             shard_model_(self.model, 0, tp)
         if num_gpu_blocks is None:
             reserve = 0
-            if k_spec and not enforce_eager and self.model.cuda_graph_safe:
+            # the speculative steps' static buffers exist captured or not (bucketed eager)
+            if k_spec and self.device.type == "cuda" and self.model.cuda_graph_safe:
                 from hisparse.worker.cuda_graph import spec_graph_bytes
                 reserve = spec_graph_bytes(max_num_seqs, k_spec, mc.vocab_size, mc.hidden_size)
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
@@ -486,6 +487,10 @@ class LLM:
         cfg, mc, bs = self.kv_config, self.model_config, self.kv_config.block_size
         graphs = self.runner.graphs
         spec_graphs = getattr(self.runner, "spec_graphs", None)
+        if graphs is not None and not graphs.capture:
+            graphs = None
+        if spec_graphs is not None and not spec_graphs.capture:
+            spec_graphs = None
 
         def size(n: float) -> str:
             return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
@@ -693,7 +698,7 @@ class LLM:
         eager, models whose forward syncs with the host)."""
         self._check_open()
         graphs = self.runner.graphs or getattr(self.runner, "spec_graphs", None)
-        if graphs is not None:
+        if graphs is not None and graphs.capture:
             variants = (False,) if self.kv_config.mode == Mode.GPU_ONLY else (False, True)
             graphs.capture_all(variants)
 

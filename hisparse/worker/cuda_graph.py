@@ -13,7 +13,15 @@ not the GPU, set the step time. A captured step replays them in one call. Inputs
 buffers that each step overwrites; padding tokens carry slot ``-1`` (they write to the sink rows
 and select nothing). Capture runs on padding only, so it changes no KV and no hot-buffer state.
 One graph per (batch bucket, host-read or not); models with a host sync in their forward
-(the MoE's expert dispatch) are not captured. With ``hot_policy="score+prefetch"`` each layer's
+(the MoE's expert dispatch) are not captured.
+
+``capture=False`` runs the same bodies eagerly at every step, over the same static buffers and
+the same padded bucket layout (the engine's ``enforce_eager`` on CUDA, and the tests' stand-in
+for a capture on CPU). A captured step and an eager one then compute the same shapes, so their
+results are bitwise equal: kernels whose rounding depends on the row count (cuBLAS picks its
+GEMM by M) otherwise make a padded graph step and an unpadded eager step of the same batch
+differ in the last bits, which flips near-tie indexer ranks and with them the ``score``
+policy's hot-buffer state (issue 21). With ``hot_policy="score+prefetch"`` each layer's
 prefetch copy is forked onto the runner's prefetch side stream and joined before the step ends
 (:class:`~hisparse.worker.model_runner.HotPrefetcher`); its plans live in the caches' workspace.
 """
@@ -60,8 +68,12 @@ def bucket_for(n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner) -> None:
+    """Plain decode steps (one token per request) per ``(bucket, host_read)``: captured CUDA
+    graphs, or with ``capture=False`` the same bodies run eagerly (module docstring)."""
+
+    def __init__(self, runner, capture: bool = True) -> None:
         self.runner = runner
+        self.capture = capture
         self.model = runner.model
         self.ctx = runner.ctx
         cfg = runner.caches.cfg
@@ -89,6 +101,8 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(batch, host_read)
         graph, logits = self.graphs[key]
         graph.replay()
+        if logits is None:          # not captured: this run's own logits
+            logits = graph.result
         return logits[:n]
 
     @torch.inference_mode()
@@ -111,7 +125,10 @@ class DecodeGraphs:
         self.ctx.finish()
         return logits
 
-    def _capture(self, batch: int, host_read: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _capture(self, batch: int, host_read: bool
+                 ) -> tuple[torch.cuda.CUDAGraph | _Rerun, Tensor | None]:
+        if not self.capture:
+            return _Rerun(lambda: self._body(batch, host_read)), None
         # Capture on padding only: the real inputs are copied in before each replay.
         saved = (self.slots.clone(), self.positions.clone(), self.ids.clone())
         self.slots.fill_(-1)
@@ -132,15 +149,17 @@ class DecodeGraphs:
 
 
 class _Rerun:
-    """Stand-in for a captured graph without CUDA (tests): a replay runs the body again.
-    Graph bodies read and write only static buffers, so this exercises the data flow between
-    staging, graphs and the eager code around them, not the capture itself."""
+    """A step body run eagerly in place of a captured graph (``capture=False``): a replay runs
+    the body again; :attr:`result` holds what the last run returned. Graph bodies read and
+    write only static buffers, so the data flow between staging, graphs and the code around
+    them is the captured one's."""
 
     def __init__(self, body) -> None:
         self.body = body
+        self.result = None
 
     def replay(self) -> None:
-        self.body()
+        self.result = self.body()
 
 
 class SpecGraphs:
@@ -169,11 +188,12 @@ class SpecGraphs:
     hot-buffer state changes) and may happen lazily in the middle of a step: the step's
     staged inputs are saved and restored around it. The graphs share one memory pool; no
     graph's output lives in it (outputs go to the static buffers), so any replay order is
-    safe. ``emulate=True`` (tests without CUDA) replaces each captured graph by a re-run of
-    its body (:class:`_Rerun`).
+    safe. ``capture=False`` (``enforce_eager`` on CUDA; tests without CUDA) replaces each
+    captured graph by a re-run of its body (:class:`_Rerun`), after the same warm-up run on
+    padding a capture makes.
     """
 
-    def __init__(self, runner, num_speculative_tokens: int, emulate: bool = False) -> None:
+    def __init__(self, runner, num_speculative_tokens: int, capture: bool = True) -> None:
         k = int(num_speculative_tokens)
         if k < 1:
             raise ValueError(f"SpecGraphs needs num_speculative_tokens >= 1, got {k}")
@@ -181,7 +201,7 @@ class SpecGraphs:
         self.model = runner.model
         self.ctx = runner.ctx
         self.k, self.k1 = k, k + 1
-        self.emulate = emulate
+        self.capture = capture
         cfg = runner.caches.cfg
         self.max_batch = B = max_bucket(cfg.max_num_seqs)
         T = B * self.k1
@@ -211,7 +231,7 @@ class SpecGraphs:
                                 (self.rope_pos, 0), (self.draft_tokens, 0),
                                 (self.draft_hidden, None))
         self.kinds = ("verify", "draft") + (("chain",) if k >= 2 else ())
-        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[str, int, bool], torch.cuda.CUDAGraph | _Rerun] = {}
         self.replays: Counter[str] = Counter()     # per kind (tests, stats)
 
@@ -340,7 +360,7 @@ class SpecGraphs:
             if pad is not None:
                 t.fill_(pad)
         try:
-            if self.emulate:
+            if not self.capture:
                 body(batch, host_read)          # the warm-up run a capture makes
                 return _Rerun(lambda: body(batch, host_read))
             dev = self.runner.device

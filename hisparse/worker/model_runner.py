@@ -235,7 +235,8 @@ class ModelRunner:
     context_cls = PagedContext
 
     def __init__(self, model, caches: KVCaches, index_topk: int, kv_lora_rank: int,
-                 enforce_eager: bool = False, num_speculative_tokens: int = 0) -> None:
+                 enforce_eager: bool = False, num_speculative_tokens: int = 0,
+                 bucketed: bool | None = None) -> None:
         self.model = model
         self.caches = caches
         self.device = caches.device
@@ -259,14 +260,20 @@ class ModelRunner:
         self._spec: tuple | None = None     # the speculative step between its two halves
         # Captured steps: plain decode, or (speculative decoding, where every step is a
         # speculative one) the verify + MTP draft graphs.
+        # ``bucketed`` (default: on CUDA, for graph-safe models): steps the graphs serve run
+        # through them, captured or (``enforce_eager``) not, so a step computes the same padded
+        # shapes, and so the same bits, whether it was captured or not (issue 21).
         self.graphs = None
         self.spec_graphs = None
-        if cuda and not enforce_eager and model.cuda_graph_safe:
+        if bucketed is None:
+            bucketed = cuda
+        if bucketed and model.cuda_graph_safe:
             from hisparse.worker.cuda_graph import DecodeGraphs, SpecGraphs
+            capture = cuda and not enforce_eager
             if k:
-                self.spec_graphs = SpecGraphs(self, k)
+                self.spec_graphs = SpecGraphs(self, k, capture=capture)
             else:
-                self.graphs = DecodeGraphs(self)
+                self.graphs = DecodeGraphs(self, capture=capture)
 
     def _copy(self, src: Tensor, dst: Tensor, rows: tuple[Tensor, Tensor]) -> None:
         src_rows, dst_rows = rows

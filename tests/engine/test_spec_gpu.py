@@ -111,7 +111,7 @@ def test_spec_cuda_graphs_lossless_and_replayed(mtp_path, k0_outputs, k):
     batch, ref = k0_outputs
     refs = {tuple(p["prompt_token_ids"]): r for p, r in zip(batch, ref)}
     eager = LLM(mtp_path, num_speculative_tokens=k, enforce_eager=True, **graph_kw(k))
-    assert eager.runner.spec_graphs is None
+    assert not eager.runner.spec_graphs.capture       # bucketed eager: same layout
     eager.core.draft_hook = injected(refs, k)
     assert [o.outputs[0].token_ids for o in eager.generate(batch, GREEDY)] == ref
     eager.shutdown()
