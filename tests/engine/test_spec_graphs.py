@@ -85,7 +85,7 @@ def compare_with_eager(llm, atol: float = 1e-4, rtol: float = 1e-4) -> dict:
     real_forward, real_draft = runner.spec_forward, runner.spec_draft
 
     def same_hot_state():
-        for name in ("hot_keys", "hot_lru", "counters"):
+        for name in ("hot_keys", "hot_lru", "hot_flags", "counters"):
             assert torch.equal(getattr(llm.caches, name), getattr(caches, name)), name
 
     def close(got, want):

@@ -39,6 +39,9 @@ def test_graphs_captured_ascending_replay_in_any_order(dense_path, mode):
     assert llm.caches.workspace.data_ptrs() == ptrs    # capture allocated no new workspace
     captured = set(graphs.graphs)
     eager_caches = KVCaches(llm.kv_config, llm.caches.geo, llm.device)
+    # the same replacement policy (the default became "score" after this test was written; an
+    # eager runner left on LRU orders its hot slots differently)
+    eager_caches.set_hot_policy(llm.caches.hot_policy)
     mc = llm.model_config
     eager = ModelRunner(llm.model, eager_caches, mc.index_topk, mc.kv_lora_rank,
                         enforce_eager=True)
@@ -64,6 +67,7 @@ def test_graphs_captured_ascending_replay_in_any_order(dense_path, mode):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         assert torch.equal(llm.caches.hot_keys, eager_caches.hot_keys)
         assert torch.equal(llm.caches.hot_lru, eager_caches.hot_lru)
+        assert torch.equal(llm.caches.hot_flags, eager_caches.hot_flags)
         assert torch.equal(llm.caches.counters, eager_caches.counters)
         eager.drain()
         return got, acks
