@@ -122,6 +122,11 @@ class Point:
     hot_demand_misses: int = 0               # rows a step waited for
     hot_prefetched: int = 0                  # band rows copied ahead (score+prefetch)
     hot_prefetch_hits: int = 0               # prefetched rows later selected
+    # --profile-kernels: device ms per step by kernel class (hisparse.bench.kernels), kernels
+    # per step and per decoder layer, the costliest kernels
+    kernel_ms: dict | None = None
+    kernels_per_layer: float = float("nan")
+    top_kernels: list | None = None
 
 
 PROFILES = {
@@ -255,9 +260,11 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
               kv_cache_dtype: str = "bf16", hot_policy: str = "lru", k: int = 2048,
-              hot_prefetch_rows: int | None = None) -> Point:
+              hot_prefetch_rows: int | None = None, profile_steps: int = 0) -> Point:
     """One engine run (``table``: :func:`topk_table` of ``topk_source`` with top-``k``, or
-    ``None``); the engine is shut down before returning, also on failure."""
+    ``None``); the engine is shut down before returning, also on failure. ``profile_steps``:
+    that many decode steps, once every request decodes, run under the kernel profiler
+    (:mod:`hisparse.bench.kernels`; excluded from the steady-state figures)."""
     from hisparse import LLM
     from hisparse.bench.synthetic import TokenClock, synthetic_runner
 
@@ -277,14 +284,15 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
               runner_cls=synthetic_runner(clock=clock, topk_override=override))
     try:
         return _measure(llm, clock, mode, topk_source, context, concurrency, outputs,
-                        host_pool_gib, hot_policy)
+                        host_pool_gib, hot_policy, profile_steps)
     finally:
         llm.shutdown()   # frees the model, caches and graphs (frozen with the engine's requests)
 
 
 def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int, outputs: int,
-             host_pool_gib: float, hot_policy: str) -> Point:
+             host_pool_gib: float, hot_policy: str, profile_steps: int = 0) -> Point:
     from hisparse import SamplingParams
+    from hisparse.bench.kernels import profile_kernels
 
     llm.capture_cuda_graphs()
     planned = llm.capacity(context=context + outputs, weight_bytes=touched_weight_bytes(
@@ -299,8 +307,18 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
     done_at: dict[str, float] = {}
     n_out: dict[str, int] = {}
     t0 = time.perf_counter()
+    kernels = None
+    decoding_steps = 0
     while llm.has_unfinished_requests():
-        finished = [out for out in llm.step() if out.finished]
+        decoding_steps += all(r in clock.times for r in req_ids)
+        if profile_steps and kernels is None and decoding_steps > 3:
+            outs, first = [], len(clock.steps)
+            kernels = profile_kernels(lambda got=outs: got.extend(llm.step()), profile_steps)
+            for i in range(first, len(clock.steps)):    # not steady-state steps
+                clock.steps[i] = (*clock.steps[i][:2], False, *clock.steps[i][3:])
+        else:
+            outs = llm.step()
+        finished = [out for out in outs if out.finished]
         now = time.perf_counter()
         for out in finished:
             done_at[out.request_id] = now
@@ -328,6 +346,10 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
         steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
         gpu_ms_per_step=steps["gpu_ms_per_step"],
         planned_max_running=planned.max_running, planned_bound_by=planned.bound_by,
+        kernel_ms=None if kernels is None else kernels.ms_per_step,
+        kernels_per_layer=(float("nan") if kernels is None
+                           else kernels.per_layer(llm.model_config.num_layers)),
+        top_kernels=None if kernels is None else kernels.top,
         planned_tok_s=planned.decode_tok_s, hot_policy=hot_policy,
         hot_demand_misses=s["hot_demand_misses"], hot_prefetched=s["hot_prefetched"],
         hot_prefetch_hits=s["hot_prefetch_hits"])
@@ -373,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(LLM(hot_prefetch_rows=); default: the engine's, index_topk // 64)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="profile N decode steps of every point (once every request decodes) "
+                        "and print device ms per step by kernel class and kernels per layer")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
     real_rank = a.model_shape != "tp8-stand-in"
@@ -485,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
                                      hot_policy=policy, k=topk_k,
-                                     hot_prefetch_rows=a.hot_prefetch_rows))
+                                     hot_prefetch_rows=a.hot_prefetch_rows,
+                                     profile_steps=a.profile_kernels))
         for spec in extra if context == contexts[0] else ():
             table = tables[spec, context]
             conc = min(a.locality_concurrency, cap)
@@ -495,11 +521,31 @@ def main(argv: list[str] | None = None) -> int:
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
                                      hot_policy=policy, k=topk_k,
-                                     hot_prefetch_rows=a.hot_prefetch_rows))
+                                     hot_prefetch_rows=a.hot_prefetch_rows,
+                                     profile_steps=a.profile_kernels))
     print_table(points)
+    if a.profile_kernels:
+        print_kernel_table(points)
     print_ratio_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0
+
+
+def print_kernel_table(points: list[Point]) -> None:
+    """Device ms per decode step by kernel class, one column per profiled point."""
+    from hisparse.bench.kernels import KERNEL_CLASSES, OTHER
+
+    prof = [pt for pt in points if pt.kernel_ms]
+    if not prof:
+        return
+    print("kernel class | " + " | ".join(
+        f"{pt.mode} {pt.hot_policy} {pt.context // 1024}k x {pt.running_reached}" for pt in prof))
+    for cls in ["all"] + [c for c, _ in KERNEL_CLASSES] + [OTHER]:
+        print(f"{cls} | " + " | ".join(f"{pt.kernel_ms.get(cls, 0.0):.2f}" for pt in prof))
+    print("kernels per layer | " + " | ".join(f"{pt.kernels_per_layer:.1f}" for pt in prof))
+    for pt in prof:
+        print(f"top kernels, {pt.mode} {pt.context // 1024}k x {pt.running_reached}: " + "; ".join(
+            f"{name[:60]} {ms:.2f}" for name, ms in pt.top_kernels))
 
 
 def print_table(points: list[Point]) -> None:

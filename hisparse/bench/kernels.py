@@ -1,0 +1,94 @@
+"""GPU kernel time per engine step, by kernel class (``hisparse bench --profile-kernels N``).
+
+:func:`profile_kernels` runs ``N`` engine steps under ``torch.profiler`` (CUDA activity only:
+the kernels, memcpys and memsets CUPTI records, inside CUDA-graph replays too) and sums each
+device event's time into the first class of :data:`KERNEL_CLASSES` whose pattern matches the
+kernel's name. Events of the side streams (mirrors, prefetch) count like any other: the figure
+is device time, not the critical path (the step's wall and GPU-event times say that).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# (class, pattern over the kernel name, case-insensitive); the first match wins, so specific
+# classes come before the generic ones ("_moe_gemm" is MoE, "topk" before "index").
+KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
+    ("top-k", r"topk|radix|gatherTopK|bitonic|sort|select_kernel"),
+    ("indexer scoring", r"indexer|_score"),
+    ("attention", r"attention|attn|flash|mla|_combine|splitkv"),
+    ("resolver and miss gather", r"resolve|plan_copy|prefetch|stage_rows|gather_rows"),
+    ("MoE", r"moe|expert"),
+    ("GEMM", r"gemm|gemv|xmma|cutlass|cublas|sm90_|sm80_|matmul|_mm_|scaled_mm|splitk|nvjet"),
+    ("copies", r"copy|memcpy|memset|CatArray|fill"),
+    ("norms and elementwise", r"elementwise|reduce|norm|index|vectorized|softmax|sigmoid|silu|"
+                              r"rope|rotary|quant|where|cast|add|mul|exp|relu|scatter|cumsum"),
+)
+OTHER = "other"
+
+
+def kernel_class(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a kernel name, or ``"other"``."""
+    for cls, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cls
+    return OTHER
+
+
+@dataclass
+class KernelProfile:
+    """Device time of ``steps`` engine steps: ``ms_per_step`` per class (and ``"all"``),
+    ``kernels_per_step`` (device events), ``top`` = the ten costliest kernel names with their
+    ms per step."""
+    steps: int
+    ms_per_step: dict[str, float] = field(default_factory=dict)
+    kernels_per_step: float = 0.0
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+    def per_layer(self, num_layers: int) -> float:
+        """Device events per step and decoder layer."""
+        return self.kernels_per_step / max(1, num_layers)
+
+    def table(self, num_layers: int) -> str:
+        """A short printable table (ms per step by class, kernels per layer, the top kernels)."""
+        rows = [f"  {cls:<26} {ms:8.3f} ms" for cls, ms in self.ms_per_step.items()]
+        rows.append(f"  kernels per step {self.kernels_per_step:.0f} "
+                    f"({self.per_layer(num_layers):.1f} per decoder layer)")
+        rows += [f"    {ms:7.3f} ms  {name[:90]}" for name, ms in self.top]
+        return "\n".join(rows)
+
+
+def summarize(events, steps: int) -> KernelProfile:
+    """Sum device events (``torch.profiler`` ``FunctionEvent`` of a CUDA device type) by class."""
+    per_class: dict[str, float] = defaultdict(float)
+    per_name: Counter[str] = Counter()
+    count = 0
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        us = e.device_time_total
+        per_class[kernel_class(e.name)] += us
+        per_name[e.name] += us
+        count += 1
+    order = [c for c, _ in KERNEL_CLASSES] + [OTHER]
+    ms = {c: per_class[c] / 1e3 / steps for c in order if c in per_class}
+    ms = {"all": sum(per_class.values()) / 1e3 / steps, **ms}
+    top = [(n, us / 1e3 / steps) for n, us in per_name.most_common(10)]
+    return KernelProfile(steps=steps, ms_per_step=ms, kernels_per_step=count / steps, top=top)
+
+
+def profile_kernels(step: Callable[[], object], steps: int) -> KernelProfile:
+    """Run ``step()`` ``steps`` times under the profiler (CUDA activity) and summarize."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return summarize(prof.events(), steps)
