@@ -47,3 +47,47 @@ def test_engine_flags_reach_llm_kwargs():
                                      "--hot-policy", "score+prefetch", "--hot-prefetch-rows", "4"]))
     assert kw["gc_freeze"] is False and kw["kv_cache_dtype"] == "fp8"
     assert kw["hot_policy"] == "score+prefetch" and kw["hot_prefetch_rows"] == 4
+
+
+def _one_line_error(capsys, argv, *needles):
+    """``argv`` fails with exit status 2 and one stderr line that contains ``needles``."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:        # argparse's own errors
+        rc = e.code
+    assert rc == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for n in needles:
+        assert n in err[0], (n, err[0])
+    assert "Traceback" not in err[0]
+
+
+def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys):
+    path = make_random_checkpoint(tmp_path / "ck", "deepseek_v32", seed=1, num_hidden_layers=1,
+                                  max_position_embeddings=4096)
+    capsys.readouterr()
+    plan = ["plan", "--model", path, "--host-pool-gib", "1"]
+    _one_line_error(capsys, ["serve", path, "--threads", "0", "--device", "cpu"], "--threads")
+    _one_line_error(capsys, [*plan, "--gpu-kv-gib", "-1", "--context", "100"], "--gpu-kv-gib")
+    _one_line_error(capsys, [*plan, "--gpu-kv-gib", "1", "--context", "100000"], "--context",
+                    "4096")
+    _one_line_error(capsys, ["serve", path, "--mode", "bogus"], "--mode", "bogus")
+    _one_line_error(capsys, ["generate", "--model", path, "--mode", "bogus"], "--mode")
+    _one_line_error(capsys, ["bench-serve", "--model", path, "--threads", "0"], "--threads")
+    _one_line_error(capsys, ["plan", "--gpu-kv-gib", "1", "--host-pool-gib", "1",
+                             "--context", "8", "--model-shape", "nope"], "--model-shape")
+    _one_line_error(capsys, ["serve", path, "--max-request-bytes", "0"], "--max-request-bytes")
+
+
+def test_plan_model_shape_equals_its_config(tmp_path, capsys):
+    from hisparse.models.shapes import model_shape_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_shape_config("glm-5-tp8-rank")))
+    flags = ["--gpu-kv-gib", "40", "--host-pool-gib", "96", "--context", "32768", "--json"]
+    assert main(["plan", "--model-shape", "glm-5-tp8-rank", *flags]) == 0
+    by_shape = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", str(tmp_path), *flags]) == 0
+    assert json.loads(capsys.readouterr().out) == by_shape
+    assert by_shape["inputs"]["context"] == 32768
+    assert json.dumps(by_shape).count("max_running") >= 3

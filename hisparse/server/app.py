@@ -32,7 +32,14 @@ from hisparse.engine.async_engine import AsyncLLM, Overloaded
 from hisparse.engine.llm import EngineDeadError, RequestOutput
 from hisparse.engine.sampling import MAX_LOGPROBS, SamplingParams
 from hisparse.server import logprobs as lp
-from hisparse.server.http import DEFAULT_MAX_REQUEST_BYTES, USAGE_KEY, Gate, clip, error_type
+from hisparse.server.http import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    USAGE_KEY,
+    Gate,
+    clip,
+    error_body,
+    error_type,
+)
 from hisparse.server.metrics import ServerMetrics
 from hisparse.server.protocol import (
     ChatChoice,
@@ -47,7 +54,6 @@ from hisparse.server.protocol import (
     ModelList,
     TokenizeRequest,
     Usage,
-    error_body,
     unsupported_message,
 )
 

@@ -13,8 +13,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hisparse.server.protocol import error_body
-
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20    # a 128k-token prompt as JSON ids is ~1 MiB
 MAX_ERROR_CHARS = 512                   # error messages are cut to this many characters
 ACCESS_LOG = "hisparse.server.access"
@@ -22,9 +20,15 @@ ACCESS_LOG = "hisparse.server.access"
 # What a handler records in ``scope["hisparse"]`` for the access log line.
 USAGE_KEY = "hisparse"
 
-Scope = dict[str, Any]
+Scope = dict[str, Any]   # (this module imports no pydantic / fastapi: the CLI reads its defaults)
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+
+def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
+               code: int | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:

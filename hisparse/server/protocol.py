@@ -178,11 +178,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
-               code: int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()

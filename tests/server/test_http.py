@@ -3,6 +3,7 @@ server: the OpenAI error shape for every status, 413 without echo, the API key, 
 tokenizer endpoints, models.retrieve, max_tokens past the context, refused fields, the access
 log; the server keeps serving after every bad request."""
 
+import json
 import logging
 
 import httpx
@@ -229,3 +230,16 @@ def test_access_log_line_per_request(srv, caplog):
     ok = [x for x in lines if "POST /v1/completions 200" in x]
     assert ok and "prompt_tokens=3 completion_tokens=3" in ok[-1] and " ms " in ok[-1]
     assert any("GET /v1/missing 404" in x for x in lines)
+
+
+def test_bench_serve_url_finds_the_model_and_sends_the_key(srv, locked, capsys):
+    from hisparse.cli import main
+
+    flags = ["--vocab-size", "384", "--num-prompts", "2", "--input-len", "10",
+             "--output-len", "3", "--json"]
+    assert main(["bench-serve", "--url", srv.url, *flags]) == 0       # no --served-model-name
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["completed"] == 2 and res["failed"] == 0
+    assert main(["bench-serve", "--url", locked.url, "--api-key", KEY, *flags]) == 0
+    assert main(["bench-serve", "--url", locked.url, *flags]) == 2      # 401 listing models
+    assert "--served-model-name" in capsys.readouterr().err
