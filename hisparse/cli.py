@@ -31,8 +31,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hisparse.demo import run_demo
+    from hisparse.demo import demo_checkpoint, run_demo
 
+    if args.checkpoint_only:
+        print(demo_checkpoint())
+        return 0
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     if args.max_tokens < 1:
@@ -283,6 +286,9 @@ def _main(argv: list[str], debug: bool) -> int:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--device", default=None)
     demo.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    demo.add_argument("--checkpoint-only", action="store_true",
+                      help="build the demo checkpoint (random weights, DeepSeek's tokenizer, a "
+                      "chat template) if needed and print its path, e.g. for hisparse serve")
     demo.set_defaults(func=_demo)
 
     gen = sub.add_parser("generate", help="generate from a checkpoint directory")
