@@ -91,3 +91,27 @@ def test_plan_model_shape_equals_its_config(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == by_shape
     assert by_shape["inputs"]["context"] == 32768
     assert json.dumps(by_shape).count("max_running") >= 3
+
+
+def test_readme_llm_example_shows_the_real_defaults():
+    """Every argument of the README's ``LLM(...)`` example but the model is at LLM's default."""
+    import ast
+    import inspect
+    import os
+    import re
+
+    from hisparse import LLM
+    from hisparse.engine.llm import resolve_mode
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "LLM(" in b)
+    call = next(n for n in ast.walk(ast.parse(block)) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) == "LLM")
+    defaults = inspect.signature(LLM.__init__).parameters
+    shown = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "model"}
+    assert len(shown) >= 8
+    for name, value in shown.items():
+        want = defaults[name].default
+        if name == "mode":
+            want = str(resolve_mode(want, None))
+        assert value == want, (name, value, want)
