@@ -5,6 +5,7 @@ log; the server keeps serving after every bad request."""
 
 import json
 import logging
+import time
 
 import httpx
 import openai
@@ -224,6 +225,11 @@ def test_access_log_line_per_request(srv, caplog):
             httpx.post(srv.url + "/v1/completions", json={**GOOD, "max_tokens": 3,
                                                           "ignore_eos": True}, timeout=30)
             httpx.get(srv.url + "/v1/missing", timeout=30)
+            deadline = time.monotonic() + 10      # the line is written once the response is sent
+            while time.monotonic() < deadline and not all(
+                    any(path in r.getMessage() for r in caplog.records)
+                    for path in ("/v1/missing", "/v1/completions")):
+                time.sleep(0.02)
     finally:
         log.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOG]
