@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -123,8 +124,6 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
     405). ``max_request_bytes``: larger bodies get 413."""
     import os
 
-    from fastapi.middleware.cors import CORSMiddleware
-
     model_name = model_name or os.path.basename(os.path.normpath(engine.llm.model_dir))
     if metrics is None:
         metrics = ServerMetrics(model_name)
@@ -140,12 +139,12 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
     st = _State(engine, model_name, _server_tokenizer(engine), metrics)
     app = FastAPI(title="hisparse", version=_version())
     app.state.hisparse = st
+    if allowed_origins:     # inside the gate (as vLLM): every request is logged and counted
+        app.add_middleware(_CORS, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.add_middleware(Gate, max_request_bytes=max_request_bytes, api_key=api_key,
                        on_error=lambda status: metrics.rejected.labels(
                            model_name, str(status)).inc())
-    if allowed_origins:     # outside the gate: preflights and 401s carry the CORS headers
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -260,6 +259,17 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
         return await _serve(st, req, [prompt], params, chat=True, raw=raw)
 
     return app
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS middleware; a refused preflight gets the OpenAI error shape."""
+
+    def preflight_response(self, request_headers) -> Response:
+        r = super().preflight_response(request_headers)
+        if r.status_code < 400:
+            return r
+        return _error_response(APIError(r.status_code, f"CORS preflight refused: "
+                                        f"{clip(r.body.decode(errors='replace'), 200)}"))
 
 
 def _error_response(e: APIError, headers=None) -> JSONResponse:

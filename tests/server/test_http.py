@@ -207,7 +207,8 @@ def test_api_key_guards_v1_and_cors_preflight(locked):
         assert "POST" in pre.headers["access-control-allow-methods"]
         other = c.options("/v1/chat/completions", headers={
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
-        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert "access-control-allow-origin" not in other.headers
+        assert "origin" in assert_openai_error(other, 400)["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
@@ -215,6 +216,8 @@ def test_api_key_guards_v1_and_cors_preflight(locked):
     r = httpx.post(url + "/v1/completions", json=GOOD, timeout=30,
                    headers={"Authorization": f"Bearer {KEY}", "Origin": ORIGIN})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    counted = rejected(url)
+    assert counted["401"] == 5 and counted["400"] == 1        # the refused preflight too
 
 
 def test_access_log_line_per_request(srv, caplog):
