@@ -468,9 +468,11 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's extension: usage so far in every chunk (with include_usage only)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         holdback = max((len(s) for s in stop), default=1) - 1
         return StreamingResponse(
-            _stream(st, subs, rid, chat, prompt_lens, include_usage, holdback,
+            _stream(st, subs, rid, chat, prompt_lens, (include_usage, continuous), holdback,
                     req.return_token_ids, params.logprobs, usage_log),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     finals = await _finals_unless_disconnected(st, subs, raw)
@@ -562,7 +564,7 @@ def _sse(obj) -> str:
 
 
 async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int],
-                  include_usage: bool, holdback: int, return_token_ids: bool,
+                  usage_opts: tuple[bool, bool], holdback: int, return_token_ids: bool,
                   n_logprobs: int | None, usage_log: dict) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -584,11 +586,16 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
     completion = [0] * len(subs)
     left = len(subs)
 
-    def chunk(choices, usage=None):
+    include_usage, continuous = usage_opts
+    prompt_total = sum(prompt_lens)
+
+    def chunk(choices, final: bool = False):
         body = {"id": rid, "object": obj, "created": created, "model": st.model_name,
                 "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
+        if final or continuous:
+            c = sum(completion)
+            body["usage"] = {"prompt_tokens": prompt_total, "completion_tokens": c,
+                             "total_tokens": prompt_total + c}
         return _sse(body)
 
     try:
@@ -628,8 +635,7 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
                 choice["token_ids"] = toks
             yield chunk([choice])
         if include_usage:
-            p, c = sum(prompt_lens), sum(completion)
-            yield chunk([], {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+            yield chunk([], final=True)
         yield "data: [DONE]\n\n"
     finally:
         usage_log["completion_tokens"] = sum(completion)

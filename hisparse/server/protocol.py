@@ -81,6 +81,7 @@ class _Request(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's extension: usage in every chunk too
 
 
 class CompletionRequest(_Request):

@@ -252,3 +252,33 @@ def test_bench_serve_url_finds_the_model_and_sends_the_key(srv, locked, capsys):
     assert main(["bench-serve", "--url", locked.url, "--api-key", KEY, *flags]) == 0
     assert main(["bench-serve", "--url", locked.url, *flags]) == 2      # 401 listing models
     assert "--served-model-name" in capsys.readouterr().err
+
+
+def test_load_generator_bodies_with_continuous_usage(srv):
+    """The bodies guidellm sends (stream_options.continuous_usage_stats, "stop": null,
+    ignore_eos, chat content as text parts): accepted, and usage so far rides every chunk."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    bodies = [("/v1/completions", {"model": "tiny", "prompt": "t5 t6 t7", "max_tokens": 6,
+                                   "stop": None, "ignore_eos": True, "stream": True,
+                                   "stream_options": opts}),
+              ("/v1/chat/completions", {"model": "tiny", "max_completion_tokens": 6,
+                                        "stop": None, "ignore_eos": True, "stream": True,
+                                        "stream_options": opts, "messages": [
+                                            {"role": "user", "content": [
+                                                {"type": "text", "text": "t5 t6"}]}]})]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for path, body in bodies:
+            with c.stream("POST", path, json=body) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            used = [ch["usage"]["completion_tokens"] for ch in chunks]
+            assert len(used) == len(chunks) and used == sorted(used) and used[-1] == 6, used
+            assert len(set(used)) >= 4 and chunks[-1]["choices"] == []
+            assert all(ch["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0
+                       for ch in chunks)
+            plain = {**body, "stream_options": {"include_usage": True}}
+            with c.stream("POST", path, json=plain) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            assert ["usage" in ch for ch in chunks] == [False] * (len(chunks) - 1) + [True]
