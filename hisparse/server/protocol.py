@@ -2,7 +2,8 @@
 
 Requests declare every field the server implements and refuse any other (``extra="forbid"``:
 a 400 naming the field), so a field a client sends is honoured or refused, never ignored. A
-field given as JSON ``null`` counts as not given. :data:`UNSUPPORTED` names the OpenAI / vLLM
+field given as JSON ``null``, or as a value that asks for nothing (:data:`NEUTRAL`, e.g.
+``repetition_penalty: 1.0``), counts as not given. :data:`UNSUPPORTED` names the OpenAI / vLLM
 fields known not to be implemented, with the reason the error gives.
 """
 
@@ -37,21 +38,30 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
+# Values of not-implemented fields that ask for nothing (vLLM's benchmark client sends
+# repetition_penalty=1.0): taken as absent.
+NEUTRAL: dict[str, Any] = {"frequency_penalty": 0, "presence_penalty": 0,
+                           "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+                           "logit_bias": {}, "bad_words": []}
+
+
 def unsupported_message(field: str) -> str:
     why = UNSUPPORTED.get(field, "this server does not implement this field")
     return f"{field}: {why}"
 
 
 class _Strict(BaseModel):
-    """Unknown fields are a 400 naming them; an explicit ``null`` is the same as absent."""
+    """Unknown fields are a 400 naming them; an explicit ``null`` (or a :data:`NEUTRAL` value)
+    is the same as absent."""
 
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
+    def _drop_absent(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+            return {k: v for k, v in data.items() if k in cls.model_fields or not (
+                v is None or (k in NEUTRAL and v == NEUTRAL[k] and type(v) is not bool))}
         return data
 
 

@@ -136,9 +136,11 @@ def test_unimplemented_fields_are_refused_by_name(srv):
         client.chat.completions.create(model="tiny", max_tokens=2, messages=[
             {"role": "user", "content": "t5", "name": "bob"}])
     assert e.value.body["param"] == "messages" and "name" in e.value.body["message"]
-    # best_of=1 and explicit nulls are what not sending them means.
+    # best_of=1, explicit nulls and neutral values are what not sending them means (vLLM's
+    # benchmark client sends repetition_penalty=1.0).
     r = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, best_of=1,
-                                  suffix=None, user="u-1")
+                                  suffix=None, user="u-1", frequency_penalty=0,
+                                  extra_body={"repetition_penalty": 1.0})
     assert r.usage.completion_tokens == 2
     still_serves(srv.url)
 
