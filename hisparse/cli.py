@@ -198,7 +198,8 @@ def _add_serve_parser(sub) -> None:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                          description="Serve MODEL over an OpenAI-compatible HTTP API: "
-                         "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+                         "/v1/completions, /v1/chat/completions, /v1/models[/ID], /tokenize, "
+                         "/detokenize, /version, /health, /metrics.")
     srv.add_argument("model", help="checkpoint directory (config.json + safetensors)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
