@@ -163,9 +163,8 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
                                         error_type(e.status_code)),
                                headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)      # uvicorn logs the traceback (re-raised after this)
     async def _internal_error(request: Request, e: Exception):
-        logger.exception("%s %s failed", request.method, clip(request.url.path, 100))
         return _error_response(APIError(500, f"internal error: {type(e).__name__}", None,
                                         "server_error"))
 

@@ -284,3 +284,17 @@ def test_load_generator_bodies_with_continuous_usage(srv):
                 chunks = [json.loads(line[6:]) for line in r.iter_lines()
                           if line.startswith("data: {")]
             assert ["usage" in ch for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_an_internal_error_is_a_500_in_the_openai_shape(srv, monkeypatch):
+    import hisparse.server.app as app_module
+
+    def broken(*args):
+        raise ZeroDivisionError("secret detail")
+
+    monkeypatch.setattr(app_module, "_completion_prompts", broken)
+    err = assert_openai_error(httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30),
+                              500)
+    assert err["type"] == "server_error" and "secret" not in err["message"]
+    monkeypatch.undo()
+    still_serves(srv.url)
