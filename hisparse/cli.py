@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -30,8 +31,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hisparse.demo import run_demo
+    from hisparse.demo import demo_checkpoint, run_demo
 
+    if args.checkpoint_only:
+        print(demo_checkpoint())
+        return 0
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     if args.max_tokens < 1:
@@ -82,10 +86,57 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from hisparse.engine.capacity import CapacityInputs, format_plan, load_geometry, plan_capacity
+def _plan_config(args: argparse.Namespace):
+    """The DSAConfig ``hisparse plan`` plans for: --model's config.json or a --model-shape."""
+    from hisparse.models.config import DSAConfig
 
-    plan = plan_capacity(load_geometry(args.model), CapacityInputs(
+    if (args.model is None) == (args.model_shape is None):
+        raise ValueError("give exactly one of --model DIR and --model-shape NAME")
+    if args.model_shape is not None:
+        from hisparse.models.shapes import model_shape_config
+
+        return DSAConfig.from_hf(model_shape_config(args.model_shape))
+    path = args.model
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"--model must be a checkpoint directory with config.json or a "
+                         f"config.json path, got {path!r}")
+    with open(file) as f:
+        try:
+            return DSAConfig.from_hf(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model: {file} is not valid JSON ({e.msg})") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import math
+
+    from hisparse.engine.capacity import (
+        CapacityInputs,
+        format_plan,
+        geometry_from_config,
+        plan_capacity,
+    )
+
+    for flag in ("gpu_kv_gib", "host_pool_gib", "weight_bytes"):
+        v = getattr(args, flag)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number >= 0, got {v}")
+    for flag in ("context", "block_size", "max_num_seqs", "hot_buffer_size"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 <= args.hit_rate <= 1:
+        raise ValueError(f"--hit-rate must be in [0, 1], got {args.hit_rate}")
+    for flag in ("hbm_gb_s", "pcie_gb_s"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
+    cfg = _plan_config(args)
+    if args.context > cfg.max_position_embeddings:
+        raise ValueError(f"--context {args.context} exceeds the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    plan = plan_capacity(geometry_from_config(cfg), CapacityInputs(
         context=args.context, gpu_kv_bytes=int(args.gpu_kv_gib * (1 << 30)),
         host_pool_bytes=int(args.host_pool_gib * (1 << 30)), block_size=args.block_size,
         hot_buffer_size=args.hot_buffer_size, max_num_seqs=args.max_num_seqs,
@@ -114,12 +165,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    kwargs = engine_kwargs(args)
     set_cpu_threads(args.device, args.threads)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **kwargs)
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests,
                       log_interval=args.log_interval)
     try:
-        app = create_app(engine, model_name=args.served_model_name)
+        app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+                         allowed_origins=origins or None,
+                         max_request_bytes=args.max_request_bytes)
         logging.getLogger("hisparse.server").info(
             "serving %s on http://%s:%d (OpenAI API under /v1, metrics at /metrics)",
             args.served_model_name or args.model, args.host, args.port)
@@ -132,11 +191,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_parser(sub) -> None:
+    import os
+
     from hisparse.engine.arg_utils import add_engine_args
+    from hisparse.server.http import DEFAULT_MAX_REQUEST_BYTES
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                          description="Serve MODEL over an OpenAI-compatible HTTP API: "
-                         "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+                         "/v1/completions, /v1/chat/completions, /v1/models[/ID], /tokenize, "
+                         "/detokenize, /version, /health, /metrics.")
     srv.add_argument("model", help="checkpoint directory (config.json + safetensors)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -148,6 +211,14 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--log-interval", type=float, default=10.0,
                      help="seconds between throughput / tier log lines while busy, 0: off "
                      "(default: %(default)s)")
+    srv.add_argument("--api-key", default=os.environ.get("HISPARSE_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics, "
+                     "/tokenize stay open) (default: $HISPARSE_API_KEY, else none)")
+    srv.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                     help="CORS: comma-separated origins allowed to call the API from a "
+                     "browser, '*' for any (default: none, no CORS headers)")
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="larger request bodies get 413 (default: %(default)s)")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
@@ -204,7 +275,9 @@ def _main(argv: list[str], debug: bool) -> int:
         from hisparse.bench.serve import main as bench_serve_main
 
         return bench_serve_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
+    from hisparse.engine.arg_utils import ArgParser, add_engine_args
+
+    parser = ArgParser(prog="hisparse", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hisparse {_version()}")
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks and debug logs (anywhere on the line)")
@@ -214,8 +287,10 @@ def _main(argv: list[str], debug: bool) -> int:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--device", default=None)
     demo.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    demo.add_argument("--checkpoint-only", action="store_true",
+                      help="build the demo checkpoint (random weights, DeepSeek's tokenizer, a "
+                      "chat template) if needed and print its path, e.g. for hisparse serve")
     demo.set_defaults(func=_demo)
-    from hisparse.engine.arg_utils import add_engine_args
 
     gen = sub.add_parser("generate", help="generate from a checkpoint directory")
     gen.add_argument("--model", required=True)
@@ -248,7 +323,11 @@ def _main(argv: list[str], debug: bool) -> int:
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=_simulate)
     pl = sub.add_parser("plan", help="max running requests per mode (reads config.json)")
-    pl.add_argument("--model", required=True, help="checkpoint directory or config.json")
+    pl.add_argument("--model", default=None, help="checkpoint directory or config.json")
+    from hisparse.models.shapes import MODEL_SHAPES
+
+    pl.add_argument("--model-shape", choices=MODEL_SHAPES, default=None,
+                    help="plan for a built-in shape instead of --model (as hisparse bench)")
     pl.add_argument("--gpu-kv-gib", type=float, required=True, help="GPU arena + indexer cache")
     pl.add_argument("--host-pool-gib", type=float, required=True)
     pl.add_argument("--context", type=int, required=True, help="tokens per request")

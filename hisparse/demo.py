@@ -10,17 +10,22 @@ import time
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
-DEMO_CONFIG = dict(num_hidden_layers=3, index_topk=32, max_position_embeddings=4096)
+# vocab_size: DeepSeek-V3.2's, so DeepSeek's own tokenizer (written into the checkpoint) fits.
+DEMO_CONFIG = dict(num_hidden_layers=3, index_topk=32, max_position_embeddings=4096,
+                   vocab_size=129280)
 
 
 def demo_checkpoint(cache_dir: str | None = None) -> str:
-    """Build (once) and return the demo checkpoint directory."""
+    """Build (once) and return the demo checkpoint directory: random weights plus DeepSeek's
+    tokenizer and a chat template, so ``hisparse serve`` on it answers text and chat requests.
+    A cached checkpoint from before the tokenizer is rebuilt."""
     from hisparse.models.random_checkpoint import make_random_checkpoint
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "hisparse")
     path = os.path.join(cache_dir, "demo-deepseek_v32-random")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_random_checkpoint(path, "deepseek_v32", seed=0, **DEMO_CONFIG)
+    if not all(os.path.exists(os.path.join(path, f))
+               for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+        make_random_checkpoint(path, "deepseek_v32", seed=0, tokenizer=True, **DEMO_CONFIG)
     return path
 
 

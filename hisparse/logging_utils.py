@@ -35,6 +35,8 @@ def set_cpu_threads(device: str | None, threads: int | None = None) -> int | Non
 
     if threads is None and (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
         return None
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     n = threads if threads is not None else max(1, min(4, (os.cpu_count() or 2) // 2))
     torch.set_num_threads(n)
     return n

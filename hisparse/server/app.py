@@ -5,8 +5,11 @@
     uvicorn.run(app, host="0.0.0.0", port=8000)
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Bad requests get 400 with an OpenAI-style error naming the
-field (``{"error": {"message", "type", "param", "code"}}``); a full queue gets 503.
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes),
+``GET /version``, ``GET /health``, ``GET /metrics``. Every error status has the OpenAI shape
+(``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the request field where
+one is at fault); bad requests and fields the server does not implement get 400, a full queue
+503. :mod:`hisparse.server.http` adds the size limit (413), the API key (401) and the access log.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hisparse.engine.async_engine import AsyncLLM, Overloaded
 from hisparse.engine.llm import EngineDeadError, RequestOutput
 from hisparse.engine.sampling import MAX_LOGPROBS, SamplingParams
 from hisparse.server import logprobs as lp
+from hisparse.server.http import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    USAGE_KEY,
+    Gate,
+    clip,
+    error_body,
+    error_type,
+)
 from hisparse.server.metrics import ServerMetrics
 from hisparse.server.protocol import (
     ChatChoice,
@@ -37,10 +50,12 @@ from hisparse.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     Usage,
-    error_body,
+    unsupported_message,
 )
 
 logger = logging.getLogger("hisparse.server")
@@ -98,9 +113,15 @@ def _server_tokenizer(engine: AsyncLLM):
 
 
 def create_app(engine: AsyncLLM, model_name: str | None = None,
-               metrics: ServerMetrics | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, *, api_key: str | None = None,
+               allowed_origins: list[str] | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name`` (default: the model directory's
-    name). Owns nothing: the caller shuts the engine down."""
+    name). Owns nothing: the caller shuts the engine down.
+
+    ``api_key``: ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (None: open).
+    ``allowed_origins``: CORS origins (``["*"]``: any; None: no CORS headers, preflights get
+    405). ``max_request_bytes``: larger bodies get 413."""
     import os
 
     model_name = model_name or os.path.basename(os.path.normpath(engine.llm.model_dir))
@@ -118,29 +139,34 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
     st = _State(engine, model_name, _server_tokenizer(engine), metrics)
     app = FastAPI(title="hisparse", version=_version())
     app.state.hisparse = st
-
-    def error_response(e: APIError) -> JSONResponse:
-        if e.status in (400, 503):
-            metrics.rejected.labels(model_name, str(e.status)).inc()
-        return JSONResponse(error_body(e.message, e.param, e.type, e.status),
-                            status_code=e.status)
+    if allowed_origins:     # inside the gate (as vLLM): every request is logged and counted
+        app.add_middleware(_CORS, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(Gate, max_request_bytes=max_request_bytes, api_key=api_key,
+                       on_error=lambda status: metrics.rejected.labels(
+                           model_name, str(status)).inc())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e)
+        return _error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc)
-        msg = f"{where}: {first.get('msg', 'invalid value')}" if where else \
-            first.get("msg", "invalid request body")
-        if first.get("input") is not None and not isinstance(first.get("input"), (dict, list)):
-            msg += f" (got {first['input']!r})"
-        return error_response(APIError(400, msg, param))
+        return _error_response(_validation_api_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        what = {404: "no such endpoint", 405: "method not allowed"}.get(
+            e.status_code, str(e.detail))
+        return _error_response(APIError(e.status_code, f"{request.method} "
+                                        f"{clip(request.url.path, 100)}: {what}", None,
+                                        error_type(e.status_code)),
+                               headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)      # uvicorn logs the traceback (re-raised after this)
+    async def _internal_error(request: Request, e: Exception):
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}", None,
+                                        "server_error"))
 
     @app.get("/health")
     async def health():
@@ -149,9 +175,52 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
                                            "server_error", 503), status_code=503)
         return {"status": "ok"}
 
+    card = ModelCard(id=model_name, max_model_len=st.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=st.max_model_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"model {clip(model_id, 100)!r} does not exist; this server "
+                           f"serves {model_name!r}", "model", "not_found_error")
+        return card
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        _check_model(st, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) and messages (chat)",
+                           "prompt" if req.prompt is None else "messages")
+        if req.prompt is not None:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = _encode(st, req.prompt, "prompt", special)["prompt_token_ids"]
+        else:
+            ids = _chat_prompt(st, req.messages, req.add_generation_prompt,
+                               bool(req.add_special_tokens))["prompt_token_ids"]
+        body = {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = st.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        _check_model(st, req.model)
+        if st.tokenizer is None:
+            raise APIError(400, "detokenize needs a tokenizer in the model directory",
+                           "tokens")
+        vocab = engine.llm.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {vocab})", "tokens")
+        return {"prompt": st.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -163,10 +232,14 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
     async def completions(req: CompletionRequest, raw: Request):
         _check_common(st, req)
         if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
+            raise APIError(400, "echo: prompt echo is not supported", "echo")
+        if req.best_of is not None and req.best_of != 1:
+            raise APIError(400, f"best_of: only best_of=1 is supported (use n for several "
+                           f"samples), got {req.best_of}", "best_of")
         prompts = _completion_prompts(st, req.prompt)
-        params = _sampling(req, req.max_tokens if req.max_tokens is not None else 16,
-                           req.logprobs)
+        _check_max_tokens(st, prompts, req.max_tokens, "max_tokens")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        params = _sampling(req, max_tokens, req.logprobs)
         return await _serve(st, req, prompts, params, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
@@ -176,12 +249,55 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
                 not req.logprobs or not 0 <= req.top_logprobs <= MAX_LOGPROBS):
             raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] and "
                            f"needs logprobs=true, got {req.top_logprobs!r}", "top_logprobs")
-        prompt = _chat_prompt(st, req)
-        max_tokens = req.max_completion_tokens or req.max_tokens or st.max_model_len
+        prompt = _chat_prompt(st, req.messages, req.add_generation_prompt)
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        asked = req.max_completion_tokens or req.max_tokens
+        _check_max_tokens(st, [prompt], asked, field)
+        max_tokens = asked or st.max_model_len
         params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         return await _serve(st, req, [prompt], params, chat=True, raw=raw)
 
     return app
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS middleware; a refused preflight gets the OpenAI error shape."""
+
+    def preflight_response(self, request_headers) -> Response:
+        r = super().preflight_response(request_headers)
+        if r.status_code < 400:
+            return r
+        return _error_response(APIError(r.status_code, f"CORS preflight refused: "
+                                        f"{clip(r.body.decode(errors='replace'), 200)}"))
+
+
+def _error_response(e: APIError, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(clip(e.message), e.param, e.type, e.status),
+                        status_code=e.status, headers=headers)
+
+
+def _validation_api_error(errs) -> APIError:
+    """The 400 of pydantic's first error: the field it names, never the input's offset or
+    the body itself."""
+    first = errs[0] if errs else {}
+    kind = first.get("type", "")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object "
+                        "(content-type: application/json)")
+    param, where = loc[0], ".".join(loc)
+    if kind == "extra_forbidden":
+        field = loc[-1]
+        msg = unsupported_message(field) if len(loc) == 1 else \
+            f"{where}: this field is not supported"
+        return APIError(400, msg, param)
+    msg = f"{where}: {first.get('msg', 'invalid value')}"
+    got = first.get("input")
+    if got is not None and not isinstance(got, (dict, list)):
+        msg += f" (got {clip(repr(got), 60)})"
+    return APIError(400, msg, param)
 
 
 def _version() -> str:
@@ -194,10 +310,29 @@ def _version() -> str:
 
 
 # ---------------------------------------------------------------------- request preparation
-def _check_common(st: _State, req) -> None:
-    if req.model is not None and req.model != st.model_name:
-        raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+def _check_model(st: _State, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise APIError(404, f"model {clip(model, 100)!r} does not exist; this server serves "
                        f"{st.model_name!r}", "model", "not_found_error")
+
+
+def _check_max_tokens(st: _State, prompts: list[dict], max_tokens: int | None,
+                      field: str) -> None:
+    """An explicit ``max_tokens`` beyond the context a prompt leaves is a 400 naming the limit
+    (as vLLM); a default one is cut to it. A prompt that leaves nothing is the engine's 400."""
+    if max_tokens is None:
+        return
+    for p in prompts:
+        n = len(p["prompt_token_ids"])
+        if n < st.max_model_len and n + max_tokens > st.max_model_len:
+            raise APIError(400, f"{field}: this model's maximum context length is "
+                           f"{st.max_model_len} tokens and the prompt has {n}, so at most "
+                           f"{st.max_model_len - n} can be generated; got {field}={max_tokens}",
+                           field)
+
+
+def _check_common(st: _State, req) -> None:
+    _check_model(st, req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
     if req.stop is not None:
@@ -242,13 +377,14 @@ def _completion_prompts(st: _State, prompt) -> list[dict]:
     return [{"prompt_token_ids": list(p), "text": None} for p in prompt]
 
 
-def _chat_prompt(st: _State, req: ChatCompletionRequest) -> dict:
+def _chat_prompt(st: _State, chat: list, add_generation_prompt: bool,
+                 add_special_tokens: bool = False) -> dict:
     tok = st.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template (tokenizer_config.json "
                        "chat_template): use /v1/completions", "messages")
     messages = []
-    for m in req.messages:
+    for m in chat:
         content = m.content
         if isinstance(content, list):
             parts = [p.get("text", "") for p in content if p.get("type") == "text"]
@@ -259,10 +395,10 @@ def _chat_prompt(st: _State, req: ChatCompletionRequest) -> dict:
         messages.append({"role": m.role, "content": content or ""})
     try:
         text = tok.apply_chat_template(messages, tokenize=False,
-                                       add_generation_prompt=req.add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - the template's own error
         raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-    return _encode(st, text, "messages", special=False)
+    return _encode(st, text, "messages", special=add_special_tokens)
 
 
 # ---------------------------------------------------------------------- running requests
@@ -325,13 +461,18 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
     stop = req.stop_strings()
     subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts for _ in range(req.n)]
+    usage_log = raw.scope.setdefault(USAGE_KEY, {})     # the access log line's token counts
+    usage_log["prompt_tokens"] = sum(len(p["prompt_token_ids"]) for p in prompts)
+    usage_log["user"] = req.user
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's extension: usage so far in every chunk (with include_usage only)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         holdback = max((len(s) for s in stop), default=1) - 1
         return StreamingResponse(
-            _stream(st, subs, rid, chat, prompt_lens, include_usage, holdback,
-                    req.return_token_ids, params.logprobs),
+            _stream(st, subs, rid, chat, prompt_lens, (include_usage, continuous), holdback,
+                    req.return_token_ids, params.logprobs, usage_log),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     finals = await _finals_unless_disconnected(st, subs, raw)
     if finals is None:      # the client went away: its requests are aborted, nobody reads this
@@ -344,6 +485,7 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
     usage = Usage(prompt_tokens=sum(len(p["prompt_token_ids"]) for p in prompts),
                   completion_tokens=completion)
     usage.total_tokens = usage.prompt_tokens + completion
+    usage_log["completion_tokens"] = completion
     tok_ids = (lambda o: o.outputs[0].token_ids) if req.return_token_ids else (lambda o: None)
     n_top = params.logprobs
 
@@ -421,8 +563,8 @@ def _sse(obj) -> str:
 
 
 async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int],
-                  include_usage: bool, holdback: int, return_token_ids: bool,
-                  n_logprobs: int | None) -> AsyncIterator[str]:
+                  usage_opts: tuple[bool, bool], holdback: int, return_token_ids: bool,
+                  n_logprobs: int | None, usage_log: dict) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
@@ -443,11 +585,16 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
     completion = [0] * len(subs)
     left = len(subs)
 
-    def chunk(choices, usage=None):
+    include_usage, continuous = usage_opts
+    prompt_total = sum(prompt_lens)
+
+    def chunk(choices, final: bool = False):
         body = {"id": rid, "object": obj, "created": created, "model": st.model_name,
                 "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
+        if final or continuous:
+            c = sum(completion)
+            body["usage"] = {"prompt_tokens": prompt_total, "completion_tokens": c,
+                             "total_tokens": prompt_total + c}
         return _sse(body)
 
     try:
@@ -487,10 +634,10 @@ async def _stream(st: _State, subs, rid: str, chat: bool, prompt_lens: list[int]
                 choice["token_ids"] = toks
             yield chunk([choice])
         if include_usage:
-            p, c = sum(prompt_lens), sum(completion)
-            yield chunk([], {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+            yield chunk([], final=True)
         yield "data: [DONE]\n\n"
     finally:
+        usage_log["completion_tokens"] = sum(completion)
         for t in tasks:   # a client that went away: its requests are aborted
             t.cancel()
 

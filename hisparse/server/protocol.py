@@ -1,16 +1,71 @@
-"""OpenAI-compatible request and response models (the subset hisparse serves)."""
+"""OpenAI-compatible request and response models (the subset hisparse serves).
+
+Requests declare every field the server implements and refuse any other (``extra="forbid"``:
+a 400 naming the field), so a field a client sends is honoured or refused, never ignored. A
+field given as JSON ``null``, or as a value that asks for nothing (:data:`NEUTRAL`, e.g.
+``repetition_penalty: 1.0``), counts as not given. :data:`UNSUPPORTED` names the OpenAI / vLLM
+fields known not to be implemented, with the reason the error gives.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Known request fields this server does not implement -> why (the 400's message).
+UNSUPPORTED: dict[str, str] = {
+    "suffix": "insertion (suffix) is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "frequency_penalty": "penalties are not supported",
+    "presence_penalty": "penalties are not supported",
+    "repetition_penalty": "penalties are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "min_p": "min_p is not supported",
+    "min_tokens": "min_tokens is not supported",
+    "bad_words": "bad_words is not supported",
+    "response_format": "structured output is not supported",
+    "guided_json": "structured output is not supported",
+    "guided_regex": "structured output is not supported",
+    "guided_choice": "structured output is not supported",
+    "guided_grammar": "structured output is not supported",
+    "structured_outputs": "structured output is not supported",
+}
 
 
-class _Request(BaseModel):
-    # Unknown OpenAI fields (presence_penalty, user, ...) are accepted and ignored.
-    model_config = ConfigDict(extra="allow")
+# Values of not-implemented fields that ask for nothing (vLLM's benchmark client sends
+# repetition_penalty=1.0): taken as absent.
+NEUTRAL: dict[str, Any] = {"frequency_penalty": 0, "presence_penalty": 0,
+                           "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+                           "logit_bias": {}, "bad_words": []}
+
+
+def unsupported_message(field: str) -> str:
+    why = UNSUPPORTED.get(field, "this server does not implement this field")
+    return f"{field}: {why}"
+
+
+class _Strict(BaseModel):
+    """Unknown fields are a 400 naming them; an explicit ``null`` (or a :data:`NEUTRAL` value)
+    is the same as absent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k in cls.model_fields or not (
+                v is None or (k in NEUTRAL and v == NEUTRAL[k] and type(v) is not bool))}
+        return data
+
+
+class _Request(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -26,6 +81,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False        # vLLM's extension: token ids in each choice
     skip_special_tokens: bool = True      # vLLM's extension: special tokens out of the text
+    user: str | None = None               # end-user id: written to the access log only
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -33,20 +89,20 @@ class _Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's extension: usage in every chunk too
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False                    # True: a 400 (prompt echo is not supported)
+    best_of: int | None = None            # > 1: a 400 (only n independent samples)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -56,6 +112,23 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: ``prompt`` (text) or ``messages`` (chat template), not both.
+    ``add_special_tokens`` defaults to True for a prompt, False for messages (as vLLM)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class Usage(BaseModel):
@@ -114,11 +187,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
-               code: int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 _Request.model_rebuild()
