@@ -26,11 +26,38 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False        # vLLM's extension: token ids in each choice
     skip_special_tokens: bool = True      # vLLM's extension: special tokens out of the text
+    # sampling (hisparse.engine.sampling.SamplingParams checks the ranges)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    # structured output: one of these (vLLM's names)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
