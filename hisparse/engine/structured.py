@@ -10,8 +10,10 @@ appends and finishes the request when the grammar terminates (:mod:`hisparse.eng
 The host needs a request's last token before filling its next mask: with the overlapped loop
 the engine applies the step in flight before sampling a step that has constrained rows.
 
-JSON schemas are compiled with any whitespace allowed, but at most
-:data:`MAX_WHITESPACE` characters in a row (so a weak model cannot loop on spaces).
+JSON (schemas and ``json_object``) is compiled without free whitespace (xgrammar's
+``any_whitespace=False``: the separators ``", "`` and ``": "``, like vLLM's
+``disable_any_whitespace``): a model that favours whitespace (a weak or random one) could
+otherwise spend every token on it and never close the object.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ import torch
 from torch import Tensor
 
 from hisparse.engine.sampling import StructuredOutputsParams
-
-MAX_WHITESPACE = 16
 
 
 class GrammarBackend:
@@ -60,10 +60,11 @@ class GrammarBackend:
         if so.json is not None:
             name = "structured_outputs.json"
             schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            build = lambda: c.compile_json_schema(schema, any_whitespace=True,  # noqa: E731
-                                                  max_whitespace_cnt=MAX_WHITESPACE)
+            build = lambda: c.compile_json_schema(schema, any_whitespace=False)  # noqa: E731
         elif so.json_object:
-            name, build = "structured_outputs.json_object", c.compile_builtin_json_grammar
+            name = "structured_outputs.json_object"
+            build = lambda: c.compile_json_schema(  # noqa: E731
+                '{"type": "object"}', any_whitespace=False)
         elif so.regex is not None:
             name = "structured_outputs.regex"
             build = lambda: c.compile_regex(so.regex)  # noqa: E731
