@@ -60,22 +60,22 @@ class GrammarBackend:
         if so.json is not None:
             name = "structured_outputs.json"
             schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            build = lambda: c.compile_json_schema(schema, any_whitespace=False)  # noqa: E731
+            build = lambda: c.compile_json_schema(schema, any_whitespace=False)
         elif so.json_object:
             name = "structured_outputs.json_object"
-            build = lambda: c.compile_json_schema(  # noqa: E731
+            build = lambda: c.compile_json_schema(
                 '{"type": "object"}', any_whitespace=False)
         elif so.regex is not None:
             name = "structured_outputs.regex"
-            build = lambda: c.compile_regex(so.regex)  # noqa: E731
+            build = lambda: c.compile_regex(so.regex)
         elif so.choice is not None:
             name = "structured_outputs.choice"
             ebnf = "root ::= " + " | ".join(json.dumps(ch, ensure_ascii=False)
                                             for ch in so.choice)
-            build = lambda: c.compile_grammar(ebnf)  # noqa: E731
+            build = lambda: c.compile_grammar(ebnf)
         else:
             name = "structured_outputs.grammar"
-            build = lambda: c.compile_grammar(so.grammar)  # noqa: E731
+            build = lambda: c.compile_grammar(so.grammar)
         try:
             return build()
         except Exception as e:  # noqa: BLE001 - xgrammar's own parse / schema error

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 
 import openai
 import pytest
+from byte_tokenizer import write_byte_tokenizer
 
 from hisparse import LLM, SamplingParams
 from hisparse.engine.async_engine import AsyncLLM
@@ -23,25 +23,6 @@ pytest.importorskip("xgrammar")
 BASE = dict(device="cpu", dtype="float32", block_size=8, max_model_len=320, max_num_seqs=4,
             host_pool_gib=0.02, max_num_batched_tokens=64)
 PROMPT = [7, 30, 55, 91, 120, 4, 66]
-
-
-def write_byte_tokenizer(path) -> None:
-    """A byte-level BPE tokenizer built offline: ``<s>`` 0, ``</s>`` 1 (eos), then the 256
-    byte symbols (no merges: one token per byte)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<s>": 0, "</s>": 1}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-                   "eos_token": "</s>", "model_max_length": 1024,
-                   "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"},
-                  f)
 
 
 @pytest.fixture(scope="module")
