@@ -306,8 +306,8 @@ class EngineCore:
         if self.logits_state is not None:
             batch = self.logits_state.prepare(
                 params, handles, slots,
-                [(r.token_ids, len(r.prompt_token_ids)) for r in requests], out_index,
-                self.eos_token_ids, drafts)
+                lambda i: (requests[i].token_ids, len(requests[i].prompt_token_ids)),
+                out_index, self.eos_token_ids, drafts)
         elif any(p.uses_penalties or p.logit_bias or p.bad_words_token_ids or p.min_tokens
                  for p in params):
             raise RuntimeError("this engine core has no vocabulary: no logits processors")

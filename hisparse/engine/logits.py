@@ -22,7 +22,7 @@ before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,15 +76,18 @@ class LogitsState:
 
     # ------------------------------------------------------------------ per step (host)
     def prepare(self, params: Sequence[SamplingParams], handles: Sequence, slots: Sequence[int],
-                token_lists: Sequence[tuple[list[int], int]], out_index: Sequence[int],
+                token_lists: Callable[[int], tuple[list[int], int]], out_index: Sequence[int],
                 eos_token_ids: frozenset[int],
                 drafts: Sequence[Sequence[int]] | None = None) -> LogitsBatch | None:
         """Pack one step's processor inputs; None when no row uses a processor.
 
         Request ``i`` (``params[i]``, KV ``handles[i]`` and ``slots[i]``) owns ``1 +
         len(drafts[i])`` consecutive logits rows (one without ``drafts``); ``out_index[i]`` is
-        the output index of its first row's token, ``token_lists[i]`` its ``(token_ids,
-        prompt_len)`` (read only when its state row is rebuilt)."""
+        the output index of its first row's token, ``token_lists(i)`` its ``(token_ids,
+        prompt_len)`` (called only when its state row is rebuilt)."""
+        if not any(p.min_tokens or p.logit_bias or p.bad_words_token_ids or p.uses_penalties
+                   for p in params):
+            return None     # the common case: one cheap pass
         n_req = len(params)
         k = max((len(d) for d in drafts), default=0) if drafts is not None else 0
         counts = [1 + len(drafts[i]) for i in range(n_req)] if drafts is not None \
@@ -123,7 +126,7 @@ class LogitsState:
             p_rows, p_toks, o_rows, o_toks = [], [], [], []
             recent = np.full((len(init), WINDOW), -1, dtype=np.int64)
             for m, i in enumerate(init):
-                ids, n_prompt = token_lists[i]
+                ids, n_prompt = token_lists(i)
                 prompt, out = ids[:n_prompt], ids[n_prompt:]
                 p_rows.append(np.full(len(prompt), slots[i]))
                 p_toks.append(prompt)

@@ -83,7 +83,8 @@ def test_vectorised_processors_match_the_reference(k):
         logits = torch.randn(rows, V, generator=g) * 3
         batch = state.prepare([r["p"] for r in reqs], [r["handle"] for r in reqs],
                               [r["slot"] for r in reqs],
-                              [(r["prompt"] + r["out"], len(r["prompt"])) for r in reqs],
+                              lambda i: (reqs[i]["prompt"] + reqs[i]["out"],
+                                         len(reqs[i]["prompt"])),
                               [len(r["out"]) for r in reqs], EOS, drafts if k else None)
         got = state.apply(batch, logits.clone())
         row = 0
