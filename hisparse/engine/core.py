@@ -308,8 +308,7 @@ class EngineCore:
                 params, handles, slots,
                 lambda i: (requests[i].token_ids, len(requests[i].prompt_token_ids)),
                 out_index, self.eos_token_ids, drafts)
-        elif any(p.uses_penalties or p.logit_bias or p.bad_words_token_ids or p.min_tokens
-                 for p in params):
+        elif any(p.processors for p in params):
             raise RuntimeError("this engine core has no vocabulary: no logits processors")
         mask = None
         if self.grammar is not None and drafts is None:

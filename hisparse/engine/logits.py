@@ -22,6 +22,7 @@ before it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,16 +30,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hisparse.engine.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
+from hisparse.engine.sampling import (
+    BAD_WORDS,
+    BIAS,
+    MAX_BAD_WORD_TOKENS,
+    MIN_TOKENS,
+    PENALTIES,
+    SamplingParams,
+)
 from hisparse.worker.step_state import _Staging
 
 WINDOW = MAX_BAD_WORD_TOKENS - 1   # output tokens a bad word's prefix is matched against
-_PAD = -2                          # bad-word prefix padding: matches anything
+_PAD = -2     # bad-word prefix padding: matches anything (SamplingParams.packed_bad_words)
+
+
+STATE = PENALTIES | BAD_WORDS      # processors that read the device token state
 
 
 def needs_state(p: SamplingParams) -> bool:
     """The request reads the device token state (penalties or bad words)."""
-    return p.uses_penalties or bool(p.bad_words_token_ids)
+    return bool(p.processors & STATE)
 
 
 @dataclass
@@ -85,23 +96,28 @@ class LogitsState:
         len(drafts[i])`` consecutive logits rows (one without ``drafts``); ``out_index[i]`` is
         the output index of its first row's token, ``token_lists(i)`` its ``(token_ids,
         prompt_len)`` (called only when its state row is rebuilt)."""
-        if not any(p.min_tokens or p.logit_bias or p.bad_words_token_ids or p.uses_penalties
-                   for p in params):
-            return None     # the common case: one cheap pass
+        flags = [p.processors for p in params]
+        if not any(flags):
+            return None     # the common case: one attribute per row
         n_req = len(params)
         k = max((len(d) for d in drafts), default=0) if drafts is not None else 0
         counts = [1 + len(drafts[i]) for i in range(n_req)] if drafts is not None \
             else [1] * n_req
-        track = [needs_state(p) for p in params]
-        pen = any(p.uses_penalties for p in params)
-        has_bias = any(p.logit_bias for p in params)
-        has_bw = any(p.bad_words_token_ids for p in params)
-        has_min = any(out_index[i] < p.min_tokens for i, p in enumerate(params))
-        if not (any(track) or has_bias or has_min):
+        every = 0
+        for f in flags:
+            every |= f
+        track = [bool(f & STATE) for f in flags]
+        pen = bool(every & PENALTIES)
+        has_bias = bool(every & BIAS)
+        has_bw = bool(every & BAD_WORDS)
+        has_min = bool(every & MIN_TOKENS) and any(
+            out_index[i] < params[i].min_tokens for i in range(n_req) if flags[i] & MIN_TOKENS)
+        if not (pen or has_bw or has_bias or has_min):
             return None
         N = sum(counts)
-        row0 = np.cumsum([0] + counts[:-1])
-        ints: list[np.ndarray] = [np.repeat(np.asarray(slots, dtype=np.int64), counts)]
+        row0 = list(itertools.accumulate([0] + counts[:-1]))
+        ints: list[np.ndarray] = [np.asarray(slots, dtype=np.int64) if drafts is None
+                                  else np.repeat(np.asarray(slots, dtype=np.int64), counts)]
         floats: list[np.ndarray] = []
         layout: dict[str, tuple[int, int]] = {}
         o = N
@@ -151,9 +167,8 @@ class LogitsState:
         if has_bias:
             rows, toks, vals = [], [], []
             for i, p in enumerate(params):
-                if p.logit_bias:
-                    ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
-                    v = np.fromiter(p.logit_bias.values(), dtype=np.float32)
+                if flags[i] & BIAS:
+                    ids, v = p.packed_bias
                     for j in range(counts[i]):
                         rows.append(np.full(ids.size, row0[i] + j))
                         toks.append(ids)
@@ -163,33 +178,30 @@ class LogitsState:
             floats.append(np.concatenate(vals))
         if has_min:
             rows, toks = [], []
+            eos = list(eos_token_ids)
             for i, p in enumerate(params):
-                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                if not stop:
+                if not flags[i] & MIN_TOKENS or out_index[i] >= p.min_tokens:
                     continue
-                stop_ids = np.fromiter(stop, dtype=np.int64)
-                for j in range(counts[i]):
-                    if out_index[i] + j < p.min_tokens:
-                        rows.append(np.full(stop_ids.size, row0[i] + j))
-                        toks.append(stop_ids)
+                stop = p.stop_token_ids + ([] if p.ignore_eos else eos)
+                for j in range(min(counts[i], p.min_tokens - out_index[i])):
+                    rows += [row0[i] + j] * len(stop)
+                    toks += stop
             has_min = bool(rows)
             if has_min:
-                put("ban_rows", np.concatenate(rows))
-                put("ban_toks", np.concatenate(toks))
+                put("ban_rows", rows)
+                put("ban_toks", toks)
         if has_bw:
             rows, last, prefix = [], [], []
             for i, p in enumerate(params):
-                for w in p.bad_words_token_ids or ():
-                    pre = np.full(WINDOW, _PAD, dtype=np.int64)
-                    if len(w) > 1:
-                        pre[WINDOW - len(w) + 1:] = w[:-1]
+                if flags[i] & BAD_WORDS:
+                    w_last, w_prefix = p.packed_bad_words
                     for j in range(counts[i]):
-                        rows.append(row0[i] + j)
-                        last.append(w[-1])
-                        prefix.append(pre)
-            put("bw_rows", rows)
-            put("bw_last", last)
-            put("bw_prefix", np.stack(prefix))
+                        rows.append(np.full(w_last.size, row0[i] + j))
+                        last.append(w_last)
+                        prefix.append(w_prefix)
+            put("bw_rows", np.concatenate(rows))
+            put("bw_last", np.concatenate(last))
+            put("bw_prefix", np.concatenate(prefix))
         dev_i = self._upload(self._ints, np.concatenate(ints))
         dev_f = self._upload(self._floats, np.concatenate(floats)) if floats else None
 

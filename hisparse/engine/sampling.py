@@ -20,6 +20,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,6 +29,8 @@ MAX_LOGPROBS = 20      # top log-probabilities per token, at most (OpenAI's limi
 MAX_BAD_WORD_TOKENS = 32   # tokens of one bad word, at most (the device keeps the last 31)
 MAX_BAD_WORDS = 128        # bad words of one request, at most (after tokenization)
 MAX_LOGIT_BIAS = 100.0     # |logit_bias| values, at most (OpenAI's range)
+# SamplingParams.processors bits
+PENALTIES, BIAS, BAD_WORDS, MIN_TOKENS = 1, 2, 4, 8
 
 
 def _is_int(v) -> bool:
@@ -144,6 +147,15 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # which logits processors the request uses (PENALTIES | BIAS | BAD_WORDS | MIN_TOKENS
+    # bits), computed by __post_init__: the engine reads one attribute per row per step
+    processors: int = field(default=0, init=False, repr=False, compare=False)
+    # the same, packed once for the per-step host work: logit_bias as (ids int64 [b], biases
+    # fp32 [b]); bad words as (last ids int64 [w], prefixes int64 [w, MAX_BAD_WORD_TOKENS-1]
+    # right-aligned, -2 padding)
+    packed_bias: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    packed_bad_words: tuple | None = field(default=None, init=False, repr=False,
+                                           compare=False)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -227,6 +239,21 @@ class SamplingParams:
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(so).__name__}")
+        self.packed_bias = self.packed_bad_words = None
+        if self.logit_bias:
+            self.packed_bias = (np.fromiter(self.logit_bias, dtype=np.int64),
+                                np.fromiter(self.logit_bias.values(), dtype=np.float32))
+        if self.bad_words_token_ids:
+            words, width = self.bad_words_token_ids, MAX_BAD_WORD_TOKENS - 1
+            prefix = np.full((len(words), width), -2, dtype=np.int64)
+            for r, w in enumerate(words):
+                if len(w) > 1:
+                    prefix[r, width - len(w) + 1:] = w[:-1]
+            self.packed_bad_words = (np.asarray([w[-1] for w in words], dtype=np.int64), prefix)
+        self.processors = ((PENALTIES if self.uses_penalties else 0)
+                           | (BIAS if self.logit_bias else 0)
+                           | (BAD_WORDS if self.bad_words_token_ids else 0)
+                           | (MIN_TOKENS if self.min_tokens else 0))
 
     @property
     def greedy(self) -> bool:

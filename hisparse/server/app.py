@@ -12,6 +12,7 @@ field (``{"error": {"message", "type", "param", "code"}}``); a full queue gets 5
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -331,7 +332,7 @@ async def _submit_all(st: _State, prompts: list[dict], params: SamplingParams, n
             for j in range(n):
                 p = params
                 if n > 1 and params.seed is not None:   # n distinct, reproducible samples
-                    p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                    p = dataclasses.replace(params, seed=params.seed + j)
                 subs.append(await st.engine.submit(
                     {"prompt_token_ids": prompt["prompt_token_ids"]}, p, stop=stop))
     except BaseException as e:
