@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from hisparse.engine import sampling, spec
+from hisparse.engine.logits import LogitsBatch, LogitsState
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler, StepUpdate
 from hisparse.kv.plan import StepPlan
@@ -154,7 +155,7 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner, eos_token_ids: frozenset[int],
                  async_scheduling: bool, num_speculative_tokens: int = 0,
-                 gc_freeze: bool = True) -> None:
+                 gc_freeze: bool = True, vocab_size: int | None = None) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.freezer = RequestFreezer(gc_freeze)
         self.spec_stats = spec.SpecStats()
@@ -178,6 +179,13 @@ class EngineCore:
         self._token_bufs = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._sampling_staging = sampling.SamplingStaging(n, self.device)
+        # Penalty / bad-word token state (None: a core without a vocabulary, benchmarks; such
+        # a core serves no request that uses them). ``grammar``: the structured-output
+        # backend, set by the LLM at the first constrained request.
+        self.logits_state = (LogitsState(n, vocab_size, self.device)
+                             if vocab_size is not None else None)
+        self.grammar = None
+        self._early: tuple[StepUpdate, dict[str, str]] | None = None
 
     # ------------------------------------------------------------------ the loop
     def request_added(self) -> None:
@@ -197,6 +205,9 @@ class EngineCore:
             done = previous
         else:
             done = launched
+        if self._early is not None:   # the previous step, applied before this one sampled
+            early, self._early = self._early, None
+            return early
         if done is not None:
             return self._apply(done)
         if plan is None:
@@ -243,11 +254,22 @@ class EngineCore:
         params = [r.sampling for r in samplers]
         # The output index of the token each row samples (the seeded RNG's counter).
         steps = [r.num_output_tokens + r.kv.num_pending_tokens - 1 for r in samplers]
+        handles = [r.kv for r in samplers]
+        slots = [s.slot for s in plan.seqs if s.sample]
+        if self._in_flight is not None and any(r.grammar is not None for r in samplers):
+            # A grammar mask needs the request's last token on the host: apply the step in
+            # flight now (this step's forward is queued already; step() returns its update).
+            previous, self._in_flight = self._in_flight, None
+            self._early = self._apply(previous)
+        raw = logits
+        logits, finite, batch = self._process(raw, samplers, params, handles, slots, steps)
         try:
             tokens = sampling.sample_tensor(logits, sampling.SamplingTensors.build(
-                params, steps, logits.device, self._sampling_staging))
+                params, steps, logits.device, self._sampling_staging), finite)
         except Exception:  # noqa: BLE001 - find the rows that fail, one by one
-            tokens = self._sample_rows(logits, launched, params, steps)
+            tokens = self._sample_rows(logits, launched, params, steps, finite)
+        if batch is not None:
+            self.logits_state.record(batch, tokens)
         self.runner.commit_sampled(tokens)
         buf = self._token_bufs[self._turn][:len(samplers)]
         self._turn ^= 1
@@ -256,7 +278,7 @@ class EngineCore:
         if rows:    # only the rows that asked: a [rows, vocab] fp32 log-softmax, not [S, vocab]
             launched.logprob_rows = rows
             pick = torch.tensor(rows, device=logits.device)
-            on_device = sampling.token_logprobs(logits[pick], tokens[pick],
+            on_device = sampling.token_logprobs(raw[pick], tokens[pick],
                                                 max(params[i].logprobs for i in rows))
         if self.device.type == "cuda":
             buf.copy_(tokens, non_blocking=True)
@@ -271,6 +293,37 @@ class EngineCore:
             launched.logprobs = on_device
         launched.tokens = buf
         return launched
+
+    def _process(self, logits: Tensor, requests: list[Request], params, handles, slots,
+                 out_index: list[int], drafts: list[list[int]] | None = None
+                 ) -> tuple[Tensor, Tensor | None, LogitsBatch | None]:
+        """The logits processors (grammar masks, bad words, min_tokens, logit bias,
+        penalties) on a copy of ``logits``: ``(processed, finite, batch)``. ``finite [N]``
+        (None when nothing ran: the sampler checks) is the raw rows' finiteness and that some
+        token survived the masks. ``drafts``: speculative rows (see
+        :meth:`LogitsState.prepare`); grammar masks are never combined with them."""
+        batch = None
+        if self.logits_state is not None:
+            batch = self.logits_state.prepare(
+                params, handles, slots,
+                lambda i: (requests[i].token_ids, len(requests[i].prompt_token_ids)),
+                out_index, self.eos_token_ids, drafts)
+        elif any(p.processors for p in params):
+            raise RuntimeError("this engine core has no vocabulary: no logits processors")
+        mask = None
+        if self.grammar is not None and drafts is None:
+            rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+            if rows:
+                mask = self.grammar.prepare(rows, [requests[i].grammar for i in rows])
+        if batch is None and mask is None:
+            return logits, None, None
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = logits.clone()
+        if mask is not None:
+            self.grammar.apply(mask, logits)
+        if batch is not None:
+            self.logits_state.apply(batch, logits)
+        return logits, finite & (logits.amax(dim=-1) > float("-inf")), batch
 
     def _spec_step(self, plan: StepPlan) -> tuple[StepUpdate, dict[str, str]]:
         """One speculative step, synchronously: verify forward, rejection sampling, MTP drafts
@@ -296,9 +349,17 @@ class EngineCore:
         outs: list[list[int]] = []
         stats, row = self.spec_stats, 0
         all_greedy = all(p.greedy for p in params)
+        finite_t = None
+        slots = [s.slot for s in plan.seqs if s.sample]
+        if samplers:    # penalties etc. at every verified position (drafts before it count)
+            logits, finite_t, _ = self._process(
+                logits, samplers, params, [r.kv for r in samplers], slots,
+                [r.num_output_tokens for r in samplers], [r.spec_draft[:n - 1] for r, n in
+                                                          zip(samplers, num_logits)])
         if samplers and all_greedy:     # one host copy: argmaxes and finiteness of every row
             targets = logits.argmax(dim=-1).tolist()
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            finite = (torch.isfinite(logits).all(dim=-1) if finite_t is None
+                      else finite_t).tolist()
         elif samplers:
             probs = spec.filtered_probs(logits, [p for p, n in zip(params, num_logits)
                                                  for _ in range(n)])
@@ -318,6 +379,8 @@ class EngineCore:
                 stats.drafted += len(drafts)
                 stats.accepted += len(toks) - 1
                 stats.emitted += len(toks)
+        if samplers and self.logits_state is not None:
+            self.logits_state.record_spec(slots, outs, params)
         # MTP inputs: each token's next token (accepted, sampled or a known prompt token).
         next_ids, draft_rows, offset, i = [], [], 0, 0
         for seq, req in zip(plan.seqs, requests):
@@ -360,10 +423,11 @@ class EngineCore:
                   f"{req.num_output_tokens}" for req in update.failed}
         return update, errors
 
-    def _sample_rows(self, logits: Tensor, launched: _LaunchedStep, params, steps) -> Tensor:
+    def _sample_rows(self, logits: Tensor, launched: _LaunchedStep, params, steps,
+                     finite: Tensor | None) -> Tensor:
         """Row-by-row fallback after the batched sampler raised: a row that raises fails its
         request; if every row of several fails, the fault is engine-wide."""
-        rows = sampling.sample_rows(logits, params, steps)
+        rows = sampling.sample_rows(logits, params, steps, finite)
         if len(rows) > 1 and all(isinstance(t, Exception) for t in rows):
             raise rows[0]
         for req, tok in zip(launched.requests, rows):
@@ -372,6 +436,22 @@ class EngineCore:
         return torch.tensor([-1 if isinstance(t, Exception) else t for t in rows],
                             dtype=torch.int64, device=logits.device)
 
+    def _advance_grammars(self, update: StepUpdate, errors: dict[str, str]) -> None:
+        """Advance each constrained request's matcher with the token it got; finish it when
+        its grammar terminated (``"stop"``), fail it if the grammar rejects the token."""
+        for req in update.progressed:
+            m = req.grammar
+            if m is None or req.finished:
+                continue
+            tok = req.token_ids[-1]
+            if not m.accept_token(tok):
+                errors[req.req_id] = f"structured output: the grammar rejected token {tok}"
+                self.scheduler.finish(req.req_id, "error")
+                update.failed.append(req)
+            elif m.is_terminated():
+                self.scheduler.finish(req.req_id, "stop")
+                update.finished.append(req)
+
     def _apply(self, launched: _LaunchedStep) -> tuple[StepUpdate, dict[str, str]]:
         tokens: list[int] = []
         if launched.tokens is not None:
@@ -379,6 +459,8 @@ class EngineCore:
                 launched.event.synchronize()
             tokens = launched.tokens.tolist()
         update = self.scheduler.update(launched.plan, tokens, self.eos_token_ids)
+        if self.grammar is not None:
+            self._advance_grammars(update, launched.errors)
         if launched.logprobs is not None:
             _attach_logprobs(launched, update)
         errors = {}

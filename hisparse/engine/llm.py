@@ -360,11 +360,12 @@ class LLM:
             from hisparse.models.tp import shard_model_
             shard_model_(self.model, 0, tp)
         if num_gpu_blocks is None:
-            reserve = 0
+            from hisparse.engine.logits import LogitsState
+            reserve = LogitsState.nbytes(max_num_seqs, mc.vocab_size)   # penalty token state
             # the speculative steps' static buffers exist captured or not (bucketed eager)
             if k_spec and self.device.type == "cuda" and self.model.cuda_graph_safe:
                 from hisparse.worker.cuda_graph import spec_graph_bytes
-                reserve = spec_graph_bytes(max_num_seqs, k_spec, mc.vocab_size, mc.hidden_size)
+                reserve += spec_graph_bytes(max_num_seqs, k_spec, mc.vocab_size, mc.hidden_size)
             num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
                                                       max_num_seqs * pages, min_gpu,
                                                       gpu_memory_utilization, reserve)
@@ -388,7 +389,7 @@ class LLM:
         self.scheduler = Scheduler(self.kv_config)
         self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
                                async_scheduling, num_speculative_tokens=k_spec,
-                               gc_freeze=gc_freeze)
+                               gc_freeze=gc_freeze, vocab_size=mc.vocab_size)
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
@@ -645,7 +646,59 @@ class LLM:
         if params.logprobs is not None and self.core.num_speculative_tokens:
             raise ValueError("logprobs: not supported with num_speculative_tokens > 0 (the "
                              "verify step does not report them yet)")
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
+        words = list(params.bad_words_token_ids or [])
+        bad = [t for w in words for t in w if t >= vocab]
+        if bad:
+            raise ValueError(f"bad_words_token_ids: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab})")
+        if params.bad_words:
+            words += self._bad_word_ids(params.bad_words)
+            params = dataclasses.replace(params, bad_words_token_ids=words, bad_words=None)
+        if params.structured_outputs is not None:
+            if self.core.num_speculative_tokens:
+                raise ValueError("structured_outputs: not supported with "
+                                 "num_speculative_tokens > 0 (drafts are not run through the "
+                                 "grammar)")
+            self._grammar("structured_outputs").compile(params.structured_outputs)
         return params
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word alone and after a space (a word-start
+        token often differs), without special tokens; the token sequences, deduplicated."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: needs a tokenizer in the model directory; use "
+                             "bad_words_token_ids")
+        vocab = self.model_config.vocab_size
+        out: list[list[int]] = []
+        for w in words:
+            for text in (w, " " + w.lstrip()):
+                ids = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+                if ids and ids not in out and all(t < vocab for t in ids):
+                    out.append(ids)
+        # same limits as token-id words (SamplingParams names them)
+        return SamplingParams(bad_words_token_ids=out or None).bad_words_token_ids or []
+
+    def _grammar(self, field: str):
+        """The structured-output backend (built at the first constrained request: xgrammar's
+        tokenizer info over the engine's tokenizer)."""
+        if self.core.grammar is None:
+            if self.tokenizer is None:
+                raise ValueError(f"{field}: structured output needs a tokenizer in the model "
+                                 "directory")
+            try:
+                from hisparse.engine.structured import GrammarBackend
+            except ImportError as e:
+                raise ValueError(f"{field}: structured output needs xgrammar (pip install "
+                                 f"'hisparse[structured]'): {e}") from None
+            self.core.grammar = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size,
+                sorted(self.model_config.eos_token_ids), self.scheduler.cfg.max_num_seqs,
+                self.device)
+        return self.core.grammar
 
     def _check_id(self, request_id, taken: set[str] = frozenset()) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -678,6 +731,9 @@ class LLM:
         req = Request(req_id, ids, max_tokens=params.max_tokens, max_len=max_len,
                       sampling=params, stop_token_ids=frozenset(params.stop_token_ids),
                       prompt_text=text)
+        if params.structured_outputs is not None:    # compiled in _check_request: a cache hit
+            backend = self._grammar("structured_outputs")
+            req.grammar = backend.matcher(backend.compile(params.structured_outputs))
         self.scheduler.add(req)
         self._requests[req_id] = req
         self.core.request_added()

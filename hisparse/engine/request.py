@@ -41,6 +41,8 @@ class Request:
     # per output token, ``{token id: log-probability}`` (sampled token first), when the request
     # asked for logprobs (``SamplingParams.logprobs``); else None
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    # structured output: the request's xgrammar matcher (advanced with every appended token)
+    grammar: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -15,6 +15,7 @@ one is at fault); bad requests and fields the server does not implement get 400,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hisparse.engine.async_engine import AsyncLLM, Overloaded
 from hisparse.engine.llm import EngineDeadError, RequestOutput
-from hisparse.engine.sampling import MAX_LOGPROBS, SamplingParams
+from hisparse.engine.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from hisparse.server import logprobs as lp
 from hisparse.server.http import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -62,7 +63,12 @@ logger = logging.getLogger("hisparse.server")
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
                     "ignore_eos", "n", "stop", "logprobs", "top_logprobs", "model", "messages",
-                    "prompt", "stream_options", "max_completion_tokens")
+                    "prompt", "stream_options", "max_completion_tokens",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                    "min_p", "min_tokens", "bad_words")
+# request fields that carry an output constraint (at most one per request)
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "structured_outputs")
 
 
 class APIError(Exception):
@@ -83,8 +89,52 @@ def _param_of(message: str, prompt_field: str) -> str | None:
     return word if word in _SAMPLING_FIELDS else None
 
 
-def _bad(e: ValueError, prompt_field: str) -> APIError:
-    return APIError(400, str(e), _param_of(str(e), prompt_field))
+def _bad(e: ValueError, prompt_field: str, constraint_field: str | None = None) -> APIError:
+    msg = str(e)
+    if constraint_field is not None and msg.startswith("structured_outputs"):
+        # the engine names its own field; the client sent another (response_format, ...)
+        head, _, rest = msg.partition(":")
+        return APIError(400, f"{constraint_field}{head[len('structured_outputs'):]}:{rest}",
+                        constraint_field)
+    return APIError(400, msg, _param_of(msg, prompt_field))
+
+
+def _constraint_field(req) -> str | None:
+    """The request field that carries its output constraint (None: unconstrained); 400 when
+    several do."""
+    used = [f for f in _CONSTRAINT_FIELDS if getattr(req, f) is not None
+            and not (f == "response_format" and req.response_format.type == "text")]
+    if len(used) > 1:
+        raise APIError(400, f"{used[1]}: only one output constraint per request (also got "
+                       f"{used[0]})", used[1])
+    return used[0] if used else None
+
+
+def _structured(req) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever field carries it."""
+    field = _constraint_field(req)
+    if field is None:
+        return None
+    try:
+        if field == "response_format":
+            rf = req.response_format
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format: type json_schema needs "
+                               "json_schema.schema", field)
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        if field == "structured_outputs":
+            known = {"json", "json_object", "regex", "choice", "grammar"}
+            extra = sorted(set(req.structured_outputs) - known)
+            if extra:
+                raise APIError(400, f"structured_outputs: unsupported key {extra[0]!r} "
+                               f"(supported: {sorted(known)})", field)
+            return StructuredOutputsParams(**req.structured_outputs)
+        kind = field.removeprefix("guided_")
+        return StructuredOutputsParams(**{kind: getattr(req, field)})
+    except ValueError as e:
+        raise APIError(400, f"{field}: {e}", field) from None
 
 
 class _State:
@@ -349,7 +399,13 @@ def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
                               seed=req.seed, max_tokens=max_tokens,
                               stop_token_ids=list(req.stop_token_ids or []),
                               ignore_eos=req.ignore_eos, logprobs=logprobs,
-                              skip_special_tokens=req.skip_special_tokens)
+                              skip_special_tokens=req.skip_special_tokens,
+                              frequency_penalty=req.frequency_penalty,
+                              presence_penalty=req.presence_penalty,
+                              repetition_penalty=req.repetition_penalty,
+                              logit_bias=req.logit_bias, min_p=req.min_p,
+                              min_tokens=req.min_tokens, bad_words=req.bad_words,
+                              structured_outputs=_structured(req))
     except ValueError as e:
         raise _bad(e, "prompt") from None
 
@@ -403,7 +459,8 @@ def _chat_prompt(st: _State, chat: list, add_generation_prompt: bool,
 
 # ---------------------------------------------------------------------- running requests
 async def _submit_all(st: _State, prompts: list[dict], params: SamplingParams, n: int,
-                      stop: list[str], prompt_field: str) -> list[tuple[str, object]]:
+                      stop: list[str], prompt_field: str,
+                      constraint_field: str | None = None) -> list[tuple[str, object]]:
     """Queue prompts x n requests, all or nothing."""
     subs: list[tuple[str, object]] = []
     try:
@@ -411,14 +468,14 @@ async def _submit_all(st: _State, prompts: list[dict], params: SamplingParams, n
             for j in range(n):
                 p = params
                 if n > 1 and params.seed is not None:   # n distinct, reproducible samples
-                    p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                    p = dataclasses.replace(params, seed=params.seed + j)
                 subs.append(await st.engine.submit(
                     {"prompt_token_ids": prompt["prompt_token_ids"]}, p, stop=stop))
     except BaseException as e:
         for rid, _ in subs:
             st.engine.abort(rid)
         if isinstance(e, ValueError):
-            raise _bad(e, prompt_field) from None
+            raise _bad(e, prompt_field, constraint_field) from None
         if isinstance(e, Overloaded):
             raise APIError(503, str(e), None, "overloaded_error") from None
         if isinstance(e, EngineDeadError):
@@ -459,7 +516,8 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                  raw: Request):
     prompt_field = "messages" if chat else "prompt"
     stop = req.stop_strings()
-    subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field)
+    subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field,
+                             _constraint_field(req))
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts for _ in range(req.n)]
     usage_log = raw.scope.setdefault(USAGE_KEY, {})     # the access log line's token counts
     usage_log["prompt_tokens"] = sum(len(p["prompt_token_ids"]) for p in prompts)

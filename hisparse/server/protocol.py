@@ -2,8 +2,7 @@
 
 Requests declare every field the server implements and refuse any other (``extra="forbid"``:
 a 400 naming the field), so a field a client sends is honoured or refused, never ignored. A
-field given as JSON ``null``, or as a value that asks for nothing (:data:`NEUTRAL`, e.g.
-``repetition_penalty: 1.0``), counts as not given. :data:`UNSUPPORTED` names the OpenAI / vLLM
+field given as JSON ``null`` counts as not given. :data:`UNSUPPORTED` names the OpenAI / vLLM
 fields known not to be implemented, with the reason the error gives.
 """
 
@@ -22,27 +21,7 @@ UNSUPPORTED: dict[str, str] = {
     "parallel_tool_calls": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "frequency_penalty": "penalties are not supported",
-    "presence_penalty": "penalties are not supported",
-    "repetition_penalty": "penalties are not supported",
-    "logit_bias": "logit_bias is not supported",
-    "min_p": "min_p is not supported",
-    "min_tokens": "min_tokens is not supported",
-    "bad_words": "bad_words is not supported",
-    "response_format": "structured output is not supported",
-    "guided_json": "structured output is not supported",
-    "guided_regex": "structured output is not supported",
-    "guided_choice": "structured output is not supported",
-    "guided_grammar": "structured output is not supported",
-    "structured_outputs": "structured output is not supported",
 }
-
-
-# Values of not-implemented fields that ask for nothing (vLLM's benchmark client sends
-# repetition_penalty=1.0): taken as absent.
-NEUTRAL: dict[str, Any] = {"frequency_penalty": 0, "presence_penalty": 0,
-                           "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-                           "logit_bias": {}, "bad_words": []}
 
 
 def unsupported_message(field: str) -> str:
@@ -51,8 +30,7 @@ def unsupported_message(field: str) -> str:
 
 
 class _Strict(BaseModel):
-    """Unknown fields are a 400 naming them; an explicit ``null`` (or a :data:`NEUTRAL` value)
-    is the same as absent."""
+    """Unknown fields are a 400 naming them; an explicit ``null`` is the same as absent."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -60,8 +38,7 @@ class _Strict(BaseModel):
     @classmethod
     def _drop_absent(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if k in cls.model_fields or not (
-                v is None or (k in NEUTRAL and v == NEUTRAL[k] and type(v) is not bool))}
+            return {k: v for k, v in data.items() if k in cls.model_fields or v is not None}
         return data
 
 
@@ -82,11 +59,38 @@ class _Request(_Strict):
     return_token_ids: bool = False        # vLLM's extension: token ids in each choice
     skip_special_tokens: bool = True      # vLLM's extension: special tokens out of the text
     user: str | None = None               # end-user id: written to the access log only
+    # sampling (hisparse.engine.sampling.SamplingParams checks the ranges)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    # structured output: one of these (vLLM's names)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):

@@ -30,10 +30,13 @@ COPIES = ("restores", "indexer_restores", "mirrors", "indexer_mirrors")
 
 
 class _Staging:
-    """Two pinned (CUDA) int64 host buffers and a device buffer; grows only between steps."""
+    """Two pinned (CUDA) host buffers (int64 unless ``dtype``) and a device buffer; grows only
+    between steps."""
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
+    def __init__(self, device: torch.device, capacity: int,
+                 dtype: torch.dtype = torch.int64) -> None:
         self.device = device
+        self.dtype = dtype
         self.pin = device.type == "cuda"
         self.turn = 0
         self.events: list[torch.cuda.Event | None] = [None, None]
@@ -41,13 +44,13 @@ class _Staging:
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin)
+        self.host = [torch.empty(capacity, dtype=self.dtype, pin_memory=self.pin)
                      for _ in range(2)]
         self.host_np = [h.numpy() for h in self.host]
-        self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self.dev = torch.empty(capacity, dtype=self.dtype, device=self.device)
 
     def begin(self, n: int) -> np.ndarray:
-        """A host array of ``n`` int64 to fill (safe to write now)."""
+        """A host array of ``n`` values to fill (safe to write now)."""
         if n > self.capacity:
             for e in self.events:
                 if e is not None:

@@ -63,10 +63,10 @@ def test_bad_sampling_values_are_rejected_up_front(kw):
 def test_a_failing_sampler_row_finishes_that_request_with_an_error(engine, monkeypatch):
     real = sampling_mod.sample_tensor
 
-    def flaky(logits, st):
+    def flaky(logits, st, finite=None):
         if bool((st.seeded & (st.seeds == 666)).any()):
             raise RuntimeError("probability tensor contains nan")
-        return real(logits, st)
+        return real(logits, st, finite)
 
     good, bad = prompt(20, 1), prompt(25, 2)
     want = engine.generate([good], GREEDY)[0].outputs[0].token_ids
