@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import glue
 from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
 from .config import DSAConfig
-from .context import SparseAttentionContext
+from .context import NewKeys, NewRows, SparseAttentionContext
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
@@ -94,29 +95,22 @@ def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool 
 
 
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm (:func:`hisparse.ops.glue.rms_norm_reference`), one fused kernel
+    on CUDA; :meth:`add` fuses the residual add in front of it."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        lead = x.shape[:-1]
+        y, _ = glue.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)
+        return y.view(*lead, y.shape[-1])
 
-
-def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])``; output laid out ``[rotated evens | rotated odds]``."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(x[i], x[i + d/2])`` (non-interleaved, "rotate_half" convention)."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``."""
+        return glue.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary:
@@ -145,17 +139,19 @@ class DSAIndexer(nn.Module):
         self.wk = make_linear(cfg, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # fp32
-        self.rope = rope_interleaved if cfg.indexer_rope_interleaved else rope_half
+        self.interleaved = cfg.indexer_rope_interleaved
         # relu(q.k * Di^-0.5) = Di^-0.5 * relu(q.k): both scales fold into the per-head weights.
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
 
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor,
-                sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        T, r = x.shape[0], self.rope_dim
+                sin: Tensor) -> tuple[Tensor, Tensor, NewKeys]:
+        """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``. ``weights_proj`` runs in
+        fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``)."""
+        T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        q = torch.cat([self.rope(q[..., :r], cos[:, None], sin[:, None]), q[..., r:]], dim=-1)
-        k = self.k_norm(self.wk(x))
-        k = torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        q = glue.rope_heads(q, cos, sin, self.rope_dim, self.interleaved)
+        k = NewKeys(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
+                    self.rope_dim, self.interleaved)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
         return q, w, k
 
@@ -190,15 +186,12 @@ class DSAAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, H, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        kv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_pe = rope_interleaved(kv[:, self.kv_lora_rank:], cos, sin)
-        q_pe = rope_interleaved(q_pe, cos[:, None], sin[:, None])
-
-        kv_new = torch.cat([c_kv, k_pe], dim=-1)                                    # [T, R + rope]
+        norm = self.kv_a_layernorm
+        # the rows [kv_a_layernorm(c_kv) | roped k_pe], written by the context in one kernel
+        kv_new = NewRows(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin,
+                         self.kv_lora_rank)
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
-        # [T, H, R + rope]
-        q_latent = torch.cat([q_abs, q_pe], dim=-1)
+        q_latent = glue.mla_q_latent(q_abs, q_pe, cos, sin)                         # [T, H, R+rope]
         if self.indexer is not None:
             index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin)
         else:
@@ -310,9 +303,15 @@ class DSADecoderLayer(nn.Module):
         self.mlp = (DSAMoE(cfg) if mlp_type == "sparse"
                     else DSAMLP(cfg, cfg.intermediate_size))
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
+                residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns ``(out, residual)``: the layer's output hidden is ``out + residual`` (the
+        next norm adds them, fused). The input hidden is ``h + residual`` (``h`` alone when
+        ``residual`` is None)."""
+        x, residual = self.input_layernorm.add(h, residual)
+        x, residual = self.post_attention_layernorm.add(self.self_attn(x, cos, sin, ctx),
+                                                        residual)
+        return self.mlp(x), residual
 
 
 class DSAMTPLayer(nn.Module):
@@ -339,7 +338,8 @@ class DSAMTPLayer(nn.Module):
         hidden states ``[T, H]`` (main model's final-normed output, or this layer's output for
         a chained draft). Returns the pre-head hidden ``[T, H]`` (before ``shared_head.norm``)."""
         x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
-        return self.layer(self.eh_proj(x), cos, sin, ctx)
+        out, residual = self.layer(self.eh_proj(x), cos, sin, ctx)
+        return out + residual
 
 
 class DSAModel(nn.Module):
@@ -430,9 +430,10 @@ class DSAForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, cos, sin, ctx, residual)
+        return self.model.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""

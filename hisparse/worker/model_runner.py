@@ -101,13 +101,17 @@ class PagedContext:
         c = self.caches
         arena = c.arena_layer(layer_idx)
         fp8 = c.geo.fp8
-        if fp8:     # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
+        if not isinstance(kv_new, Tensor):  # norm + RoPE (+ FP8 quantization) + write, fused
+            kv_new.write(arena, self.kv_rows)
+        elif fp8:   # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
             ops.quantize_write_mla_rows(kv_new, arena, self.kv_rows, self.kv_lora_rank)
         else:
             arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
-            if fp8:
+            if not isinstance(index_k_new, Tensor):
+                index_k_new.write(keys, self.idx_rows)
+            elif fp8:
                 ops.quantize_write_index_keys(index_k_new, keys, self.idx_rows)
             else:
                 keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
