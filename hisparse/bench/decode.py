@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hisparse.config import Mode, cdiv
+from hisparse.engine.arg_utils import host_pool_gib_arg
 
 TP8_GEOMETRY = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432 // 8, q_lora_rank=1536,
@@ -251,6 +252,19 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
     return 576 * 2, 128 * 2
 
 
+def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's host pool, pinned (``host_buffers`` of ``LLM``): rows and indexer keys
+    of ``host_rows`` tokens (FP8 keys as pages); a RuntimeError if it cannot be pinned."""
+    row_b, key_b = kv_bytes(kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        return (torch.empty(layers, host_rows, row_b, dtype=torch.uint8, pin_memory=True),
+                torch.empty(layers, host_rows // block_size, block_size * key_b,
+                            dtype=torch.uint8, pin_memory=True))    # FP8 key pages
+    return (torch.empty(layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
+            torch.empty(layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
+
+
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
@@ -268,7 +282,10 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
               num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, mode=mode,
               max_model_len=max_len, max_num_seqs=max_seqs,
-              num_indexer_blocks=max_seqs * cdiv(max_len, block_size),
+              # an explicit arena keeps the indexer cache at max_seqs requests; otherwise the
+              # engine splits the free memory for the mode (engine.capacity.split_gpu_budget)
+              num_indexer_blocks=(None if num_gpu_blocks is None
+                                  else max_seqs * cdiv(max_len, block_size)),
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode != "gpu-only" else None,
@@ -352,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU arena of MLA rows")
     p.add_argument("--gpu-kv-tokens", type=int, default=None,
                    help="GPU arena size in tokens (instead of --gpu-kv-gib)")
-    p.add_argument("--host-pool-gib", type=float, default=64.0)
+    p.add_argument("--host-pool-gib", type=host_pool_gib_arg, default=64.0,
+                   help="pinned host pool of the host modes, GiB, or 'auto' (the largest that "
+                   "pins, less a headroom)")
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
     p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
@@ -442,17 +461,17 @@ def main(argv: list[str] | None = None) -> int:
           f"KV {a.kv_cache_dtype}", flush=True)
     geo_bytes_per_token = a.layers * (row_b + key_b)
     t = time.perf_counter()
+    if a.host_pool_gib == "auto":
+        from hisparse.worker.pinned import auto_host_pool_bytes
+        a.host_pool_gib = round(auto_host_pool_bytes(cuda=True) / (1 << 30), 1)
+        print(f"--host-pool-gib auto: {a.host_pool_gib} GiB pins", flush=True)
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
-    if a.kv_cache_dtype == "fp8":
-        host_buffers = (torch.empty(a.layers, host_rows, row_b, dtype=torch.uint8,
-                                    pin_memory=True),
-                        torch.empty(a.layers, host_rows // block_size, block_size * key_b,
-                                    dtype=torch.uint8, pin_memory=True))    # FP8 key pages
-    else:
-        host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16,
-                                    pin_memory=True),
-                        torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16,
-                                    pin_memory=True))
+    try:
+        host_buffers = pin_host_pool(a.layers, host_rows, a.kv_cache_dtype, block_size)
+    except RuntimeError as e:
+        p.error(f"--host-pool-gib {a.host_pool_gib}: could not pin the host pool ({e}); lower "
+                "--host-pool-gib or pass auto (benchmarks/probe_pinned.py measures the largest "
+                "pinnable size)")
     print(f"pinned {a.host_pool_gib} GiB host pool in {time.perf_counter() - t:.1f} s", flush=True)
     points: list[Point] = []
     os.makedirs(a.out, exist_ok=True)

@@ -41,7 +41,9 @@ pages per request, ``hot = ceil(hot_buffer_size / block_size)`` blocks, ``tail``
   / ``num_indexer_blocks`` in the plan are the split to configure. With an explicit pool the
   arena also keeps room for one max-length prompt (``num_gpu_blocks >= P``, KVCacheConfig's rule).
 - ``bound_by`` is the smallest of the bounds; ties go to the first of ``gpu pages`` /
-  ``hot buffers``, ``indexer cache``, ``host pool``, ``max_num_seqs``.
+  ``hot buffers``, ``host pool``, ``max_num_seqs``, and to ``indexer cache`` only when nothing
+  else ties (the engine's own split, :func:`split_gpu_budget`, sizes the indexer cache to
+  exactly the requests another bound allows).
 
 How this matches the engine (``tests/engine/test_capacity.py`` runs it on CPU): in ``gpu-only``
 the peak running count equals the plan. In the host modes the engine admits a request whenever
@@ -308,7 +310,10 @@ def _arena_for(n: int, per: int, reserve, floor: int) -> int:
 
 def _pick(bounds: dict[str, int]) -> tuple[int, str]:
     best = min(bounds.values())
-    return best, next(k for k, v in bounds.items() if v == best)
+    tied = [k for k, v in bounds.items() if v == best]
+    if len(tied) > 1 and INDEXER_CACHE in tied:
+        tied.remove(INDEXER_CACHE)     # sized to the other bounds (split_gpu_budget): not a cause
+    return best, tied[0]
 
 
 def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
@@ -414,6 +419,20 @@ def plan_capacity(model, inputs: CapacityInputs) -> CapacityPlan:
     return plan
 
 
+def split_gpu_budget(geo: ModelGeometry, gpu_kv_bytes: int, mode: str, context: int,
+                     **inputs) -> tuple[int, int]:
+    """``(num_gpu_blocks, num_indexer_blocks)`` the engine allocates from ``gpu_kv_bytes`` in
+    ``mode`` for requests of ``context`` tokens (``inputs``: the other
+    :class:`CapacityInputs` fields, e.g. ``num_host_blocks``, ``max_num_seqs``): the planner's
+    split -- the indexer cache for the ``max_running`` requests the mode can run (bounded by the
+    host pool, the hot buffers or GPU pages, or ``max_num_seqs``), the arena the rest of the
+    budget (more resident pages, fewer host reads). ``LLM`` calls this when neither pool is
+    given on CUDA; ``LLM.capacity()`` then reports the pools it chose."""
+    mp = plan_capacity(geo, CapacityInputs(context=context, gpu_kv_bytes=gpu_kv_bytes,
+                                           **inputs))[mode]
+    return mp.num_gpu_blocks, mp.num_indexer_blocks
+
+
 def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
     """The plan of an ``LLM``'s real pools (block size, arena, indexer and host blocks, hot
     buffer, watermark, max_num_seqs, cache dtype); ``context`` defaults to ``max_model_len``;
@@ -429,7 +448,10 @@ def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
                         else str(llm.caches.geo.dtype).removeprefix("torch.")),
         num_gpu_blocks=kv.num_gpu_blocks, num_indexer_blocks=kv.num_indexer_blocks,
         num_host_blocks=num_host, watermark_blocks=kv.watermark_blocks)
-    return plan_capacity(geometry_from_config(llm.model_config), replace(inputs, **overrides))
+    geo = llm.caches.geo
+    mg = replace(geometry_from_config(llm.model_config), num_layers=geo.num_layers,
+                 num_indexer_layers=len(geo.indexer_layers))   # an MTP layer's KV included
+    return plan_capacity(mg, replace(inputs, **overrides))
 
 
 def _fmt_bytes(n: float) -> str:
