@@ -26,8 +26,10 @@ def _rnd(x, DT: tl.constexpr):
     does); bf16 by integer round-to-nearest-even (the interpreter's cast truncates)."""
     if DT == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
-        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return x.to(DT).to(tl.float32)
+        y = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -54,8 +56,12 @@ def _rope_src(i, H2: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Output dim ``i < 2 * H2`` of a RoPE'd vector reads inputs ``p`` and ``q`` (pair ``j``)."""
     j = i % H2
     if INTERLEAVED:
-        return j, 2 * j, 2 * j + 1
-    return j, j, j + H2
+        p = 2 * j
+        q = 2 * j + 1
+    else:
+        p = j
+        q = j + H2
+    return j, p, q
 
 
 # ----------------------------------------------------------------------------- RMSNorm
