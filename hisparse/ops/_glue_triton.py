@@ -300,3 +300,33 @@ def mla_q_latent_triton(q_abs, q_pe, cos, sin):
                              out.stride(1), R, BLOCK_R=next_pow2(R), H2=h2,
                              BLOCK_H2=next_pow2(h2), DT=_TL_DTYPE[q_pe.dtype], num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------- resident rows
+@triton.jit
+def _resident_rows_kernel(topk_ptr, table_ptr, slot_ptr, out_ptr, K, stride_t, stride_tab,
+                          stride_o, P, BS: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    m = k < K
+    pos = tl.load(topk_ptr + t * stride_t + k, mask=m, other=-1).to(tl.int64)
+    slot = tl.maximum(tl.load(slot_ptr + t).to(tl.int64), 0)
+    p = tl.maximum(pos, 0)
+    page = p // BS
+    blk = tl.load(table_ptr + slot * stride_tab + page, mask=m & (page < P), other=-1)
+    row = blk.to(tl.int64) * BS + p % BS
+    out = tl.where((pos >= 0) & (row >= 0), row, -1)
+    tl.store(out_ptr + t * stride_o + k, out.to(tl.int32), mask=m)
+
+
+def resident_rows_triton(topk, table, token_slot, block_size: int):
+    T, K = topk.shape
+    if topk.stride(1) != 1:
+        topk = topk.contiguous()
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    out = torch.empty(T, K, device=topk.device, dtype=torch.int32)
+    _resident_rows_kernel[(T,)](topk, table, token_slot, out, K, topk.stride(0),
+                                table.stride(0), out.stride(0), table.shape[1], BS=block_size,
+                                BLOCK_K=next_pow2(K), num_warps=4)
+    return out

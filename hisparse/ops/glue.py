@@ -95,6 +95,21 @@ def rope_heads_reference(q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int,
                      dim=-1)
 
 
+def resident_rows_reference(topk: Tensor, table: Tensor, token_slot: Tensor,
+                            block_size: int) -> Tensor:
+    """Flat arena rows ``[T, K]`` int32 of the selected positions ``topk [T, K]`` (``-1``
+    none) when every page is resident: ``table[slot, pos // block_size] * block_size + pos %
+    block_size`` (:func:`hisparse.kv.plan.flat_rows`) with ``slot = token_slot[t]`` (padding
+    tokens, ``-1``, read slot 0's table); ``-1`` where nothing is selected or the page has no
+    block."""
+    from hisparse.kv.plan import flat_rows
+
+    valid = topk >= 0
+    pos = topk.clamp(min=0).long()
+    rows = flat_rows(table, token_slot.clamp(min=0).long()[:, None], pos, block_size)
+    return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
+
+
 def mla_q_latent_reference(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``[q_abs | rope_interleaved(q_pe)]``: ``q_abs [T, H, R]``, ``q_pe [T, H, rope]`` (any
     strides) -> ``[T, H, R + rope]`` contiguous, in ``q_pe.dtype``."""
@@ -196,6 +211,18 @@ def rope_heads(q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: 
         return rope_heads_reference(q, cos, sin, rope_dim, interleaved)
     from ._glue_triton import rope_heads_triton
     return rope_heads_triton(q, cos, sin, rope_dim, interleaved)
+
+
+def resident_rows(topk: Tensor, table: Tensor, token_slot: Tensor, block_size: int) -> Tensor:
+    """Fused :func:`resident_rows_reference` (one kernel; the GPU-resident attention path)."""
+    if topk.dim() != 2 or token_slot.shape != (topk.shape[0],) or table.dim() != 2:
+        raise ValueError(f"resident_rows: topk [T, K], token_slot [T] and table [R, P] "
+                         f"expected, got {tuple(topk.shape)}, {tuple(token_slot.shape)}, "
+                         f"{tuple(table.shape)}")
+    if topk.numel() == 0 or not _use_triton(topk):
+        return resident_rows_reference(topk, table, token_slot, block_size)
+    from ._glue_triton import resident_rows_triton
+    return resident_rows_triton(topk, table, token_slot, block_size)
 
 
 def mla_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -80,6 +80,7 @@ class PagedContext:
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
+        self.positions_i32 = positions.int()    # once per forward, not per indexer layer
         real = token_slot >= 0
         slot_l = token_slot.clamp(min=0).long()
         self.kv_rows = torch.where(real, flat_rows(tables["resident"], slot_l, positions,
@@ -184,7 +185,7 @@ class PagedContext:
         stay CUDA-graph safe: fixed shapes, no host sync)."""
         k = self.index_topk
         ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
-                                  self.token_slot, self.positions.int(), self.block_size,
+                                  self.token_slot, self.positions_i32, self.block_size,
                                   k + self.caches.hot_band,
                                   workspace=self.caches.workspace.indexer)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
@@ -195,11 +196,7 @@ class PagedContext:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
         c, block_size, topk, band = self.caches, self.block_size, self.topk, self.band
         if not self.host_read:  # every page of every request in the batch is resident
-            valid = topk >= 0
-            pos = topk.clamp(min=0).long()
-            rows = flat_rows(self.tables["resident"],
-                             self.token_slot.clamp(min=0).long()[:, None], pos, block_size)
-            return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
+            return ops.resident_rows(topk, self.tables["resident"], self.token_slot, block_size)
         arena, host = c.resolve_view(c.arena_layer(layer)), c.resolve_view(c.host_layer(layer))
         prefetch = c.hot_prefetch if band is not None else 0
         plan = None

@@ -170,6 +170,19 @@ def test_mla_q_latent_bitwise(triton_cpu, monkeypatch):
     assert got.shape == (T, H, R + rope) and torch.equal(got, ref)
 
 
+def test_resident_rows_bitwise(triton_cpu, monkeypatch):
+    T, K, R, P, bs = 5, 12, 3, 4, 8
+    table = torch.randint(0, 50, (R, P), dtype=torch.int32)
+    table[1, 2] = -1                                        # a page without a block
+    slots = torch.tensor([0, 2, 1, -1, 1], dtype=torch.int32)    # one padding token
+    topk = torch.randint(0, P * bs, (T, K), dtype=torch.int32)
+    topk[0, 3:] = -1
+    topk[4, :] = 2 * bs + torch.arange(K, dtype=torch.int32) % bs   # all on the missing page
+    got, ref = _run_both(monkeypatch, lambda: glue.resident_rows(topk, table, slots, bs))
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+    assert (ref[4] == -1).all() and (ref[0, 3:] == -1).all() and (ref[1] >= 0).all()
+
+
 def test_fused_glue_off_runs_the_references(triton_cpu, monkeypatch):
     """HISPARSE_FUSED_GLUE=0 is the unfused path (kernel-count baselines): bitwise the spec."""
     monkeypatch.setenv(glue.FUSED_GLUE_ENV, "0")
