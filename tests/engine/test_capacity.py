@@ -355,3 +355,31 @@ def test_host_pool_auto_without_cuda(dsv32_path, monkeypatch):
               max_num_batched_tokens=64)
     per_block = llm.caches.geo.bytes_per_token * BS
     assert llm.kv_config.num_host_blocks == int((1 << 30) * pinned.CPU_FRACTION) // per_block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_split_on_cuda_matches_capacity(dsv32_path, mode):
+    """On CUDA, from free memory: the pools allocated are the ones LLM.capacity() reports, and
+    they fit the budget the engine measured."""
+    import torch
+
+    from hisparse import LLM
+
+    llm = LLM(dsv32_path, device="cuda", dtype="bfloat16", block_size=BS, max_model_len=112,
+              max_num_seqs=16, hot_buffer_size=HOT, host_pool_gib=0.05, mode=mode,
+              max_num_batched_tokens=64, enforce_eager=True)
+    kv, c = llm.kv_config, llm.caches
+    got = llm.capacity()[mode]
+    assert (got.num_gpu_blocks, got.num_indexer_blocks) == (kv.num_gpu_blocks,
+                                                            kv.num_indexer_blocks)
+    assert c.arena.shape[1] == (kv.num_gpu_blocks + 1) * BS
+    assert tuple(c.indexer.shape) == tuple(c.geo.indexer_shape(kv.num_indexer_blocks + 1, BS))
+    if mode != "gpu-only":
+        assert c.host.shape[1] == kv.num_host_blocks * BS and c.host.is_pinned()
+        assert got.bound_by in (HOST_POOL, MAX_NUM_SEQS, HOT_BUFFERS)
+    assert kv.num_indexer_blocks == got.max_running * kv.max_pages_per_request
+    assert got.max_running > 0
+    llm.shutdown()
+    torch.cuda.empty_cache()
