@@ -108,9 +108,11 @@ class RMSNorm(nn.Module):
         y, _ = glue.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)
         return y.view(*lead, y.shape[-1])
 
-    def add(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``."""
-        return glue.add_rms_norm(x, residual, self.weight, self.eps)
+    def add(self, x: Tensor, residual: Tensor | None, fp32_copy: bool = False
+            ) -> tuple[Tensor, ...]:
+        """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``; with
+        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel)."""
+        return glue.add_rms_norm(x, residual, self.weight, self.eps, fp32_copy)
 
 
 class Rotary:
@@ -143,16 +145,19 @@ class DSAIndexer(nn.Module):
         # relu(q.k * Di^-0.5) = Di^-0.5 * relu(q.k): both scales fold into the per-head weights.
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
 
-    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor,
-                sin: Tensor) -> tuple[Tensor, Tensor, NewKeys]:
+    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor,
+                x32: Tensor | None = None) -> tuple[Tensor, Tensor, NewKeys]:
         """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``. ``weights_proj`` runs in
-        fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``)."""
+        fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
+        (``x.float()``, made by the norm kernel) when given."""
         T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         q = glue.rope_heads(q, cos, sin, self.rope_dim, self.interleaved)
         k = NewKeys(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
                     self.rope_dim, self.interleaved)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
+        wdt = self.weights_proj.weight.dtype
+        xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
+        w = self.weights_proj(xw).float() * self.weight_scale
         return q, w, k
 
 
@@ -181,7 +186,9 @@ class DSAAttention(nn.Module):
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
         self.tp_group = None     # tensor parallelism: all-reduce after o_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
+                x32: Tensor | None = None) -> Tensor:
+        """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights)."""
         T, H = x.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, H, self.nope + self.rope_dim)
@@ -193,7 +200,7 @@ class DSAAttention(nn.Module):
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
         q_latent = glue.mla_q_latent(q_abs, q_pe, cos, sin)                         # [T, H, R+rope]
         if self.indexer is not None:
-            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin)
+            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin, x32)
         else:
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
@@ -228,9 +235,12 @@ class DSARouter(nn.Module):
                                                      cfg.topk_group)
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, x32: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Computed in fp32 as transformers' reference (``_keep_in_fp32_modules_strict``:
+        ``gate.weight``), on ``x32`` (``x.float()``) when given."""
         T, E, G = x.shape[0], self.weight.shape[0], self.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                 # [T, E]
+        x32 = x.float() if x32 is None else x32
+        scores = F.linear(x32, self.weight.float()).sigmoid()                       # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)    # [T, G]
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
@@ -285,8 +295,8 @@ class DSAMoE(nn.Module):
                                if cfg.n_shared_experts > 0 else None)
         self.tp_group = None     # tensor parallelism: one all-reduce of routed + shared
 
-    def forward(self, x: Tensor) -> Tensor:
-        idx, w = self.gate(x)
+    def forward(self, x: Tensor, x32: Tensor | None = None) -> Tensor:
+        idx, w = self.gate(x, x32)
         y = self.experts(x, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
@@ -302,16 +312,19 @@ class DSADecoderLayer(nn.Module):
         mlp_type = mlp_type or cfg.mlp_layer_types[layer_idx]
         self.mlp = (DSAMoE(cfg) if mlp_type == "sparse"
                     else DSAMLP(cfg, cfg.intermediate_size))
+        # the fp32 copies of the normed inputs the reference's fp32 linears read
+        self.attn_fp32 = self.self_attn.indexer is not None
+        self.mlp_fp32 = mlp_type == "sparse"
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
                 residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Returns ``(out, residual)``: the layer's output hidden is ``out + residual`` (the
         next norm adds them, fused). The input hidden is ``h + residual`` (``h`` alone when
         ``residual`` is None)."""
-        x, residual = self.input_layernorm.add(h, residual)
-        x, residual = self.post_attention_layernorm.add(self.self_attn(x, cos, sin, ctx),
-                                                        residual)
-        return self.mlp(x), residual
+        x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
+        a = self.self_attn(x, cos, sin, ctx, *x32)
+        x, residual, *x32 = self.post_attention_layernorm.add(a, residual, self.mlp_fp32)
+        return self.mlp(x, *x32), residual
 
 
 class DSAMTPLayer(nn.Module):

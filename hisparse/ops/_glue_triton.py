@@ -66,9 +66,9 @@ def _rope_src(i, H2: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 # ----------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, stride_x, stride_r, stride_y,
-                         stride_h, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                         DT: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, y32_ptr, D, stride_x, stride_r,
+                         stride_y, stride_h, stride_y32, eps, HAS_RES: tl.constexpr,
+                         HAS_Y32: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -80,10 +80,13 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, stride_x, stride_
     ms = tl.sum(x * x, axis=0) / D
     n = _rnd(x * tl.math.rsqrt(ms + eps), DT)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * stride_y + offs, (w * n).to(y_ptr.dtype.element_ty), mask=m)
+    y = (w * n).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * stride_y + offs, y, mask=m)
+    if HAS_Y32:
+        tl.store(y32_ptr + t * stride_y32 + offs, y.to(tl.float32), mask=m)
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float):
+def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False):
     T, D = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(T, D, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
@@ -92,12 +95,13 @@ def add_rms_norm_triton(x, residual, weight, eps: float):
     else:
         r = residual if residual.stride(1) == 1 else residual.contiguous()
         h = torch.empty_like(x)
+    y32 = torch.empty(T, D, device=x.device, dtype=torch.float32) if fp32_copy else y
     block = next_pow2(D)
-    _add_rms_norm_kernel[(T,)](x, r, weight, y, h, D, x.stride(0), r.stride(0), y.stride(0),
-                               h.stride(0), float(eps), HAS_RES=residual is not None,
-                               BLOCK=block, DT=_TL_DTYPE[x.dtype],
-                               num_warps=min(16, max(1, block // 512)))
-    return y, h
+    _add_rms_norm_kernel[(T,)](x, r, weight, y, h, y32, D, x.stride(0), r.stride(0),
+                               y.stride(0), h.stride(0), y32.stride(0), float(eps),
+                               HAS_RES=residual is not None, HAS_Y32=fp32_copy, BLOCK=block,
+                               DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
+    return (y, h, y32) if fp32_copy else (y, h)
 
 
 # ----------------------------------------------------------------------------- MLA rows

@@ -125,10 +125,12 @@ def _check_rope(name: str, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int) -
                          f"{tuple(sin.shape)}")
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
-                 ) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                 fp32_copy: bool = False) -> tuple[Tensor, ...]:
     """Fused :func:`add_rms_norm_reference`: ``x, residual [T, D]`` -> ``(normed [T, D],
-    h [T, D])``, one kernel (``h`` is ``x`` itself when ``residual`` is None)."""
+    h [T, D])``, one kernel (``h`` is ``x`` itself when ``residual`` is None); with
+    ``fp32_copy`` a third output ``normed.float()`` from the same kernel (the fp32 linears the
+    reference keeps -- the router, the indexer's ``weights_proj`` -- read it: no cast kernel)."""
     if x.dim() != 2 or (residual is not None and residual.shape != x.shape):
         got = None if residual is None else tuple(residual.shape)
         raise ValueError(f"add_rms_norm: x must be [T, D] and residual the same, got "
@@ -136,9 +138,10 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
     if weight.shape != (x.shape[1],):
         raise ValueError(f"add_rms_norm: weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
     if x.shape[0] == 0 or not _use_triton(x):
-        return add_rms_norm_reference(x, residual, weight, eps)
+        y, h = add_rms_norm_reference(x, residual, weight, eps)
+        return (y, h, y.float()) if fp32_copy else (y, h)
     from ._glue_triton import add_rms_norm_triton
-    return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_triton(x, residual, weight, eps, fp32_copy)
 
 
 def write_mla_rows(kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,

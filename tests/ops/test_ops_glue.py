@@ -50,6 +50,8 @@ def test_add_rms_norm_matches_reference(triton_cpu, monkeypatch, dtype, D, res):
     (y, h), (y_ref, h_ref) = _run_both(monkeypatch, lambda: glue.add_rms_norm(x, r, w, 1e-6))
     assert torch.equal(h, h_ref)          # the residual sum: one rounding, as torch's add
     torch.testing.assert_close(y, y_ref, **BF16_TOL)
+    y2, h2, y32 = glue.add_rms_norm(x, r, w, 1e-6, fp32_copy=True)
+    assert y32.dtype == torch.float32 and torch.equal(y32, y2.float()) and torch.equal(y2, y)
 
 
 def test_add_rms_norm_batch_invariant(triton_cpu):
