@@ -74,8 +74,13 @@ def step_kernels(layers: int, a) -> Counter:
             ids = torch.randint(2, min(1000, llm.model_config.vocab_size), (a.context,),
                                 generator=g).tolist()
             llm.add_request({"prompt_token_ids": ids}, params)
+        tokens: dict[str, int] = {}
         for _ in range(a.warmup):
-            llm.step()
+            for out in llm.step():
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+        if len(tokens) < a.requests or min(tokens.values()) < 2:
+            raise SystemExit(f"after {a.warmup} warm-up steps some request is not decoding yet "
+                             f"({tokens}): raise --warmup")
         sync = (lambda: None) if cpu else torch.cuda.synchronize
         sync()
         with profile(activities=[ProfilerActivity.CPU if cpu else ProfilerActivity.CUDA]) as prof:
