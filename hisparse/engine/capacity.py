@@ -86,6 +86,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("bf16", "fp8", "fp16", "fp32")
 FP8_GROUP = 128          # one fp32 scale per 128 e4m3 values
 H200_HBM_GB_S = 4800.0
 PCIE_GB_S = 55.0
+GIB = 1 << 30
 
 GPU_PAGES = "gpu pages"
 HOT_BUFFERS = "hot buffers"
@@ -479,6 +480,8 @@ def format_plan(plan: CapacityPlan) -> str:
         f"{inp.hot_buffer_size or 2 * geo.index_topk} rows, hit rate {inp.hit_rate:g}",
     ]
     weights = geo.weight_bytes if inp.weight_bytes is None else inp.weight_bytes
+    arena_blk = inp.block_size * geo.num_layers * geo.row_bytes(dt)
+    idx_blk = inp.block_size * geo.num_indexer_layers * geo.key_bytes(dt)
     budget = "" if inp.gpu_kv_bytes is None else f"GPU KV budget {_fmt_bytes(inp.gpu_kv_bytes)}, "
     lines.append(f"{budget}weights read per step {_fmt_bytes(weights)}, HBM {inp.hbm_gb_s:g} GB/s, "
                  f"PCIe {inp.pcie_gb_s:g} GB/s")
@@ -494,6 +497,8 @@ def format_plan(plan: CapacityPlan) -> str:
         ("GPU per request", lambda m: _fmt_bytes(m.gpu_bytes_per_request)),
         ("host per request", lambda m: _fmt_bytes(m.host_bytes_per_request)),
         ("arena / indexer blocks", lambda m: f"{m.num_gpu_blocks} / {m.num_indexer_blocks}"),
+        ("arena / indexer GiB", lambda m: f"{m.num_gpu_blocks * arena_blk / GIB:.1f} / "
+                                          f"{m.num_indexer_blocks * idx_blk / GIB:.1f}"),
         ("host blocks", lambda m: str(m.num_host_blocks)),
         ("watermark blocks", lambda m: str(m.watermark_blocks)),
         ("HBM per step", lambda m: _fmt_bytes(m.hbm_bytes_per_step)),
@@ -505,7 +510,9 @@ def format_plan(plan: CapacityPlan) -> str:
     modes = list(plan.modes.values())
     cells = [[f(m) for m in modes] for _, f in rows]
     width = max(14, *(len(c) + 2 for row in cells for c in row))
-    lines.append("(bounds: requests each resource alone allows; * = the one that binds)")
+    lines.append("(bounds: requests each resource alone allows; * = the one that binds; arena / "
+                 "indexer: the split of the GPU budget for each mode, what LLM allocates when "
+                 "neither pool is given)")
     lines.append(f"{'':<24}" + "".join(f"{m.mode:>{width}}" for m in modes))
     for (name, _), row in zip(rows, cells):
         lines.append(f"{name:<24}" + "".join(f"{c:>{width}}" for c in row))
