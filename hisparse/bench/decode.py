@@ -252,17 +252,28 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
     return 576 * 2, 128 * 2
 
 
-def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The benchmark's host pool, pinned (``host_buffers`` of ``LLM``): rows and indexer keys
-    of ``host_rows`` tokens (FP8 keys as pages); a RuntimeError if it cannot be pinned."""
+def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: int,
+                  method: str = "alloc") -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's host pool, pinned (``host_buffers`` of ``LLM``, held for the whole
+    run): rows and indexer keys of ``host_rows`` tokens (FP8 keys as pages); a RuntimeError if
+    it cannot be pinned. ``method``: ``alloc`` (``cudaHostAlloc``, as the engine pins) or
+    ``register`` (ordinary memory, then ``cudaHostRegister``, as the TP pool is pinned:
+    ``benchmarks/probe_pinned.py`` says which gives more)."""
     row_b, key_b = kv_bytes(kv_cache_dtype)
     if kv_cache_dtype == "fp8":
-        return (torch.empty(layers, host_rows, row_b, dtype=torch.uint8, pin_memory=True),
-                torch.empty(layers, host_rows // block_size, block_size * key_b,
-                            dtype=torch.uint8, pin_memory=True))    # FP8 key pages
-    return (torch.empty(layers, host_rows, 576, dtype=torch.bfloat16, pin_memory=True),
-            torch.empty(layers, host_rows, 128, dtype=torch.bfloat16, pin_memory=True))
+        shapes = (((layers, host_rows, row_b), torch.uint8),
+                  ((layers, host_rows // block_size, block_size * key_b), torch.uint8))
+    else:
+        shapes = (((layers, host_rows, 576), torch.bfloat16),
+                  ((layers, host_rows, 128), torch.bfloat16))
+    if method == "alloc":
+        return tuple(torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes)
+    from hisparse.worker.tp import cuda_host_register
+
+    out = tuple(torch.empty(s, dtype=d) for s, d in shapes)
+    for t in out:
+        cuda_host_register(t)
+    return out
 
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
@@ -372,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-pool-gib", type=host_pool_gib_arg, default=64.0,
                    help="pinned host pool of the host modes, GiB, or 'auto' (the largest that "
                    "pins, less a headroom)")
+    p.add_argument("--host-pin", choices=["alloc", "register"], default="alloc",
+                   help="how the host pool is pinned: cudaHostAlloc or cudaHostRegister of "
+                   "ordinary memory (benchmarks/probe_pinned.py measures which pins more)")
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
     p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
@@ -467,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--host-pool-gib auto: {a.host_pool_gib} GiB pins", flush=True)
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
     try:
-        host_buffers = pin_host_pool(a.layers, host_rows, a.kv_cache_dtype, block_size)
+        host_buffers = pin_host_pool(a.layers, host_rows, a.kv_cache_dtype, block_size,
+                                     a.host_pin)
     except RuntimeError as e:
         p.error(f"--host-pool-gib {a.host_pool_gib}: could not pin the host pool ({e}); lower "
                 "--host-pool-gib or pass auto (benchmarks/probe_pinned.py measures the largest "
