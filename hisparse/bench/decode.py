@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hisparse.config import Mode, cdiv
+from hisparse.engine.arg_utils import host_pool_gib_arg
 from hisparse.models.shapes import MODEL_SHAPES, TP8_GEOMETRY, model_shape_config  # noqa: F401
 
 
@@ -217,6 +218,30 @@ def kv_bytes(kv_cache_dtype: str) -> tuple[int, int]:
     return 576 * 2, 128 * 2
 
 
+def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: int,
+                  method: str = "alloc") -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's host pool, pinned (``host_buffers`` of ``LLM``, held for the whole
+    run): rows and indexer keys of ``host_rows`` tokens (FP8 keys as pages); a RuntimeError if
+    it cannot be pinned. ``method``: ``alloc`` (``cudaHostAlloc``, as the engine pins) or
+    ``register`` (ordinary memory, then ``cudaHostRegister``, as the TP pool is pinned:
+    ``benchmarks/probe_pinned.py`` says which gives more)."""
+    row_b, key_b = kv_bytes(kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        shapes = (((layers, host_rows, row_b), torch.uint8),
+                  ((layers, host_rows // block_size, block_size * key_b), torch.uint8))
+    else:
+        shapes = (((layers, host_rows, 576), torch.bfloat16),
+                  ((layers, host_rows, 128), torch.bfloat16))
+    if method == "alloc":
+        return tuple(torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes)
+    from hisparse.worker.tp import cuda_host_register
+
+    out = tuple(torch.empty(s, dtype=d) for s, d in shapes)
+    for t in out:
+        cuda_host_register(t)
+    return out
+
+
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
               outputs: int, num_gpu_blocks: int | None, host_buffers, host_pool_gib: float,
               max_seqs: int, block_size: int = 64, enforce_eager: bool = False,
@@ -236,7 +261,10 @@ def run_point(path: str, mode, topk_source: str, table, context: int, concurrenc
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="dummy", block_size=block_size,
               num_gpu_blocks=num_gpu_blocks, host_pool_gib=host_pool_gib, mode=mode,
               max_model_len=max_len, max_num_seqs=max_seqs,
-              num_indexer_blocks=max_seqs * cdiv(max_len, block_size),
+              # an explicit arena keeps the indexer cache at max_seqs requests; otherwise the
+              # engine splits the free memory for the mode (engine.capacity.split_gpu_budget)
+              num_indexer_blocks=(None if num_gpu_blocks is None
+                                  else max_seqs * cdiv(max_len, block_size)),
               # Prompts are synthetic (random rows): a large budget admits them quickly.
               max_num_batched_tokens=max(16384, min(262144, 4 * context)),
               host_buffers=host_buffers if mode != "gpu-only" else None,
@@ -337,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU arena of MLA rows")
     p.add_argument("--gpu-kv-tokens", type=int, default=None,
                    help="GPU arena size in tokens (instead of --gpu-kv-gib)")
-    p.add_argument("--host-pool-gib", type=float, default=64.0)
+    p.add_argument("--host-pool-gib", type=host_pool_gib_arg, default=64.0,
+                   help="pinned host pool of the host modes, GiB, or 'auto' (the largest that "
+                   "pins, less a headroom)")
+    p.add_argument("--host-pin", choices=["alloc", "register"], default="alloc",
+                   help="how the host pool is pinned: cudaHostAlloc or cudaHostRegister of "
+                   "ordinary memory (benchmarks/probe_pinned.py measures which pins more)")
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
     p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")
@@ -430,17 +463,18 @@ def main(argv: list[str] | None = None) -> int:
           f"KV {a.kv_cache_dtype}", flush=True)
     geo_bytes_per_token = a.layers * (row_b + key_b)
     t = time.perf_counter()
+    if a.host_pool_gib == "auto":
+        from hisparse.worker.pinned import auto_host_pool_bytes
+        a.host_pool_gib = round(auto_host_pool_bytes(cuda=True) / (1 << 30), 1)
+        print(f"--host-pool-gib auto: {a.host_pool_gib} GiB pins", flush=True)
     host_rows = int(a.host_pool_gib * (1 << 30)) // (geo_bytes_per_token * 64) * 64
-    if a.kv_cache_dtype == "fp8":
-        host_buffers = (torch.empty(a.layers, host_rows, row_b, dtype=torch.uint8,
-                                    pin_memory=True),
-                        torch.empty(a.layers, host_rows // block_size, block_size * key_b,
-                                    dtype=torch.uint8, pin_memory=True))    # FP8 key pages
-    else:
-        host_buffers = (torch.empty(a.layers, host_rows, 576, dtype=torch.bfloat16,
-                                    pin_memory=True),
-                        torch.empty(a.layers, host_rows, 128, dtype=torch.bfloat16,
-                                    pin_memory=True))
+    try:
+        host_buffers = pin_host_pool(a.layers, host_rows, a.kv_cache_dtype, block_size,
+                                     a.host_pin)
+    except RuntimeError as e:
+        p.error(f"--host-pool-gib {a.host_pool_gib}: could not pin the host pool ({e}); lower "
+                "--host-pool-gib or pass auto (benchmarks/probe_pinned.py measures the largest "
+                "pinnable size)")
     print(f"pinned {a.host_pool_gib} GiB host pool in {time.perf_counter() - t:.1f} s", flush=True)
     points: list[Point] = []
     os.makedirs(a.out, exist_ok=True)

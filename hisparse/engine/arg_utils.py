@@ -16,6 +16,17 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def host_pool_gib_arg(value: str) -> float | str:
+    """``--host-pool-gib``: a number of GiB or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of GiB or 'auto', got {value!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     """Every ``LLM`` knob as a flag, with help text and its default."""
     g = p.add_argument_group("engine")
@@ -35,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory the KV cache may take (default: "
                    "%(default)s)")
-    g.add_argument("--host-pool-gib", type=float, default=4.0,
-                   help="pinned host pool, GiB (default: %(default)s)")
+    g.add_argument("--host-pool-gib", type=host_pool_gib_arg, default=4.0,
+                   help="pinned host pool, GiB, or 'auto' (the largest pool that pins, less a "
+                   "headroom; probed at start-up) (default: %(default)s)")
     g.add_argument("--hot-buffer-size", type=int, default=None,
                    help="hot-buffer rows per layer and request, >= index_topk "
                    "(default: 2 x index_topk)")

@@ -41,7 +41,9 @@ pages per request, ``hot = ceil(hot_buffer_size / block_size)`` blocks, ``tail``
   / ``num_indexer_blocks`` in the plan are the split to configure. With an explicit pool the
   arena also keeps room for one max-length prompt (``num_gpu_blocks >= P``, KVCacheConfig's rule).
 - ``bound_by`` is the smallest of the bounds; ties go to the first of ``gpu pages`` /
-  ``hot buffers``, ``indexer cache``, ``host pool``, ``max_num_seqs``.
+  ``hot buffers``, ``host pool``, ``max_num_seqs``, and to ``indexer cache`` only when nothing
+  else ties (the engine's own split, :func:`split_gpu_budget`, sizes the indexer cache to
+  exactly the requests another bound allows).
 
 How this matches the engine (``tests/engine/test_capacity.py`` runs it on CPU): in ``gpu-only``
 the peak running count equals the plan. In the host modes the engine admits a request whenever
@@ -84,6 +86,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("bf16", "fp8", "fp16", "fp32")
 FP8_GROUP = 128          # one fp32 scale per 128 e4m3 values
 H200_HBM_GB_S = 4800.0
 PCIE_GB_S = 55.0
+GIB = 1 << 30
 
 GPU_PAGES = "gpu pages"
 HOT_BUFFERS = "hot buffers"
@@ -308,7 +311,10 @@ def _arena_for(n: int, per: int, reserve, floor: int) -> int:
 
 def _pick(bounds: dict[str, int]) -> tuple[int, str]:
     best = min(bounds.values())
-    return best, next(k for k, v in bounds.items() if v == best)
+    tied = [k for k, v in bounds.items() if v == best]
+    if len(tied) > 1 and INDEXER_CACHE in tied:
+        tied.remove(INDEXER_CACHE)     # sized to the other bounds (split_gpu_budget): not a cause
+    return best, tied[0]
 
 
 def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
@@ -414,6 +420,20 @@ def plan_capacity(model, inputs: CapacityInputs) -> CapacityPlan:
     return plan
 
 
+def split_gpu_budget(geo: ModelGeometry, gpu_kv_bytes: int, mode: str, context: int,
+                     **inputs) -> tuple[int, int]:
+    """``(num_gpu_blocks, num_indexer_blocks)`` the engine allocates from ``gpu_kv_bytes`` in
+    ``mode`` for requests of ``context`` tokens (``inputs``: the other
+    :class:`CapacityInputs` fields, e.g. ``num_host_blocks``, ``max_num_seqs``): the planner's
+    split -- the indexer cache for the ``max_running`` requests the mode can run (bounded by the
+    host pool, the hot buffers or GPU pages, or ``max_num_seqs``), the arena the rest of the
+    budget (more resident pages, fewer host reads). ``LLM`` calls this when neither pool is
+    given on CUDA; ``LLM.capacity()`` then reports the pools it chose."""
+    mp = plan_capacity(geo, CapacityInputs(context=context, gpu_kv_bytes=gpu_kv_bytes,
+                                           **inputs))[mode]
+    return mp.num_gpu_blocks, mp.num_indexer_blocks
+
+
 def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
     """The plan of an ``LLM``'s real pools (block size, arena, indexer and host blocks, hot
     buffer, watermark, max_num_seqs, cache dtype); ``context`` defaults to ``max_model_len``;
@@ -429,7 +449,10 @@ def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
                         else str(llm.caches.geo.dtype).removeprefix("torch.")),
         num_gpu_blocks=kv.num_gpu_blocks, num_indexer_blocks=kv.num_indexer_blocks,
         num_host_blocks=num_host, watermark_blocks=kv.watermark_blocks)
-    return plan_capacity(geometry_from_config(llm.model_config), replace(inputs, **overrides))
+    geo = llm.caches.geo
+    mg = replace(geometry_from_config(llm.model_config), num_layers=geo.num_layers,
+                 num_indexer_layers=len(geo.indexer_layers))   # an MTP layer's KV included
+    return plan_capacity(mg, replace(inputs, **overrides))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -457,6 +480,8 @@ def format_plan(plan: CapacityPlan) -> str:
         f"{inp.hot_buffer_size or 2 * geo.index_topk} rows, hit rate {inp.hit_rate:g}",
     ]
     weights = geo.weight_bytes if inp.weight_bytes is None else inp.weight_bytes
+    arena_blk = inp.block_size * geo.num_layers * geo.row_bytes(dt)
+    idx_blk = inp.block_size * geo.num_indexer_layers * geo.key_bytes(dt)
     budget = "" if inp.gpu_kv_bytes is None else f"GPU KV budget {_fmt_bytes(inp.gpu_kv_bytes)}, "
     lines.append(f"{budget}weights read per step {_fmt_bytes(weights)}, HBM {inp.hbm_gb_s:g} GB/s, "
                  f"PCIe {inp.pcie_gb_s:g} GB/s")
@@ -472,6 +497,8 @@ def format_plan(plan: CapacityPlan) -> str:
         ("GPU per request", lambda m: _fmt_bytes(m.gpu_bytes_per_request)),
         ("host per request", lambda m: _fmt_bytes(m.host_bytes_per_request)),
         ("arena / indexer blocks", lambda m: f"{m.num_gpu_blocks} / {m.num_indexer_blocks}"),
+        ("arena / indexer GiB", lambda m: f"{m.num_gpu_blocks * arena_blk / GIB:.1f} / "
+                                          f"{m.num_indexer_blocks * idx_blk / GIB:.1f}"),
         ("host blocks", lambda m: str(m.num_host_blocks)),
         ("watermark blocks", lambda m: str(m.watermark_blocks)),
         ("HBM per step", lambda m: _fmt_bytes(m.hbm_bytes_per_step)),
@@ -483,7 +510,9 @@ def format_plan(plan: CapacityPlan) -> str:
     modes = list(plan.modes.values())
     cells = [[f(m) for m in modes] for _, f in rows]
     width = max(14, *(len(c) + 2 for row in cells for c in row))
-    lines.append("(bounds: requests each resource alone allows; * = the one that binds)")
+    lines.append("(bounds: requests each resource alone allows; * = the one that binds; arena / "
+                 "indexer: the split of the GPU budget for each mode, what LLM allocates when "
+                 "neither pool is given)")
     lines.append(f"{'':<24}" + "".join(f"{m.mode:>{width}}" for m in modes))
     for (name, _), row in zip(rows, cells):
         lines.append(f"{name:<24}" + "".join(f"{c:>{width}}" for c in row))

@@ -31,6 +31,7 @@ from hisparse.engine.scheduler import Scheduler
 from hisparse.models.loader import load_config, load_model
 from hisparse.worker.cache import KV_CACHE_DTYPES, CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
+from hisparse.worker.pinned import auto_host_pool_bytes, available_host_memory_bytes
 
 logger = logging.getLogger("hisparse.engine")
 
@@ -75,18 +76,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True          # False: a streaming update (tokens so far) of a running one
-
-
-def available_host_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -173,7 +162,15 @@ class LLM:
     ``"always-host"`` (every request reads its history through its hot buffer once its prompt is
     done). ``hisparse=True|False|"always-host"`` is the deprecated spelling.
     ``num_gpu_blocks=None`` sizes the GPU arena from free device memory (CUDA) or to hold
-    ``max_num_seqs`` full-length requests (CPU), never below what one request needs. On CUDA,
+    ``max_num_seqs`` full-length requests (CPU), never below what one request needs. With
+    ``num_indexer_blocks=None`` too, on CUDA the free memory is split for the mode that runs
+    (:func:`hisparse.engine.capacity.split_gpu_budget`): the indexer cache for the requests the
+    mode can run (bounded by the host pool, the hot buffers or GPU pages, or ``max_num_seqs``),
+    the arena the rest; :meth:`capacity` shows the pools chosen and what bounds them.
+    ``host_pool_gib="auto"``: the largest pool that pins (probed on CUDA, in chunks, then freed;
+    doubles the start-up pinning time) less a headroom, or half the available memory without
+    CUDA (:mod:`hisparse.worker.pinned`). A pool that cannot be allocated or pinned is an
+    ``EngineStartupError`` naming ``host_pool_gib``. On CUDA,
     pure decode steps of dense-MLP models are captured as CUDA graphs unless ``enforce_eager``.
 
     Every argument is checked before anything is loaded (ValueError naming the field and the
@@ -220,7 +217,7 @@ class LLM:
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
                  block_size: int = 64, num_gpu_blocks: int | None = None,
-                 host_pool_gib: float = 4.0, hisparse: bool | str | None = None,
+                 host_pool_gib: float | str = 4.0, hisparse: bool | str | None = None,
                  hot_buffer_size: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  num_indexer_blocks: int | None = None, enable_prefix_caching: bool = True,
@@ -271,7 +268,7 @@ class LLM:
             raise ValueError(f"num_speculative_tokens ({num_speculative_tokens}) must be < "
                              f"block_size ({block_size})")
         _check_real("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0)
-        if mode != Mode.GPU_ONLY:
+        if mode != Mode.GPU_ONLY and host_pool_gib != "auto":
             _check_real("host_pool_gib", host_pool_gib, 0.0, math.inf)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
@@ -328,10 +325,18 @@ class LLM:
                             dtype=compute_dtype,
                             kv_cache_dtype=kv_cache_dtype, rope_dim=mc.qk_rope_head_dim)
         pages = cdiv(self.max_model_len, block_size)
+        # Both GPU pools unset on CUDA: split the free memory after the weights by the planner
+        # (below); until then the largest indexer cache validates the arguments.
+        auto_split = num_gpu_blocks is None and num_indexer_blocks is None
         if num_indexer_blocks is None:
             num_indexer_blocks = max_num_seqs * pages
         num_host_blocks = 0
         if mode != Mode.GPU_ONLY:
+            if host_pool_gib == "auto" and host_buffers is not None:
+                host_pool_gib = sum(t.numel() * t.element_size() for t in host_buffers) / (1 << 30)
+            elif host_pool_gib == "auto":
+                host_pool_gib = auto_host_pool_bytes(self.device.type == "cuda") / (1 << 30)
+                logger.info("host_pool_gib='auto': %.1f GiB", host_pool_gib)
             num_host_blocks = self._host_blocks(host_pool_gib, host_buffers, geo, block_size,
                                                 pages)
         kv_args = dict(block_size=block_size, num_host_blocks=num_host_blocks,
@@ -347,8 +352,6 @@ class LLM:
         self._staging_rows_probe = probe.num_staging_rows
         if num_gpu_blocks is not None:
             KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)  # names the limit
-        elif self.device.type != "cuda":
-            num_gpu_blocks = max(max_num_seqs * pages, min_gpu)
 
         # ---- 3. weights, then the caches
         if tp > 1:
@@ -366,9 +369,17 @@ class LLM:
             if k_spec and self.device.type == "cuda" and self.model.cuda_graph_safe:
                 from hisparse.worker.cuda_graph import spec_graph_bytes
                 reserve += spec_graph_bytes(max_num_seqs, k_spec, mc.vocab_size, mc.hidden_size)
-            num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
-                                                      max_num_seqs * pages, min_gpu,
-                                                      gpu_memory_utilization, reserve)
+            budget = self._gpu_kv_budget(geo, gpu_memory_utilization, reserve)
+            if budget is None:      # CPU: room for max_num_seqs full-length requests
+                num_gpu_blocks = max(max_num_seqs * pages, min_gpu)
+            elif auto_split:
+                num_gpu_blocks, num_indexer_blocks = self._split_gpu_budget(
+                    geo, budget, mode, num_host_blocks, kv_args, min_gpu)
+                kv_args["num_indexer_blocks"] = num_indexer_blocks
+            else:
+                num_gpu_blocks = self._default_gpu_blocks(geo, block_size, num_indexer_blocks,
+                                                          max_num_seqs * pages, min_gpu,
+                                                          gpu_memory_utilization, reserve)
         self.kv_config = KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_args)
         if tp > 1:
             host_buffers = self._start_tp(geo, host_buffers, runner_cls, model, dtype,
@@ -537,6 +548,53 @@ class LLM:
                 f"one max_model_len={self.max_model_len} request needs {pages} "
                 f"(host_pool_gib >= {need:.3g}): raise host_pool_gib or lower max_model_len")
         return blocks
+
+    def _gpu_kv_budget(self, geo: CacheGeometry, utilization: float, reserve: int) -> int | None:
+        """Bytes for the arena plus the indexer cache: free device memory x ``utilization``
+        less the staging area and ``reserve``; ``None`` without CUDA (CPU pools are sized by
+        ``max_num_seqs``)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * utilization - self._staging_rows_probe * geo.row_bytes - reserve)
+
+    def _split_gpu_budget(self, geo: CacheGeometry, budget: int, mode: Mode,
+                          num_host_blocks: int, kv_args: dict, min_gpu: int) -> tuple[int, int]:
+        """``(num_gpu_blocks, num_indexer_blocks)`` of ``budget`` bytes for ``mode`` (the
+        capacity planner's split, :func:`hisparse.engine.capacity.split_gpu_budget`): the
+        indexer cache holds the requests the mode can run -- bounded by the host pool, the hot
+        buffers / GPU pages or ``max_num_seqs`` -- and the arena gets the rest, so neither pool
+        idles while the other binds."""
+        from hisparse.engine.capacity import split_gpu_budget
+
+        bs, pages = kv_args["block_size"], cdiv(self.max_model_len, kv_args["block_size"])
+        n_gpu, n_idx = split_gpu_budget(
+            self._planner_geometry(geo), budget, mode=str(mode), context=self.max_model_len,
+            block_size=bs, hot_buffer_size=kv_args["hot_buffer_size"],
+            max_num_seqs=kv_args["max_num_seqs"], kv_cache_dtype=self._planner_dtype(geo),
+            num_host_blocks=num_host_blocks if mode != Mode.GPU_ONLY else None,
+            watermark_blocks=kv_args["watermark_blocks"])
+        n_idx = max(n_idx, pages)
+        n_gpu = min(n_gpu, max(kv_args["max_num_seqs"] * pages, min_gpu))
+        if n_gpu < min_gpu:
+            raise ValueError(
+                f"free GPU memory for the KV cache ({budget / (1 << 30):.2f} GiB after the "
+                f"weights) holds {max(n_gpu, 0)} KV blocks next to an indexer cache of {n_idx} "
+                f"blocks; the engine needs num_gpu_blocks >= {min_gpu}: lower max_model_len or "
+                "raise gpu_memory_utilization")
+        return n_gpu, n_idx
+
+    @staticmethod
+    def _planner_dtype(geo: CacheGeometry) -> str:
+        return "fp8" if geo.fp8 else str(geo.dtype).removeprefix("torch.")
+
+    def _planner_geometry(self, geo: CacheGeometry):
+        """The planner's view of the engine's caches (an MTP layer's KV included)."""
+        from hisparse.engine.capacity import geometry_from_config
+
+        mg = geometry_from_config(self.model_config)
+        return dataclasses.replace(mg, num_layers=geo.num_layers,
+                                   num_indexer_layers=len(geo.indexer_layers))
 
     def _default_gpu_blocks(self, geo: CacheGeometry, block_size: int, num_indexer_blocks: int,
                             unconstrained: int, min_gpu: int, utilization: float,

@@ -11,10 +11,81 @@ per-sequence tensors and is the spec the worker is tested against.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from hisparse.ops import glue
+
+
+@dataclass(frozen=True)
+class NewRows:
+    """The current tokens' MLA cache rows before their norm and RoPE, so that a context writes
+    them into its cache in one fused kernel (:func:`hisparse.ops.glue.write_mla_rows`): row
+    ``t`` is ``[rms_norm(kv[t, :R]) | rope_interleaved(kv[t, R:])]``
+    (:func:`hisparse.ops.glue.mla_rows_reference`).
+
+    ``kv [T, R + rope]`` (``kv_a_proj_with_mqa``'s output), ``norm_weight [R]`` and ``eps``
+    (``kv_a_layernorm``), ``cos`` / ``sin`` ``[T, rope // 2]``."""
+
+    kv: Tensor
+    norm_weight: Tensor
+    eps: float
+    cos: Tensor
+    sin: Tensor
+    kv_lora_rank: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.kv.shape
+
+    def materialize(self) -> Tensor:
+        """The rows ``[T, R + rope]`` in the model dtype."""
+        return glue.mla_rows_reference(self.kv, self.norm_weight, self.eps, self.cos, self.sin,
+                                       self.kv_lora_rank)
+
+    def write(self, dst: Tensor, rows: Tensor) -> None:
+        """``dst[rows[t]] = row t`` (float rows, or FP8 byte rows: quantized)."""
+        glue.write_mla_rows(self.kv, self.norm_weight, self.eps, self.cos, self.sin, dst, rows,
+                            self.kv_lora_rank)
+
+
+@dataclass(frozen=True)
+class NewKeys:
+    """The current tokens' indexer keys before their LayerNorm and RoPE (written fused by
+    :func:`hisparse.ops.glue.write_index_keys`): key ``t`` is
+    :func:`hisparse.ops.glue.index_keys_reference` of ``k[t]`` (``wk``'s output ``[T, Di]``)."""
+
+    k: Tensor
+    ln_weight: Tensor
+    ln_bias: Tensor
+    eps: float
+    cos: Tensor
+    sin: Tensor
+    rope_dim: int
+    interleaved: bool
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.k.shape
+
+    def materialize(self) -> Tensor:
+        """The keys ``[T, Di]`` in the model dtype."""
+        return glue.index_keys_reference(self.k, self.ln_weight, self.ln_bias, self.eps,
+                                         self.cos, self.sin, self.rope_dim, self.interleaved)
+
+    def write(self, dst: Tensor, rows: Tensor) -> None:
+        """Key of flat row ``rows[t]`` = key ``t`` (float keys, or FP8 page-split: quantized)."""
+        glue.write_index_keys(self.k, self.ln_weight, self.ln_bias, self.eps, self.cos,
+                              self.sin, self.rope_dim, self.interleaved, dst, rows)
+
+
+def materialize(x: Tensor | NewRows | NewKeys | None) -> Tensor | None:
+    """``x`` as a tensor (``kv_new`` / ``index_k_new`` of :meth:`SparseAttentionContext.attend`
+    may come either way)."""
+    return x if x is None or isinstance(x, Tensor) else x.materialize()
 
 
 @runtime_checkable
@@ -52,11 +123,13 @@ class SparseAttentionContext(Protocol):
                 exactly once per layer per forward.
             q_latent: ``[T, H, D]`` model dtype: ``[q_nope @ W_UK | roped q_pe]``.
             kv_new: ``[T, D]`` model dtype: the cache rows of the current tokens,
-                ``[kv_a_layernorm(c_kv) | roped k_pe]``.
+                ``[kv_a_layernorm(c_kv) | roped k_pe]``, or a :class:`NewRows` that computes
+                them (``.write(dst, rows)`` fused into the cache write, ``.materialize()``).
             index_q: ``[T, Hi, Di]`` model dtype, RoPE applied; ``None`` on a GLM "shared" layer.
             index_weights: ``[T, Hi]`` float32, every scale folded in; ``None`` on a shared layer.
             index_k_new: ``[T, Di]`` model dtype, the indexer keys of the current tokens (LayerNorm
-                and RoPE applied); ``None`` on a shared layer (it has no indexer cache).
+                and RoPE applied), or a :class:`NewKeys` that computes them; ``None`` on a
+                shared layer (it has no indexer cache).
             sm_scale: softmax scale of the attention logits (YaRN mscale correction included).
 
         Contract:
@@ -180,6 +253,7 @@ class DenseReferenceContext:
             raise ValueError(f"layer {layer_idx}: index_q must be {'given' if full else 'None'} "
                              f"(layer_has_indexer={full})")
         self._next_layer = layer_idx + 1
+        kv_new, index_k_new = materialize(kv_new), materialize(index_k_new)
         R = self.kv_lora_rank
         out = q_latent.new_empty(T, q_latent.shape[1], R)
         start = 0

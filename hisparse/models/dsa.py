@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import glue
 from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
 from .config import DSAConfig
-from .context import SparseAttentionContext
+from .context import NewKeys, NewRows, SparseAttentionContext
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
@@ -94,29 +95,24 @@ def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool 
 
 
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm (:func:`hisparse.ops.glue.rms_norm_reference`), one fused kernel
+    on CUDA; :meth:`add` fuses the residual add in front of it."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        lead = x.shape[:-1]
+        y, _ = glue.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)
+        return y.view(*lead, y.shape[-1])
 
-
-def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])``; output laid out ``[rotated evens | rotated odds]``."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(x[i], x[i + d/2])`` (non-interleaved, "rotate_half" convention)."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def add(self, x: Tensor, residual: Tensor | None, fp32_copy: bool = False
+            ) -> tuple[Tensor, ...]:
+        """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``; with
+        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel)."""
+        return glue.add_rms_norm(x, residual, self.weight, self.eps, fp32_copy)
 
 
 class Rotary:
@@ -145,18 +141,23 @@ class DSAIndexer(nn.Module):
         self.wk = make_linear(cfg, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # fp32
-        self.rope = rope_interleaved if cfg.indexer_rope_interleaved else rope_half
+        self.interleaved = cfg.indexer_rope_interleaved
         # relu(q.k * Di^-0.5) = Di^-0.5 * relu(q.k): both scales fold into the per-head weights.
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
 
-    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor,
-                sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        T, r = x.shape[0], self.rope_dim
+    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor,
+                x32: Tensor | None = None) -> tuple[Tensor, Tensor, NewKeys]:
+        """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``. ``weights_proj`` runs in
+        fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
+        (``x.float()``, made by the norm kernel) when given."""
+        T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        q = torch.cat([self.rope(q[..., :r], cos[:, None], sin[:, None]), q[..., r:]], dim=-1)
-        k = self.k_norm(self.wk(x))
-        k = torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
+        q = glue.rope_heads(q, cos, sin, self.rope_dim, self.interleaved)
+        k = NewKeys(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
+                    self.rope_dim, self.interleaved)
+        wdt = self.weights_proj.weight.dtype
+        xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
+        w = self.weights_proj(xw).float() * self.weight_scale
         return q, w, k
 
 
@@ -185,22 +186,21 @@ class DSAAttention(nn.Module):
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
         self.tp_group = None     # tensor parallelism: all-reduce after o_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
+                x32: Tensor | None = None) -> Tensor:
+        """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights)."""
         T, H = x.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, H, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        kv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_pe = rope_interleaved(kv[:, self.kv_lora_rank:], cos, sin)
-        q_pe = rope_interleaved(q_pe, cos[:, None], sin[:, None])
-
-        kv_new = torch.cat([c_kv, k_pe], dim=-1)                                    # [T, R + rope]
+        norm = self.kv_a_layernorm
+        # the rows [kv_a_layernorm(c_kv) | roped k_pe], written by the context in one kernel
+        kv_new = NewRows(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin,
+                         self.kv_lora_rank)
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
-        # [T, H, R + rope]
-        q_latent = torch.cat([q_abs, q_pe], dim=-1)
+        q_latent = glue.mla_q_latent(q_abs, q_pe, cos, sin)                         # [T, H, R+rope]
         if self.indexer is not None:
-            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin)
+            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin, x32)
         else:
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
@@ -235,9 +235,12 @@ class DSARouter(nn.Module):
                                                      cfg.topk_group)
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, x32: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Computed in fp32 as transformers' reference (``_keep_in_fp32_modules_strict``:
+        ``gate.weight``), on ``x32`` (``x.float()``) when given."""
         T, E, G = x.shape[0], self.weight.shape[0], self.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                 # [T, E]
+        x32 = x.float() if x32 is None else x32
+        scores = F.linear(x32, self.weight.float()).sigmoid()                       # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)    # [T, G]
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
@@ -292,8 +295,8 @@ class DSAMoE(nn.Module):
                                if cfg.n_shared_experts > 0 else None)
         self.tp_group = None     # tensor parallelism: one all-reduce of routed + shared
 
-    def forward(self, x: Tensor) -> Tensor:
-        idx, w = self.gate(x)
+    def forward(self, x: Tensor, x32: Tensor | None = None) -> Tensor:
+        idx, w = self.gate(x, x32)
         y = self.experts(x, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
@@ -309,10 +312,19 @@ class DSADecoderLayer(nn.Module):
         mlp_type = mlp_type or cfg.mlp_layer_types[layer_idx]
         self.mlp = (DSAMoE(cfg) if mlp_type == "sparse"
                     else DSAMLP(cfg, cfg.intermediate_size))
+        # the fp32 copies of the normed inputs the reference's fp32 linears read
+        self.attn_fp32 = self.self_attn.indexer is not None
+        self.mlp_fp32 = mlp_type == "sparse"
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
+                residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns ``(out, residual)``: the layer's output hidden is ``out + residual`` (the
+        next norm adds them, fused). The input hidden is ``h + residual`` (``h`` alone when
+        ``residual`` is None)."""
+        x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
+        a = self.self_attn(x, cos, sin, ctx, *x32)
+        x, residual, *x32 = self.post_attention_layernorm.add(a, residual, self.mlp_fp32)
+        return self.mlp(x, *x32), residual
 
 
 class DSAMTPLayer(nn.Module):
@@ -339,7 +351,8 @@ class DSAMTPLayer(nn.Module):
         hidden states ``[T, H]`` (main model's final-normed output, or this layer's output for
         a chained draft). Returns the pre-head hidden ``[T, H]`` (before ``shared_head.norm``)."""
         x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
-        return self.layer(self.eh_proj(x), cos, sin, ctx)
+        out, residual = self.layer(self.eh_proj(x), cos, sin, ctx)
+        return out + residual
 
 
 class DSAModel(nn.Module):
@@ -430,9 +443,10 @@ class DSAForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, cos, sin, ctx, residual)
+        return self.model.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""

@@ -22,6 +22,14 @@ from .gemm import (
     quantize_fp8_act,
     quantize_fp8_weight,
 )
+from .glue import (
+    add_rms_norm,
+    mla_q_latent,
+    resident_rows,
+    rope_heads,
+    write_index_keys,
+    write_mla_rows,
+)
 from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
 from .moe import fused_moe, fused_moe_reference, moe_align
 from .quant import (
@@ -58,4 +66,6 @@ __all__ = [
     "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes", "FP8KeyLayout",
     "fp8_block_linear", "fp8_block_linear_reference", "quantize_fp8_act", "quantize_fp8_weight",
     "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
+    "add_rms_norm", "write_mla_rows", "write_index_keys", "rope_heads", "mla_q_latent",
+    "resident_rows",
 ]

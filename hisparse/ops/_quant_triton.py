@@ -37,6 +37,35 @@ def _e4m3_code(y):
 
 
 @triton.jit
+def _store_fp8_tiles(x, dst_u8, dst_f32, base, slot, offs, offs_i, D_NOPE: tl.constexpr,
+                     NT: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Quantize ``x [NT, TILE]`` fp32 per tile (power-of-two scales, as
+    :func:`~hisparse.ops.quant.pow2_scale`) and store its e4m3 codes at byte ``base + slot *
+    D_NOPE + offs`` and its scales at ``base + SCALE_OFF + slot * 4 * NT``; returns the byte
+    offset of the scales (the MLA row's rope follows them)."""
+    amax = tl.max(tl.abs(x), axis=1)                                   # [NT]
+    s = tl.maximum(tl.math.div_rn(amax, tl.full([NT], 448.0, tl.float32)), 1e-4)
+    sb = s.to(tl.int32, bitcast=True)
+    e = sb & 0x7F800000
+    sb = tl.where((sb & 0x7FFFFF) != 0, e + 0x800000, e)               # round up to 2^k
+    scale = sb.to(tl.float32, bitcast=True)
+    inv = ((254 << 23) - sb).to(tl.float32, bitcast=True)              # exact 2^-k
+    code = _e4m3_code(x * inv[:, None])
+    tl.store(dst_u8 + base + slot * D_NOPE + offs, code.to(tl.uint8))
+    scale_at = base + SCALE_OFF + slot * (4 * NT)
+    tl.store(dst_f32 + scale_at // 4 + offs_i, scale)
+    return scale_at
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> bf16 bit pattern (int16), round to nearest even (integer ops: exact under the
+    interpreter too)."""
+    rb = x.to(tl.int32, bitcast=True)
+    return ((rb + 0x7FFF + ((rb >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
 def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, stride_page,
                         D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
                         NT: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr):
@@ -52,24 +81,12 @@ def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, st
     offs_j = tl.arange(0, TILE)
     offs = offs_i[:, None] * TILE + offs_j[None, :]
     x = tl.load(x_base + offs).to(tl.float32)                         # [NT, TILE]
-    amax = tl.max(tl.abs(x), axis=1)                                   # [NT]
-    s = tl.maximum(tl.math.div_rn(amax, tl.full([NT], 448.0, tl.float32)), 1e-4)
-    sb = s.to(tl.int32, bitcast=True)
-    e = sb & 0x7F800000
-    sb = tl.where((sb & 0x7FFFFF) != 0, e + 0x800000, e)               # round up to 2^k
-    scale = sb.to(tl.float32, bitcast=True)
-    inv = ((254 << 23) - sb).to(tl.float32, bitcast=True)              # exact 2^-k
-    code = _e4m3_code(x * inv[:, None])
-    base = page * stride_page
-    tl.store(dst_u8 + base + slot * D_NOPE + offs, code.to(tl.uint8))
-    scale_at = base + SCALE_OFF + slot * (4 * NT)
-    tl.store(dst_f32 + scale_at // 4 + offs_i, scale)
+    scale_at = _store_fp8_tiles(x, dst_u8, dst_f32, page * stride_page, slot, offs, offs_i,
+                                D_NOPE, NT, SCALE_OFF)
     if D_ROPE > 0:
         offs_r = tl.arange(0, D_ROPE)
         r = tl.load(x_base + D_NOPE + offs_r).to(tl.float32)
-        rb = r.to(tl.int32, bitcast=True)
-        bf = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16                     # fp32 -> bf16, RNE
-        tl.store(dst_i16 + (scale_at + 4 * NT) // 2 + offs_r, bf.to(tl.int16))
+        tl.store(dst_i16 + (scale_at + 4 * NT) // 2 + offs_r, _bf16_bits(r))
 
 
 def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int,

@@ -246,18 +246,23 @@ def _check_rows(x: torch.Tensor, rows: torch.Tensor) -> None:
         raise ValueError(f"rows must be [T={x.shape[0]}], got {tuple(rows.shape)}")
 
 
+def check_mla_rows_dst(dst: torch.Tensor, d_nope: int, d_rope: int) -> None:
+    """``dst`` must be one layer's FP8 byte rows: uint8 ``[rows, row_bytes]``, 4-byte aligned."""
+    row_bytes = mla_row_bytes(d_nope, d_rope)
+    if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != row_bytes:
+        raise ValueError(f"FP8 destination must be uint8 [rows, {row_bytes}], got "
+                         f"{tuple(dst.shape)} {dst.dtype}")
+    if dst.stride(1) != 1 or dst.stride(0) % 4 or dst.storage_offset() % 4:
+        raise ValueError("FP8 destination rows must be contiguous and 4-byte aligned")
+
+
 def quantize_write_mla_rows(kv: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
                             d_nope: int) -> None:
     """``dst[rows[t]] = quantize(kv[t])``: ``kv [T, d_nope + d_rope]`` float, ``dst [N, row_bytes]``
     uint8 (one layer's byte rows), ``rows [T]`` flat row ids (several tokens may share a sink row:
     any one of them wins)."""
     T, D = kv.shape
-    row_bytes = mla_row_bytes(d_nope, D - d_nope)
-    if dst.dtype != torch.uint8 or dst.dim() != 2 or dst.shape[1] != row_bytes:
-        raise ValueError(f"FP8 destination must be uint8 [rows, {row_bytes}], got "
-                         f"{tuple(dst.shape)} {dst.dtype}")
-    if dst.stride(1) != 1 or dst.stride(0) % 4 or dst.storage_offset() % 4:
-        raise ValueError("FP8 destination rows must be contiguous and 4-byte aligned")
+    check_mla_rows_dst(dst, d_nope, D - d_nope)
     _check_rows(kv, rows)
     if T == 0:
         return

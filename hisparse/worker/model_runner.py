@@ -80,6 +80,7 @@ class PagedContext:
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
+        self.positions_i32 = positions.int()    # once per forward, not per indexer layer
         real = token_slot >= 0
         slot_l = token_slot.clamp(min=0).long()
         self.kv_rows = torch.where(real, flat_rows(tables["resident"], slot_l, positions,
@@ -101,13 +102,17 @@ class PagedContext:
         c = self.caches
         arena = c.arena_layer(layer_idx)
         fp8 = c.geo.fp8
-        if fp8:     # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
+        if not isinstance(kv_new, Tensor):  # norm + RoPE (+ FP8 quantization) + write, fused
+            kv_new.write(arena, self.kv_rows)
+        elif fp8:   # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
             ops.quantize_write_mla_rows(kv_new, arena, self.kv_rows, self.kv_lora_rank)
         else:
             arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
-            if fp8:
+            if not isinstance(index_k_new, Tensor):
+                index_k_new.write(keys, self.idx_rows)
+            elif fp8:
                 ops.quantize_write_index_keys(index_k_new, keys, self.idx_rows)
             else:
                 keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
@@ -180,7 +185,7 @@ class PagedContext:
         stay CUDA-graph safe: fixed shapes, no host sync)."""
         k = self.index_topk
         ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
-                                  self.token_slot, self.positions.int(), self.block_size,
+                                  self.token_slot, self.positions_i32, self.block_size,
                                   k + self.caches.hot_band,
                                   workspace=self.caches.workspace.indexer)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
@@ -191,11 +196,7 @@ class PagedContext:
         """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
         c, block_size, topk, band = self.caches, self.block_size, self.topk, self.band
         if not self.host_read:  # every page of every request in the batch is resident
-            valid = topk >= 0
-            pos = topk.clamp(min=0).long()
-            rows = flat_rows(self.tables["resident"],
-                             self.token_slot.clamp(min=0).long()[:, None], pos, block_size)
-            return torch.where(valid & (rows >= 0), rows.int(), torch.full_like(topk, -1))
+            return ops.resident_rows(topk, self.tables["resident"], self.token_slot, block_size)
         arena, host = c.resolve_view(c.arena_layer(layer)), c.resolve_view(c.host_layer(layer))
         prefetch = c.hot_prefetch if band is not None else 0
         plan = None

@@ -217,3 +217,21 @@ def test_engine_prefetches_the_replayed_band(band_model, tmp_path):
     assert s["hot_demand_misses"] == cold + entering
     s = _run_engine(band_model, _chain_trace(tmp_path / "c.npz", True, 1), "lru")
     assert s["hot_prefetched"] == 0 and s["hot_demand_misses"] == cold + entering
+
+
+def test_bench_names_host_pool_gib_when_the_pool_cannot_be_pinned(monkeypatch, capsys):
+    """A pool that does not pin ends the benchmark with an error naming --host-pool-gib (it
+    died with a raw 'CUDA error: out of memory' traceback)."""
+    import torch
+
+    def refuse(*args, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode, "pin_host_pool", refuse)
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--topk", "indexer", "--contexts", "4096", "--outputs", "8",
+                     "--host-pool-gib", "96"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host-pool-gib 96" in err and "out of memory" in err

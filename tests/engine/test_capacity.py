@@ -293,3 +293,93 @@ def test_engine_indexer_and_host_bounds(dsv32_path):
 def test_format_plan_lists_every_mode():
     text = format_plan(plan(num_gpu_blocks=60, num_indexer_blocks=1000, num_host_blocks=1000))
     assert all(m in text for m in MODES) and "decode tok/s" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode):
+    """Neither GPU pool given: the engine splits the KV budget (free memory on CUDA; a fixed
+    figure here) as the planner does for its mode, allocates exactly those pools, and
+    ``LLM.capacity()`` reports them; in the host modes the indexer cache is sized for what the
+    host pool / hot buffers allow instead of idling next to them."""
+    from dataclasses import replace
+
+    from hisparse import LLM
+
+    budget = 300 * 1024 * 1024 // 64       # ~4.7 MiB: ~14 full-length requests' GPU pages
+    monkeypatch.setattr(LLM, "_gpu_kv_budget", lambda self, geo, util, reserve: budget)
+    mg = load_geometry(dsv32_path)
+    per_token = mg.num_layers * mg.row_bytes("float32") + mg.num_indexer_layers * mg.key_bytes(
+        "float32")
+    host_gib = 6.5 * 14 * BS * per_token / (1 << 30)   # host pool bound: 6 requests of 14 pages
+    llm = LLM(dsv32_path, device="cpu", dtype="float32", block_size=BS, max_model_len=112,
+              max_num_seqs=16, hot_buffer_size=HOT, host_pool_gib=host_gib,
+              max_num_batched_tokens=64, mode=mode)
+    kv, c, geo = llm.kv_config, llm.caches, llm.caches.geo
+    # what the engine allocated
+    assert c.arena.shape[1] == (kv.num_gpu_blocks + 1) * BS
+    assert tuple(c.indexer.shape) == tuple(geo.indexer_shape(kv.num_indexer_blocks + 1, BS))
+    host_rows = c.host.shape[1] if c.host is not None else 0
+    assert host_rows == (kv.num_host_blocks * BS if mode != "gpu-only" else 0)
+    used = (kv.num_gpu_blocks * geo.gpu_bytes_per_block(BS)
+            + kv.num_indexer_blocks * geo.indexer_bytes_per_block(BS))
+    assert used <= budget
+    # what capacity() reports: those pools, and the planner's own split of the same budget
+    got = llm.capacity()[mode]
+    assert (got.num_gpu_blocks, got.num_indexer_blocks) == (kv.num_gpu_blocks,
+                                                            kv.num_indexer_blocks)
+    mg = replace(geometry_from_config(llm.model_config), num_layers=geo.num_layers,
+                 num_indexer_layers=len(geo.indexer_layers))
+    assert mg == load_geometry(dsv32_path)     # no MTP layer here: the same geometry
+    want = plan_capacity(mg, CapacityInputs(
+        context=112, gpu_kv_bytes=budget, block_size=BS, hot_buffer_size=HOT, max_num_seqs=16,
+        kv_cache_dtype="float32",
+        num_host_blocks=kv.num_host_blocks if mode != "gpu-only" else None))[mode]
+    assert got.max_running == want.max_running > 0
+    assert kv.num_indexer_blocks == want.max_running * kv.max_pages_per_request
+    if mode == "gpu-only":
+        assert got.bound_by in (GPU_PAGES, INDEXER_CACHE)
+    else:   # the indexer cache is never what stops the host modes
+        assert got.bounds[INDEXER_CACHE] >= got.max_running
+        assert got.bound_by == HOST_POOL and got.max_running == 6
+        # the arena keeps the rest of the budget (resident pages: fewer host reads)
+        assert kv.num_gpu_blocks > 6 * kv.max_pages_per_request
+
+
+def test_host_pool_auto_without_cuda(dsv32_path, monkeypatch):
+    from hisparse import LLM
+    from hisparse.worker import pinned
+
+    monkeypatch.setattr(pinned, "available_host_memory_bytes", lambda: 1 << 30)
+    llm = LLM(dsv32_path, device="cpu", dtype="float32", block_size=BS, max_model_len=112,
+              max_num_seqs=4, num_gpu_blocks=60, hot_buffer_size=HOT, host_pool_gib="auto",
+              max_num_batched_tokens=64)
+    per_block = llm.caches.geo.bytes_per_token * BS
+    assert llm.kv_config.num_host_blocks == int((1 << 30) * pinned.CPU_FRACTION) // per_block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_split_on_cuda_matches_capacity(dsv32_path, mode):
+    """On CUDA, from free memory: the pools allocated are the ones LLM.capacity() reports, and
+    they fit the budget the engine measured."""
+    import torch
+
+    from hisparse import LLM
+
+    llm = LLM(dsv32_path, device="cuda", dtype="bfloat16", block_size=BS, max_model_len=112,
+              max_num_seqs=16, hot_buffer_size=HOT, host_pool_gib=0.05, mode=mode,
+              max_num_batched_tokens=64, enforce_eager=True)
+    kv, c = llm.kv_config, llm.caches
+    got = llm.capacity()[mode]
+    assert (got.num_gpu_blocks, got.num_indexer_blocks) == (kv.num_gpu_blocks,
+                                                            kv.num_indexer_blocks)
+    assert c.arena.shape[1] == (kv.num_gpu_blocks + 1) * BS
+    assert tuple(c.indexer.shape) == tuple(c.geo.indexer_shape(kv.num_indexer_blocks + 1, BS))
+    if mode != "gpu-only":
+        assert c.host.shape[1] == kv.num_host_blocks * BS and c.host.is_pinned()
+        assert got.bound_by in (HOST_POOL, MAX_NUM_SEQS, HOT_BUFFERS)
+    assert kv.num_indexer_blocks == got.max_running * kv.max_pages_per_request
+    assert got.max_running > 0
+    llm.shutdown()
+    torch.cuda.empty_cache()

@@ -109,6 +109,7 @@ def _prefill_logits(llm, ids):
 def _fake_quant_attend(monkeypatch):
     """bf16-format caches fed with quantize->dequantize of every row and key: the FP8 format's
     definition, computed on the unquantized path."""
+    from hisparse.models.context import materialize
     from hisparse.ops import quant as Q
     from hisparse.worker.model_runner import PagedContext
 
@@ -116,6 +117,7 @@ def _fake_quant_attend(monkeypatch):
 
     def attend(self, layer, q, kv, iq, iw, ik, scale):
         d = self.kv_lora_rank
+        kv, ik = materialize(kv), materialize(ik)
         kv = Q.dequantize_mla_rows_reference(Q.quantize_mla_rows_reference(kv, d), d,
                                              kv.shape[1] - d, kv.dtype)
         if ik is not None:

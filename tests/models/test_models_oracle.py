@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hisparse.models.context import DenseReferenceContext  # noqa: E402
+from hisparse.models.context import DenseReferenceContext, materialize  # noqa: E402
 from hisparse.models.loader import load_model  # noqa: E402
 from hisparse.models.random_checkpoint import make_random_checkpoint  # noqa: E402
 
@@ -198,7 +198,7 @@ def test_index_scores_equal_transformers_values(pair):
         def attend(self, layer_idx, q_latent, kv_new, index_q, index_weights, index_k_new,
                    sm_scale):
             if layer_idx == layer:
-                got.update(q=index_q, w=index_weights, k=index_k_new)
+                got.update(q=index_q, w=index_weights, k=materialize(index_k_new))
             return super().attend(layer_idx, q_latent, kv_new, index_q, index_weights,
                                   index_k_new, sm_scale)
 

@@ -1,0 +1,336 @@
+"""Triton kernels of the fused glue ops (imported lazily by glue.py).
+
+One program per token (per token and head for the queries); every value is computed with the
+reference's roundings: ``_rnd`` rounds an fp32 intermediate to the model dtype wherever torch
+would store one (each RoPE product and sum, the normalised value before the norm weight), so
+only the norms' reductions differ in order from the reference. FP8 outputs go through the exact
+integer encoders of :mod:`hisparse.ops._quant_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+from ._quant_triton import _bf16_bits, _store_fp8_tiles
+from .quant import fp8_tile
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """Round fp32 ``x`` to the model dtype ``DT`` and back (what storing a torch op's result
+    does); bf16 by integer round-to-nearest-even (the interpreter's cast truncates)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        y = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _rope_lo(a, b, c, s, DT: tl.constexpr):
+    """First half of a rotated pair ``(a, b)``: ``a*c - b*s``, each product and the sum
+    rounded to DT."""
+    return _rnd(_rnd(a * c, DT) - _rnd(b * s, DT), DT)
+
+
+@triton.jit
+def _rope_hi(a, b, c, s, DT: tl.constexpr):
+    """Second half: ``b*c + a*s``."""
+    return _rnd(_rnd(b * c, DT) + _rnd(a * s, DT), DT)
+
+
+@triton.jit
+def _rope_pair(a, b, c, s, first, DT: tl.constexpr):
+    """``_rope_lo`` where ``first``, else ``_rope_hi`` (elementwise)."""
+    return tl.where(first, _rope_lo(a, b, c, s, DT), _rope_hi(a, b, c, s, DT))
+
+
+@triton.jit
+def _rope_src(i, H2: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Output dim ``i < 2 * H2`` of a RoPE'd vector reads inputs ``p`` and ``q`` (pair ``j``)."""
+    j = i % H2
+    if INTERLEAVED:
+        p = 2 * j
+        q = 2 * j + 1
+    else:
+        p = j
+        q = j + H2
+    return j, p, q
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, y32_ptr, D, stride_x, stride_r,
+                         stride_y, stride_h, stride_y32, eps, HAS_RES: tl.constexpr,
+                         HAS_Y32: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + t * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+        x = _rnd(x + r, DT)
+        tl.store(h_ptr + t * stride_h + offs, x.to(DT), mask=m)
+    ms = tl.sum(x * x, axis=0) / D
+    n = _rnd(x * tl.math.rsqrt(ms + eps), DT)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = (w * n).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * stride_y + offs, y, mask=m)
+    if HAS_Y32:
+        tl.store(y32_ptr + t * stride_y32 + offs, y.to(tl.float32), mask=m)
+
+
+def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False):
+    T, D = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(T, D, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    if residual is None:
+        h, r = x, x
+    else:
+        r = residual if residual.stride(1) == 1 else residual.contiguous()
+        h = torch.empty_like(x)
+    y32 = torch.empty(T, D, device=x.device, dtype=torch.float32) if fp32_copy else y
+    block = next_pow2(D)
+    _add_rms_norm_kernel[(T,)](x, r, weight, y, h, y32, D, x.stride(0), r.stride(0),
+                               y.stride(0), h.stride(0), y32.stride(0), float(eps),
+                               HAS_RES=residual is not None, HAS_Y32=fp32_copy, BLOCK=block,
+                               DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
+    return (y, h, y32) if fp32_copy else (y, h)
+
+
+# ----------------------------------------------------------------------------- MLA rows
+@triton.jit
+def _mla_rows_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
+                     stride_kv, stride_cs, stride_dst, R, eps,
+                     NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
+                     BLOCK_H2: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
+    """``kv [T, R + 2*H2]`` -> row ``rows[t]`` of ``dst``: ``[rms_norm(c) | rope(k_pe)]``,
+    float (``dst_ptr`` typed) or FP8 bytes (``dst_ptr`` uint8, 656-B layout for 512 + 64)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    src = kv_ptr + t * stride_kv
+    offs_i = tl.arange(0, NT)
+    offs = offs_i[:, None] * TILE + tl.arange(0, TILE)[None, :]      # [NT, TILE]
+    m = offs < R
+    c = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+    ms = tl.sum(tl.sum(c * c, axis=1), axis=0) / R
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = _rnd(w * _rnd(c * tl.math.rsqrt(ms + eps), DT), DT)
+    # RoPE (interleaved): output j of the first half / of the second half
+    j = tl.arange(0, BLOCK_H2)
+    jm = j < H2
+    x1 = tl.load(src + R + 2 * j, mask=jm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + R + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + t * stride_cs + j, mask=jm, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * stride_cs + j, mask=jm, other=0.0).to(tl.float32)
+    lo = _rope_lo(x1, x2, cs, sn, DT)
+    hi = _rope_hi(x1, x2, cs, sn, DT)
+    if FP8:
+        base = row * stride_dst
+        scale_at = _store_fp8_tiles(y, dst_ptr, dst_f32, base, 0, offs, offs_i, NT * TILE, NT,
+                                    NT * TILE)
+        rope_at = (scale_at + 4 * NT) // 2
+        tl.store(dst_i16 + rope_at + j, _bf16_bits(lo), mask=jm)
+        tl.store(dst_i16 + rope_at + H2 + j, _bf16_bits(hi), mask=jm)
+    else:
+        out = dst_ptr + row * stride_dst
+        ty = dst_ptr.dtype.element_ty
+        tl.store(out + offs, y.to(ty), mask=m)
+        tl.store(out + R + j, lo.to(ty), mask=jm)
+        tl.store(out + R + H2 + j, hi.to(ty), mask=jm)
+
+
+def _tiles(d: int, fp8: bool) -> tuple[int, int]:
+    """``(NT, TILE)`` covering ``d`` values: FP8 scale tiles, else one power-of-two block."""
+    if fp8:
+        tile = fp8_tile(d)
+        return d // tile, tile
+    return 1, next_pow2(d)
+
+
+def write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_rank: int) -> None:
+    T, D = kv.shape
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    fp8 = dst.dtype == torch.uint8
+    nt, tile = _tiles(kv_lora_rank, fp8)
+    h2 = (D - kv_lora_rank) // 2
+    rows = rows.to(device=dst.device, dtype=torch.int64)
+    aux = (dst.view(torch.float32), dst.view(torch.int16)) if fp8 else (dst, dst)
+    _mla_rows_kernel[(T,)](kv, norm_weight, cos, sin, rows, dst, *aux, kv.stride(0),
+                           cos.stride(0), dst.stride(0), kv_lora_rank, float(eps), NT=nt,
+                           TILE=tile, H2=h2, BLOCK_H2=next_pow2(h2), FP8=fp8,
+                           DT=_TL_DTYPE[kv.dtype], num_warps=4)
+
+
+# ----------------------------------------------------------------------------- indexer keys
+@triton.jit
+def _ln_at(src, w_ptr, b_ptr, idx, m, mean, rstd, DT: tl.constexpr):
+    """The LayerNorm output (rounded to DT) at dims ``idx``."""
+    x = tl.load(src + idx, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    return _rnd((x - mean) * rstd * w + b, DT)
+
+
+@triton.jit
+def _index_keys_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32,
+                       stride_k, stride_cs, stride_page, Di, eps,
+                       NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
+                       INTERLEAVED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                       DT: tl.constexpr):
+    """``k [T, Di]`` -> key of flat row ``rows[t]``: LayerNorm, RoPE on the first ``2*H2``
+    dims; float rows ``[N, Di]`` or FP8 page-split pages (``PAGE`` keys per page)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    src = k_ptr + t * stride_k
+    offs_i = tl.arange(0, NT)
+    i = offs_i[:, None] * TILE + tl.arange(0, TILE)[None, :]            # [NT, TILE]
+    m = i < Di
+    x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    mean = tl.sum(tl.sum(x, axis=1), axis=0) / Di
+    xc = tl.where(m, x - mean, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(tl.sum(xc * xc, axis=1), axis=0) / Di + eps)
+    y = _ln_at(src, w_ptr, b_ptr, i, m, mean, rstd, DT)
+    inr = i < 2 * H2
+    j, p, q = _rope_src(i, H2, INTERLEAVED)
+    a = _ln_at(src, w_ptr, b_ptr, p, inr, mean, rstd, DT)
+    b = _ln_at(src, w_ptr, b_ptr, q, inr, mean, rstd, DT)
+    cs = tl.load(cos_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+    y = tl.where(inr, _rope_pair(a, b, cs, sn, i < H2, DT), y)
+    if FP8:
+        _store_fp8_tiles(y, dst_ptr, dst_f32, (row // PAGE) * stride_page, row % PAGE, i,
+                         offs_i, NT * TILE, NT, PAGE * NT * TILE)
+    else:
+        tl.store(dst_ptr + row * stride_page + i, y.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def write_index_keys_triton(k, ln_weight, ln_bias, eps, cos, sin, rope_dim: int,
+                            interleaved: bool, dst, rows, block_size: int) -> None:
+    T, d = k.shape
+    k = k if k.stride(1) == 1 else k.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    fp8 = dst.dtype == torch.uint8
+    nt, tile = _tiles(d, fp8)
+    rows = rows.to(device=dst.device, dtype=torch.int64)
+    aux = dst.view(torch.float32) if fp8 else dst
+    _index_keys_kernel[(T,)](k, ln_weight, ln_bias, cos, sin, rows, dst, aux, k.stride(0),
+                             cos.stride(0), dst.stride(0), d, float(eps), NT=nt, TILE=tile,
+                             H2=rope_dim // 2, INTERLEAVED=interleaved,
+                             PAGE=block_size if fp8 else 1, FP8=fp8, DT=_TL_DTYPE[k.dtype],
+                             num_warps=1 if d <= 256 else 4)
+
+
+# ----------------------------------------------------------------------------- queries
+@triton.jit
+def _rope_heads_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, stride_qt, stride_qh, stride_cs,
+                       stride_ot, stride_oh, D, H2: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       BLOCK: tl.constexpr, DT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    src = q_ptr + t * stride_qt + h * stride_qh
+    i = tl.arange(0, BLOCK)
+    m = i < D
+    inr = i < 2 * H2
+    j, p, q = _rope_src(i, H2, INTERLEAVED)
+    y = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(src + p, mask=inr, other=0.0).to(tl.float32)
+    b = tl.load(src + q, mask=inr, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+    y = tl.where(inr, _rope_pair(a, b, cs, sn, i < H2, DT), y)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + i, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rope_heads_triton(q, cos, sin, rope_dim: int, interleaved: bool):
+    T, Hn, D = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    out = torch.empty(T, Hn, D, device=q.device, dtype=q.dtype)
+    _rope_heads_kernel[(T, Hn)](q, cos, sin, out, q.stride(0), q.stride(1), cos.stride(0),
+                                out.stride(0), out.stride(1), D, H2=rope_dim // 2,
+                                INTERLEAVED=interleaved, BLOCK=next_pow2(D),
+                                DT=_TL_DTYPE[q.dtype], num_warps=1)
+    return out
+
+
+@triton.jit
+def _q_latent_kernel(qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, stride_ah,
+                     stride_pt, stride_ph, stride_cs, stride_ot, stride_oh, R,
+                     BLOCK_R: tl.constexpr, H2: tl.constexpr, BLOCK_H2: tl.constexpr,
+                     DT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    out = out_ptr + t * stride_ot + h * stride_oh
+    ty = out_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    qa = tl.load(qa_ptr + t * stride_at + h * stride_ah + r, mask=rm, other=0.0)
+    tl.store(out + r, qa.to(ty), mask=rm)
+    j = tl.arange(0, BLOCK_H2)
+    jm = j < H2
+    src = qp_ptr + t * stride_pt + h * stride_ph
+    x1 = tl.load(src + 2 * j, mask=jm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + t * stride_cs + j, mask=jm, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * stride_cs + j, mask=jm, other=0.0).to(tl.float32)
+    tl.store(out + R + j, _rope_lo(x1, x2, cs, sn, DT).to(ty), mask=jm)
+    tl.store(out + R + H2 + j, _rope_hi(x1, x2, cs, sn, DT).to(ty), mask=jm)
+
+
+def mla_q_latent_triton(q_abs, q_pe, cos, sin):
+    T, H, R = q_abs.shape
+    if q_abs.stride(2) != 1:
+        q_abs = q_abs.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    h2 = q_pe.shape[2] // 2
+    out = torch.empty(T, H, R + 2 * h2, device=q_pe.device, dtype=q_pe.dtype)
+    _q_latent_kernel[(T, H)](q_abs, q_pe, cos, sin, out, q_abs.stride(0), q_abs.stride(1),
+                             q_pe.stride(0), q_pe.stride(1), cos.stride(0), out.stride(0),
+                             out.stride(1), R, BLOCK_R=next_pow2(R), H2=h2,
+                             BLOCK_H2=next_pow2(h2), DT=_TL_DTYPE[q_pe.dtype], num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- resident rows
+@triton.jit
+def _resident_rows_kernel(topk_ptr, table_ptr, slot_ptr, out_ptr, K, stride_t, stride_tab,
+                          stride_o, P, BS: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    m = k < K
+    pos = tl.load(topk_ptr + t * stride_t + k, mask=m, other=-1).to(tl.int64)
+    slot = tl.maximum(tl.load(slot_ptr + t).to(tl.int64), 0)
+    p = tl.maximum(pos, 0)
+    page = p // BS
+    blk = tl.load(table_ptr + slot * stride_tab + page, mask=m & (page < P), other=-1)
+    row = blk.to(tl.int64) * BS + p % BS
+    out = tl.where((pos >= 0) & (row >= 0), row, -1)
+    tl.store(out_ptr + t * stride_o + k, out.to(tl.int32), mask=m)
+
+
+def resident_rows_triton(topk, table, token_slot, block_size: int):
+    T, K = topk.shape
+    if topk.stride(1) != 1:
+        topk = topk.contiguous()
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    out = torch.empty(T, K, device=topk.device, dtype=torch.int32)
+    _resident_rows_kernel[(T,)](topk, table, token_slot, out, K, topk.stride(0),
+                                table.stride(0), out.stride(0), table.shape[1], BS=block_size,
+                                BLOCK_K=next_pow2(K), num_warps=4)
+    return out
