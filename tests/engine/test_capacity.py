@@ -195,7 +195,7 @@ def test_cli_plan_json_and_table(tmp_path, capsys):
     from hisparse.cli import main
 
     path = _write_config(tmp_path, num_hidden_layers=5, kv_lora_rank=512, qk_rope_head_dim=64,
-                         index_head_dim=128, index_topk=2048)
+                         index_head_dim=128, index_topk=2048, max_position_embeddings=65536)
     geo = load_geometry(path)
     assert (geo.num_layers, geo.kv_row_dim, geo.index_head_dim) == (5, 576, 128)
     args = ["plan", "--model", path, "--gpu-kv-gib", "2", "--host-pool-gib", "4",
