@@ -29,6 +29,9 @@ import triton.language as tl
 from ._common import next_pow2
 from .topk import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, TopkScratch
 
+COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
+STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) ]
+
 
 @triton.jit
 def _row_span(len_ptr, row, sp, W, SPLITS, BLOCK: tl.constexpr):
@@ -42,49 +45,79 @@ def _row_span(len_ptr, row, sp, W, SPLITS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _state(h_row, K, UPTO: tl.constexpr, NB: tl.constexpr):
-    """Threshold state after the first ``UPTO`` digit levels of a row's global histograms:
-    ``(level, prefix, cgt, need, done)``. ``level`` 0 (at most ``K`` valid columns): every
-    valid column is taken (``prefix`` -1). Else the columns whose ``level``-digit prefix is
-    above ``prefix`` (``cgt`` of them) are taken, plus the first ``need`` (by column) equal to
-    it; ``done``: no further level is needed."""
+def _advance(h, K, L: tl.constexpr, level, pre, cgt, need, done, NB: tl.constexpr):
+    """The threshold state after level ``L`` from the one before it and the row's global
+    histogram ``h [NB]`` of digit ``L``. State: ``(level, pre, cgt, need, done)``. ``level`` 0
+    (at most ``K`` valid columns): every valid column is taken. Else the columns whose
+    ``level``-digit prefix is above ``pre`` (``cgt`` of them) are taken, plus the first ``need``
+    (by column) equal to it; ``done``: no further level is needed."""
     offs = tl.arange(0, NB)
-    h = tl.load(h_row + offs)
-    done = tl.sum(h, 0) <= K
-    level = tl.sum(h, 0) * 0
-    pre = level.to(tl.int64)
-    cgt = level
-    need = level + K
-    for L in tl.static_range(UPTO):
-        if L > 0:
-            h = tl.load(h_row + L * NB + offs)
-        cge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                    # count(digit >= d)
-        b = tl.max(tl.where(cge >= need, offs, -1), 0)              # threshold digit
-        gt = tl.sum(tl.where(offs > b, h, 0), 0)
-        hb = tl.sum(tl.where(offs == b, h, 0), 0)
-        go = done == 0
-        pre = tl.where(go, pre * NB + b, pre)
-        cgt = tl.where(go, cgt + gt, cgt)
-        level = tl.where(go, L + 1, level)
-        need = tl.where(go, need - gt, need)
-        done = done | (hb == need)
-    prefix = tl.where(level == 0, -1, pre)
-    return level, prefix, cgt, need, done
+    cge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                        # count(digit >= d)
+    b = tl.max(tl.where(cge >= need, offs, -1), 0)                  # threshold digit
+    gt = tl.sum(tl.where(offs > b, h, 0), 0)
+    hb = tl.sum(tl.where(offs == b, h, 0), 0)
+    go = done == 0
+    pre = tl.where(go, pre * NB + b, pre)
+    cgt = tl.where(go, cgt + gt, cgt)
+    level = tl.where(go, L + 1, level)
+    need = tl.where(go, need - gt, need)
+    done = done | (hb == need).to(tl.int32)
+    return level, pre, cgt, need, done
+
+
+@triton.jit
+def _state_after(h_row, K, L: tl.constexpr, NB: tl.constexpr, STATE: tl.constexpr):
+    """State after levels ``0..L`` (``L + 1`` of them): level 0 from the first histogram, later
+    ones from the state the previous kernel stored (``h_row[STATE + 8 * L ...]``)."""
+    offs = tl.arange(0, NB)
+    if L == 0:
+        h = tl.load(h_row + offs)
+        total = tl.sum(h, 0)
+        done = (total <= K).to(tl.int32)
+        level = total * 0
+        pre = level
+        cgt = level
+        need = level + K
+    else:
+        st = h_row + STATE + 8 * L
+        level = tl.load(st)
+        pre = tl.load(st + 1)
+        cgt = tl.load(st + 2)
+        need = tl.load(st + 3)
+        done = tl.load(st + 4)
+        h = tl.load(h_row + L * NB + offs)
+    # the prefix has up to 32 bits: carried as int64, stored as its low 32 bits
+    pre = pre.to(tl.int64) & 4294967295
+    level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done, NB)
+    return level, pre, cgt, need, done
+
+
+@triton.jit
+def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.constexpr):
+    st = h_row + STATE + 8 * (L + 1)
+    tl.store(st, level)
+    tl.store(st + 1, pre.to(tl.int32))
+    tl.store(st + 2, cgt)
+    tl.store(st + 3, need)
+    tl.store(st + 4, done.to(tl.int32))
 
 
 @triton.jit
 def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
                  stride_k, stride_h, stride_s,
                  LEVEL: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, STATE: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     h_row = hist_ptr + row * stride_h
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     prefix = tl.full([], -1, tl.int64)
     if LEVEL > 0:
-        _, prefix, _, _, done = _state(h_row, K, LEVEL, NB)
-        hi = tl.where(done, lo, hi)                                 # resolved: read nothing
+        level, pre, cgt, need, done = _state_after(h_row, K, LEVEL - 1, NB, STATE)
+        if sp == 0:
+            _store_state(h_row, LEVEL - 1, level, pre, cgt, need, done, STATE)
+        prefix = pre
+        hi = tl.where(done != 0, lo, hi)                            # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
     acc = tl.zeros([NB], dtype=tl.int32)
     start = lo
@@ -108,12 +141,13 @@ def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
 def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLITS,
                     stride_k, stride_h, stride_s, stride_o,
                     LEVELS: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, STATE: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     h_row = hist_ptr + row * stride_h
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
-    level, prefix, cgt, need, _ = _state(h_row, K, LEVELS, NB)
+    level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
+    prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
     s_row = split_ptr + row.to(tl.int64) * stride_s
     dig = (prefix & (NB - 1)).to(tl.int32)
@@ -126,7 +160,7 @@ def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLIT
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
     o_row = out_ptr + row.to(tl.int64) * stride_o
-    cnt_ptr = h_row + LEVELS * NB
+    cnt_ptr = h_row + LEVELS * NB                                   # COUNTER
     start = lo
     while start < hi:
         offs = start + tl.arange(0, BLOCK)
@@ -195,7 +229,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     hist.zero_()
     sh = scratch.split_hist
     grid = (T, splits)
-    common = dict(NB=RADIX_BINS, MAXS=MAX_SPLITS, BLOCK=block, num_warps=nw)
+    common = dict(NB=RADIX_BINS, MAXS=MAX_SPLITS, BLOCK=block, STATE=STATE_OFFSET,
+                  num_warps=nw)
     for level in range(RADIX_LEVELS):
         _hist_kernel[grid](keys, lengths, hist, sh, W, k, splits,
                            keys.stride(0), hist.stride(0), sh.stride(0), LEVEL=level, **common)

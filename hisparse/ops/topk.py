@@ -56,14 +56,15 @@ def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> 
 
 class TopkScratch:
     """Device scratch of the Triton top-k for up to ``rows`` rows a call, allocated once (a CUDA
-    graph keeps the addresses it captured): per row the four global digit histograms and a slot
-    counter (``hist [rows, 4 * 256 + 32]``, zeroed by each call) and each split's histograms
+    graph keeps the addresses it captured): per row the four global digit histograms, a slot
+    counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
+    each call) and each split's histograms
     (``split_hist [rows, 4, MAX_SPLITS, 256]``, fully written by each call)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
-        self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 32), dtype=torch.int32,
+        self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
                                 device=dev)
         self.split_hist = torch.zeros((self.rows, RADIX_LEVELS, MAX_SPLITS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
