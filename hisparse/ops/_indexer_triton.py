@@ -8,7 +8,63 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import interpreted, next_pow2
+
+
+@triton.jit
+def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
+                 stride_kr, stride_ksp, stride_btr, D, PAGE: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr,
+                 BLOCK_H: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 TILE: tl.constexpr, NT: tl.constexpr, EVEN_D: tl.constexpr):
+    """Keys of columns ``sb * BLOCK_S ..`` for the ``G`` tokens (rows of ``qv``/``w``)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    valid = offs_s < n
+    page = offs_s // PAGE
+    blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
+    valid = valid & (blk >= 0)
+    slot = offs_s % PAGE
+    kmask = valid[:, None] & dmask[None, :]
+    if FP8:
+        vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
+        if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
+            f8 = tl.load(vptrs, mask=valid[:, None], other=0)
+        else:
+            f8 = tl.load(vptrs, mask=kmask, other=0)
+        f8 = f8.to(tl.float8e4nv, bitcast=True)
+        srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
+        if NT == 1:
+            sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)          # [BLOCK_S]
+            if IEEE:
+                s = tl.dot(qv, tl.trans(f8.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans(f8.to(qv.dtype)))
+            s = s * sc[None, :]
+        else:
+            sc = tl.load(ks_ptr + srow[:, None] + (offs_d // TILE)[None, :], mask=kmask,
+                         other=0.0)
+            if IEEE:
+                s = tl.dot(qv, tl.trans(f8.to(tl.float32) * sc), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans((f8.to(tl.float32) * sc).to(qv.dtype)))
+    else:
+        k = tl.load(k_ptr + (blk.to(tl.int64) * PAGE + slot)[:, None] * stride_kr
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+    s = tl.maximum(s, 0.0) * w[:, None]                          # [G * BLOCK_H, BLOCK_S]
+    score = tl.sum(tl.reshape(s, (G, BLOCK_H, BLOCK_S)), axis=1)  # [G, BLOCK_S] fp32
+    score = tl.where(score == 0.0, 0.0, score)                   # -0.0 -> +0.0
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)            # order-preserving int32
+    key = tl.where(score != score, 2147483647, key)              # NaN: above +inf
+    key = tl.where(valid[None, :], key, -2147483648)             # unmapped page
+    tl.store(key_rows + offs_s[None, :], key,
+             mask=rows[:, None] & (offs_s[None, :] < n_tok[:, None]))
 
 
 @triton.jit
@@ -18,7 +74,7 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
                   G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                   FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                  EVEN_D: tl.constexpr):
+                  EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
     """Keys of the tokens ``tok [G]`` flagged in ``rows [G]``, all of block-table row ``r``:
     each key tile is loaded once and scored for all their heads (one ``[G * BLOCK_H, BLOCK_D]``
     dot); this program's blocks are ``pid(1), pid(1) + NPROG, ...`` below the group's longest
@@ -37,55 +93,19 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     n_tok = tl.where(rows, n_tok, 0)
     n = tl.max(n_tok, 0)
     key_rows = key_ptr + tok.to(tl.int64)[:, None] * stride_keyt
-    sb = tl.program_id(1)
     nblk = tl.cdiv(n, BLOCK_S)
-    while sb < nblk:
-        offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-        valid = offs_s < n
-        page = offs_s // PAGE
-        blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
-        valid = valid & (blk >= 0)
-        slot = offs_s % PAGE
-        kmask = valid[:, None] & dmask[None, :]
-        if FP8:
-            vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
-            if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
-                f8 = tl.load(vptrs, mask=valid[:, None], other=0)
-            else:
-                f8 = tl.load(vptrs, mask=kmask, other=0)
-            f8 = f8.to(tl.float8e4nv, bitcast=True)
-            srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
-            if NT == 1:
-                sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)          # [BLOCK_S]
-                if IEEE:
-                    s = tl.dot(qv, tl.trans(f8.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(qv, tl.trans(f8.to(qv.dtype)))
-                s = s * sc[None, :]
-            else:
-                sc = tl.load(ks_ptr + srow[:, None] + (offs_d // TILE)[None, :], mask=kmask,
-                             other=0.0)
-                if IEEE:
-                    s = tl.dot(qv, tl.trans(f8.to(tl.float32) * sc), input_precision="ieee")
-                else:
-                    s = tl.dot(qv, tl.trans((f8.to(tl.float32) * sc).to(qv.dtype)))
-        else:
-            k = tl.load(k_ptr + (blk.to(tl.int64) * PAGE + slot)[:, None] * stride_kr
-                        + offs_d[None, :], mask=kmask, other=0.0)
-            if IEEE:
-                s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
-        s = tl.maximum(s, 0.0) * w[:, None]                          # [G * BLOCK_H, BLOCK_S]
-        score = tl.sum(tl.reshape(s, (G, BLOCK_H, BLOCK_S)), axis=1)  # [G, BLOCK_S] fp32
-        score = tl.where(score == 0.0, 0.0, score)                   # -0.0 -> +0.0
-        bits = score.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)            # order-preserving int32
-        key = tl.where(score != score, 2147483647, key)              # NaN: above +inf
-        key = tl.where(valid[None, :], key, -2147483648)             # unmapped page
-        tl.store(key_rows + offs_s[None, :], key,
-                 mask=rows[:, None] & (offs_s[None, :] < n_tok[:, None]))
-        sb += NPROG
+    if FOR_LOOP:
+        for sb in tl.range(tl.program_id(1), nblk, NPROG, num_stages=STAGES):
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
+                         stride_kr, stride_ksp, stride_btr, D, PAGE, BLOCK_D, BLOCK_S, G,
+                         BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+    else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
+        sb = tl.program_id(1)
+        while sb < nblk:
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
+                         stride_kr, stride_ksp, stride_btr, D, PAGE, BLOCK_D, BLOCK_S, G,
+                         BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            sb += NPROG
 
 
 @triton.jit
@@ -96,7 +116,7 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
                          G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                         EVEN_D: tl.constexpr):
+                         EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
     """Program ``(i, j)``: tokens ``i * G .. i * G + G - 1``; those of the first one's request
     are scored together (MTP / prefill token groups share every key load), any other one alone.
     Length of token ``t``: ``min(pos + 1, W)`` (0 for padding), written to ``len_ptr[t]``.
@@ -122,14 +142,14 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r0, tok, n_tok,
                   (req == r0) & (req >= 0), T, stride_qt, stride_qh, stride_wt, stride_kr,
                   stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H, BLOCK_D,
-                  BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D)
+                  BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
     for i in tl.static_range(1, G):
         ri = tl.load(req_ptr + tok0 + i, mask=tok0 + i < T, other=-1)
         if (ri != r0) & (ri >= 0):          # a token of another request: alone
             _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, ri, tok, n_tok,
                           offs_g == i, T, stride_qt, stride_qh, stride_wt, stride_kr,
                           stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H,
-                          BLOCK_D, BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D)
+                          BLOCK_D, BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
 
 
 @functools.cache
@@ -148,7 +168,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     key_bytes]`` uint8 (``quant.FP8KeyLayout``). ``out`` / ``lengths``: preallocated ``[T, W]``
     (unit column stride, e.g. a workspace view) and ``[T]`` int32 buffers. ``group``: tokens per
     program (a power of two): consecutive tokens of one request (MTP verify, prefill chunks) read
-    each key once for all of them. ``config``: ``(BLOCK_S, programs per SM, num_warps)``."""
+    each key once for all of them. ``config``: ``(BLOCK_S, programs per SM, num_warps,
+    num_stages)``."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
     if out is None:
@@ -196,8 +217,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
     block_d = max(16, next_pow2(D))
     if config is None:
-        config = (128, 8, 4) if q.is_cuda else (64, 0, 4)
-    block_s, per_sm, nw = config
+        config = (128, 8, 4, 2) if q.is_cuda else (64, 0, 4, 1)
+    block_s, per_sm, nw, stages = config
     programs = triton.cdiv(T, group)
     nblk = triton.cdiv(W, block_s)
     # a fixed grid (CUDA-graph safe); each program strides over its tokens' blocks up to their
@@ -210,6 +231,7 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), stride_ksp,
         block_table.stride(0), keys.stride(0),
         G=group, PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, IEEE=ieee,
-        FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, num_warps=nw,
+        FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, FOR_LOOP=not interpreted(),
+        STAGES=stages, num_warps=nw,
     )
     return keys, lengths

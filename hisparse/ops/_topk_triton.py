@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import interpreted, next_pow2
 from .topk import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, TopkScratch
 
 COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
@@ -103,10 +103,48 @@ def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.
 
 
 @triton.jit
+def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
+    that are valid and match ``prefix`` on the higher digits."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    ok = m & (s != -2147483648)
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
+    if LEVEL > 0:
+        ok = ok & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
+    d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+    return tl.histogram(d, NB, mask=ok)
+
+
+@triton.jit
+def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base,
+                   BLOCK: tl.constexpr):
+    """Write the selected columns of one block into their slots; returns the tie count so
+    far."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    ok = m & (s != -2147483648)
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
+    pref = u.to(tl.int64) >> shift                                  # level 0: 0 > -1
+    gt = (ok & (pref > prefix)).to(tl.int32)
+    tie = (ok & (pref == prefix)).to(tl.int32)
+    n_gt = tl.sum(gt, 0)
+    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0)
+    tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
+    rank = tie_base + tl.cumsum(tie, 0) - 1
+    tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
+    return tie_base + tl.sum(tie, 0)
+
+
+@triton.jit
 def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
                  stride_k, stride_h, stride_s,
                  LEVEL: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
-                 BLOCK: tl.constexpr, STATE: tl.constexpr):
+                 BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                 STAGES: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     h_row = hist_ptr + row * stride_h
@@ -120,18 +158,14 @@ def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
         hi = tl.where(done != 0, lo, hi)                            # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
     acc = tl.zeros([NB], dtype=tl.int32)
-    start = lo
-    while start < hi:      # a dynamic bound (a `for` over loaded scalars breaks triton 3.6's
-        offs = start + tl.arange(0, BLOCK)                          # interpreter)
-        m = offs < hi
-        s = tl.load(base + offs, mask=m, other=-2147483648)
-        ok = m & (s != -2147483648)
-        u = (s ^ -2147483648).to(tl.uint32, bitcast=True)           # unsigned order
-        if LEVEL > 0:
-            ok = ok & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
-        d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
-        acc += tl.histogram(d, NB, mask=ok)
-        start += BLOCK
+    if FOR_LOOP:
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+    else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
+        start = lo
+        while start < hi:
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+            start += BLOCK
     offs_b = tl.arange(0, NB)
     tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0)
     tl.store(split_ptr + row.to(tl.int64) * stride_s + (LEVEL * MAXS + sp) * NB + offs_b, acc)
@@ -141,7 +175,8 @@ def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
 def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLITS,
                     stride_k, stride_h, stride_s, stride_o,
                     LEVELS: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
-                    BLOCK: tl.constexpr, STATE: tl.constexpr):
+                    BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                    STAGES: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     h_row = hist_ptr + row * stride_h
@@ -161,23 +196,16 @@ def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLIT
     base = keys_ptr + row.to(tl.int64) * stride_k
     o_row = out_ptr + row.to(tl.int64) * stride_o
     cnt_ptr = h_row + LEVELS * NB                                   # COUNTER
-    start = lo
-    while start < hi:
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < hi
-        s = tl.load(base + offs, mask=m, other=-2147483648)
-        ok = m & (s != -2147483648)
-        u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
-        pref = u.to(tl.int64) >> shift                              # level 0: 0 > -1
-        gt = (ok & (pref > prefix)).to(tl.int32)
-        tie = (ok & (pref == prefix)).to(tl.int32)
-        n_gt = tl.sum(gt, 0)
-        first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0)
-        tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
-        rank = tie_base + tl.cumsum(tie, 0) - 1
-        tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
-        tie_base += tl.sum(tie, 0)
-        start += BLOCK
+    if FOR_LOOP:
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
+                                      tie_base, BLOCK)
+    else:
+        start = lo
+        while start < hi:
+            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
+                                      tie_base, BLOCK)
+            start += BLOCK
 
 
 @triton.jit
@@ -230,7 +258,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     sh = scratch.split_hist
     grid = (T, splits)
     common = dict(NB=RADIX_BINS, MAXS=MAX_SPLITS, BLOCK=block, STATE=STATE_OFFSET,
-                  num_warps=nw)
+                  FOR_LOOP=not interpreted(), STAGES=2, num_warps=nw)
     for level in range(RADIX_LEVELS):
         _hist_kernel[grid](keys, lengths, hist, sh, W, k, splits,
                            keys.stride(0), hist.stride(0), sh.stride(0), LEVEL=level, **common)

@@ -176,3 +176,34 @@ def test_gpu_production_shape(ctx, keys):
             mask[sel] = False
             assert sc[mask].max() <= thr + 1e-3 * sc.abs().max()
     assert (got == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_triton_interpreter_exact_with_ties_and_token_groups(triton_cpu, group):
+    """Small-integer queries, keys and power-of-two weights: every score is exact in fp32, so
+    the Triton path (int32 keys, radix top-k) must equal the reference bit for bit, with heavy
+    ties (many equal and zero scores). Token groups mix requests, padding and lengths; every
+    column past a token's length is never written (a poisoned workspace stays poisoned)."""
+    from hisparse.ops import IndexerWorkspace
+
+    g = torch.Generator().manual_seed(group)
+    T, Hi, D, bs, P = 7, 4, 16, 8, 6
+    q = torch.randint(-2, 3, (T, Hi, D), generator=g).float()
+    w = torch.tensor([0.5, 1.0, -1.0, 2.0])[torch.randint(0, 4, (T, Hi), generator=g)]
+    k = torch.randint(-2, 3, (4 * P * bs, D), generator=g).float()
+    bt = torch.randperm(4 * P, generator=g)[:3 * P].view(3, P).to(torch.int32)
+    bt[1, 2] = -1
+    req = torch.tensor([0, 0, 1, 1, 1, -1, 2], dtype=torch.int32)
+    pos = torch.tensor([47, 30, 45, 5, 20, 9, 40], dtype=torch.int32)
+    ws = IndexerWorkspace(8, 64, "cpu")
+    ws.keys.fill_(-5)
+    topk = 12                               # below most lengths, above two
+    out = torch.full((T, topk), SENTINEL, dtype=torch.int32)
+    got = indexer_topk(q, w, k, bt, req, pos, bs, topk, out=out, workspace=ws, group=group)
+    ref = indexer_topk_reference(q, w, k, bt, req, pos, bs, topk)
+    assert torch.equal(got, ref)
+    assert (ref[1] >= 0).all() and (ref[3] == -1).any()
+    lens = torch.where(req >= 0, pos + 1, 0)
+    past = torch.arange(64)[None, :] >= lens[:, None]
+    assert (ws.keys[:T][past] == -5).all()
+    assert torch.equal(ws.lengths[:T], lens)
