@@ -6,14 +6,16 @@ Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of th
 1. ``_hist_kernel`` at levels 0..3: the histogram of digit ``level`` (bits ``31-8l..24-8l`` of
    the key with its sign bit flipped, i.e. unsigned order) over the valid columns whose higher
    digits equal the threshold prefix found so far, added into the row's global histogram
-   (atomics) and stored per split. Each program first re-derives the threshold state from the
-   global histograms of the earlier levels (256 bins each: cheap) and reads nothing once the
-   row is resolved (at most ``k`` valid columns, or every column of the threshold bucket taken).
+   (atomics) and stored in the program's (row, split) slot. Each program first advances the
+   threshold state by one level (the previous level's 256-bin global histogram and the state
+   the previous kernel stored; program 0 of the row stores the new one) and reads no key once
+   the row is resolved (at most ``k`` valid columns, or every column of the threshold bucket
+   taken).
 2. ``_collect_kernel``: with the final state (``cgt`` columns strictly above the prefix ``P`` at
    the resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
-   writes the columns above ``P`` into slots ``0..cgt-1`` of ``out`` (one atomic per block for the
-   slot range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column order
-   (earlier splits' tie counts come from their stored histograms).
+   writes the columns above ``P`` into slots ``0..cgt-1`` of ``out`` (one atomic per block for
+   the slot range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column
+   order (earlier splits' tie counts come from their stored histograms).
 3. ``_sort_kernel``: one program per row sorts its ``min(k, valid)`` selected (key, column)
    pairs packed in int64 (``tl.sort``) and rewrites ``out`` in rank order, ``-1`` padded.
 """
@@ -142,7 +144,7 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
 @triton.jit
 def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
                  stride_k, stride_h, stride_s,
-                 LEVEL: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
+                 LEVEL: tl.constexpr, NB: tl.constexpr,
                  BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
                  STAGES: tl.constexpr):
     row = tl.program_id(0)
@@ -168,13 +170,13 @@ def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
             start += BLOCK
     offs_b = tl.arange(0, NB)
     tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0)
-    tl.store(split_ptr + row.to(tl.int64) * stride_s + (LEVEL * MAXS + sp) * NB + offs_b, acc)
+    tl.store(split_ptr + (row * SPLITS + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
 
 
 @triton.jit
 def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLITS,
                     stride_k, stride_h, stride_s, stride_o,
-                    LEVELS: tl.constexpr, NB: tl.constexpr, MAXS: tl.constexpr,
+                    LEVELS: tl.constexpr, NB: tl.constexpr,
                     BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
                     STAGES: tl.constexpr):
     row = tl.program_id(0)
@@ -184,13 +186,13 @@ def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLIT
     level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
-    s_row = split_ptr + row.to(tl.int64) * stride_s
+    s_row = split_ptr + (row * SPLITS).to(tl.int64) * stride_s
     dig = (prefix & (NB - 1)).to(tl.int32)
     lv = tl.maximum(level - 1, 0)
     tie_base = level * 0
     s2 = sp * 0
     while s2 < sp:
-        tie_base += tl.load(s_row + (lv * MAXS + s2) * NB + dig)
+        tie_base += tl.load(s_row + s2 * stride_s + lv * NB + dig)
         s2 += 1
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
@@ -232,17 +234,19 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_config(T: int, W: int, device: torch.device, splits: int | None):
-    """(splits, BLOCK, num_warps): about two programs per SM over all rows on CUDA."""
+def _launch_config(T: int, W: int, device: torch.device, splits: int | None, slots: int):
+    """(splits, BLOCK, num_warps): about two programs per SM over all rows on CUDA, within the
+    scratch's ``slots`` split histograms."""
     block, nw = (1024, 4) if device.type == "cuda" else (64, 4)
     if splits is None:
         if device.type == "cuda":
             splits = triton.cdiv(2 * _num_sms(device.index or 0), T)
         else:
             splits = 2
-        splits = min(splits, triton.cdiv(max(W, 1), block))
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS}, got {splits}")
+        splits = max(1, min(splits, MAX_SPLITS, triton.cdiv(max(W, 1), block), slots // T))
+    if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
+        raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
+                         f"<= {slots} (the scratch's split histograms), got {splits}")
     return splits, block, nw
 
 
@@ -252,12 +256,12 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if keys.stride(1) != 1:
         raise ValueError("topk_select: keys must have unit column stride")
     lengths = lengths.to(torch.int32)
-    splits, block, nw = _launch_config(T, W, keys.device, splits)
+    splits, block, nw = _launch_config(T, W, keys.device, splits, scratch.split_hist.shape[0])
     hist = scratch.hist[:T]
     hist.zero_()
     sh = scratch.split_hist
     grid = (T, splits)
-    common = dict(NB=RADIX_BINS, MAXS=MAX_SPLITS, BLOCK=block, STATE=STATE_OFFSET,
+    common = dict(NB=RADIX_BINS, BLOCK=block, STATE=STATE_OFFSET,
                   FOR_LOOP=not interpreted(), STAGES=2, num_warps=nw)
     for level in range(RADIX_LEVELS):
         _hist_kernel[grid](keys, lengths, hist, sh, W, k, splits,

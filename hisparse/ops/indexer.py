@@ -57,7 +57,11 @@ class IndexerWorkspace:
     @staticmethod
     def default_rows(max_tokens: int, max_positions: int, budget_bytes: int = 1 << 28) -> int:
         """Rows for ``max_tokens`` per call within ``budget_bytes`` (256 MiB by default)."""
-        return max(1, min(int(max_tokens), budget_bytes // (4 * max(1, int(max_positions)))))
+        row_bytes = 4 * max(1, int(max_positions)) + 4 + TopkScratch.ROW_BYTES
+        return max(1, min(int(max_tokens), budget_bytes // row_bytes))
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        return (self.keys.data_ptr(), self.lengths.data_ptr()) + self.topk.data_ptrs()
 
 
 def _groups(token_req: list[int]):

@@ -25,6 +25,7 @@ INT32_MAX = 2**31 - 1
 RADIX_BINS = 256
 RADIX_LEVELS = 4
 MAX_SPLITS = 16             # programs per row cooperating on one row's histograms
+SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
@@ -58,20 +59,22 @@ class TopkScratch:
     """Device scratch of the Triton top-k for up to ``rows`` rows a call, allocated once (a CUDA
     graph keeps the addresses it captured): per row the four global digit histograms, a slot
     counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
-    each call) and each split's histograms
-    (``split_hist [rows, 4, MAX_SPLITS, 256]``, fully written by each call)."""
+    each call) and the histograms of each (row, split) program (``split_hist [rows +
+    SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
+    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
         self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
                                 device=dev)
-        self.split_hist = torch.zeros((self.rows, RADIX_LEVELS, MAX_SPLITS, RADIX_BINS),
+        self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
 
-    @property
-    def nbytes(self) -> int:
-        return (self.hist.numel() + self.split_hist.numel()) * 4
+    ROW_BYTES = 4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+
+    def data_ptrs(self) -> tuple[int, int]:
+        return self.hist.data_ptr(), self.split_hist.data_ptr()
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
@@ -87,7 +90,8 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         out: optional ``[T, k]`` int32 result with unit column stride (written in full).
         scratch: the Triton path's :class:`TopkScratch` (``rows >= T``); required for CUDA-graph
             capture; without one each call allocates its own.
-        splits: programs per row (``1..MAX_SPLITS``; default: enough to fill the GPU).
+        splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
+            the scratch; default: enough to fill the GPU).
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
