@@ -12,12 +12,13 @@ from ._common import interpreted, next_pow2
 
 
 @triton.jit
-def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
-                 stride_kr, stride_ksp, stride_btr, D, PAGE: tl.constexpr,
+def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                 stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr,
                  BLOCK_H: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
                  TILE: tl.constexpr, NT: tl.constexpr, EVEN_D: tl.constexpr):
-    """Keys of columns ``sb * BLOCK_S ..`` for the ``G`` tokens (rows of ``qv``/``w``)."""
+    """Keys of columns ``sb * BLOCK_S ..`` for the ``G`` tokens ``tok0 ..`` (rows of ``qv`` /
+    ``w``): token ``g`` writes its columns ``< n_tok[g]`` (0 for a token not scored here)."""
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -57,14 +58,21 @@ def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
         else:
             s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
     s = tl.maximum(s, 0.0) * w[:, None]                          # [G * BLOCK_H, BLOCK_S]
-    score = tl.sum(tl.reshape(s, (G, BLOCK_H, BLOCK_S)), axis=1)  # [G, BLOCK_S] fp32
-    score = tl.where(score == 0.0, 0.0, score)                   # -0.0 -> +0.0
-    bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)            # order-preserving int32
-    key = tl.where(score != score, 2147483647, key)              # NaN: above +inf
-    key = tl.where(valid[None, :], key, -2147483648)             # unmapped page
-    tl.store(key_rows + offs_s[None, :], key,
-             mask=rows[:, None] & (offs_s[None, :] < n_tok[:, None]))
+    offs_m = tl.arange(0, G * BLOCK_H)
+    offs_g = tl.arange(0, G)
+    for g in tl.static_range(G):    # masked reductions: no reshape of the dot's layout
+        if G == 1:
+            score = tl.sum(s, axis=0)                            # [BLOCK_S] fp32
+        else:
+            score = tl.sum(tl.where((offs_m // BLOCK_H == g)[:, None], s, 0.0), axis=0)
+        score = tl.where(score == 0.0, 0.0, score)               # -0.0 -> +0.0
+        bits = score.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)        # order-preserving int32
+        key = tl.where(score != score, 2147483647, key)          # NaN: above +inf
+        key = tl.where(valid, key, -2147483648)                  # unmapped page
+        n_g = tl.sum(tl.where(offs_g == g, n_tok, 0), 0)         # 0 unless scored here
+        tl.store(key_ptr + (tok0 + g).to(tl.int64) * stride_keyt + offs_s, key,
+                 mask=offs_s < n_g)
 
 
 @triton.jit
@@ -79,8 +87,9 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     each key tile is loaded once and scored for all their heads (one ``[G * BLOCK_H, BLOCK_D]``
     dot); this program's blocks are ``pid(1), pid(1) + NPROG, ...`` below the group's longest
     length, and token ``g`` writes its columns ``< n_tok[g]`` only."""
+    tok0 = tl.min(tok, 0)
     offs_m = tl.arange(0, G * BLOCK_H)
-    tok_m = tl.min(tok, 0) + offs_m // BLOCK_H
+    tok_m = tok0 + offs_m // BLOCK_H
     h_m = offs_m % BLOCK_H
     mmask = (h_m < HI) & (tok_m < T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,19 +101,18 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     w = tl.load(w_ptr + tok_m.to(tl.int64) * stride_wt + h_m, mask=mmask, other=0.0)
     n_tok = tl.where(rows, n_tok, 0)
     n = tl.max(n_tok, 0)
-    key_rows = key_ptr + tok.to(tl.int64)[:, None] * stride_keyt
     nblk = tl.cdiv(n, BLOCK_S)
     if FOR_LOOP:
         for sb in tl.range(tl.program_id(1), nblk, NPROG, num_stages=STAGES):
-            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
-                         stride_kr, stride_ksp, stride_btr, D, PAGE, BLOCK_D, BLOCK_S, G,
-                         BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
     else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
         sb = tl.program_id(1)
         while sb < nblk:
-            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_rows, r, n, n_tok, rows,
-                         stride_kr, stride_ksp, stride_btr, D, PAGE, BLOCK_D, BLOCK_S, G,
-                         BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
             sb += NPROG
 
 
