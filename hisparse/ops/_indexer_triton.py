@@ -101,7 +101,7 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     w = tl.load(w_ptr + tok_m.to(tl.int64) * stride_wt + h_m, mask=mmask, other=0.0)
     n_tok = tl.where(rows, n_tok, 0)
     n = tl.max(n_tok, 0)
-    nblk = tl.cdiv(n, BLOCK_S)
+    nblk = (n + BLOCK_S - 1) // BLOCK_S
     if FOR_LOOP:
         for sb in tl.range(tl.program_id(1), nblk, NPROG, num_stages=STAGES):
             _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
@@ -176,8 +176,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     key_bytes]`` uint8 (``quant.FP8KeyLayout``). ``out`` / ``lengths``: preallocated ``[T, W]``
     (unit column stride, e.g. a workspace view) and ``[T]`` int32 buffers. ``group``: tokens per
     program (a power of two): consecutive tokens of one request (MTP verify, prefill chunks) read
-    each key once for all of them. ``config``: ``(BLOCK_S, programs per SM, num_warps,
-    num_stages)``."""
+    each key once for all of them. ``config``: ``(BLOCK_S, programs per SM (on CPU: per
+    token group), num_warps, num_stages)``."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
     if out is None:
@@ -225,13 +225,14 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
     block_d = max(16, next_pow2(D))
     if config is None:
-        config = (128, 8, 4, 2) if q.is_cuda else (64, 0, 4, 1)
+        config = (128, 8, 4, 2) if q.is_cuda else (64, 1, 4, 1)
     block_s, per_sm, nw, stages = config
     programs = triton.cdiv(T, group)
     nblk = triton.cdiv(W, block_s)
     # a fixed grid (CUDA-graph safe); each program strides over its tokens' blocks up to their
     # length, so the grid only needs enough programs to fill the GPU
-    nprog = 2 if not q.is_cuda else triton.cdiv(per_sm * _num_sms(q.device.index or 0), programs)
+    nprog = per_sm if not q.is_cuda else triton.cdiv(per_sm * _num_sms(q.device.index or 0),
+                                                     programs)
     nprog = max(1, min(nblk, nprog))
     _indexer_keys_kernel[(programs, nprog)](
         q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys, lengths,

@@ -40,7 +40,7 @@ def _row_span(len_ptr, row, sp, W, SPLITS, BLOCK: tl.constexpr):
     """Columns ``[lo, hi)`` of split ``sp`` of row ``row`` (chunks of whole blocks)."""
     n = tl.load(len_ptr + row)
     n = tl.minimum(tl.maximum(n, 0), W)
-    per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    per = ((n + SPLITS - 1) // SPLITS + BLOCK - 1) // BLOCK * BLOCK
     lo = sp * per
     hi = tl.minimum(n, lo + per)
     return lo, hi
@@ -117,7 +117,13 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
     if LEVEL > 0:
         ok = ok & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
     d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
-    return tl.histogram(d, NB, mask=ok)
+    if LEVEL == 0:
+        h = tl.histogram(d, NB, mask=ok)
+    else:   # past the first digit most blocks hold no column of the threshold bucket
+        h = tl.zeros([NB], dtype=tl.int32)
+        if tl.sum(ok.to(tl.int32), 0) > 0:
+            h = tl.histogram(d, NB, mask=ok)
+    return h
 
 
 @triton.jit
@@ -237,12 +243,13 @@ def _num_sms(index: int) -> int:
 def _launch_config(T: int, W: int, device: torch.device, splits: int | None, slots: int):
     """(splits, BLOCK, num_warps): about two programs per SM over all rows on CUDA, within the
     scratch's ``slots`` split histograms."""
-    block, nw = (1024, 4) if device.type == "cuda" else (64, 4)
+    # the interpreter's cost is per program and per block: one of each per row there
+    block, nw = (1024, 4) if device.type == "cuda" else (256, 4)
     if splits is None:
         if device.type == "cuda":
             splits = triton.cdiv(2 * _num_sms(device.index or 0), T)
         else:
-            splits = 2
+            splits = 1
         splits = max(1, min(splits, MAX_SPLITS, triton.cdiv(max(W, 1), block), slots // T))
     if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "

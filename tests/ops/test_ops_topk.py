@@ -82,10 +82,9 @@ def test_reference_is_the_sort_spec(k):
 # (k, distinct values per row, row lengths, splits): heavy ties, k above and below the length,
 # empty rows, a length past the width (clamped), several programs per row
 CASES = [
-    (16, 3, [0, 1, 15, 16, 17, 200, 300], 3),
-    (64, 1000, [300, 64, 63, 65, 2, 0, 250], 2),
-    (24, 2, [300, 300, 24, 120, 1, 0, 299], 1),
-    (8, 5000, [280, 8, 7, 9, 300, 300, 33], 3),
+    (16, 3, [0, 1, 16, 17, 300], 3),
+    (64, 1000, [300, 64, 65, 2, 250], 2),
+    (8, 2, [300, 8, 9, 120, 299], 1),
 ]
 
 
@@ -106,11 +105,11 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
 def test_triton_all_equal_and_all_invalid(triton_cpu):
     """Every key equal (the threshold is resolved only at the last digit: ties by column) and
     rows of invalid keys only; the scratch is reused across calls (zeroed by each)."""
-    T, W, k = 3, 200, 20
+    T, W, k = 3, 120, 20
     keys = torch.full((T, W), 12345, dtype=torch.int32)
     keys[1] = INT32_MIN
     keys[2, ::3] = INT32_MIN
-    lens = torch.tensor([200, 200, 150], dtype=torch.int32)
+    lens = torch.tensor([120, 120, 90], dtype=torch.int32)
     scratch = TopkScratch(4, "cpu")
     for _ in range(2):
         got = topk_select(keys, lens, k, scratch=scratch, splits=2)
