@@ -410,8 +410,9 @@ def bench_attention(res, sweep):
     return rows
 
 
-INDEXER_SWEEP = [(64, 1, 4), (64, 2, 4), (64, 4, 4), (128, 1, 4), (128, 2, 4), (128, 2, 8),
-                 (128, 4, 8), (32, 8, 4)]
+# (BLOCK_S, programs per SM, num_warps, num_stages) of indexer_keys
+INDEXER_SWEEP = [(64, 8, 4, 2), (128, 4, 4, 2), (128, 8, 4, 2), (128, 8, 4, 3), (128, 16, 4, 2),
+                 (128, 8, 8, 2), (256, 4, 8, 2), (64, 16, 4, 3)]
 
 
 def _sweep_indexer(res, keys: str, ctx: int, run) -> None:
@@ -424,7 +425,7 @@ def _sweep_indexer(res, keys: str, ctx: int, run) -> None:
 def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
     """Indexer scoring and scoring + top-k, batch 64, 64 heads, D 128, page 64, top-k 2048:
     bf16 keys (256 B) vs page-split FP8 keys (132 B, quant.FP8KeyLayout) on the same values;
-    ``sweep``: every (BLOCK_S, NSUB, num_warps) of INDEXER_SWEEP for both key formats."""
+    ``sweep``: every config of INDEXER_SWEEP for both key formats."""
     from hisparse.ops._indexer_triton import indexer_keys
     from hisparse.ops.quant import (
         FP8KeyLayout,

@@ -39,6 +39,13 @@ def want_triton(*tensors: torch.Tensor) -> bool:
     return any(t is not None and t.is_cuda for t in tensors)
 
 
+def interpreted() -> bool:
+    """Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``). Kernels with loop
+    bounds loaded from memory use a ``while`` loop there: triton 3.6's interpreter cannot take
+    them in a ``for`` (the compiled ``for`` is the one Triton software-pipelines)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def next_pow2(n: int) -> int:
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

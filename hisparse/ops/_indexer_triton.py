@@ -2,24 +2,134 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import interpreted, next_pow2
 
 
 @triton.jit
-def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr,
-                         S_MAX, HI, D,
+def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                 stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr,
+                 BLOCK_H: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 TILE: tl.constexpr, NT: tl.constexpr, EVEN_D: tl.constexpr):
+    """Keys of columns ``sb * BLOCK_S ..`` for the ``G`` tokens ``tok0 ..`` (rows of ``qv`` /
+    ``w``): token ``g`` writes its columns ``< n_tok[g]`` (0 for a token not scored here)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    valid = offs_s < n
+    page = offs_s // PAGE
+    blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
+    valid = valid & (blk >= 0)
+    slot = offs_s % PAGE
+    kmask = valid[:, None] & dmask[None, :]
+    if FP8:
+        vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
+        if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
+            f8 = tl.load(vptrs, mask=valid[:, None], other=0)
+        else:
+            f8 = tl.load(vptrs, mask=kmask, other=0)
+        f8 = f8.to(tl.float8e4nv, bitcast=True)
+        srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
+        if NT == 1:
+            sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)          # [BLOCK_S]
+            if IEEE:
+                s = tl.dot(qv, tl.trans(f8.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans(f8.to(qv.dtype)))
+            s = s * sc[None, :]
+        else:
+            sc = tl.load(ks_ptr + srow[:, None] + (offs_d // TILE)[None, :], mask=kmask,
+                         other=0.0)
+            if IEEE:
+                s = tl.dot(qv, tl.trans(f8.to(tl.float32) * sc), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans((f8.to(tl.float32) * sc).to(qv.dtype)))
+    else:
+        k = tl.load(k_ptr + (blk.to(tl.int64) * PAGE + slot)[:, None] * stride_kr
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+    s = tl.maximum(s, 0.0) * w[:, None]                          # [G * BLOCK_H, BLOCK_S]
+    offs_m = tl.arange(0, G * BLOCK_H)
+    offs_g = tl.arange(0, G)
+    for g in tl.static_range(G):    # masked reductions: no reshape of the dot's layout
+        if G == 1:
+            score = tl.sum(s, axis=0)                            # [BLOCK_S] fp32
+        else:
+            score = tl.sum(tl.where((offs_m // BLOCK_H == g)[:, None], s, 0.0), axis=0)
+        score = tl.where(score == 0.0, 0.0, score)               # -0.0 -> +0.0
+        bits = score.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)        # order-preserving int32
+        key = tl.where(score != score, 2147483647, key)          # NaN: above +inf
+        key = tl.where(valid, key, -2147483648)                  # unmapped page
+        n_g = tl.sum(tl.where(offs_g == g, n_tok, 0), 0)         # 0 unless scored here
+        tl.store(key_ptr + (tok0 + g).to(tl.int64) * stride_keyt + offs_s, key,
+                 mask=offs_s < n_g)
+
+
+@triton.jit
+def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, rows, T,
+                  stride_qt, stride_qh, stride_wt, stride_kr, stride_ksp, stride_btr,
+                  stride_keyt, HI, D, NPROG,
+                  G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+                  FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                  EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """Keys of the tokens ``tok [G]`` flagged in ``rows [G]``, all of block-table row ``r``:
+    each key tile is loaded once and scored for all their heads (one ``[G * BLOCK_H, BLOCK_D]``
+    dot); this program's blocks are ``pid(1), pid(1) + NPROG, ...`` below the group's longest
+    length, and token ``g`` writes its columns ``< n_tok[g]`` only."""
+    tok0 = tl.min(tok, 0)
+    offs_m = tl.arange(0, G * BLOCK_H)
+    tok_m = tok0 + offs_m // BLOCK_H
+    h_m = offs_m % BLOCK_H
+    mmask = (h_m < HI) & (tok_m < T)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q_row = q_ptr + tok_m.to(tl.int64)[:, None] * stride_qt + h_m[:, None] * stride_qh
+    qv = tl.load(q_row + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        qv = qv.to(tl.float32)
+    w = tl.load(w_ptr + tok_m.to(tl.int64) * stride_wt + h_m, mask=mmask, other=0.0)
+    n_tok = tl.where(rows, n_tok, 0)
+    n = tl.max(n_tok, 0)
+    nblk = (n + BLOCK_S - 1) // BLOCK_S
+    if FOR_LOOP:
+        for sb in tl.range(tl.program_id(1), nblk, NPROG, num_stages=STAGES):
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+    else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
+        sb = tl.program_id(1)
+        while sb < nblk:
+            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            sb += NPROG
+
+
+@triton.jit
+def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr, len_ptr,
+                         T, W, HI, D, NPROG,
                          stride_qt, stride_qh, stride_wt, stride_kr, stride_ksp, stride_btr,
                          stride_keyt,
-                         PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, NSUB: tl.constexpr, IEEE: tl.constexpr,
+                         G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                         EVEN_D: tl.constexpr):
-    """Unquantized keys: ``k_ptr`` rows of ``stride_kr`` elements, flat row ``blk * PAGE + o``.
+                         EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``(i, j)``: tokens ``i * G .. i * G + G - 1``; those of the first one's request
+    are scored together (MTP / prefill token groups share every key load), any other one alone.
+    Length of token ``t``: ``min(pos + 1, W)`` (0 for padding), written to ``len_ptr[t]``.
 
+    Unquantized keys: ``k_ptr`` rows of ``stride_kr`` elements, flat row ``blk * PAGE + o``.
     ``FP8``: page-split keys (:class:`hisparse.ops.quant.FP8KeyLayout`): ``k_ptr`` the uint8
     pages (``stride_kr`` bytes apart), ``ks_ptr`` the same memory as fp32 (``stride_ksp`` words
     per page). Slot ``o`` of page ``blk`` has its ``D`` e4m3 values at byte ``o * D`` (16-B
@@ -28,89 +138,63 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     scale after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a
     power of two commutes with fp32 rounding). Several tiles: each value is scaled by its
     tile's scale before the dot (exact in bf16 as well)."""
-    t = tl.program_id(0)
-    r = tl.load(req_ptr + t)
-    pos = tl.load(pos_ptr + t)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < HI
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    qv = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
-    if IEEE:
-        qv = qv.to(tl.float32)
-    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0)
-    invalid_key = tl.full([BLOCK_S], -9223372036854775808, tl.int64)
-    for i in range(NSUB):
-        sb = tl.program_id(1) * NSUB + i
-        offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-        smask = offs_s < S_MAX
-        key_ptrs = key_ptr + t.to(tl.int64) * stride_keyt + offs_s
-        if (r < 0) | (sb * BLOCK_S > pos):
-            tl.store(key_ptrs, invalid_key, mask=smask)
-        else:
-            valid = smask & (offs_s <= pos)
-            page = offs_s // PAGE
-            blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + page, mask=valid, other=-1)
-            valid = valid & (blk >= 0)
-            slot = offs_s % PAGE
-            kmask = valid[:, None] & dmask[None, :]
-            if FP8:
-                vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
-                if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
-                    f8 = tl.load(vptrs, mask=valid[:, None], other=0)
-                else:
-                    f8 = tl.load(vptrs, mask=kmask, other=0)
-                f8 = f8.to(tl.float8e4nv, bitcast=True)
-                srow = blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot * NT
-                if NT == 1:
-                    sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)          # [BLOCK_S]
-                    if IEEE:
-                        s = tl.dot(qv, tl.trans(f8.to(tl.float32)), input_precision="ieee")
-                    else:
-                        s = tl.dot(qv, tl.trans(f8.to(qv.dtype)))
-                    s = s * sc[None, :]
-                else:
-                    sc = tl.load(ks_ptr + srow[:, None] + (offs_d // TILE)[None, :], mask=kmask,
-                                 other=0.0)
-                    if IEEE:
-                        s = tl.dot(qv, tl.trans(f8.to(tl.float32) * sc), input_precision="ieee")
-                    else:
-                        s = tl.dot(qv, tl.trans((f8.to(tl.float32) * sc).to(qv.dtype)))
-            else:
-                k = tl.load(k_ptr + (blk.to(tl.int64) * PAGE + slot)[:, None] * stride_kr
-                            + offs_d[None, :], mask=kmask, other=0.0)
-                if IEEE:
-                    s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
-            s = tl.maximum(s, 0.0)
-            score = tl.sum(s * w[:, None], axis=0)                   # [BLOCK_S] fp32
-            score = tl.where(score == 0.0, 0.0, score)               # -0.0 -> +0.0
-            bits = score.to(tl.int32, bitcast=True)
-            okey = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)       # order-preserving int32
-            low = (4294967295 - offs_s.to(tl.int64))                 # ties: lower position wins
-            key = (okey.to(tl.int64) << 32) | low
-            key = tl.where(valid, key, invalid_key)
-            tl.store(key_ptrs, key, mask=smask)
+    tok0 = tl.program_id(0) * G
+    offs_g = tl.arange(0, G)
+    tok = tok0 + offs_g
+    tmask = tok < T
+    req = tl.load(req_ptr + tok, mask=tmask, other=-1)
+    pos = tl.load(pos_ptr + tok, mask=tmask, other=-1)
+    n_tok = tl.where(req >= 0, tl.minimum(tl.maximum(pos + 1, 0), W), 0)
+    tl.store(len_ptr + tok, n_tok, mask=tmask & (offs_g * 0 + tl.program_id(1) == 0))
+    r0 = tl.load(req_ptr + tok0)
+    _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r0, tok, n_tok,
+                  (req == r0) & (req >= 0), T, stride_qt, stride_qh, stride_wt, stride_kr,
+                  stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H, BLOCK_D,
+                  BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
+    for i in tl.static_range(1, G):
+        ri = tl.load(req_ptr + tok0 + i, mask=tok0 + i < T, other=-1)
+        if (ri != r0) & (ri >= 0):          # a token of another request: alone
+            _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, ri, tok, n_tok,
+                          offs_g == i, T, stride_qt, stride_qh, stride_wt, stride_kr,
+                          stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H,
+                          BLOCK_D, BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None,
-                 out=None):
-    """int64 keys [T, P*block_size]: (orderable fp32 score << 32) | (2^32-1-pos); INT64_MIN
-    invalid. ``k_cache``: one layer's keys ``[rows, D]``, or FP8 page-split keys ``[blocks,
-    block_size * key_bytes]`` uint8 (``quant.FP8KeyLayout``). ``out``: a ``[T, P*block_size]``
-    int64 buffer with unit column stride (e.g. a workspace view). ``config``: ``(BLOCK_S, NSUB,
-    num_warps)``."""
+                 out=None, lengths=None, group: int = 1):
+    """Orderable int32 score keys ``[T, W]`` (``W = P * block_size``; :func:`hisparse.ops.topk.
+    orderable_keys` of the fp32 score, ``INT32_MIN`` for an unmapped page) and each token's
+    length ``[T]`` int32 (``min(pos + 1, W)``, 0 for padding). Only columns ``< length`` are
+    written: the work and traffic of a token follow its own length, not ``W``.
+
+    ``k_cache``: one layer's keys ``[rows, D]``, or FP8 page-split keys ``[blocks, block_size *
+    key_bytes]`` uint8 (``quant.FP8KeyLayout``). ``out`` / ``lengths``: preallocated ``[T, W]``
+    (unit column stride, e.g. a workspace view) and ``[T]`` int32 buffers. ``group``: tokens per
+    program (a power of two): consecutive tokens of one request (MTP verify, prefill chunks) read
+    each key once for all of them. ``config``: ``(BLOCK_S, programs per SM (on CPU: per
+    token group), num_warps, num_stages)``."""
     T, HI, D = q.shape
-    s_max = block_table.shape[1] * block_size
+    W = block_table.shape[1] * block_size
     if out is None:
-        keys = torch.empty((T, s_max), dtype=torch.int64, device=q.device)
+        keys = torch.empty((T, W), dtype=torch.int32, device=q.device)
     else:
-        if out.shape != (T, s_max) or out.stride(-1) != 1 or out.dtype != torch.int64:
-            raise ValueError("indexer_keys: out must be [T, P*block_size] int64 with unit "
-                             "column stride")
+        if out.shape != (T, W) or out.stride(-1) != 1 or out.dtype != torch.int32:
+            raise ValueError(f"indexer_keys: out must be [{T}, {W}] int32 with unit column "
+                             f"stride, got {tuple(out.shape)} {out.dtype}")
         keys = out
+    if lengths is None:
+        lengths = torch.empty(T, dtype=torch.int32, device=q.device)
+    elif lengths.shape != (T,) or lengths.dtype != torch.int32:
+        raise ValueError(f"indexer_keys: lengths must be [{T}] int32")
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"indexer_keys: group must be a power of two, got {group}")
+    if T == 0:
+        return keys, lengths
     fp8 = k_cache.dtype == torch.uint8
     tile = nt = 1
     if fp8:
@@ -138,20 +222,25 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float()
-    block_h = max(16, next_pow2(HI))
+    block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
     block_d = max(16, next_pow2(D))
     if config is None:
-        # (BLOCK_S, NSUB, num_warps); (128, 2, 4) was best or within 3% at 8k-128k on the H200
-        # for bf16 keys
-        config = (128, 2, 4) if q.is_cuda else (64, 2, 4)
-    block_s, nsub, nw = config
-    grid = (T, triton.cdiv(s_max, block_s * nsub))
-    _indexer_keys_kernel[grid](
-        q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys,
-        s_max, HI, D,
+        config = (128, 8, 4, 2) if q.is_cuda else (64, 1, 4, 1)
+    block_s, per_sm, nw, stages = config
+    programs = triton.cdiv(T, group)
+    nblk = triton.cdiv(W, block_s)
+    # a fixed grid (CUDA-graph safe); each program strides over its tokens' blocks up to their
+    # length, so the grid only needs enough programs to fill the GPU
+    nprog = per_sm if not q.is_cuda else triton.cdiv(per_sm * _num_sms(q.device.index or 0),
+                                                     programs)
+    nprog = max(1, min(nblk, nprog))
+    _indexer_keys_kernel[(programs, nprog)](
+        q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys, lengths,
+        T, W, HI, D, nprog,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), stride_ksp,
         block_table.stride(0), keys.stride(0),
-        PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, NSUB=nsub, IEEE=ieee,
-        FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, num_warps=nw,
+        G=group, PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, IEEE=ieee,
+        FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, FOR_LOOP=not interpreted(),
+        STAGES=stages, num_warps=nw,
     )
-    return keys
+    return keys, lengths

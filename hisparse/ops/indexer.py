@@ -33,28 +33,35 @@ import torch
 
 from ._common import want_triton
 from .quant import FP8KeyLayout, dequantize_index_keys_reference
-
-INT64_MIN = -(2**63)
+from .topk import TopkScratch, topk_select
 
 
 class IndexerWorkspace:
-    """The Triton top-k's score-key buffer ``keys [rows, max_positions]`` int64, owned by the
-    caller and allocated once (a CUDA graph keeps the addresses it captured; DESIGN section 7).
+    """The Triton path's device buffers, owned by the caller and allocated once (a CUDA graph
+    keeps the addresses it captured; DESIGN section 7): the score keys ``keys [rows,
+    max_positions]`` int32, each row's length ``lengths [rows]`` int32 and the top-k's
+    :class:`~hisparse.ops.topk.TopkScratch`.
 
     A call scores ``rows`` tokens at a time (more tokens: several passes); it needs
-    ``P * block_size <= max_positions`` (checked; the buffer is never grown).
+    ``P * block_size <= max_positions`` (checked; the buffers are never grown).
     """
 
     def __init__(self, rows: int, max_positions: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
         self.max_positions = max(1, int(max_positions))
-        self.keys = torch.empty((self.rows, self.max_positions), dtype=torch.int64,
-                                device=torch.device(device))
+        dev = torch.device(device)
+        self.keys = torch.empty((self.rows, self.max_positions), dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(self.rows, dtype=torch.int32, device=dev)
+        self.topk = TopkScratch(self.rows, dev)
 
     @staticmethod
     def default_rows(max_tokens: int, max_positions: int, budget_bytes: int = 1 << 28) -> int:
         """Rows for ``max_tokens`` per call within ``budget_bytes`` (256 MiB by default)."""
-        return max(1, min(int(max_tokens), budget_bytes // (8 * max(1, int(max_positions)))))
+        row_bytes = 4 * max(1, int(max_positions)) + 4 + TopkScratch.ROW_BYTES
+        return max(1, min(int(max_tokens), budget_bytes // row_bytes))
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        return (self.keys.data_ptr(), self.lengths.data_ptr()) + self.topk.data_ptrs()
 
 
 def _groups(token_req: list[int]):
@@ -117,6 +124,11 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
             valid = mapped[None, :] & (positions[None, :] <= pg[:, None])
             score = torch.where(valid, score, torch.full_like(score, float("-inf")))
             order = torch.sort(score, dim=1, descending=True, stable=True).indices
+            # candidates first (a stable sort keeps the score order): a -inf score still
+            # ranks above an unmapped position
+            first = torch.sort((~valid).gather(1, order).to(torch.int8), dim=1,
+                               stable=True).indices
+            order = order.gather(1, first)
             n_valid = valid.sum(dim=1)
             kk = min(topk, S)
             sel = order[:, :kk]
@@ -126,42 +138,41 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,
-                         out=None, workspace: IndexerWorkspace | None = None):
+                         out=None, workspace: IndexerWorkspace | None = None, group: int = 1):
     from ._indexer_triton import indexer_keys
 
     T = q.shape[0]
-    P = block_table.shape[1]
-    s_max = P * block_size
+    W = block_table.shape[1] * block_size
     if out is None:
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
     if T == 0:
         return out
-    kk = min(topk, s_max)
     if workspace is not None:
-        if s_max > workspace.max_positions or workspace.keys.device != q.device:
+        if W > workspace.max_positions or workspace.keys.device != q.device:
             raise ValueError(f"indexer_topk: workspace ({workspace.max_positions} positions, "
-                             f"{workspace.keys.device}) is too small for {s_max} positions on "
+                             f"{workspace.keys.device}) is too small for {W} positions on "
                              f"{q.device}; size it for the largest call up front")
         tc = workspace.rows
-    else:  # bound the [Tc, s_max] int64 key buffer to ~1 GiB
-        tc = max(1, min(T, (1 << 27) // max(1, s_max)))
+    else:  # bound the [Tc, W] int32 key buffer to ~512 MiB
+        tc = max(1, min(T, (1 << 27) // max(1, W)))
     for a in range(0, T, tc):
         b = min(T, a + tc)
-        buf = None if workspace is None else workspace.keys[:b - a, :s_max]
-        keys = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
-                            token_pos[a:b], block_size, out=buf)
-        vals, idx = torch.topk(keys, kk, dim=1, largest=True, sorted=True)
-        sel = torch.where(vals == INT64_MIN, torch.full_like(idx, -1), idx).to(torch.int32)
-        out[a:b, :kk] = sel
-        if kk < topk:
-            out[a:b, kk:] = -1
+        if workspace is None:
+            keys_buf = lens = scratch = None
+        else:
+            keys_buf, lens = workspace.keys[:b - a, :W], workspace.lengths[:b - a]
+            scratch = workspace.topk
+        keys, lens = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
+                                  token_pos[a:b], block_size, out=keys_buf, lengths=lens,
+                                  group=group)
+        topk_select(keys, lens, topk, out=out[a:b], scratch=scratch)
     return out
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                  block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
                  block_size: int, topk: int, out: torch.Tensor | None = None,
-                 workspace: IndexerWorkspace | None = None) -> torch.Tensor:
+                 workspace: IndexerWorkspace | None = None, group: int = 1) -> torch.Tensor:
     """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
 
     Args:
@@ -175,18 +186,23 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
         out: optional preallocated ``[T, topk]`` int32 result.
-        workspace: the Triton path's key buffer (:class:`IndexerWorkspace`); required for
+        workspace: the Triton path's buffers (:class:`IndexerWorkspace`); required for
             CUDA-graph capture across batch sizes; without one each call allocates its own.
+        group: Triton path, tokens scored per program (a power of two; a speed hint, any value
+            is exact): runs of that many consecutive tokens of one request (MTP verify groups)
+            then read each key once for all of them.
 
-    Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores every position
-    in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE fp32 for fp32 inputs;
-    FP8 keys: one dot over the e4m3 values upcast to bf16, times the key's scale) and packs
-    ``(score, -position)`` into one order-preserving int64 key; ``torch.topk`` on the keys then
-    gives exactly "score descending, ties by lower position" with no host sync.
+    Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores each token's
+    positions ``0..pos`` in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE
+    fp32 for fp32 inputs; FP8 keys: one dot over the e4m3 values upcast to bf16, times the key's
+    scale) into order-preserving int32 keys (:func:`hisparse.ops.topk.orderable_keys`), then
+    :func:`hisparse.ops.topk.topk_select` (an exact radix select) ranks them: "score descending,
+    ties by lower position" with no host sync, and nothing past a token's position is touched
+    (the width ``P * block_size`` only bounds the buffers).
     """
     if want_triton(q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
-                                    block_size, topk, out=out, workspace=workspace)
+                                    block_size, topk, out=out, workspace=workspace, group=group)
     res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,
                                  block_size, topk)
     if out is not None:

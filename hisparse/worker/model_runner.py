@@ -67,6 +67,9 @@ class PagedContext:
         self.kv_lora_rank = kv_lora_rank
         self.block_size = caches.cfg.block_size
         self.prefetcher = HotPrefetcher(caches.device)
+        # indexer tokens scored per program (ops.indexer_topk's ``group``): a speed hint for
+        # runs of consecutive tokens of one request (speculative verify steps), never a result
+        self.index_group = 1
 
     def begin(self, host_read: bool, tables: dict[str, Tensor], token_slot: Tensor,
               positions: Tensor, staged: Tensor | None = None) -> None:
@@ -187,7 +190,8 @@ class PagedContext:
         ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
                                   self.token_slot, self.positions_i32, self.block_size,
                                   k + self.caches.hot_band,
-                                  workspace=self.caches.workspace.indexer)
+                                  workspace=self.caches.workspace.indexer,
+                                  group=self.index_group)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
         self.band = ranked[:, k:] if ranked.shape[1] > k else None
         return ranked[:, :k]
@@ -253,7 +257,10 @@ class ModelRunner:
         self.key_bytes = caches.geo.key_bytes
         cfg = caches.cfg
         k = self.num_speculative_tokens = int(num_speculative_tokens)
-        # a speculative graph's bucket holds k + 1 tokens per request
+        # a speculative graph's bucket holds k + 1 tokens per request: the indexer scores them
+        # together (each key read once for the group; the largest power of two dividing k + 1,
+        # at most 4)
+        self.ctx.index_group = min(4, (k + 1) & -(k + 1))
         max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                          max_bucket(cfg.max_num_seqs) * (k + 1))
         # persistent device step state shared by the eager path and the captured graphs

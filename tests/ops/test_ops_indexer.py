@@ -176,3 +176,141 @@ def test_gpu_production_shape(ctx, keys):
             mask[sel] = False
             assert sc[mask].max() <= thr + 1e-3 * sc.abs().max()
     assert (got == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_triton_interpreter_exact_with_ties_and_token_groups(triton_cpu, group):
+    """Small-integer queries, keys and power-of-two weights: every score is exact in fp32, so
+    the Triton path (int32 keys, radix top-k) must equal the reference bit for bit, with heavy
+    ties (many equal and zero scores). Token groups mix requests, padding and lengths; every
+    column past a token's length is never written (a poisoned workspace stays poisoned)."""
+    from hisparse.ops import IndexerWorkspace
+
+    g = torch.Generator().manual_seed(group)
+    T, Hi, D, bs, P = 7, 4, 16, 8, 6
+    q = torch.randint(-2, 3, (T, Hi, D), generator=g).float()
+    w = torch.tensor([0.5, 1.0, -1.0, 2.0])[torch.randint(0, 4, (T, Hi), generator=g)]
+    k = torch.randint(-2, 3, (4 * P * bs, D), generator=g).float()
+    bt = torch.randperm(4 * P, generator=g)[:3 * P].view(3, P).to(torch.int32)
+    bt[1, 2] = -1
+    req = torch.tensor([0, 0, 1, 1, 1, -1, 2], dtype=torch.int32)
+    pos = torch.tensor([47, 30, 45, 5, 20, 9, 40], dtype=torch.int32)
+    ws = IndexerWorkspace(8, 64, "cpu")
+    ws.keys.fill_(-5)
+    topk = 12                               # below most lengths, above two
+    out = torch.full((T, topk), SENTINEL, dtype=torch.int32)
+    got = indexer_topk(q, w, k, bt, req, pos, bs, topk, out=out, workspace=ws, group=group)
+    ref = indexer_topk_reference(q, w, k, bt, req, pos, bs, topk)
+    assert torch.equal(got, ref)
+    assert (ref[1] >= 0).all() and (ref[3] == -1).any()
+    lens = torch.where(req >= 0, pos + 1, 0)
+    past = torch.arange(64)[None, :] >= lens[:, None]
+    assert (ws.keys[:T][past] == -5).all()
+    assert torch.equal(ws.lengths[:T], lens)
+
+
+def _integer_case(T, group, ctx, keys, seed, device="cuda", bs=64, Hi=64, D=128):
+    """Production geometry with small-integer q and keys and power-of-two weights: every score
+    is exact in fp32 (bf16 tensor-core dots included; FP8 keys quantize them exactly), with
+    heavy ties. Tokens come in runs of ``group`` per request (MTP verify)."""
+    g = torch.Generator().manual_seed(seed)
+    R = max(1, T // group)
+    P = ctx // bs
+    q = torch.randint(-2, 3, (T, Hi, D), generator=g).to(torch.bfloat16)
+    w = torch.tensor([0.25, 0.5, -0.5, 1.0])[torch.randint(0, 4, (T, Hi), generator=g)]
+    bt = torch.randperm(R * P, generator=g).view(R, P).to(torch.int32)
+    bt[0, 3] = -1                                           # an unmapped page
+    req = (torch.arange(T) // group).clamp(max=R - 1).to(torch.int32)
+    base = torch.randint(ctx // 2, ctx - group, (R,), generator=g)
+    base[0] = 100                                           # everything selected
+    pos = (base[req.long()] + torch.arange(T) % group).to(torch.int32)
+    req[T // 2] = -1                                        # padding
+    k = torch.randint(-2, 3, (R * P * bs, D), device=device).to(torch.bfloat16)
+    if keys == "fp8":
+        from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference
+        k = FP8KeyLayout(D, bs).pages(quantize_index_keys_reference(k))
+    return (q.to(device), w.to(device), k, bt.to(device), req.to(device), pos.to(device)), bs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", ["bf16", "fp8"])
+@pytest.mark.parametrize("ctx", [32768, 131072])
+@pytest.mark.parametrize("T,group", [(8, 1), (64, 1), (64, 2)])
+def test_gpu_exact_vs_reference(ctx, T, group, keys):
+    """Bit-exact against the reference at 32k and 128k, top-k 2048, batch 8 and 64, token
+    groups of 2 (the group hint changes only how keys are shared, never a selection)."""
+    case, bs = _integer_case(T, group, ctx, keys, seed=ctx + T + group)
+    topk = 2048
+    out = torch.full((T, topk), SENTINEL, dtype=torch.int32, device="cuda")
+    got = indexer_topk(*case, bs, topk, out=out, group=group)
+    ref = indexer_topk_reference(*case, bs, topk)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_ascending_buckets_then_grow_and_shrink():
+    """indexer_topk captured per batch bucket in ascending order with one workspace (as the
+    caches own it), replayed growing and shrinking on fresh queries and lengths: the eager
+    selections (and the reference's: integer scores are exact)."""
+    from hisparse.ops import IndexerWorkspace
+
+    buckets, ctx, topk = [8, 16, 32, 64], 32768, 2048
+    Tm = max(buckets)
+    case, bs = _integer_case(Tm, 1, ctx, "fp8", seed=5)
+    q, w, k, bt, req, pos = case
+    W = bt.shape[1] * bs
+    ws = IndexerWorkspace(Tm, W, "cuda")
+    outs = {b: torch.empty((b, topk), dtype=torch.int32, device="cuda") for b in buckets}
+
+    def call(b):
+        indexer_topk(q[:b], w[:b], k, bt, req[:b], pos[:b], bs, topk, out=outs[b], workspace=ws)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in buckets:
+            call(b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = {}
+    for b in buckets:
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b]):
+            call(b)
+    g = torch.Generator().manual_seed(9)
+    for i, b in enumerate([8, 32, 64, 16, 8, 64]):
+        q.copy_(torch.randint(-2, 3, tuple(q.shape), generator=g).to(q.dtype))
+        pos.copy_(torch.randint(1, W, (Tm,), generator=g).to(torch.int32))
+        pos[0] = 1000 + i                                   # below top-k: everything
+        outs[b].fill_(SENTINEL)
+        graphs[b].replay()
+        eager = indexer_topk(q[:b], w[:b], k, bt, req[:b], pos[:b], bs, topk)
+        assert torch.equal(outs[b], eager), (i, b)
+        assert torch.equal(outs[b], indexer_topk_reference(q[:b], w[:b], k, bt, req[:b],
+                                                           pos[:b], bs, topk)), (i, b)
+
+
+def test_triton_interpreter_scoring_programs_stride(triton_cpu):
+    """Several programs per token group striding over its blocks write the same keys and
+    lengths as one program walking them all (and nothing past a token's length)."""
+    from hisparse.ops._indexer_triton import indexer_keys
+
+    g = torch.Generator().manual_seed(3)
+    T, Hi, D, bs, P = 3, 4, 16, 8, 12
+    q = torch.randn(T, Hi, D, generator=g)
+    w = torch.rand(T, Hi, generator=g)
+    k = torch.randn(P * bs, D, generator=g)
+    bt = torch.arange(P, dtype=torch.int32).view(1, P)
+    bt[0, 4] = -1
+    req = torch.tensor([0, -1, 0], dtype=torch.int32)
+    pos = torch.tensor([90, 50, 60], dtype=torch.int32)
+    outs = []
+    for cfg in [(16, 1, 4, 1), (16, 3, 4, 1)]:
+        keys = torch.full((T, P * bs), SENTINEL, dtype=torch.int32)
+        lens = torch.full((T,), SENTINEL, dtype=torch.int32)
+        indexer_keys(q, w, k, bt, req, pos, bs, config=cfg, out=keys, lengths=lens)
+        outs.append((keys, lens))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    keys, lens = outs[0]
+    assert lens.tolist() == [91, 0, 61]
+    assert (keys[0, :91] != SENTINEL).all() and (keys[0, 91:] == SENTINEL).all()
+    assert (keys[1] == SENTINEL).all() and (keys[0, 32:40] == -(2**31)).all()

@@ -1,0 +1,282 @@
+"""Triton exact top-k (imported lazily by topk.py): a radix select over 8-bit digits.
+
+Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of the row's first
+``lengths[t]`` columns, the same chunks in every kernel):
+
+1. ``_hist_kernel`` at levels 0..3: the histogram of digit ``level`` (bits ``31-8l..24-8l`` of
+   the key with its sign bit flipped, i.e. unsigned order) over the valid columns whose higher
+   digits equal the threshold prefix found so far, added into the row's global histogram
+   (atomics) and stored in the program's (row, split) slot. Each program first advances the
+   threshold state by one level (the previous level's 256-bin global histogram and the state
+   the previous kernel stored; program 0 of the row stores the new one) and reads no key once
+   the row is resolved (at most ``k`` valid columns, or every column of the threshold bucket
+   taken).
+2. ``_collect_kernel``: with the final state (``cgt`` columns strictly above the prefix ``P`` at
+   the resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
+   writes the columns above ``P`` into slots ``0..cgt-1`` of ``out`` (one atomic per block for
+   the slot range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column
+   order (earlier splits' tie counts come from their stored histograms).
+3. ``_sort_kernel``: one program per row sorts its ``min(k, valid)`` selected (key, column)
+   pairs packed in int64 (``tl.sort``) and rewrites ``out`` in rank order, ``-1`` padded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreted, next_pow2
+from .topk import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, TopkScratch
+
+COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
+STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) ]
+
+
+@triton.jit
+def _row_span(len_ptr, row, sp, W, SPLITS, BLOCK: tl.constexpr):
+    """Columns ``[lo, hi)`` of split ``sp`` of row ``row`` (chunks of whole blocks)."""
+    n = tl.load(len_ptr + row)
+    n = tl.minimum(tl.maximum(n, 0), W)
+    per = ((n + SPLITS - 1) // SPLITS + BLOCK - 1) // BLOCK * BLOCK
+    lo = sp * per
+    hi = tl.minimum(n, lo + per)
+    return lo, hi
+
+
+@triton.jit
+def _advance(h, K, L: tl.constexpr, level, pre, cgt, need, done, NB: tl.constexpr):
+    """The threshold state after level ``L`` from the one before it and the row's global
+    histogram ``h [NB]`` of digit ``L``. State: ``(level, pre, cgt, need, done)``. ``level`` 0
+    (at most ``K`` valid columns): every valid column is taken. Else the columns whose
+    ``level``-digit prefix is above ``pre`` (``cgt`` of them) are taken, plus the first ``need``
+    (by column) equal to it; ``done``: no further level is needed."""
+    offs = tl.arange(0, NB)
+    cge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                        # count(digit >= d)
+    b = tl.max(tl.where(cge >= need, offs, -1), 0)                  # threshold digit
+    gt = tl.sum(tl.where(offs > b, h, 0), 0)
+    hb = tl.sum(tl.where(offs == b, h, 0), 0)
+    go = done == 0
+    pre = tl.where(go, pre * NB + b, pre)
+    cgt = tl.where(go, cgt + gt, cgt)
+    level = tl.where(go, L + 1, level)
+    need = tl.where(go, need - gt, need)
+    done = done | (hb == need).to(tl.int32)
+    return level, pre, cgt, need, done
+
+
+@triton.jit
+def _state_after(h_row, K, L: tl.constexpr, NB: tl.constexpr, STATE: tl.constexpr):
+    """State after levels ``0..L`` (``L + 1`` of them): level 0 from the first histogram, later
+    ones from the state the previous kernel stored (``h_row[STATE + 8 * L ...]``)."""
+    offs = tl.arange(0, NB)
+    if L == 0:
+        h = tl.load(h_row + offs)
+        total = tl.sum(h, 0)
+        done = (total <= K).to(tl.int32)
+        level = total * 0
+        pre = level
+        cgt = level
+        need = level + K
+    else:
+        st = h_row + STATE + 8 * L
+        level = tl.load(st)
+        pre = tl.load(st + 1)
+        cgt = tl.load(st + 2)
+        need = tl.load(st + 3)
+        done = tl.load(st + 4)
+        h = tl.load(h_row + L * NB + offs)
+    # the prefix has up to 32 bits: carried as int64, stored as its low 32 bits
+    pre = pre.to(tl.int64) & 4294967295
+    level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done, NB)
+    return level, pre, cgt, need, done
+
+
+@triton.jit
+def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.constexpr):
+    st = h_row + STATE + 8 * (L + 1)
+    tl.store(st, level)
+    tl.store(st + 1, pre.to(tl.int32))
+    tl.store(st + 2, cgt)
+    tl.store(st + 3, need)
+    tl.store(st + 4, done.to(tl.int32))
+
+
+@triton.jit
+def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
+    that are valid and match ``prefix`` on the higher digits."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    ok = m & (s != -2147483648)
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
+    if LEVEL > 0:
+        ok = ok & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
+    d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+    if LEVEL == 0:
+        h = tl.histogram(d, NB, mask=ok)
+    else:   # past the first digit most blocks hold no column of the threshold bucket
+        h = tl.zeros([NB], dtype=tl.int32)
+        if tl.sum(ok.to(tl.int32), 0) > 0:
+            h = tl.histogram(d, NB, mask=ok)
+    return h
+
+
+@triton.jit
+def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base,
+                   BLOCK: tl.constexpr):
+    """Write the selected columns of one block into their slots; returns the tie count so
+    far."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    ok = m & (s != -2147483648)
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
+    pref = u.to(tl.int64) >> shift                                  # level 0: 0 > -1
+    gt = (ok & (pref > prefix)).to(tl.int32)
+    tie = (ok & (pref == prefix)).to(tl.int32)
+    n_gt = tl.sum(gt, 0)
+    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0)
+    tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
+    rank = tie_base + tl.cumsum(tie, 0) - 1
+    tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
+    return tie_base + tl.sum(tie, 0)
+
+
+@triton.jit
+def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
+                 stride_k, stride_h, stride_s,
+                 LEVEL: tl.constexpr, NB: tl.constexpr,
+                 BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                 STAGES: tl.constexpr):
+    row = tl.program_id(0)
+    sp = tl.program_id(1)
+    h_row = hist_ptr + row * stride_h
+    lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
+    prefix = tl.full([], -1, tl.int64)
+    if LEVEL > 0:
+        level, pre, cgt, need, done = _state_after(h_row, K, LEVEL - 1, NB, STATE)
+        if sp == 0:
+            _store_state(h_row, LEVEL - 1, level, pre, cgt, need, done, STATE)
+        prefix = pre
+        hi = tl.where(done != 0, lo, hi)                            # resolved: read nothing
+    base = keys_ptr + row.to(tl.int64) * stride_k
+    acc = tl.zeros([NB], dtype=tl.int32)
+    if FOR_LOOP:
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+    else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
+        start = lo
+        while start < hi:
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+            start += BLOCK
+    offs_b = tl.arange(0, NB)
+    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0)
+    tl.store(split_ptr + (row * SPLITS + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
+
+
+@triton.jit
+def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLITS,
+                    stride_k, stride_h, stride_s, stride_o,
+                    LEVELS: tl.constexpr, NB: tl.constexpr,
+                    BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                    STAGES: tl.constexpr):
+    row = tl.program_id(0)
+    sp = tl.program_id(1)
+    h_row = hist_ptr + row * stride_h
+    lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
+    level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
+    prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
+    # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
+    s_row = split_ptr + (row * SPLITS).to(tl.int64) * stride_s
+    dig = (prefix & (NB - 1)).to(tl.int32)
+    lv = tl.maximum(level - 1, 0)
+    tie_base = level * 0
+    s2 = sp * 0
+    while s2 < sp:
+        tie_base += tl.load(s_row + s2 * stride_s + lv * NB + dig)
+        s2 += 1
+    shift = (32 - 8 * level).to(tl.int64)
+    base = keys_ptr + row.to(tl.int64) * stride_k
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    cnt_ptr = h_row + LEVELS * NB                                   # COUNTER
+    if FOR_LOOP:
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
+                                      tie_base, BLOCK)
+    else:
+        start = lo
+        while start < hi:
+            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
+                                      tie_base, BLOCK)
+            start += BLOCK
+
+
+@triton.jit
+def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
+                 NB: tl.constexpr, KPAD: tl.constexpr):
+    row = tl.program_id(0)
+    total = tl.sum(tl.load(hist_ptr + row * stride_h + tl.arange(0, NB)), 0)
+    n_sel = tl.minimum(total, K)
+    j = tl.arange(0, KPAD)
+    m = j < n_sel
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    col = tl.load(o_row + j, mask=m, other=0)
+    key = tl.load(keys_ptr + row.to(tl.int64) * stride_k + col, mask=m, other=0)
+    packed = (key.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))    # ties: lower col
+    none = tl.full([KPAD], -9223372036854775808, tl.int64)
+    packed = tl.sort(tl.where(m, packed, none), descending=True)
+    res = (4294967295 - (packed & 4294967295)).to(tl.int32)
+    res = tl.where(packed == none, -1, res)
+    tl.store(o_row + j, res, mask=j < K)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch_config(T: int, W: int, device: torch.device, splits: int | None, slots: int):
+    """(splits, BLOCK, num_warps): about two programs per SM over all rows on CUDA, within the
+    scratch's ``slots`` split histograms."""
+    # the interpreter's cost is per program and per block: one of each per row there
+    block, nw = (1024, 4) if device.type == "cuda" else (256, 4)
+    if splits is None:
+        if device.type == "cuda":
+            splits = triton.cdiv(2 * _num_sms(device.index or 0), T)
+        else:
+            splits = 1
+        splits = max(1, min(splits, MAX_SPLITS, triton.cdiv(max(W, 1), block), slots // T))
+    if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
+        raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
+                         f"<= {slots} (the scratch's split histograms), got {splits}")
+    return splits, block, nw
+
+
+def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
+                       scratch: TopkScratch, splits: int | None = None) -> torch.Tensor:
+    T, W = keys.shape
+    if keys.stride(1) != 1:
+        raise ValueError("topk_select: keys must have unit column stride")
+    lengths = lengths.to(torch.int32)
+    splits, block, nw = _launch_config(T, W, keys.device, splits, scratch.split_hist.shape[0])
+    hist = scratch.hist[:T]
+    hist.zero_()
+    sh = scratch.split_hist
+    grid = (T, splits)
+    common = dict(NB=RADIX_BINS, BLOCK=block, STATE=STATE_OFFSET,
+                  FOR_LOOP=not interpreted(), STAGES=2, num_warps=nw)
+    for level in range(RADIX_LEVELS):
+        _hist_kernel[grid](keys, lengths, hist, sh, W, k, splits,
+                           keys.stride(0), hist.stride(0), sh.stride(0), LEVEL=level, **common)
+    _collect_kernel[grid](keys, lengths, hist, sh, out, W, k, splits,
+                          keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
+                          LEVELS=RADIX_LEVELS, **common)
+    kpad = max(16, next_pow2(k))
+    _sort_kernel[(T,)](keys, hist, out, k, keys.stride(0), hist.stride(0), out.stride(0),
+                       NB=RADIX_BINS, KPAD=kpad, num_warps=8 if kpad >= 2048 else 4)
+    return out

@@ -1,0 +1,124 @@
+"""Exact per-row top-k over orderable int32 score keys (the indexer's selection step).
+
+Contract (the spec is :func:`topk_select_reference`): ``keys [T, W]`` int32 holds, per row, the
+order-preserving transform of fp32 scores (:func:`orderable_keys`) in columns ``0..lengths[t]-1``;
+``INT32_MIN`` marks an invalid column (never selected). Row ``t`` of the ``[T, k]`` int32 result
+lists the ``min(k, valid)`` valid columns of highest key, ordered by key descending, ties broken
+by the lower column, then ``-1`` padding. Columns ``>= lengths[t]`` are never read (they may hold
+anything), so the work of a row is proportional to its own length, not to ``W``.
+
+:func:`orderable_keys` maps fp32 to int32 so that signed int32 order is the reference's
+``torch.sort(descending=True, stable=True)`` order: ``-0.0`` equals ``+0.0``, every NaN ranks
+above ``+inf`` (all NaN equal: ties by column), ``-inf`` below every finite score. ``INT32_MIN``
+is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalized).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import want_triton
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+# Radix select: four 8-bit digits of the 32-bit key (see _topk_triton).
+RADIX_BINS = 256
+RADIX_LEVELS = 4
+MAX_SPLITS = 16             # programs per row cooperating on one row's histograms
+SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
+
+
+def orderable_keys(score: torch.Tensor) -> torch.Tensor:
+    """fp32 scores -> int32 keys whose signed order is the score order (module docstring)."""
+    s = score.float()
+    s = torch.where(s == 0, torch.zeros_like(s), s)                 # -0.0 -> +0.0
+    bits = s.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ INT32_MAX, bits)
+    return torch.where(torch.isnan(s), torch.full_like(key, INT32_MAX), key)
+
+
+def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain PyTorch spec of :func:`topk_select`: one int64 ``(key << 32) | (2^32 - 1 - col)``
+    per column (``INT64_MIN`` past the row's length or for an invalid key), sorted ``torch.topk``
+    over the whole width."""
+    T, W = keys.shape
+    out = torch.full((T, k), -1, dtype=torch.int32, device=keys.device)
+    if T == 0 or W == 0:
+        return out
+    col = torch.arange(W, device=keys.device)
+    valid = (col[None, :] < lengths.long()[:, None]) & (keys != INT32_MIN)
+    packed = (keys.long() << 32) | (0xFFFFFFFF - col)[None, :]
+    packed = torch.where(valid, packed, torch.full_like(packed, -(2**63)))
+    kk = min(k, W)
+    vals, idx = torch.topk(packed, kk, dim=1, largest=True, sorted=True)
+    out[:, :kk] = torch.where(vals == -(2**63), torch.full_like(idx, -1), idx).to(torch.int32)
+    return out
+
+
+class TopkScratch:
+    """Device scratch of the Triton top-k for up to ``rows`` rows a call, allocated once (a CUDA
+    graph keeps the addresses it captured): per row the four global digit histograms, a slot
+    counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
+    each call) and the histograms of each (row, split) program (``split_hist [rows +
+    SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
+    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``)."""
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.rows = max(1, int(rows))
+        dev = torch.device(device)
+        self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
+                                device=dev)
+        self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
+                                      dtype=torch.int32, device=dev)
+
+    ROW_BYTES = 4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+
+    def data_ptrs(self) -> tuple[int, int]:
+        return self.hist.data_ptr(), self.split_hist.data_ptr()
+
+
+def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
+                out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
+                splits: int | None = None) -> torch.Tensor:
+    """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
+
+    Args:
+        keys: ``[T, W]`` int32 orderable keys, unit column stride; only columns ``<
+            lengths[t]`` are read.
+        lengths: ``[T]`` int32 valid prefix of each row (clamped to ``W``; ``<= 0``: empty row).
+        k: result width (any ``k >= 1``, e.g. 2048 plus a hot policy's band).
+        out: optional ``[T, k]`` int32 result with unit column stride (written in full).
+        scratch: the Triton path's :class:`TopkScratch` (``rows >= T``); required for CUDA-graph
+            capture; without one each call allocates its own.
+        splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
+            the scratch; default: enough to fill the GPU).
+
+    Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
+    8-bit digits of each key (each level one pass over each row's real length, skipped once the
+    threshold is resolved), a compaction of the selected columns into ``out`` and one in-program
+    sort of the ``k`` selected (key, column) pairs; no host sync, fixed launch shapes.
+    """
+    T = keys.shape[0]
+    if k < 1:
+        raise ValueError(f"topk_select: k must be >= 1, got {k}")
+    if keys.dim() != 2 or keys.dtype != torch.int32 or lengths.shape != (T,):
+        raise ValueError(f"topk_select: keys must be [T, W] int32 and lengths [T], got "
+                         f"{tuple(keys.shape)} {keys.dtype} and {tuple(lengths.shape)}")
+    if out is None:
+        out = torch.empty((T, k), dtype=torch.int32, device=keys.device)
+    elif out.shape != (T, k) or out.dtype != torch.int32 or (T and out.stride(1) != 1):
+        raise ValueError(f"topk_select: out must be [{T}, {k}] int32 with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if T == 0:
+        return out
+    if want_triton(keys):
+        from ._topk_triton import topk_select_triton
+        if scratch is None:
+            scratch = TopkScratch(T, keys.device)
+        elif scratch.rows < T or scratch.hist.device != keys.device:
+            raise ValueError(f"topk_select: scratch ({scratch.rows} rows, "
+                             f"{scratch.hist.device}) is too small for {T} rows on "
+                             f"{keys.device}; size it for the largest call up front")
+        return topk_select_triton(keys, lengths, k, out, scratch, splits)
+    out.copy_(topk_select_reference(keys, lengths, k))
+    return out

@@ -1,0 +1,189 @@
+"""ops.topk: the exact radix top-k (Triton, interpreter on CPU) against its torch.topk reference,
+and the reference against a plain stable sort of the fp32 scores."""
+
+import pytest
+import torch
+
+from hisparse.ops.topk import (
+    INT32_MAX,
+    INT32_MIN,
+    TopkScratch,
+    orderable_keys,
+    topk_select,
+    topk_select_reference,
+)
+
+SENTINEL = -7
+
+
+def random_scores(T, W, distinct, g):
+    """fp32 scores with ``distinct`` values per row (heavy ties when small), some -inf, NaN,
+    -0.0 and +inf."""
+    vals = torch.randn(T, distinct, generator=g) * 3
+    sc = vals.gather(1, torch.randint(0, distinct, (T, W), generator=g))
+    special = torch.rand(T, W, generator=g)
+    sc[special < 0.05] = float("-inf")
+    sc[(special >= 0.05) & (special < 0.07)] = -0.0
+    sc[(special >= 0.07) & (special < 0.08)] = 0.0
+    sc[(special >= 0.08) & (special < 0.085)] = float("nan")
+    sc[(special >= 0.085) & (special < 0.09)] = float("inf")
+    return sc
+
+
+def make_keys(T, W, distinct, lengths, seed, invalid=0.1):
+    """Keys of random scores, ``invalid`` of the columns INT32_MIN, and every column past a
+    row's length poisoned with the largest key (selected if it were ever read)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = orderable_keys(random_scores(T, W, distinct, g))
+    keys[torch.rand(T, W, generator=g) < invalid] = INT32_MIN
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    past = torch.arange(W)[None, :] >= lengths.clamp(min=0)[:, None]
+    keys[past] = INT32_MAX
+    return keys, lengths
+
+
+def sort_spec(scores, valid, k):
+    """The contract in words: valid columns by score descending (NaN first, -0.0 == 0.0),
+    ties by the lower column, ``-1`` padding."""
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    for t in range(scores.shape[0]):
+        cols = valid[t].nonzero().squeeze(1)
+        order = torch.sort(scores[t, cols], descending=True, stable=True).indices
+        sel = cols[order][:k]
+        out[t, :sel.numel()] = sel.to(torch.int32)
+    return out
+
+
+def test_orderable_keys_order_is_the_stable_float_sort():
+    g = torch.Generator().manual_seed(0)
+    sc = random_scores(4, 300, 40, g)
+    sc[0, :5] = torch.tensor([-0.0, 0.0, float("nan"), -float("nan"), 1e-45])
+    keys = orderable_keys(sc)
+    assert not (keys == INT32_MIN).any()                  # no score collides with "invalid"
+    for t in range(4):
+        want = torch.sort(sc[t], descending=True, stable=True).indices
+        got = torch.sort(keys[t], descending=True, stable=True).indices
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [1, 5, 64])
+def test_reference_is_the_sort_spec(k):
+    g = torch.Generator().manual_seed(k)
+    T, W = 5, 120
+    sc = random_scores(T, W, 6, g)
+    keys = orderable_keys(sc)
+    keys[torch.rand(T, W, generator=g) < 0.2] = INT32_MIN
+    lengths = torch.tensor([0, 1, 50, 120, 400], dtype=torch.int32)
+    valid = (keys != INT32_MIN) & (torch.arange(W)[None, :] < lengths[:, None])
+    got = topk_select_reference(keys, lengths, k)
+    assert torch.equal(got, sort_spec(sc, valid, k))
+
+
+# (k, distinct values per row, row lengths, splits): heavy ties, k above and below the length,
+# empty rows, a length past the width (clamped), several programs per row
+CASES = [
+    (16, 3, [0, 1, 16, 17, 300], 3),
+    (64, 1000, [300, 64, 65, 2, 250], 2),
+    (8, 2, [300, 8, 9, 120, 299], 1),
+]
+
+
+@pytest.mark.parametrize("k,distinct,lengths,splits", CASES)
+def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
+    W = 300
+    keys, lens = make_keys(len(lengths), W, distinct, [min(n, 320) for n in lengths], seed=k)
+    lens[-1] = 10_000 if lengths[-1] == W else lens[-1]          # past the width: clamped
+    out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(9, "cpu"), splits=splits)
+    assert got.data_ptr() == out.data_ptr()
+    want = topk_select_reference(keys, lens, k)
+    assert torch.equal(got, want)
+    n_valid = ((keys != INT32_MIN) & (torch.arange(W)[None, :] < lens[:, None])).sum(1)
+    assert torch.equal((got >= 0).sum(1), n_valid.clamp(max=k).int())
+
+
+def test_triton_all_equal_and_all_invalid(triton_cpu):
+    """Every key equal (the threshold is resolved only at the last digit: ties by column) and
+    rows of invalid keys only; the scratch is reused across calls (zeroed by each)."""
+    T, W, k = 3, 120, 20
+    keys = torch.full((T, W), 12345, dtype=torch.int32)
+    keys[1] = INT32_MIN
+    keys[2, ::3] = INT32_MIN
+    lens = torch.tensor([120, 120, 90], dtype=torch.int32)
+    scratch = TopkScratch(4, "cpu")
+    for _ in range(2):
+        got = topk_select(keys, lens, k, scratch=scratch, splits=2)
+        assert got[0].tolist() == list(range(k))
+        assert (got[1] == -1).all()
+        assert got[2].tolist() == [c for c in range(W) if c % 3][:k]
+
+
+def test_bad_arguments():
+    keys = torch.zeros(4, 10, dtype=torch.int32)
+    lens = torch.full((4,), 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k must be"):
+        topk_select(keys, lens, 0)
+    with pytest.raises(ValueError, match="out must be"):
+        topk_select(keys, lens, 3, out=torch.empty(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        topk_select(keys.long(), lens, 3)
+
+
+def test_scratch_too_small(triton_cpu):
+    keys = torch.zeros(4, 10, dtype=torch.int32)
+    lens = torch.full((4,), 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="scratch"):
+        topk_select(keys, lens, 3, scratch=TopkScratch(2, "cpu"))
+
+
+# ---------------------------------------------------------------------------------- GPU
+def _gpu_keys(T, W, k, seed, distinct):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(W // 2, W + 1, (T,), generator=g)
+    lengths[0], lengths[1], lengths[2] = 1, k - 3, 0
+    lengths[3] = W
+    keys, lens = make_keys(T, W, distinct, lengths.tolist(), seed, invalid=0.02)
+    return keys.cuda(), lens.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [32768, 131072])
+@pytest.mark.parametrize("T", [8, 64])
+@pytest.mark.parametrize("distinct", [4, 1 << 20])
+@pytest.mark.parametrize("k", [2048, 2560])
+def test_gpu_matches_reference(W, T, distinct, k):
+    keys, lens = _gpu_keys(T, W, k, seed=T + W + distinct, distinct=distinct)
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(T, "cuda"))
+    want = topk_select_reference(keys, lens, k)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_buckets():
+    """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
+    replayed growing and shrinking on fresh data: the eager reference's selections."""
+    W, k = 32768, 2048
+    buckets = [8, 16, 32, 64]
+    scratch = TopkScratch(max(buckets), "cuda")
+    keys = torch.empty((max(buckets), W), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(max(buckets), dtype=torch.int32, device="cuda")
+    outs = {b: torch.empty((b, k), dtype=torch.int32, device="cuda") for b in buckets}
+    graphs = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in buckets:       # warm-up compiles outside the capture
+            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch)
+    torch.cuda.current_stream().wait_stream(stream)
+    for b in buckets:
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b]):
+            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch)
+    for i, b in enumerate([8, 32, 64, 16, 8, 64]):
+        kb, lb = _gpu_keys(b, W, k, seed=100 + i, distinct=8 if i % 2 else 1 << 20)
+        keys[:b].copy_(kb)
+        lens[:b].copy_(lb)
+        outs[b].fill_(SENTINEL)
+        graphs[b].replay()
+        assert torch.equal(outs[b], topk_select_reference(kb, lb, k)), (i, b)
