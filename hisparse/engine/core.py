@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +29,8 @@ from hisparse.engine import sampling, spec
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler, StepUpdate
 from hisparse.kv.plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class RequestFreezer:
@@ -178,6 +182,10 @@ class EngineCore:
         self._token_bufs = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._sampling_staging = sampling.SamplingStaging(n, self.device)
+        # Disaggregation, decode side: the KV transfer agent that pulls remote prompts
+        # (:mod:`hisparse.worker.kv_transfer`) and what a failed load does.
+        self.kv_transfer = None
+        self.recompute_failed_loads = True
 
     # ------------------------------------------------------------------ the loop
     def request_added(self) -> None:
@@ -185,6 +193,35 @@ class EngineCore:
         self.freezer.request_added()
 
     def step(self) -> tuple[StepUpdate, dict[str, str]]:
+        if self.kv_transfer is None:
+            return self._step()
+        ended, errors = self._poll_loads()
+        update, step_errors = self._step()
+        for job in self.scheduler.take_loads():
+            self.kv_transfer.start_load(job)
+        for req in ended:
+            (update.failed if req.finish_reason == "error" else update.finished).append(req)
+        errors.update(step_errors)
+        return update, errors
+
+    def _poll_loads(self) -> tuple[list[Request], dict[str, str]]:
+        """Apply the remote-KV loads that ended: requests that finished with them (an error
+        under ``--kv-load-failure fail``, or done with their first token) and the errors."""
+        ended, errors = [], {}
+        for req_id, error in self.kv_transfer.poll():
+            req = self.scheduler.load_finished(req_id, error is None,
+                                               self.recompute_failed_loads)
+            if error is not None:
+                logger.warning(
+                    "request %s: %s; %s", req_id, error,
+                    "recomputing its prompt" if self.recompute_failed_loads else "failed")
+            if req is not None:
+                ended.append(req)
+                if error is not None:
+                    errors[req_id] = error
+        return ended, errors
+
+    def _step(self) -> tuple[StepUpdate, dict[str, str]]:
         self.freezer.before_step()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
@@ -204,6 +241,8 @@ class EngineCore:
                 self._acks += self.runner.drain()
             elif self._acks:            # a prefill waits for these acks to free its pages
                 pass
+            elif self.scheduler.loading:   # remote KV on its way: poll again shortly
+                time.sleep(0.001)
             elif self.scheduler.has_unfinished:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}

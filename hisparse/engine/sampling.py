@@ -55,6 +55,10 @@ class SamplingParams:
     # top-p, like vLLM's default). None: off.
     logprobs: int | None = None
     skip_special_tokens: bool = True   # leave special tokens (EOS...) out of the text
+    # Prefill/decode disaggregation (vLLM's request-level protocol, issue 23):
+    # ``{"do_remote_decode": true}`` on a prefill instance, the params it returned (with
+    # ``do_remote_prefill``) on a decode instance; see :mod:`hisparse.kv.transfer_plan`.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -96,6 +100,10 @@ class SamplingParams:
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {lp!r}")
+
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be None or an object, got "
+                             f"{self.kv_transfer_params!r}")
 
     @property
     def greedy(self) -> bool:

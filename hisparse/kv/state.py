@@ -78,3 +78,5 @@ class KVStats:
     prefill_released_pages: int = 0  # clean pages a prefilling request gave up (issue 14)
     unrestored_hit_pages: int = 0   # host-only prefix hits used in place (no restore)
     mirrored_rows: int = 0
+    remote_gpu_pages: int = 0       # remote-prefill prompt pages landed in GPU pages
+    remote_host_pages: int = 0      # ... landed in the host pool (read through hot buffers)

@@ -451,7 +451,7 @@ class ModelRunner:
         self.inputs.commit_sampled(tokens)
 
     def _mirror(self, plan: StepPlan) -> None:
-        if not len(plan.mirrors) or not self.mirror_writer:
+        if not (len(plan.mirrors) or len(plan.indexer_mirrors)) or not self.mirror_writer:
             return
         c = self.caches
         n = len(plan.mirrors)
