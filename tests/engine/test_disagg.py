@@ -77,3 +77,10 @@ def test_prefill_to_decode_equals_colocated(dsv32_path, decode_gpu_blocks):
     wait_released(p, len(batch))
     assert_pools_full(p)
     assert_pools_full(d)
+    # The landed rows and keys reached the decode's host pool and their hashes were published
+    # (I3): the same prompts, colocated on the decode instance, hit its prefix cache.
+    hits = d.stats()["prefix_hit_tokens"]
+    assert tokens(d.generate(batch, greedy())) == want
+    assert d.stats()["prefix_hit_tokens"] - hits >= sum(
+        (len(b["prompt_token_ids"]) - 1) // 8 * 8 for b in batch)
+    assert_pools_full(d)
