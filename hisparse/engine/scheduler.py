@@ -127,11 +127,11 @@ class Scheduler:
             req.kv = None
             return None
         req.remote_prefill = None
-        if not ok:
+        if not ok:      # the remote's first token goes too: its prompt runs here, or nothing
             self.kv.free(req_id)
             req.kv = None
-            if recompute:   # its prompt runs here; the remote's first token is dropped
-                del req.token_ids[len(req.prompt_token_ids):]
+            del req.token_ids[len(req.prompt_token_ids):]
+            if recompute:
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
                 return None

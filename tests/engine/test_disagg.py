@@ -84,3 +84,61 @@ def test_prefill_to_decode_equals_colocated(dsv32_path, decode_gpu_blocks):
     assert d.stats()["prefix_hit_tokens"] - hits >= sum(
         (len(b["prompt_token_ids"]) - 1) // 8 * 8 for b in batch)
     assert_pools_full(d)
+
+
+@pytest.fixture(scope="module")
+def small_batch():
+    return prompts(3, 20, 60, seed=5)
+
+
+@pytest.fixture(scope="module")
+def colocated(dsv32_path, small_batch):
+    return tokens(engine(dsv32_path).generate(small_batch, greedy()))
+
+
+@pytest.mark.parametrize("failure,policy", [("hash", "recompute"), ("dead-prefill", "recompute"),
+                                            ("timeout", "recompute"), ("hash", "fail")])
+def test_failed_load_recomputes_or_fails_and_leaks_nothing(dsv32_path, small_batch, colocated,
+                                                            failure, policy):
+    p = engine(dsv32_path, kv_role="prefill", kv_hold_timeout_s=0.5)
+    d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=0.5)
+    params, _ = prefill(p, small_batch)
+    if failure == "hash":
+        params = [dict(kv, compat_hash="0" * 32) for kv in params]
+    elif failure == "timeout":      # nobody serves NIXL metadata there
+        from hisparse.engine.disagg import free_port
+        params = [dict(kv, remote_port=free_port("127.0.0.1")) for kv in params]
+    else:
+        p.shutdown()
+    outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
+    assert d.disagg.metrics.failures == len(small_batch) and d.disagg.metrics.requests == 0
+    if policy == "recompute":
+        assert tokens(outs) == colocated
+    else:
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "error" and c.token_ids == [] and c.error
+            want = "hash mismatch" if failure == "hash" else "timed out"
+            assert want in c.error, c.error
+    assert_pools_full(d)
+    if failure != "dead-prefill":   # the decode never read: the prefill's timeout frees them
+        time.sleep(0.6)
+        p.service_kv_transfer()
+        assert p.disagg.metrics.expired == len(small_batch) and not p.disagg.held
+        assert_pools_full(p)
+
+
+def test_bad_kv_transfer_params_are_refused(dsv32_path, small_batch):
+    d = engine(dsv32_path, kv_role="decode")
+    ids = small_batch[0]
+    with pytest.raises(ValueError, match="do_remote_decode needs an instance"):
+        d.add_request(ids, greedy(kv={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="remote_block_ids"):
+        d.add_request(ids, greedy(kv={"do_remote_prefill": True}))
+    with pytest.raises(ValueError, match="kv_role"):
+        engine(dsv32_path).add_request(ids, greedy(kv={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="kv_role must be"):
+        engine(dsv32_path, kv_role="both")
+    with pytest.raises(ValueError, match="host tier"):
+        engine(dsv32_path, kv_role="decode", mode="gpu-only")
+    assert not d.has_unfinished_requests()
