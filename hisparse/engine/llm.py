@@ -955,7 +955,20 @@ class LLM:
             "staged_chunks": kv.stats.staged_chunks,
             "num_speculative_tokens": self.core.num_speculative_tokens,
             **self.core.spec_stats.as_dict(),
+            **self._kv_transfer_stats(),
         }
+
+    def _kv_transfer_stats(self) -> dict:
+        """``kv_transfer_*`` counters of a disaggregated instance (``{}`` otherwise)."""
+        if self.disagg is None:
+            return {}
+        out = {f"kv_transfer_{k}": v for k, v in self.disagg.metrics.as_dict().items()}
+        out["kv_transfer_role"] = self.disagg.role
+        out["kv_transfer_held_now"] = len(self.disagg.held)
+        out["kv_transfer_loading_now"] = len(self.scheduler.loading)
+        out["kv_transfer_remote_gpu_pages"] = self.scheduler.kv.stats.remote_gpu_pages
+        out["kv_transfer_remote_host_pages"] = self.scheduler.kv.stats.remote_host_pages
+        return out
 
     def capacity(self, context: int | None = None, **overrides):
         """Capacity plan of this engine's real pools, every mode (see

@@ -47,7 +47,8 @@ logger = logging.getLogger("hisparse.server")
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
                     "ignore_eos", "n", "stop", "logprobs", "top_logprobs", "model", "messages",
-                    "prompt", "stream_options", "max_completion_tokens")
+                    "prompt", "stream_options", "max_completion_tokens",
+                    "kv_transfer_params")
 
 
 class APIError(Exception):
@@ -214,7 +215,8 @@ def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
                               seed=req.seed, max_tokens=max_tokens,
                               stop_token_ids=list(req.stop_token_ids or []),
                               ignore_eos=req.ignore_eos, logprobs=logprobs,
-                              skip_special_tokens=req.skip_special_tokens)
+                              skip_special_tokens=req.skip_special_tokens,
+                              kv_transfer_params=req.kv_transfer_params)
     except ValueError as e:
         raise _bad(e, "prompt") from None
 
@@ -323,6 +325,12 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                  raw: Request):
     prompt_field = "messages" if chat else "prompt"
     stop = req.stop_strings()
+    if params.kv_transfer_params and (len(prompts) > 1 or req.n > 1):
+        raise APIError(400, "kv_transfer_params: one prompt and n=1 per request",
+                       "kv_transfer_params")
+    if (params.kv_transfer_params or {}).get("do_remote_decode") and req.stream:
+        raise APIError(400, "kv_transfer_params.do_remote_decode needs stream=false (the "
+                       "prefill's answer carries the params)", "kv_transfer_params")
     subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field)
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts for _ in range(req.n)]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -371,6 +379,11 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                    for i, o in enumerate(finals)]
         resp = CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
     body = resp.model_dump()
+    kv = finals[0].kv_transfer_params
+    if kv is None:
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = kv
     if not req.return_token_ids:
         for c in body["choices"]:
             c.pop("token_ids", None)

@@ -26,6 +26,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False        # vLLM's extension: token ids in each choice
     skip_special_tokens: bool = True      # vLLM's extension: special tokens out of the text
+    # vLLM's disaggregation protocol (issue 23): in a request, and in a prefill's response
+    kv_transfer_params: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -79,6 +81,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatMessageOut(BaseModel):
@@ -101,6 +104,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):
