@@ -211,7 +211,7 @@ class EngineCore:
         for req_id, error in self.kv_transfer.poll():
             req = self.scheduler.load_finished(req_id, error is None,
                                                self.recompute_failed_loads)
-            if error is not None:
+            if error is not None and error != "aborted":
                 logger.warning(
                     "request %s: %s; %s", req_id, error,
                     "recomputing its prompt" if self.recompute_failed_loads else "failed")

@@ -168,7 +168,10 @@ class RemotePrefill:
         for name in ("host", "host_indexer"):
             if name not in layout:
                 raise ValueError(f"kv_transfer_params.remote_layout lacks {name!r}")
-            regions[name] = RegionLayout.from_dict(layout[name])
+            try:
+                regions[name] = RegionLayout.from_dict(layout[name])
+            except ValueError as e:
+                raise ValueError(f"kv_transfer_params.remote_layout.{name}: {e}") from None
         return cls(engine_id=need("remote_engine_id", str),
                    request_id=need("remote_request_id", str), host=need("remote_host", str),
                    port=port, host_blocks=tuple(ids), num_tokens=n, first_token=first,

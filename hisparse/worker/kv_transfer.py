@@ -188,7 +188,7 @@ class KVTransferAgent:
             if error is not None and not self._release(load):
                 continue        # a READ that cannot be cancelled yet still owns the blocks
             del self._loads[req_id]
-            if error is not None:
+            if error is not None and load.error is None:    # not a cancellation
                 self.metrics.failures += 1
                 if load.state == "handshake":   # refetch next time (the peer may be back)
                     self._remotes.pop(load.job.remote.engine_id, None)
