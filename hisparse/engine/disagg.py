@@ -166,7 +166,10 @@ class Disaggregation:
 
     def service(self) -> None:
         """Prefill side: release the prompts the decode side read, and those past their
-        timeout (a dead or slow decode instance)."""
+        timeout (a dead or slow decode instance). Decode side: tell prefill instances about
+        failed loads."""
+        if self.role == "decode":
+            self.agent.flush_notifications()
         if not self.held:
             return
         for req_id in self.agent.poll_notifications():

@@ -122,6 +122,8 @@ class KVTransferAgent:
         self._loads: dict[str, _Load] = {}
         self._remotes: dict[str, str] = {}       # peer name -> "fetching" | "ready"
         self._done: list[tuple[str, str | None]] = []
+        # (peer, its request id, deadline): failed loads whose peer is still to be told
+        self._goodbyes: list[tuple[str, str, float]] = []
 
     def remote_layout(self) -> dict:
         """What a decode instance needs to address our held rows (``remote_layout``)."""
@@ -188,11 +190,15 @@ class KVTransferAgent:
             if error is not None and not self._release(load):
                 continue        # a READ that cannot be cancelled yet still owns the blocks
             del self._loads[req_id]
+            if error is not None:
+                self._notify_done(load)
             if error is not None and load.error is None:    # not a cancellation
                 self.metrics.failures += 1
                 if load.state == "handshake":   # refetch next time (the peer may be back)
                     self._remotes.pop(load.job.remote.engine_id, None)
             self._done.append((req_id, error))
+        if self._goodbyes:
+            self._send_goodbyes(now)
         done, self._done = self._done, []
         return done
 
@@ -217,6 +223,32 @@ class KVTransferAgent:
             self._landed(load)
             load.state = "done"
         return None
+
+    def _notify_done(self, load: _Load) -> None:
+        """Tell the prefill instance a failed or cancelled load is done with its blocks (it
+        frees them at once instead of at its timeout): now, or once its metadata arrives
+        (until the load's deadline). Best effort: a gone peer's timeout frees them."""
+        remote = load.job.remote
+        if load.job.remote.compat_hash == self.compat:
+            self._goodbyes.append((remote.engine_id, remote.request_id, load.deadline))
+
+    def flush_notifications(self) -> None:
+        """Send the pending notifications of failed loads (also done by :meth:`poll`)."""
+        if self._goodbyes:
+            self._send_goodbyes(time.monotonic())
+
+    def _send_goodbyes(self, now: float) -> None:
+        left = []
+        for name, req_id, deadline in self._goodbyes:
+            try:
+                if self.agent.check_remote_metadata(name):
+                    self.agent.send_notif(name, NOTIF_READ + req_id.encode())
+                    continue
+            except Exception:  # noqa: BLE001 - the peer may be gone
+                continue
+            if now < deadline:
+                left.append((name, req_id, deadline))
+        self._goodbyes = left
 
     def _post_reads(self, load: _Load) -> None:
         job, remote = load.job, load.job.remote

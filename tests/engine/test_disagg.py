@@ -142,3 +142,25 @@ def test_bad_kv_transfer_params_are_refused(dsv32_path, small_batch):
     with pytest.raises(ValueError, match="host tier"):
         engine(dsv32_path, kv_role="decode", mode="gpu-only")
     assert not d.has_unfinished_requests()
+
+
+def test_abort_while_loading_and_a_one_token_decode(dsv32_path, small_batch, colocated):
+    p = engine(dsv32_path, kv_role="prefill")
+    d = engine(dsv32_path, kv_role="decode")
+    params, _ = prefill(p, small_batch[:2])
+    rid = d.add_request(small_batch[0], greedy(kv=params[0]))
+    d.step()                                    # admitted: waiting for remote KV
+    assert rid in d.scheduler.loading
+    d.abort(rid)
+    while d.has_unfinished_requests():          # the load ends (cancelled), then its blocks
+        d.step()
+    assert_pools_full(d)
+    assert d.disagg.metrics.failures == 0
+    # max_tokens=1: the prefill's first token is the whole answer
+    out = d.generate([small_batch[1]], greedy(n=1, kv=params[1]))[0]
+    assert out.outputs[0].token_ids == [colocated[1][0]] and out.outputs[0].finish_reason == \
+        "length"
+    assert_pools_full(d)
+    d.service_kv_transfer()     # the aborted load's notice, once the handshake is done
+    wait_released(p, 2)
+    assert_pools_full(p)
