@@ -220,6 +220,14 @@ class LLM:
     and :meth:`shutdown` unfreezes. Process-wide: objects alive at a freeze are freed by
     reference counting only (cycles among them wait for a full pass or the shutdown). See
     :class:`~hisparse.engine.core.RequestFreezer`.
+    ``kv_role``: prefill/decode disaggregation over NIXL (:mod:`hisparse.engine.disagg`;
+    ``pip install --no-deps nixl-cu13==1.5.1``): ``"prefill"`` holds a ``do_remote_decode``
+    request's prompt KV for a decode instance (``kv_hold_timeout_s``) and returns
+    ``RequestOutput.kv_transfer_params``; ``"decode"`` pulls the KV of requests whose
+    ``SamplingParams.kv_transfer_params`` carry them (``kv_load_timeout_s``; a failed load
+    recomputes the prompt, or fails the request with ``kv_load_failure="fail"``).
+    ``kv_host`` / ``kv_port``: this instance's NIXL metadata listener (default: a free port).
+    Needs a host tier (not ``gpu-only``) and ``tensor_parallel_size=1``.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,

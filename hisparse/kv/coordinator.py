@@ -215,6 +215,9 @@ class KVCoordinator:
         lands on GPU (its decode rows are written there). Indexer keys always land in the GPU
         indexer cache. Host blocks are taken for the full length (the host pool is the
         authority); the landed GPU rows and keys are mirrored to host by the next plan.
+        Leading prompt pages found in this instance's prefix cache are not transferred: they
+        are claimed as :meth:`admit` claims hits (restored to GPU when every page lands there,
+        else read in place), their keys restored into the GPU indexer cache.
         """
         cfg, block_size = self.cfg, self.block_size
         n = remote.num_tokens
@@ -231,14 +234,26 @@ class KVCoordinator:
             return None
         num_pages = cdiv(max_len, block_size)
         prompt_pages = cdiv(n, block_size)
-        if self.indexer_pool.num_free < num_pages or self.host_pool.num_free < num_pages:
+        hits = self.prefix.lookup(token_ids[:n])     # leaves at least one page to pull
+        h = len(hits)
+        hit_host_free = sum(self.host_pool.is_free(b) for b, _ in hits)
+        if (self.indexer_pool.num_free < num_pages
+                or self.host_pool.num_free - hit_host_free < num_pages - h):
             return None
-        all_gpu = (cfg.mode is Mode.HISPARSE
-                   and self.gpu_pool.num_free - prompt_pages >= cfg.watermark)
-        gpu_pages = list(range(prompt_pages)) if all_gpu else (
+        claimed = sum(g is not None and self.gpu_pool.is_free(g) for _, g in hits)
+        host_only_hits = [p for p, (_, g) in enumerate(hits) if g is None]
+        all_gpu = (cfg.mode is Mode.HISPARSE and self.gpu_pool.num_free - claimed
+                   - len(host_only_hits) - (prompt_pages - h) >= cfg.watermark)
+        gpu_pages = list(range(h, prompt_pages)) if all_gpu else (
             [prompt_pages - 1] if n % block_size else [])
-        if gpu_pages and not self.reclaim.ensure_free_gpu(len(gpu_pages)):
-            return None
+        restores = host_only_hits if all_gpu else []
+        need = claimed + len(restores) + len(gpu_pages)
+        if need and self.gpu_pool.num_free < need:
+            if not self.reclaim.ensure_free_gpu(need):
+                return None
+            hits = self.prefix.lookup(token_ids[:n])[:h]   # reclaim may have reused GPU hits
+            if len(hits) < h or self.gpu_pool.num_free < need:
+                return None
         slot = self.free_slots.pop()
         req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
                         prompt_len=n, num_pages=num_pages,
@@ -248,13 +263,32 @@ class KVCoordinator:
         self.by_uid[req.uid] = req
         self._mark_changed(slot, "resident", "host", "indexer")
         req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
-        req.host[:num_pages] = self.host_pool.allocate(num_pages)
+        for page, (host_block, gpu_block) in enumerate(hits):   # claim before allocating
+            self.host_pool.touch(host_block)
+            req.host[page] = host_block
+            if gpu_block is not None:
+                self.gpu_pool.touch(gpu_block)
+                req.resident[page] = gpu_block
+        req.host[h:num_pages] = self.host_pool.allocate(num_pages - h)
+        for page in restores:
+            req.resident[page] = self.gpu_pool.allocate(1)[0]
+            self._restore_pages.append((int(req.host[page]), int(req.resident[page])))
+            self.stats.restored_pages += 1
+        for page in range(h):
+            self._indexer_restore_pages.append((int(req.host[page]), int(req.indexer[page])))
         if gpu_pages:
             req.resident[gpu_pages] = self.gpu_pool.allocate(len(gpu_pages))
+        req.page_hashes = self.prefix.page_hashes(token_ids, h)
+        req.num_durable = h * block_size
+        req.num_published = h
+        req.landed_start = h * block_size
+        self.stats.prefix_hit_tokens += h * block_size
+        self.stats.host_prefix_hit_tokens += len(host_only_hits) * block_size
         self.stats.remote_gpu_pages += len(gpu_pages)
-        self.stats.remote_host_pages += prompt_pages - len(gpu_pages)
-        return LoadJob(req_id, remote, req.resident[:prompt_pages].copy(),
-                       req.host[:prompt_pages].copy(), req.indexer[:prompt_pages].copy())
+        self.stats.remote_host_pages += prompt_pages - h - len(gpu_pages)
+        return LoadJob(req_id, remote, req.resident[h:prompt_pages].copy(),
+                       req.host[h:prompt_pages].copy(), req.indexer[h:prompt_pages].copy(),
+                       first_page=h)
 
     def finish_remote(self, req_id: str) -> RequestKV:
         """The load of an :meth:`admit_remote` request completed: its prompt rows count as
@@ -274,8 +308,8 @@ class KVCoordinator:
         requests' own tables: a request freed since it landed still holds its blocks)."""
         parts = [], [], [], []
         bs = self.block_size
-        for req, _ in landed:
-            pos = np.arange(req.prompt_len, dtype=np.int64)
+        for req, _ in landed:     # the rows pulled (prefix hits are durable already)
+            pos = np.arange(req.landed_start, req.prompt_len, dtype=np.int64)
             page, off = pos // bs, pos % bs
             gpu = req.resident[page].astype(np.int64)
             host_rows = req.host[page].astype(np.int64) * bs + off
@@ -485,6 +519,8 @@ class KVCoordinator:
         req = self.requests.pop(req_id)
         req.freed = True
         self.reclaim.forget(req)
+        if self._restore_pages or self._indexer_restore_pages:
+            self._drop_restores(req)
         if req.hot_blocks:
             for block in req.hot_blocks:
                 self.gpu_pool.release(block)
@@ -501,6 +537,15 @@ class KVCoordinator:
             self.draining[req.uid] = req
         else:
             self._free_blocks(req)
+
+    def _drop_restores(self, req: RequestKV) -> None:
+        """Forget the unplanned restores into a request's blocks: it leaves before any plan
+        ran them (a remote prefill whose load failed), and its blocks may be reused."""
+        gpu = set(req.resident[:req.num_pages].tolist())
+        idx = set(req.indexer[:req.num_pages].tolist())
+        self._restore_pages = [(h, g) for h, g in self._restore_pages if g not in gpu]
+        self._indexer_restore_pages = [(h, i) for h, i in self._indexer_restore_pages
+                                       if i not in idx]
 
     def _free_blocks(self, req: RequestKV) -> None:
         self.by_uid.pop(req.uid, None)

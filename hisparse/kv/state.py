@@ -52,6 +52,9 @@ class RequestKV:
     # Speculative decoding: draft tokens (the engine holds their ids) the next step verifies
     # after the last known token; they count as known tokens, so one step computes them all.
     num_draft_tokens: int = 0
+    # Remote prefill (decode side): the first position whose row was pulled (the pages
+    # before it were prefix-cache hits here).
+    landed_start: int = 0
 
     @property
     def num_tokens(self) -> int:

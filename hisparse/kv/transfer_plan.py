@@ -180,17 +180,20 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class LoadJob:
-    """What the worker pulls for one decode request: the rows of prompt pages ``p`` from the
-    remote host block ``remote.host_blocks[p]`` into, per page, ``gpu_blocks[p]`` (GPU arena
-    page, or -1: rows land in ``host_blocks[p]`` of the host pool) and the indexer keys into
-    ``indexer_blocks[p]`` of the GPU indexer cache. All lists are int32 over the prompt pages.
-    The landed GPU rows and keys reach the host pool by the next plan's mirrors."""
+    """What the worker pulls for one decode request: the rows of prompt pages ``first_page +
+    i`` from the remote host block ``remote.host_blocks[first_page + i]`` into
+    ``gpu_blocks[i]`` (GPU arena page, or -1: rows land in ``host_blocks[i]`` of the host pool)
+    and the indexer keys into ``indexer_blocks[i]`` of the GPU indexer cache. All lists are
+    int32 over the pulled pages; the pages before ``first_page`` were prefix-cache hits of the
+    decode instance. The landed GPU rows and keys reach the host pool by the next plan's
+    mirrors."""
 
     req_id: str
     remote: RemotePrefill
     gpu_blocks: np.ndarray
     host_blocks: np.ndarray
     indexer_blocks: np.ndarray
+    first_page: int = 0
 
     @property
     def gpu_pages(self) -> np.ndarray:

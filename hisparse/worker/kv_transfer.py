@@ -67,6 +67,7 @@ class TransferMetrics:
     seconds: float = 0.0       # summed start-to-done time of completed loads (decode)
     rows_gpu: int = 0          # prompt rows landed in GPU pages (per layer) (decode)
     rows_host: int = 0         # prompt rows landed in the host pool (decode)
+    prefix_hit_rows: int = 0   # prompt rows not pulled: prefix-cache hits here (decode)
     held: int = 0              # prompts held for a remote decode (prefill)
     released: int = 0          # held prompts released on the decode's notification (prefill)
     expired: int = 0           # held prompts freed by the timeout (prefill)
@@ -252,7 +253,7 @@ class KVTransferAgent:
 
     def _post_reads(self, load: _Load) -> None:
         job, remote = load.job, load.job.remote
-        rblocks = np.asarray(remote.host_blocks, dtype=np.int64)
+        rblocks = np.asarray(remote.host_blocks, dtype=np.int64)[job.first_page:]
         g, h = job.gpu_pages, job.host_pages
         pairs = [(self.layouts["arena"], remote.layout["host"], job.gpu_blocks[g], rblocks[g]),
                  (self.layouts["host"], remote.layout["host"], job.host_blocks[h], rblocks[h]),
@@ -278,7 +279,7 @@ class KVTransferAgent:
 
     def _landed(self, load: _Load) -> None:
         job, bs, m = load.job, self.block_size, self.metrics
-        n = job.remote.num_tokens
+        n = job.remote.num_tokens - job.first_page * bs        # rows pulled
         rows = np.minimum(n - np.arange(len(job.gpu_blocks)) * bs, bs)
         gpu = int(rows[job.gpu_pages].sum())
         m.requests += 1
@@ -286,6 +287,7 @@ class KVTransferAgent:
         m.seconds += time.monotonic() - load.started
         m.rows_gpu += gpu
         m.rows_host += n - gpu
+        m.prefix_hit_rows += job.first_page * bs
 
     def _release(self, load: _Load) -> bool:
         """Release every transfer handle of ``load``; False if one is still active and could

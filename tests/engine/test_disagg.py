@@ -15,12 +15,25 @@ pytest.importorskip("nixl_cu13")
 N_OUT = 12
 
 
+_ENGINES: list[LLM] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines():
+    """Every engine of a test is shut down after it (its NIXL agent and listener go too)."""
+    yield
+    while _ENGINES:
+        _ENGINES.pop().shutdown()
+
+
 def engine(path, **kw):
     base = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192, max_num_seqs=8,
                 num_gpu_blocks=60, hot_buffer_size=32, host_pool_gib=0.02,
                 max_num_batched_tokens=64)
     base.update(kw)
-    return LLM(path, **base)
+    llm = LLM(path, **base)
+    _ENGINES.append(llm)
+    return llm
 
 
 def greedy(n=N_OUT, kv=None):
@@ -163,4 +176,21 @@ def test_abort_while_loading_and_a_one_token_decode(dsv32_path, small_batch, col
     assert_pools_full(d)
     d.service_kv_transfer()     # the aborted load's notice, once the handshake is done
     wait_released(p, 2)
+    assert_pools_full(p)
+
+
+def test_decode_prefix_hits_are_not_pulled(dsv32_path, small_batch, colocated):
+    p = engine(dsv32_path, kv_role="prefill")
+    d = engine(dsv32_path, kv_role="decode")
+    assert tokens(d.generate(small_batch, greedy())) == colocated   # publishes the prompts
+    params, _ = prefill(p, small_batch)
+    outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
+    assert tokens(outs) == colocated
+    m = d.disagg.metrics
+    n_rows = sum(len(b["prompt_token_ids"]) for b in small_batch)
+    assert m.prefix_hit_rows == sum((len(b["prompt_token_ids"]) - 1) // 8 * 8
+                                    for b in small_batch)
+    assert m.rows_gpu + m.rows_host + m.prefix_hit_rows == n_rows
+    wait_released(p, len(small_batch))
+    assert_pools_full(d)
     assert_pools_full(p)

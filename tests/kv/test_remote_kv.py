@@ -102,3 +102,46 @@ def test_hold_keeps_the_prefills_host_blocks_past_free():
     assert all(kv.host_pool.ref_counts[b] == 1 for b in held)
     kv.release_held(held)
     assert_full(kv)
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [40, 11])
+def test_prefix_hits_are_not_pulled(num_gpu_blocks):
+    kv = core(num_gpu_blocks)
+    prompt = list(range(200, 236))                     # 4 full pages + 4 tokens
+    req = kv.admit("a", prompt[:33], 34)               # publishes pages 0..3
+    assert kv.allocate_slots(req, 33)
+    kv.build_plan(1)
+    kv.apply_acks([1])
+    kv.free("a")
+    if num_gpu_blocks == 11:     # push the cached pages off the GPU: hits are host-only
+        kv.gpu_pool.allocate(kv.gpu_pool.num_free)
+        for b in range(num_gpu_blocks):
+            kv.gpu_pool.release(b)
+    job = kv.admit_remote("b", prompt + [5], 40, remote(36))
+    assert job.first_page == 4 and len(job.gpu_blocks) == 1   # only the partial page
+    r = kv.get("b")
+    assert r.num_durable == 32 and r.landed_start == 32
+    plan = kv.build_plan(2)           # the hit pages' keys are restored to the indexer cache
+    assert len(plan.indexer_restores) == 32
+    kv.finish_remote("b")
+    assert kv.allocate_slots(r, 1)
+    plan = kv.build_plan(3)
+    assert len(plan.indexer_mirrors) == 4 + 1            # pulled keys + the decode token's
+    kv.apply_acks([3])
+    assert r.num_durable == 37
+    kv.free("b")
+    assert_full(kv)
+
+
+def test_a_failed_load_drops_its_unplanned_restores():
+    kv = core()
+    req = kv.admit("a", list(range(17)), 18)
+    assert kv.allocate_slots(req, 17)
+    kv.build_plan(1)
+    kv.apply_acks([1])
+    kv.free("a")
+    kv.admit_remote("b", list(range(20)) + [5], 30, remote(20))
+    kv.free("b")                      # before any plan ran its restores
+    plan = kv.build_plan(2)
+    assert len(plan.restores) == len(plan.indexer_restores) == 0
+    assert_full(kv)
