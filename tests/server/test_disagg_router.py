@@ -73,7 +73,8 @@ def metrics(url) -> dict:
 def cluster(model_dir):
     procs, urls = [], []
     try:
-        for role, extra in (("prefill", []), ("decode", ["--num-gpu-blocks", "16"])):
+        for role, extra in (("prefill", []), ("decode", ["--num-gpu-blocks", "16",
+                                                          "--kv-load-timeout-s", "3"])):
             p, u = start(["serve", model_dir, *ENGINE, "--kv-role", role,
                           "--served-model-name", "tiny", *extra])
             procs.append(p)
@@ -83,7 +84,7 @@ def cluster(model_dir):
         procs.append(p)
         urls.append(u)
         wait_up(procs[2:], urls[2:])
-        yield urls
+        yield urls, procs
     finally:
         for p in procs:
             p.terminate()
@@ -94,15 +95,22 @@ def cluster(model_dir):
                 p.kill()
 
 
-def test_router_outputs_equal_colocated(cluster, model_dir):
-    prefill_url, decode_url, router_url = cluster
-    rng = random.Random(7)
-    batch = [[rng.randrange(2, 384) for _ in range(rng.randrange(20, 70))] for _ in range(16)]
+def colocated(model_dir, batch):
     ref = LLM(model_dir, device="cpu", dtype="float32", block_size=8, max_model_len=128,
               max_num_seqs=8, host_pool_gib=0.02)
-    want = [o.outputs[0].token_ids for o in ref.generate(
-        [{"prompt_token_ids": ids} for ids in batch],
-        SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True))]
+    try:
+        return [o.outputs[0].token_ids for o in ref.generate(
+            [{"prompt_token_ids": ids} for ids in batch],
+            SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True))]
+    finally:
+        ref.shutdown()
+
+
+def test_router_outputs_equal_colocated(cluster, model_dir):
+    (prefill_url, decode_url, router_url), _ = cluster
+    rng = random.Random(7)
+    batch = [[rng.randrange(2, 384) for _ in range(rng.randrange(20, 70))] for _ in range(16)]
+    want = colocated(model_dir, batch)
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="none", max_retries=0,
                            timeout=120)
     extra = {"ignore_eos": True, "return_token_ids": True}
@@ -154,3 +162,38 @@ def test_router_outputs_equal_colocated(cluster, model_dir):
         time.sleep(0.2)
     assert mp[("hisparse_kv_transfer_released_total", "")] == 2 * len(batch) + 1
     assert httpx.get(router_url + "/health").json()["status"] == "ok"
+
+
+def test_killed_prefill_decode_recomputes_and_router_falls_back(cluster, model_dir):
+    """Runs last: kills the prefill process."""
+    (prefill_url, decode_url, router_url), procs = cluster
+    rng = random.Random(8)
+    batch = [[rng.randrange(2, 384) for _ in range(rng.randrange(20, 70))] for _ in range(3)]
+    want = colocated(model_dir, batch)
+    body = {"model": "tiny", "max_tokens": N_OUT, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    params = [httpx.post(prefill_url + "/v1/completions", timeout=60,
+                         json=dict(body, prompt=ids, kv_transfer_params={
+                             "do_remote_decode": True})).json()["kv_transfer_params"]
+              for ids in batch]
+    failures = metrics(decode_url)[("hisparse_kv_transfer_failures_total", "")]
+    procs[0].kill()
+    procs[0].wait(10)
+    with ThreadPoolExecutor(3) as pool:      # its KV is gone: the decode recomputes
+        got = list(pool.map(lambda a: httpx.post(
+            decode_url + "/v1/completions", timeout=60,
+            json=dict(body, prompt=a[0], kv_transfer_params=a[1])).json(), zip(batch, params)))
+    assert [g["choices"][0]["token_ids"] for g in got] == want
+    assert metrics(decode_url)[("hisparse_kv_transfer_failures_total", "")] == failures + 3
+    r = httpx.post(router_url + "/v1/completions", timeout=60, json=dict(body, prompt=batch[0]))
+    assert r.json()["choices"][0]["token_ids"] == want[0]       # straight to the decode
+    assert metrics(router_url)[("hisparse_router_prefill_fallbacks_total", "")] == 1
+    assert httpx.get(router_url + "/health").status_code == 503
+    deadline = time.monotonic() + 20
+    while True:
+        md = metrics(decode_url)
+        if (md[("hisparse_gpu_blocks_free", "")] == md[("hisparse_gpu_blocks_total", "")]
+                and md[("hisparse_host_blocks_used", "")] == 0):
+            break
+        assert time.monotonic() < deadline, md
+        time.sleep(0.2)
