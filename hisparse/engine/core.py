@@ -225,7 +225,7 @@ class EngineCore:
         self.freezer.before_step()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
-        if self.num_speculative_tokens and plan is not None:
+        if self.num_speculative_tokens and plan is not None and plan.seqs:
             return self._spec_step(plan)
         launched = self._launch(plan) if plan is not None else None
         previous, self._in_flight = self._in_flight, None
@@ -260,6 +260,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def _launch(self, plan: StepPlan) -> _LaunchedStep:
+        if not plan.seqs:       # copy-only: mirrors of landed remote prompts
+            self._acks += self.runner.copy_only(plan)
+            return _LaunchedStep(plan, [])
         requests = self.scheduler.running_requests(plan)
         input_ids: list[int] = []
         append = input_ids.append

@@ -282,6 +282,7 @@ class KVCoordinator:
         req.num_durable = h * block_size
         req.num_published = h
         req.landed_start = h * block_size
+        req.remote = True
         self.stats.prefix_hit_tokens += h * block_size
         self.stats.host_prefix_hit_tokens += len(host_only_hits) * block_size
         self.stats.remote_gpu_pages += len(gpu_pages)
@@ -302,6 +303,12 @@ class KVCoordinator:
         req.pending.append(write)
         self._landed.append((req, write))
         return req
+
+    @property
+    def has_landed_mirrors(self) -> bool:
+        """Landed remote prompts wait for a plan to mirror them (the scheduler then plans a
+        copy-only step if nothing else runs: their pages turn clean only by it)."""
+        return bool(self._landed)
 
     def _landing_mirrors(self, landed) -> tuple[np.ndarray, ...]:
         """(GPU rows, their host rows, indexer rows, their host rows) of landed prompts (the

@@ -55,6 +55,7 @@ class RequestKV:
     # Remote prefill (decode side): the first position whose row was pulled (the pages
     # before it were prefix-cache hits here).
     landed_start: int = 0
+    remote: bool = False            # admitted by admit_remote (its prompt rows were pulled)
 
     @property
     def num_tokens(self) -> int:

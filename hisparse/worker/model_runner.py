@@ -298,6 +298,13 @@ class ModelRunner:
         self._mirror(plan)
         return logits, self._poll_acks()
 
+    def copy_only(self, plan: StepPlan) -> list[int]:
+        """A plan without sequences: its copies only (the mirrors of landed remote prompts);
+        returns the copy ids acknowledged since the last call."""
+        self._before_forward(plan)
+        self._mirror(plan)
+        return self._poll_acks()
+
     def _before_forward(self, plan: StepPlan) -> None:
         """Stage the plan (changed table rows, resets, row lists: one pinned upload), reset the
         hot buffers it names and run its restores (host -> GPU rows and indexer keys)."""
