@@ -1,4 +1,5 @@
-"""Command line: ``hisparse demo | generate | serve | bench | bench-serve | plan | simulate``."""
+"""Command line: ``hisparse demo | generate | serve | router | bench | bench-serve | plan |
+simulate``."""
 
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_serve_parser(sub) -> None:
     import os
 
-    from hisparse.engine.arg_utils import add_engine_args
+    from hisparse.engine.arg_utils import add_disagg_args, add_engine_args
     from hisparse.server.http import DEFAULT_MAX_REQUEST_BYTES
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
@@ -220,7 +221,40 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413 (default: %(default)s)")
     add_engine_args(srv)
+    add_disagg_args(srv)
     srv.set_defaults(func=_serve)
+
+
+def _router(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from hisparse.server.router import create_router
+    except ModuleNotFoundError as e:
+        raise ValueError(f"hisparse router needs {e.name}: pip install 'hisparse[serve]'") \
+            from None
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    app = create_router(args.prefill or [], args.decode or [], args.policy)
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level="debug" if args.debug else "warning")
+    return 0
+
+
+def _add_router_parser(sub) -> None:
+    r = sub.add_parser("router", help="prefill/decode disaggregation router (OpenAI API)",
+                       description="Send each completion to a prefill instance (kv-role "
+                       "prefill) for its prompt, then to a decode instance (kv-role decode) "
+                       "with the returned kv_transfer_params; stream the decode's answer.")
+    r.add_argument("--prefill", action="append", metavar="URL",
+                   help="a prefill instance (repeat for more)")
+    r.add_argument("--decode", action="append", metavar="URL",
+                   help="a decode instance (repeat for more)")
+    r.add_argument("--policy", default="least-loaded", choices=["least-loaded", "round-robin"],
+                   help="instance choice (default: %(default)s)")
+    r.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    r.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    r.set_defaults(func=_router)
 
 
 def _version() -> str:
@@ -311,6 +345,7 @@ def _main(argv: list[str], debug: bool) -> int:
     sub.add_parser("bench", help="capacity-bound decode benchmark, three designs (CUDA)",
                    add_help=False)
     _add_serve_parser(sub)
+    _add_router_parser(sub)
     sub.add_parser("bench-serve", help="serving benchmark over HTTP: Poisson arrivals, TTFT / "
                    "TPOT percentiles per mode", add_help=False)
     sim = sub.add_parser("simulate", help="drive the KV core with a fake worker (no model)")

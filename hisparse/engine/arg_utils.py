@@ -93,6 +93,29 @@ def add_engine_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                    help="torch CPU threads (default on CPU: half the cores, at most 4)")
 
 
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation flags (``hisparse serve``)."""
+    d = p.add_argument_group("prefill/decode disaggregation (NIXL: pip install --no-deps "
+                             "nixl-cu13==1.5.1)")
+    d.add_argument("--kv-role", default=None, choices=["prefill", "decode"],
+                   help="prefill: hold finished prompts' KV for a decode instance to pull; "
+                   "decode: pull the KV of requests carrying kv_transfer_params (default: "
+                   "neither, a colocated server)")
+    d.add_argument("--kv-host", default="127.0.0.1",
+                   help="address of this instance's NIXL metadata listener, as peers reach it "
+                   "(default: %(default)s)")
+    d.add_argument("--kv-port", type=int, default=None,
+                   help="port of the NIXL metadata listener (default: a free port)")
+    d.add_argument("--kv-load-failure", default="recompute", choices=["recompute", "fail"],
+                   help="decode: a failed or timed-out load recomputes the prompt here, or "
+                   "fails the request (default: %(default)s)")
+    d.add_argument("--kv-load-timeout-s", type=float, default=30.0,
+                   help="decode: seconds a load may take (default: %(default)s)")
+    d.add_argument("--kv-hold-timeout-s", type=float, default=120.0,
+                   help="prefill: seconds a finished prompt's KV is held for its decode "
+                   "(default: %(default)s)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM`` keyword arguments from :func:`add_engine_args` flags (``--threads`` is checked
     here: it is applied by the caller, before the engine is built)."""
@@ -114,7 +137,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               hot_prefetch_rows=getattr(args, "hot_prefetch_rows", None),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
               num_speculative_tokens=getattr(args, "num_speculative_tokens", 0),
-              gc_freeze=getattr(args, "gc_freeze", True))
+              gc_freeze=getattr(args, "gc_freeze", True),
+              kv_role=getattr(args, "kv_role", None),
+              kv_host=getattr(args, "kv_host", "127.0.0.1"),
+              kv_port=getattr(args, "kv_port", None),
+              kv_load_failure=getattr(args, "kv_load_failure", "recompute"),
+              kv_load_timeout_s=getattr(args, "kv_load_timeout_s", 30.0),
+              kv_hold_timeout_s=getattr(args, "kv_hold_timeout_s", 120.0))
     if getattr(args, "mode", None) is not None:
         kw["mode"] = args.mode
     return kw

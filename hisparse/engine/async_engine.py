@@ -226,6 +226,7 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 busy = llm.has_unfinished_requests() or self._needs_release
                 self._drain_commands(block=not busy)
+                llm.service_kv_transfer()   # held prompts of a prefill instance, while idle
                 if self._stopping.is_set():
                     break
                 if not (llm.has_unfinished_requests() or self._needs_release):

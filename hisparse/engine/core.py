@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,8 @@ from hisparse.engine.logits import LogitsBatch, LogitsState
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler, StepUpdate
 from hisparse.kv.plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class RequestFreezer:
@@ -186,6 +190,10 @@ class EngineCore:
                              if vocab_size is not None else None)
         self.grammar = None
         self._early: tuple[StepUpdate, dict[str, str]] | None = None
+        # Disaggregation, decode side: the KV transfer agent that pulls remote prompts
+        # (:mod:`hisparse.worker.kv_transfer`) and what a failed load does.
+        self.kv_transfer = None
+        self.recompute_failed_loads = True
 
     # ------------------------------------------------------------------ the loop
     def request_added(self) -> None:
@@ -193,10 +201,39 @@ class EngineCore:
         self.freezer.request_added()
 
     def step(self) -> tuple[StepUpdate, dict[str, str]]:
+        if self.kv_transfer is None:
+            return self._step()
+        ended, errors = self._poll_loads()
+        update, step_errors = self._step()
+        for job in self.scheduler.take_loads():
+            self.kv_transfer.start_load(job)
+        for req in ended:
+            (update.failed if req.finish_reason == "error" else update.finished).append(req)
+        errors.update(step_errors)
+        return update, errors
+
+    def _poll_loads(self) -> tuple[list[Request], dict[str, str]]:
+        """Apply the remote-KV loads that ended: requests that finished with them (an error
+        under ``--kv-load-failure fail``, or done with their first token) and the errors."""
+        ended, errors = [], {}
+        for req_id, error in self.kv_transfer.poll():
+            req = self.scheduler.load_finished(req_id, error is None,
+                                               self.recompute_failed_loads)
+            if error is not None and error != "aborted":
+                logger.warning(
+                    "request %s: %s; %s", req_id, error,
+                    "recomputing its prompt" if self.recompute_failed_loads else "failed")
+            if req is not None:
+                ended.append(req)
+                if error is not None:
+                    errors[req_id] = error
+        return ended, errors
+
+    def _step(self) -> tuple[StepUpdate, dict[str, str]]:
         self.freezer.before_step()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
-        if self.num_speculative_tokens and plan is not None:
+        if self.num_speculative_tokens and plan is not None and plan.seqs:
             return self._spec_step(plan)
         launched = self._launch(plan) if plan is not None else None
         previous, self._in_flight = self._in_flight, None
@@ -215,6 +252,8 @@ class EngineCore:
                 self._acks += self.runner.drain()
             elif self._acks:            # a prefill waits for these acks to free its pages
                 pass
+            elif self.scheduler.loading:   # remote KV on its way: poll again shortly
+                time.sleep(0.001)
             elif self.scheduler.has_unfinished:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}
@@ -232,6 +271,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def _launch(self, plan: StepPlan) -> _LaunchedStep:
+        if not plan.seqs:       # copy-only: mirrors of landed remote prompts
+            self._acks += self.runner.copy_only(plan)
+            return _LaunchedStep(plan, [])
         requests = self.scheduler.running_requests(plan)
         input_ids: list[int] = []
         append = input_ids.append

@@ -25,6 +25,7 @@ import torch
 from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib
 from hisparse.engine.core import EngineCore
 from hisparse.engine.detokenizer import IncrementalDetokenizer
+from hisparse.engine.disagg import Disaggregation, check_disagg_args
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
@@ -76,6 +77,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True          # False: a streaming update (tokens so far) of a running one
+    # Prefill instance (``kv_role="prefill"``): the params of the decode request of a
+    # ``do_remote_decode`` request (vLLM's protocol; :mod:`hisparse.kv.transfer_plan`)
+    kv_transfer_params: dict | None = None
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -213,6 +217,14 @@ class LLM:
     and :meth:`shutdown` unfreezes. Process-wide: objects alive at a freeze are freed by
     reference counting only (cycles among them wait for a full pass or the shutdown). See
     :class:`~hisparse.engine.core.RequestFreezer`.
+    ``kv_role``: prefill/decode disaggregation over NIXL (:mod:`hisparse.engine.disagg`;
+    ``pip install --no-deps nixl-cu13==1.5.1``): ``"prefill"`` holds a ``do_remote_decode``
+    request's prompt KV for a decode instance (``kv_hold_timeout_s``) and returns
+    ``RequestOutput.kv_transfer_params``; ``"decode"`` pulls the KV of requests whose
+    ``SamplingParams.kv_transfer_params`` carry them (``kv_load_timeout_s``; a failed load
+    recomputes the prompt, or fails the request with ``kv_load_failure="fail"``).
+    ``kv_host`` / ``kv_port``: this instance's NIXL metadata listener (default: a free port).
+    Needs a host tier (not ``gpu-only``) and ``tensor_parallel_size=1``.
     """
 
     def __init__(self, model: str, device: str | None = None, dtype: str | None = None,
@@ -228,9 +240,22 @@ class LLM:
                  runner_cls=None, async_scheduling: bool = True, kv_cache_dtype: str = "auto",
                  hot_policy: str = "score", tensor_parallel_size: int = 1,
                  num_speculative_tokens: int = 0, staging_rows: int | None = None,
-                 hot_prefetch_rows: int | None = None, gc_freeze: bool = True):
+                 hot_prefetch_rows: int | None = None, gc_freeze: bool = True,
+                 kv_role: str | None = None, kv_host: str = "127.0.0.1",
+                 kv_port: int | None = None, kv_load_failure: str = "recompute",
+                 kv_load_timeout_s: float = 30.0, kv_hold_timeout_s: float = 120.0):
         # ---- 1. arguments alone (nothing read from disk yet)
         mode = resolve_mode(mode, hisparse)
+        check_disagg_args(kv_role, kv_host, kv_port, kv_load_failure, kv_load_timeout_s,
+                          kv_hold_timeout_s)
+        if kv_role is not None and mode == Mode.GPU_ONLY:
+            raise ValueError(f"kv_role={kv_role!r} needs a host tier: mode 'hisparse' or "
+                             f"'always-host', not 'gpu-only'")
+        if kv_role is not None and tensor_parallel_size > 1:
+            raise ValueError(f"kv_role={kv_role!r} is not supported with "
+                             f"tensor_parallel_size > 1 yet (only rank 0's caches are "
+                             f"registered)")
+        self.disagg = None
         if hot_policy not in ("lru", "score", "score+prefetch"):
             raise ValueError(f"hot_policy must be 'lru', 'score' or 'score+prefetch', "
                              f"got {hot_policy!r}")
@@ -401,6 +426,17 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, frozenset(mc.eos_token_ids),
                                async_scheduling, num_speculative_tokens=k_spec,
                                gc_freeze=gc_freeze, vocab_size=mc.vocab_size)
+        if kv_role is not None:
+            try:
+                self.disagg = Disaggregation(kv_role, self.scheduler, self.caches, mc, kv_host,
+                                             kv_port, kv_load_failure, kv_load_timeout_s,
+                                             kv_hold_timeout_s)
+            except BaseException:
+                self.shutdown()
+                raise
+            if kv_role == "decode":
+                self.core.kv_transfer = self.disagg.agent
+                self.core.recompute_failed_loads = self.disagg.recompute
         self.tokenizer = self._load_tokenizer(model)
         self._requests: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
@@ -477,6 +513,9 @@ class LLM:
                 pass
         if hasattr(self, "core"):
             self.core.freezer.release()
+        if getattr(self, "disagg", None) is not None:
+            self.disagg.close()
+            self.disagg = None
         if self._tp is not None and not self._tp.closed:
             self._tp.close()
         if self._fault is None:
@@ -785,6 +824,12 @@ class LLM:
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
                  req_id: str) -> None:
+        remote, hold = None, False
+        if params.kv_transfer_params:
+            if self.disagg is None:
+                raise ValueError("kv_transfer_params need an instance started with kv_role "
+                                 "'prefill' or 'decode'")
+            params, remote, hold = self.disagg.prepare(ids, params)
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         req = Request(req_id, ids, max_tokens=params.max_tokens, max_len=max_len,
                       sampling=params, stop_token_ids=frozenset(params.stop_token_ids),
@@ -792,12 +837,18 @@ class LLM:
         if params.structured_outputs is not None:    # compiled in _check_request: a cache hit
             backend = self._grammar("structured_outputs")
             req.grammar = backend.matcher(backend.compile(params.structured_outputs))
+        if remote is not None:      # its first token comes from the prefill instance
+            req.remote_prefill = remote
+            req.token_ids.append(remote.first_token)
+        req.hold_for_remote_decode = hold
         self.scheduler.add(req)
         self._requests[req_id] = req
         self.core.request_added()
 
     def abort(self, request_id: str) -> None:
         self._check_open()
+        if request_id in self.scheduler.loading:
+            self.core.kv_transfer.cancel(request_id)
         if self.scheduler.abort(request_id) is not None:
             self._forget(request_id)
             self._detokenizers.pop(request_id, None)   # no last output: its state goes here
@@ -817,7 +868,16 @@ class LLM:
             graphs.capture_all(variants)
 
     def has_unfinished_requests(self) -> bool:
-        return hasattr(self, "scheduler") and self.scheduler.has_unfinished
+        return hasattr(self, "scheduler") and (
+            self.scheduler.has_unfinished
+            or (self.disagg is not None and bool(self.disagg.handoffs)))
+
+    def service_kv_transfer(self) -> None:
+        """Prefill instance: release held prompts the decode side read or that timed out
+        (also done by every step; a server calls it while idle)."""
+        self._check_alive()
+        if self.disagg is not None:
+            self.disagg.service()
 
     # ------------------------------------------------------------------ stepping
     def _check_open(self) -> None:
@@ -867,10 +927,16 @@ class LLM:
         outputs = []
         if progress:
             outputs = [self._output(req) for req in update.progressed if not req.finished]
+        disagg = self.disagg
         outputs += [self._output(self._forget(req.req_id))
-                    for req in update.finished + update.failed]
+                    for req in update.finished + update.failed
+                    if disagg is None or not disagg.defer(req)]
         if not self.scheduler.has_unfinished:
             self._release_finished()
+        if disagg is not None:
+            outputs += [self._output(self._forget(req.req_id), params)
+                        for req, params in disagg.ready()]
+            disagg.service()
         return outputs
 
     def _release_finished(self) -> None:
@@ -881,7 +947,7 @@ class LLM:
         except Exception as e:
             raise self._die(e, "releasing finished requests") from e
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, kv_transfer_params: dict | None = None) -> RequestOutput:
         ids = req.token_ids[len(req.prompt_token_ids):]     # one copy (a new list)
         error = self._errors.pop(req.req_id, None)
         reason = req.finish_reason
@@ -909,7 +975,7 @@ class LLM:
                              [CompletionOutput(0, text, ids, reason, error,
                                                None if req.logprobs is None
                                                else req.logprobs[:len(ids)])],
-                             finished=req.finished)
+                             finished=req.finished, kv_transfer_params=kv_transfer_params)
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None,
@@ -1016,7 +1082,20 @@ class LLM:
             "staged_chunks": kv.stats.staged_chunks,
             "num_speculative_tokens": self.core.num_speculative_tokens,
             **self.core.spec_stats.as_dict(),
+            **self._kv_transfer_stats(),
         }
+
+    def _kv_transfer_stats(self) -> dict:
+        """``kv_transfer_*`` counters of a disaggregated instance (``{}`` otherwise)."""
+        if self.disagg is None:
+            return {}
+        out = {f"kv_transfer_{k}": v for k, v in self.disagg.metrics.as_dict().items()}
+        out["kv_transfer_role"] = self.disagg.role
+        out["kv_transfer_held_now"] = len(self.disagg.held)
+        out["kv_transfer_loading_now"] = len(self.scheduler.loading)
+        out["kv_transfer_remote_gpu_pages"] = self.scheduler.kv.stats.remote_gpu_pages
+        out["kv_transfer_remote_host_pages"] = self.scheduler.kv.stats.remote_host_pages
+        return out
 
     def capacity(self, context: int | None = None, **overrides):
         """Capacity plan of this engine's real pools, every mode (see

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hisparse.kv.state import RequestKV
+from hisparse.kv.transfer_plan import RemotePrefill
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # its prompt's KV is being pulled
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -43,6 +45,12 @@ class Request:
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     # structured output: the request's xgrammar matcher (advanced with every appended token)
     grammar: Any = field(default=None, repr=False)
+    # Disaggregation: a decode request whose prompt KV a prefill instance computed (cleared
+    # once the load ends, either way), and a prefill request whose prompt KV is held for a
+    # remote decode (``held``: its KV handle and the host blocks held, set when it finishes).
+    remote_prefill: RemotePrefill | None = field(default=None, repr=False)
+    hold_for_remote_decode: bool = False
+    held: tuple[RequestKV, list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -156,6 +156,10 @@ class SamplingParams:
     packed_bias: tuple | None = field(default=None, init=False, repr=False, compare=False)
     packed_bad_words: tuple | None = field(default=None, init=False, repr=False,
                                            compare=False)
+    # Prefill/decode disaggregation (vLLM's request-level protocol, issue 23):
+    # ``{"do_remote_decode": true}`` on a prefill instance, the params it returned (with
+    # ``do_remote_prefill``) on a decode instance; see :mod:`hisparse.kv.transfer_plan`.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -254,6 +258,10 @@ class SamplingParams:
                            | (BIAS if self.logit_bias else 0)
                            | (BAD_WORDS if self.bad_words_token_ids else 0)
                            | (MIN_TOKENS if self.min_tokens else 0))
+
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be None or an object, got "
+                             f"{self.kv_transfer_params!r}")
 
     @property
     def greedy(self) -> bool:

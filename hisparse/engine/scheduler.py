@@ -26,6 +26,7 @@ from hisparse.engine.request import Request, RequestStatus
 from hisparse.kv.coordinator import KVCoordinator
 from hisparse.kv.plan import StepPlan
 from hisparse.kv.state import RequestKV
+from hisparse.kv.transfer_plan import LoadJob
 
 
 @dataclass
@@ -52,6 +53,10 @@ class Scheduler:
         self._samplers: dict[int, tuple[list[Request], list[RequestKV]]] = {}
         self.num_preempted = 0
         self.peak_running = 0
+        # Disaggregation (decode side): requests whose prompt KV is being pulled, by id, and
+        # the loads admitted since the last take_loads().
+        self.loading: dict[str, Request] = {}
+        self._new_loads: list[LoadJob] = []
 
     def add(self, req: Request) -> None:
         if req.max_len > self.cfg.max_model_len:
@@ -60,10 +65,17 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> Request | None:
-        """Drop a waiting or running request (status ABORTED); None if it is unknown."""
+        """Drop a waiting or running request (status ABORTED); None if it is unknown. A request
+        whose KV is being pulled is ABORTED now but keeps its blocks until its load ends
+        (:meth:`load_finished`): the worker may still be writing them."""
         req = self._running_by_id.get(req_id)
         if req is not None:
             self._leave(req, RequestStatus.ABORTED, "abort")
+            return req
+        req = self.loading.get(req_id)
+        if req is not None:
+            req.status = RequestStatus.ABORTED
+            req.finish_reason = "abort"
             return req
         for req in self.waiting:
             if req.req_id == req_id:
@@ -96,7 +108,48 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    # ------------------------------------------------------------------ disaggregation
+    def take_loads(self) -> list[LoadJob]:
+        """The remote-KV loads admitted since the last call (the worker starts them)."""
+        loads, self._new_loads = self._new_loads, []
+        return loads
+
+    def load_finished(self, req_id: str, ok: bool, recompute: bool) -> Request | None:
+        """A load ended. ``ok``: the request runs from its first token (or finishes at once
+        if that token ends it). Failed: its blocks are freed and it is recomputed from its
+        prompt (``recompute``) or finished with ``finish_reason="error"``. Returns the request
+        when it finished here (error, or done with its first token), else None."""
+        req = self.loading.pop(req_id)
+        if req.status is RequestStatus.ABORTED:
+            self.kv.free(req_id)
+            req.kv = None
+            return None
+        req.remote_prefill = None
+        if not ok:      # the remote's first token goes too: its prompt runs here, or nothing
+            self.kv.free(req_id)
+            req.kv = None
+            del req.token_ids[len(req.prompt_token_ids):]
+            if recompute:
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                return None
+            req.status, req.finish_reason = RequestStatus.FINISHED, "error"
+            return req
+        token = req.token_ids[-1]
+        if (token in req.stop_token_ids or req.num_output_tokens >= req.max_tokens
+                or len(req.token_ids) >= req.max_len):
+            self.kv.free(req_id)
+            req.kv = None
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "length" if token not in req.stop_token_ids else "stop"
+            return req
+        self.kv.finish_remote(req_id)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._running_by_id[req_id] = req
+        return None
 
     def schedule(self, acked_copy_ids: Iterable[int] = ()) -> StepPlan | None:
         """Plan the next step; None when nothing could be scheduled."""
@@ -143,6 +196,17 @@ class Scheduler:
                 scheduled += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.remote_prefill is not None:
+                job = kv.admit_remote(req.req_id, req.token_ids, req.max_len,
+                                      req.remote_prefill)
+                if job is None:
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                req.kv = kv.get(req.req_id)
+                self.loading[req.req_id] = req
+                self._new_loads.append(job)
+                continue
             handle = kv.admit(req.req_id, req.token_ids, req.max_len)
             if handle is None:
                 break
@@ -157,8 +221,8 @@ class Scheduler:
             budget -= n
             scheduled += 1
         self.peak_running = max(self.peak_running, len(self.running))
-        if scheduled == 0:
-            return None
+        if scheduled == 0 and not kv.has_landed_mirrors:
+            return None     # (else a copy-only plan: landed rows must turn durable to free)
         self.step_id += 1
         plan = kv.build_plan(self.step_id)
         by_id = self._running_by_id
@@ -259,6 +323,9 @@ class Scheduler:
         return out
 
     def _leave(self, req: Request, status: RequestStatus, reason: str) -> None:
+        if (req.hold_for_remote_decode and status is RequestStatus.FINISHED
+                and reason != "error"):
+            req.held = (req.kv, self.kv.hold(req.req_id))
         self.kv.free(req.req_id)
         req.kv = None
         self.running.remove(req)

@@ -65,6 +65,9 @@ class Simulation:
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []
         self._next_id = 0
+        # Disaggregation: loads in flight (they land at the next step) and those to fail.
+        self._loads: list = []
+        self._failing: set[str] = set()
 
     @property
     def kv(self):
@@ -80,9 +83,44 @@ class Simulation:
         self.scheduler.add(req)
         return req
 
+    def add_remote(self, prompt: list[int], max_tokens: int, fail: bool = False) -> Request:
+        """A decode request whose prompt a "prefill instance" computed: its rows land one step
+        after admission (or its load fails, and the prompt is recomputed)."""
+        from hisparse.kv.transfer_plan import RemotePrefill
+
+        req_id = f"r{self._next_id}"
+        self._next_id += 1
+        max_len = min(len(prompt) + max_tokens, self.cfg.max_model_len)
+        req = Request(req_id, list(prompt), max_tokens=max_tokens, max_len=max_len)
+        first = self.rng.randrange(self.vocab)
+        req.remote_prefill = RemotePrefill(
+            engine_id="prefill", request_id=req_id, host="-", port=1,
+            host_blocks=tuple(range(cdiv(len(prompt), self.cfg.block_size))),
+            num_tokens=len(prompt), first_token=first, compat_hash="-", layout={})
+        req.token_ids.append(first)
+        self.keys.register(req_id, req.token_ids)
+        self.requests[req_id] = req
+        self.scheduler.add(req)
+        if fail:
+            self._failing.add(req_id)
+        return req
+
+    def _finish_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        for job in loads:
+            ok = job.req_id not in self._failing
+            req = self.scheduler.loading[job.req_id]
+            if ok and not req.finished:
+                self.worker.land(job, job.req_id)
+            done = self.scheduler.load_finished(job.req_id, ok, recompute=True)
+            if done is not None:
+                self.finished.append(done)
+
     def step(self) -> bool:
         """One engine step; False when nothing was scheduled."""
+        self._finish_loads()
         plan = self.scheduler.schedule(self.acks)
+        self._loads += self.scheduler.take_loads()
         self.acks = self.worker.execute(plan)
         if plan is None:
             return False
@@ -106,7 +144,8 @@ class Simulation:
             steps += 1
             if check:
                 self.check_invariants()
-            if not progressed and not self.worker.in_flight and not self.acks:
+            if (not progressed and not self.worker.in_flight and not self.acks
+                    and not self._loads and self.scheduler.has_unfinished):
                 raise RuntimeError("scheduler is stuck: nothing scheduled, nothing in flight")
         self.settle()
         return SimResult(steps, len(self.finished), self.stats())
@@ -148,6 +187,10 @@ class Simulation:
                 # unpinned page (p < pinned_start, block id kept) is still caught.
                 block = int(req.resident[p])
                 if block < 0 and (p + 1) * block_size <= req.num_durable:
+                    continue
+                # Disaggregation: a full prompt page whose rows were pulled into the host pool
+                # (never a GPU page; no step writes it again; read through the hot buffer).
+                if block < 0 and req.remote and (p + 1) * block_size <= req.prompt_len:
                     continue
                 if block < 0 or p < req.pinned_start or kv.gpu_pool.ref_counts[block] == 0:
                     raise AssertionError(f"I4: {req.req_id} tail page {p} not pinned")

@@ -41,6 +41,7 @@ from hisparse.kv.plan import (
 from hisparse.kv.prefix import PrefixCache
 from hisparse.kv.reclaim import Reclaimer
 from hisparse.kv.state import KVStats, PendingWrite, RequestKV
+from hisparse.kv.transfer_plan import LoadJob, RemotePrefill
 
 __all__ = ["KVCoordinator", "KVStats", "PendingWrite", "RequestKV"]
 
@@ -74,6 +75,9 @@ class KVCoordinator:
         self._scheduled: list[tuple[RequestKV, int, int]] = []   # (request, start, num_tokens)
         self._restore_pages: list[tuple[int, int]] = []          # (host block, gpu block)
         self._indexer_restore_pages: list[tuple[int, int]] = []  # (host block, indexer block)
+        # Remote prefills whose rows landed: their GPU rows and keys are mirrored to host by the
+        # next plan (the write is durable, and the pages clean, once that mirror is acked).
+        self._landed: list[tuple[RequestKV, PendingWrite]] = []
 
     # ------------------------------------------------------------------ queries
     @property
@@ -196,6 +200,149 @@ class KVCoordinator:
         self.reclaim.started_prefill(req)
         return req
 
+    # ------------------------------------------------------------------ disaggregation
+    def admit_remote(self, req_id: str, token_ids: list[int], max_len: int,
+                     remote: RemotePrefill) -> LoadJob | None:
+        """Admit a decode request whose first ``remote.num_tokens`` rows (its prompt) a prefill
+        instance computed: allocate where they land and return the worker's :class:`LoadJob`
+        (None: the pools cannot hold it now). The request waits for its KV (``num_computed``
+        stays 0, no reclaim policy sees it) until :meth:`finish_remote`, or :meth:`free` on a
+        failed load. ``token_ids`` is the engine's list: the prompt, then the first token.
+
+        Landing (DESIGN.md §7): every prompt page on GPU when they all fit above the watermark
+        (``hisparse`` mode); otherwise rows land in the host pool and the request reads its
+        history through its hot buffer from its first step, except a partial last page, which
+        lands on GPU (its decode rows are written there). Indexer keys always land in the GPU
+        indexer cache. Host blocks are taken for the full length (the host pool is the
+        authority); the landed GPU rows and keys are mirrored to host by the next plan.
+        Leading prompt pages found in this instance's prefix cache are not transferred: they
+        are claimed as :meth:`admit` claims hits (restored to GPU when every page lands there,
+        else read in place), their keys restored into the GPU indexer cache.
+        """
+        cfg, block_size = self.cfg, self.block_size
+        n = remote.num_tokens
+        if self.host_pool is None:
+            raise ValueError("remote prefill needs a host tier (mode 'hisparse' or "
+                             "'always-host')")
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} is already admitted")
+        if not 0 < n < len(token_ids) <= max_len <= cfg.max_model_len:
+            raise ValueError(f"request {req_id!r}: need 0 < remote tokens ({n}) < known tokens "
+                             f"({len(token_ids)}) <= max_len ({max_len}) <= max_model_len "
+                             f"({cfg.max_model_len})")
+        if not self.free_slots:
+            return None
+        num_pages = cdiv(max_len, block_size)
+        prompt_pages = cdiv(n, block_size)
+        hits = self.prefix.lookup(token_ids[:n])     # leaves at least one page to pull
+        h = len(hits)
+        hit_host_free = sum(self.host_pool.is_free(b) for b, _ in hits)
+        if (self.indexer_pool.num_free < num_pages
+                or self.host_pool.num_free - hit_host_free < num_pages - h):
+            return None
+        claimed = sum(g is not None and self.gpu_pool.is_free(g) for _, g in hits)
+        host_only_hits = [p for p, (_, g) in enumerate(hits) if g is None]
+        all_gpu = (cfg.mode is Mode.HISPARSE and self.gpu_pool.num_free - claimed
+                   - len(host_only_hits) - (prompt_pages - h) >= cfg.watermark)
+        gpu_pages = list(range(h, prompt_pages)) if all_gpu else (
+            [prompt_pages - 1] if n % block_size else [])
+        restores = host_only_hits if all_gpu else []
+        need = claimed + len(restores) + len(gpu_pages)
+        if need and self.gpu_pool.num_free < need:
+            if not self.reclaim.ensure_free_gpu(need):
+                return None
+            hits = self.prefix.lookup(token_ids[:n])[:h]   # reclaim may have reused GPU hits
+            if len(hits) < h or self.gpu_pool.num_free < need:
+                return None
+        slot = self.free_slots.pop()
+        req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
+                        prompt_len=n, num_pages=num_pages,
+                        resident=self.resident_table[slot], host=self.host_table[slot],
+                        indexer=self.indexer_table[slot])
+        self.requests[req_id] = req
+        self.by_uid[req.uid] = req
+        self._mark_changed(slot, "resident", "host", "indexer")
+        req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
+        for page, (host_block, gpu_block) in enumerate(hits):   # claim before allocating
+            self.host_pool.touch(host_block)
+            req.host[page] = host_block
+            if gpu_block is not None:
+                self.gpu_pool.touch(gpu_block)
+                req.resident[page] = gpu_block
+        req.host[h:num_pages] = self.host_pool.allocate(num_pages - h)
+        for page in restores:
+            req.resident[page] = self.gpu_pool.allocate(1)[0]
+            self._restore_pages.append((int(req.host[page]), int(req.resident[page])))
+            self.stats.restored_pages += 1
+        for page in range(h):
+            self._indexer_restore_pages.append((int(req.host[page]), int(req.indexer[page])))
+        if gpu_pages:
+            req.resident[gpu_pages] = self.gpu_pool.allocate(len(gpu_pages))
+        req.page_hashes = self.prefix.page_hashes(token_ids, h)
+        req.num_durable = h * block_size
+        req.num_published = h
+        req.landed_start = h * block_size
+        req.remote = True
+        self.stats.prefix_hit_tokens += h * block_size
+        self.stats.host_prefix_hit_tokens += len(host_only_hits) * block_size
+        self.stats.remote_gpu_pages += len(gpu_pages)
+        self.stats.remote_host_pages += prompt_pages - h - len(gpu_pages)
+        return LoadJob(req_id, remote, req.resident[h:prompt_pages].copy(),
+                       req.host[h:prompt_pages].copy(), req.indexer[h:prompt_pages].copy(),
+                       first_page=h)
+
+    def finish_remote(self, req_id: str) -> RequestKV:
+        """The load of an :meth:`admit_remote` request completed: its prompt rows count as
+        computed; they turn durable (and their hashes are published) once the next plan's
+        mirror of the landed GPU rows and keys is acked (I1-I3)."""
+        req = self.get(req_id)
+        if req.num_computed:
+            raise ValueError(f"request {req_id!r} is not waiting for remote KV")
+        req.num_computed = req.prompt_len
+        write = PendingWrite(req.prompt_len)
+        req.pending.append(write)
+        self._landed.append((req, write))
+        return req
+
+    @property
+    def has_landed_mirrors(self) -> bool:
+        """Landed remote prompts wait for a plan to mirror them (the scheduler then plans a
+        copy-only step if nothing else runs: their pages turn clean only by it)."""
+        return bool(self._landed)
+
+    def _landing_mirrors(self, landed) -> tuple[np.ndarray, ...]:
+        """(GPU rows, their host rows, indexer rows, their host rows) of landed prompts (the
+        requests' own tables: a request freed since it landed still holds its blocks)."""
+        parts = [], [], [], []
+        bs = self.block_size
+        for req, _ in landed:     # the rows pulled (prefix hits are durable already)
+            pos = np.arange(req.landed_start, req.prompt_len, dtype=np.int64)
+            page, off = pos // bs, pos % bs
+            gpu = req.resident[page].astype(np.int64)
+            host_rows = req.host[page].astype(np.int64) * bs + off
+            on_gpu = gpu >= 0
+            parts[0].append(gpu[on_gpu] * bs + off[on_gpu])
+            parts[1].append(host_rows[on_gpu])
+            parts[2].append(req.indexer[page].astype(np.int64) * bs + off)
+            parts[3].append(host_rows)
+        return tuple(np.concatenate(p) for p in parts)
+
+    def hold(self, req_id: str) -> list[int]:
+        """Keep the host blocks of a request's prompt pages past its :meth:`free` (a prefill
+        instance holds them until the decode side read them); returns them for
+        :meth:`release_held`. Their rows are readable once ``num_durable >= prompt_len``."""
+        req = self.get(req_id)
+        if self.host_pool is None:
+            raise ValueError("holding KV for a remote decode needs a host tier")
+        blocks = [int(b) for b in req.host[:cdiv(req.prompt_len, self.block_size)]]
+        for block in blocks:
+            self.host_pool.touch(block)
+        return blocks
+
+    def release_held(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self.host_pool.release(int(block))
+
     # ------------------------------------------------------------------ per-step allocation
     def allocate_slots(self, req: RequestKV, num_tokens: int) -> bool:
         """Put tokens ``[num_computed, num_computed + num_tokens)`` of ``req`` in this step.
@@ -269,10 +416,21 @@ class KVCoordinator:
                 req.pending.append(write)
                 write_reqs.append(req)
                 writes.append(write)
+        landed, self._landed = self._landed, []
+        for req, write in landed:
+            write_reqs.append(req)
+            writes.append(write)
         mirrors = indexer_mirrors = RowCopy()
         if writes:
             self.pending_by_step[step_id] = (write_reqs, writes)
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
+            if landed:
+                g, h, i, hi = self._landing_mirrors(landed)
+                mirrors = RowCopy(np.concatenate((g, mirrors.src_rows)),
+                                  np.concatenate((h, mirrors.dst_rows)), copy_id=step_id)
+                indexer_mirrors = RowCopy(np.concatenate((i, indexer_mirrors.src_rows)),
+                                          np.concatenate((hi, indexer_mirrors.dst_rows)),
+                                          copy_id=step_id)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
         self._restore_pages, self._indexer_restore_pages = [], []
@@ -368,6 +526,8 @@ class KVCoordinator:
         req = self.requests.pop(req_id)
         req.freed = True
         self.reclaim.forget(req)
+        if self._restore_pages or self._indexer_restore_pages:
+            self._drop_restores(req)
         if req.hot_blocks:
             for block in req.hot_blocks:
                 self.gpu_pool.release(block)
@@ -384,6 +544,15 @@ class KVCoordinator:
             self.draining[req.uid] = req
         else:
             self._free_blocks(req)
+
+    def _drop_restores(self, req: RequestKV) -> None:
+        """Forget the unplanned restores into a request's blocks: it leaves before any plan
+        ran them (a remote prefill whose load failed), and its blocks may be reused."""
+        gpu = set(req.resident[:req.num_pages].tolist())
+        idx = set(req.indexer[:req.num_pages].tolist())
+        self._restore_pages = [(h, g) for h, g in self._restore_pages if g not in gpu]
+        self._indexer_restore_pages = [(h, i) for h, i in self._indexer_restore_pages
+                                       if i not in idx]
 
     def _free_blocks(self, req: RequestKV) -> None:
         self.by_uid.pop(req.uid, None)

@@ -52,6 +52,10 @@ class RequestKV:
     # Speculative decoding: draft tokens (the engine holds their ids) the next step verifies
     # after the last known token; they count as known tokens, so one step computes them all.
     num_draft_tokens: int = 0
+    # Remote prefill (decode side): the first position whose row was pulled (the pages
+    # before it were prefix-cache hits here).
+    landed_start: int = 0
+    remote: bool = False            # admitted by admit_remote (its prompt rows were pulled)
 
     @property
     def num_tokens(self) -> int:
@@ -78,3 +82,5 @@ class KVStats:
     prefill_released_pages: int = 0  # clean pages a prefilling request gave up (issue 14)
     unrestored_hit_pages: int = 0   # host-only prefix hits used in place (no restore)
     mirrored_rows: int = 0
+    remote_gpu_pages: int = 0       # remote-prefill prompt pages landed in GPU pages
+    remote_host_pages: int = 0      # ... landed in the host pool (read through hot buffers)

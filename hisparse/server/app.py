@@ -65,7 +65,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop
                     "ignore_eos", "n", "stop", "logprobs", "top_logprobs", "model", "messages",
                     "prompt", "stream_options", "max_completion_tokens",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-                    "min_p", "min_tokens", "bad_words")
+                    "min_p", "min_tokens", "bad_words", "kv_transfer_params")
 # request fields that carry an output constraint (at most one per request)
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "structured_outputs")
@@ -405,7 +405,8 @@ def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
                               repetition_penalty=req.repetition_penalty,
                               logit_bias=req.logit_bias, min_p=req.min_p,
                               min_tokens=req.min_tokens, bad_words=req.bad_words,
-                              structured_outputs=_structured(req))
+                              structured_outputs=_structured(req),
+                              kv_transfer_params=req.kv_transfer_params)
     except ValueError as e:
         raise _bad(e, "prompt") from None
 
@@ -516,6 +517,12 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                  raw: Request):
     prompt_field = "messages" if chat else "prompt"
     stop = req.stop_strings()
+    if params.kv_transfer_params and (len(prompts) > 1 or req.n > 1):
+        raise APIError(400, "kv_transfer_params: one prompt and n=1 per request",
+                       "kv_transfer_params")
+    if (params.kv_transfer_params or {}).get("do_remote_decode") and req.stream:
+        raise APIError(400, "kv_transfer_params.do_remote_decode needs stream=false (the "
+                       "prefill's answer carries the params)", "kv_transfer_params")
     subs = await _submit_all(st, prompts, params, req.n, stop, prompt_field,
                              _constraint_field(req))
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts for _ in range(req.n)]
@@ -571,6 +578,11 @@ async def _serve(st: _State, req, prompts: list[dict], params: SamplingParams, c
                    for i, o in enumerate(finals)]
         resp = CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
     body = resp.model_dump()
+    kv = finals[0].kv_transfer_params
+    if kv is None:
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = kv
     if not req.return_token_ids:
         for c in body["choices"]:
             c.pop("token_ids", None)

@@ -141,6 +141,8 @@ class _EngineCollector:
             c = CounterMetricFamily(metric, help_, labels=["model_name"])
             c.add_metric([name], stats.get(key, 0))
             yield c
+        if "kv_transfer_role" in stats:
+            yield from _kv_transfer_metrics(name, stats, gauge)
         c = CounterMetricFamily("hisparse_prefix_hit_tokens", "Prompt tokens served from the "
                                 "prefix cache, by the tier their rows came from",
                                 labels=["model_name", "tier"])
@@ -148,3 +150,37 @@ class _EngineCollector:
         c.add_metric([name, "gpu"], stats.get("prefix_hit_tokens", 0) - host)
         c.add_metric([name, "host"], host)
         yield c
+
+
+# stats() key -> (metric name, help): prefill/decode disaggregation (issue 23)
+_KV_TRANSFER_COUNTERS = {
+    "kv_transfer_requests": ("hisparse_kv_transfer_requests",
+                             "Remote prompts whose KV was pulled (decode)"),
+    "kv_transfer_failures": ("hisparse_kv_transfer_failures",
+                             "Remote KV loads that failed: hash mismatch, error, timeout"),
+    "kv_transfer_bytes": ("hisparse_kv_transfer_bytes", "Bytes pulled over NIXL (decode)"),
+    "kv_transfer_seconds": ("hisparse_kv_transfer_seconds",
+                            "Summed start-to-landed time of remote KV loads (decode)"),
+    "kv_transfer_held": ("hisparse_kv_transfer_held",
+                         "Prompts held for a remote decode (prefill)"),
+    "kv_transfer_released": ("hisparse_kv_transfer_released",
+                             "Held prompts released on the decode's notification (prefill)"),
+    "kv_transfer_expired": ("hisparse_kv_transfer_expired",
+                            "Held prompts freed by the timeout (prefill)"),
+}
+
+
+def _kv_transfer_metrics(name: str, stats: dict, gauge):
+    for key, (metric, help_) in _KV_TRANSFER_COUNTERS.items():
+        c = CounterMetricFamily(metric, help_, labels=["model_name"])
+        c.add_metric([name], stats.get(key, 0))
+        yield c
+    c = CounterMetricFamily("hisparse_kv_transfer_rows_landed", "Remote prompt rows landed "
+                            "(per layer), by tier", labels=["model_name", "tier"])
+    c.add_metric([name, "gpu"], stats.get("kv_transfer_rows_gpu", 0))
+    c.add_metric([name, "host"], stats.get("kv_transfer_rows_host", 0))
+    yield c
+    yield gauge("hisparse_kv_transfer_held_requests", "Prompts held now for a remote decode",
+                stats.get("kv_transfer_held_now", 0))
+    yield gauge("hisparse_kv_transfer_loading_requests", "Requests waiting for remote KV now",
+                stats.get("kv_transfer_loading_now", 0))

@@ -313,6 +313,13 @@ class ModelRunner:
         self._mirror(plan)
         return logits, self._poll_acks()
 
+    def copy_only(self, plan: StepPlan) -> list[int]:
+        """A plan without sequences: its copies only (the mirrors of landed remote prompts);
+        returns the copy ids acknowledged since the last call."""
+        self._before_forward(plan)
+        self._mirror(plan)
+        return self._poll_acks()
+
     def _before_forward(self, plan: StepPlan) -> None:
         """Stage the plan (changed table rows, resets, row lists: one pinned upload), reset the
         hot buffers it names and run its restores (host -> GPU rows and indexer keys)."""
@@ -466,7 +473,7 @@ class ModelRunner:
         self.inputs.commit_sampled(tokens)
 
     def _mirror(self, plan: StepPlan) -> None:
-        if not len(plan.mirrors) or not self.mirror_writer:
+        if not (len(plan.mirrors) or len(plan.indexer_mirrors)) or not self.mirror_writer:
             return
         c = self.caches
         n = len(plan.mirrors)

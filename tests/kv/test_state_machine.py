@@ -48,6 +48,20 @@ class KVCoreMachine(RuleBasedStateMachine):
         self.prompts.append(prompt)
         self.sim.add(prompt, max_tokens)
 
+    @precondition(lambda self: self.cfg.mode != "gpu-only")
+    @rule(length=st.integers(1, 60), max_tokens=st.integers(1, 40), share=st.integers(0, 100),
+          fail=st.integers(0, 4))
+    def add_remote(self, length, max_tokens, share, fail):
+        """Disaggregation: a decode request whose prompt rows are pulled (or fail to be)."""
+        limit = self.cfg.max_model_len - 2
+        prompt = []
+        if self.prompts and share > 30:
+            prev = self.rng.choice(self.prompts)
+            prompt = prev[:min(len(prev), share * len(prev) // 100)]
+        prompt = (prompt + [self.rng.randrange(50) for _ in range(length)])[:limit]
+        self.prompts.append(prompt)
+        self.sim.add_remote(prompt, max_tokens, fail=fail == 0)
+
     @rule(n=st.integers(1, 6))
     def step(self, n):
         for _ in range(n):

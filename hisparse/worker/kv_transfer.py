@@ -1,0 +1,313 @@
+"""KV transfer between a prefill and a decode instance over NIXL (issue 23; DESIGN.md §7).
+
+:class:`KVTransferAgent` registers this engine's four regions (GPU arena, GPU indexer cache,
+host pool, host indexer keys) with a NIXL agent (UCX backend; DRAM on CPU, VRAM on CUDA) whose
+listen thread serves its metadata to peers. The request protocol and the descriptor plans are
+in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it decides nothing.
+
+- Prefill side: the held prompt rows are read from its host pool (the authoritative, durable
+  copy: write-through mirrors). :meth:`KVTransferAgent.poll_notifications` returns the request
+  ids the decode side finished reading.
+- Decode side: :meth:`KVTransferAgent.start_load` takes a :class:`LoadJob`; :meth:`poll` (once
+  per engine step, never blocking) walks each load through: wait for the device work queued
+  before it (its blocks may have been written by a step still in flight), the handshake
+  (NIXL metadata from the peer's listener; compatibility hash), one READ per local memory type
+  (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
+  notification to the prefill instance. A load fails on a hash mismatch, a NIXL error or its
+  timeout (a dead or unreachable prefill instance); its transfers are released first, so a
+  failed load's blocks can be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hisparse.kv.transfer_plan import LoadJob, RegionLayout, transfer_descriptors
+from hisparse.worker.cache import KVCaches
+
+logger = logging.getLogger(__name__)
+
+NOTIF_READ = b"read:"
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl_cu13  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def region_layout(t: torch.Tensor, num_blocks: int) -> RegionLayout:
+    """The :class:`RegionLayout` of a ``[layers, ...]`` cache tensor of ``num_blocks`` blocks
+    per layer (rows ``[L, blocks * block_size, W]`` or FP8 key pages ``[L, blocks, bytes]``)."""
+    if not t.is_contiguous():
+        raise ValueError("a registered cache region must be contiguous")
+    es = t.element_size()
+    layer_bytes = t[0].numel() * es if t.shape[0] else 0
+    return RegionLayout(base=t.data_ptr(), layer_stride=layer_bytes,
+                        block_bytes=layer_bytes // num_blocks if num_blocks else 0,
+                        num_layers=t.shape[0], num_blocks=num_blocks,
+                        mem="VRAM" if t.is_cuda else "DRAM",
+                        device=(t.device.index or 0) if t.is_cuda else 0)
+
+
+@dataclass
+class TransferMetrics:
+    """Counters of both roles (``hisparse_kv_transfer_*`` in the server's /metrics)."""
+
+    requests: int = 0          # loads completed (decode)
+    failures: int = 0          # loads failed: hash mismatch, NIXL error, timeout (decode)
+    bytes: int = 0             # bytes read by completed loads (decode)
+    seconds: float = 0.0       # summed start-to-done time of completed loads (decode)
+    rows_gpu: int = 0          # prompt rows landed in GPU pages (per layer) (decode)
+    rows_host: int = 0         # prompt rows landed in the host pool (decode)
+    prefix_hit_rows: int = 0   # prompt rows not pulled: prefix-cache hits here (decode)
+    held: int = 0              # prompts held for a remote decode (prefill)
+    released: int = 0          # held prompts released on the decode's notification (prefill)
+    expired: int = 0           # held prompts freed by the timeout (prefill)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    started: float
+    deadline: float
+    event: object = None                      # torch.cuda.Event on CUDA
+    state: str = "device"                     # device -> handshake -> reading
+    handles: list = field(default_factory=list)
+    nbytes: int = 0
+    error: str | None = None                  # set when cancelled
+
+
+class KVTransferAgent:
+    """One NIXL agent over an engine's caches. ``name`` is the agent (and engine) id peers
+    address; ``port`` its metadata listener; ``compat`` the compatibility hash both sides
+    must share; ``num_gpu_blocks`` / ``num_indexer_blocks`` / ``num_host_blocks`` size the
+    regions (the GPU regions include their sink block)."""
+
+    def __init__(self, caches: KVCaches, name: str, host: str, port: int, compat: str,
+                 load_timeout_s: float = 30.0) -> None:
+        try:
+            from nixl_cu13 import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise RuntimeError("prefill/decode disaggregation needs NIXL: pip install "
+                               "--no-deps nixl-cu13==1.5.1") from e
+        cfg = caches.cfg
+        self.name, self.host, self.port, self.compat = name, host, port, compat
+        self.load_timeout_s = load_timeout_s
+        self.device = caches.device
+        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=True,
+                                                        listen_port=port, backends=["UCX"]))
+        tensors = {"arena": (caches.arena, cfg.num_gpu_blocks + 1),
+                   "indexer": (caches.indexer, cfg.num_indexer_blocks + 1),
+                   "host": (caches.host, cfg.num_host_blocks if cfg.uses_host else 0),
+                   "host_indexer": (caches.host_indexer,
+                                    cfg.num_host_blocks if cfg.uses_host else 0)}
+        self.layouts: dict[str, RegionLayout] = {}
+        self._registered = []
+        for region, (t, blocks) in tensors.items():
+            self.layouts[region] = region_layout(t, blocks)
+            if t.numel():
+                self._registered.append(self.agent.register_memory(t))
+        self.block_size = cfg.block_size
+        self.metrics = TransferMetrics()
+        self._loads: dict[str, _Load] = {}
+        self._remotes: dict[str, str] = {}       # peer name -> "fetching" | "ready"
+        self._done: list[tuple[str, str | None]] = []
+        # (peer, its request id, deadline): failed loads whose peer is still to be told
+        self._goodbyes: list[tuple[str, str, float]] = []
+
+    def remote_layout(self) -> dict:
+        """What a decode instance needs to address our held rows (``remote_layout``)."""
+        return {r: self.layouts[r].to_dict() for r in ("host", "host_indexer")}
+
+    # ------------------------------------------------------------------ prefill side
+    def poll_notifications(self) -> list[str]:
+        """Request ids whose held rows a decode instance finished reading."""
+        done = []
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                if msg.startswith(NOTIF_READ):
+                    done.append(msg[len(NOTIF_READ):].decode())
+        return done
+
+    # ------------------------------------------------------------------ decode side
+    @property
+    def num_loads(self) -> int:
+        return len(self._loads)
+
+    def start_load(self, job: LoadJob) -> None:
+        """Begin pulling ``job`` (never blocks). A compatibility-hash mismatch fails it at
+        once: no byte is read."""
+        now = time.monotonic()
+        load = _Load(job, now, now + self.load_timeout_s)
+        remote = job.remote
+        if remote.compat_hash != self.compat:
+            self._done.append((job.req_id, f"KV compatibility hash mismatch: remote "
+                                           f"{remote.compat_hash}, local {self.compat} (model, "
+                                           f"block size, KV format or layer count differ)"))
+            self.metrics.failures += 1
+            return
+        if self.device.type == "cuda":
+            load.event = torch.cuda.Event()
+            load.event.record()
+        if self._remotes.get(remote.engine_id) is None:
+            self.agent.fetch_remote_metadata(remote.engine_id, remote.host, remote.port)
+            self._remotes[remote.engine_id] = "fetching"
+        self._loads[job.req_id] = load
+
+    def cancel(self, req_id: str) -> None:
+        """Stop a load (the request was aborted); :meth:`poll` reports it failed."""
+        load = self._loads.get(req_id)
+        if load is not None:
+            load.error = "aborted"
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Loads that ended since the last call: ``(request id, None)`` when every row landed,
+        ``(request id, why)`` when the load failed (its transfers are released)."""
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            error = load.error
+            if error is None and now > load.deadline:
+                error = (f"KV load timed out after {self.load_timeout_s:g} s in state "
+                         f"{load.state!r} (prefill instance {load.job.remote.engine_id!r} at "
+                         f"{load.job.remote.host}:{load.job.remote.port})")
+            if error is None:
+                try:
+                    error = self._advance(load)
+                except Exception as e:  # noqa: BLE001 - NIXL's own error, reported
+                    error = f"NIXL transfer failed: {type(e).__name__}: {e}"
+            if error is None and load.state != "done":
+                continue
+            if error is not None and not self._release(load):
+                continue        # a READ that cannot be cancelled yet still owns the blocks
+            del self._loads[req_id]
+            if error is not None:
+                self._notify_done(load)
+            if error is not None and load.error is None:    # not a cancellation
+                self.metrics.failures += 1
+                if load.state == "handshake":   # refetch next time (the peer may be back)
+                    self._remotes.pop(load.job.remote.engine_id, None)
+            self._done.append((req_id, error))
+        if self._goodbyes:
+            self._send_goodbyes(now)
+        done, self._done = self._done, []
+        return done
+
+    def _advance(self, load: _Load) -> str | None:
+        remote = load.job.remote
+        if load.state == "device":
+            if load.event is not None and not load.event.query():
+                return None
+            load.state = "handshake"
+        if load.state == "handshake":
+            if not self.agent.check_remote_metadata(remote.engine_id):
+                return None
+            self._remotes[remote.engine_id] = "ready"
+            self._post_reads(load)
+            load.state = "reading"
+        states = [self.agent.check_xfer_state(h) for h in load.handles]
+        if "ERR" in states:
+            return "NIXL READ failed"
+        if all(s == "DONE" for s in states):
+            self._release(load)
+            self.agent.send_notif(remote.engine_id, NOTIF_READ + remote.request_id.encode())
+            self._landed(load)
+            load.state = "done"
+        return None
+
+    def _notify_done(self, load: _Load) -> None:
+        """Tell the prefill instance a failed or cancelled load is done with its blocks (it
+        frees them at once instead of at its timeout): now, or once its metadata arrives
+        (until the load's deadline). Best effort: a gone peer's timeout frees them."""
+        remote = load.job.remote
+        if load.job.remote.compat_hash == self.compat:
+            self._goodbyes.append((remote.engine_id, remote.request_id, load.deadline))
+
+    def flush_notifications(self) -> None:
+        """Send the pending notifications of failed loads (also done by :meth:`poll`)."""
+        if self._goodbyes:
+            self._send_goodbyes(time.monotonic())
+
+    def _send_goodbyes(self, now: float) -> None:
+        left = []
+        for name, req_id, deadline in self._goodbyes:
+            try:
+                if self.agent.check_remote_metadata(name):
+                    self.agent.send_notif(name, NOTIF_READ + req_id.encode())
+                    continue
+            except Exception:  # noqa: BLE001 - the peer may be gone
+                continue
+            if now < deadline:
+                left.append((name, req_id, deadline))
+        self._goodbyes = left
+
+    def _post_reads(self, load: _Load) -> None:
+        job, remote = load.job, load.job.remote
+        rblocks = np.asarray(remote.host_blocks, dtype=np.int64)[job.first_page:]
+        g, h = job.gpu_pages, job.host_pages
+        pairs = [(self.layouts["arena"], remote.layout["host"], job.gpu_blocks[g], rblocks[g]),
+                 (self.layouts["host"], remote.layout["host"], job.host_blocks[h], rblocks[h]),
+                 (self.layouts["indexer"], remote.layout["host_indexer"], job.indexer_blocks,
+                  rblocks)]
+        by_mem: dict[str, tuple[list, list]] = {}
+        for local, rem, lb, rb in pairs:
+            if len(lb) == 0 or local.num_layers == 0:
+                continue
+            ld, rd = transfer_descriptors(local, rem, lb, rb)
+            lists = by_mem.setdefault(local.mem, ([], []))
+            lists[0].append(ld)
+            lists[1].append(rd)
+        for mem, (ld, rd) in by_mem.items():
+            local_descs = self.agent.get_xfer_descs(np.concatenate(ld), mem)
+            remote_descs = self.agent.get_xfer_descs(np.concatenate(rd), "DRAM")
+            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
+                                                remote.engine_id)
+            load.handles.append(handle)
+            load.nbytes += int(sum(int(d[:, 1].sum()) for d in ld))
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"posting the {mem} READ failed")
+
+    def _landed(self, load: _Load) -> None:
+        job, bs, m = load.job, self.block_size, self.metrics
+        n = job.remote.num_tokens - job.first_page * bs        # rows pulled
+        rows = np.minimum(n - np.arange(len(job.gpu_blocks)) * bs, bs)
+        gpu = int(rows[job.gpu_pages].sum())
+        m.requests += 1
+        m.bytes += load.nbytes
+        m.seconds += time.monotonic() - load.started
+        m.rows_gpu += gpu
+        m.rows_host += n - gpu
+        m.prefix_hit_rows += job.first_page * bs
+
+    def _release(self, load: _Load) -> bool:
+        """Release every transfer handle of ``load``; False if one is still active and could
+        not be cancelled (try again later)."""
+        kept = []
+        for h in load.handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - NIXL could not cancel it yet
+                kept.append(h)
+        load.handles = kept
+        return not kept
+
+    def close(self) -> None:
+        for load in self._loads.values():
+            self._release(load)
+        self._loads.clear()
+        for reg in self._registered:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+        self._registered = []
