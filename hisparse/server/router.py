@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from hisparse.server.protocol import error_body
+from hisparse.server.http import error_body
 
 logger = logging.getLogger("hisparse.router")
 
