@@ -23,6 +23,7 @@ names the request, the first token that differs and the engine step that produce
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import time
@@ -132,7 +133,7 @@ def run_soak(path: str, requests: int = 300, seed: int = 0, mode: str = "hispars
         s = specs[i]
         if s.stop_pick is not None and toks:
             stop = toks[int(s.stop_pick * len(toks))]
-            s.params = SamplingParams(**{**vars(s.params), "stop_token_ids": [stop]})
+            s.params = dataclasses.replace(s.params, stop_token_ids=[stop])
             toks, reason = _expected(toks, [stop])
             want[i] = (toks, reason or out.outputs[0].finish_reason)
         else:
