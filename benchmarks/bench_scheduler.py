@@ -204,6 +204,7 @@ def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner, gc_freeze: bool = Tru
     llm._errors = {}
     llm._requests = {}
     llm.max_model_len = cfg.max_model_len
+    llm.disagg = None                  # no prefill/decode role
     return llm
 
 
