@@ -218,7 +218,7 @@ class EngineCore:
         ended, errors = [], {}
         for req_id, error in self.kv_transfer.poll():
             req = self.scheduler.load_finished(req_id, error is None,
-                                               self.recompute_failed_loads)
+                                               self.recompute_failed_loads, self.eos_token_ids)
             if error is not None and error != "aborted":
                 logger.warning(
                     "request %s: %s; %s", req_id, error,

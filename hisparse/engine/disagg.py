@@ -112,7 +112,9 @@ class Disaggregation:
             if self.role != "prefill":
                 raise ValueError("kv_transfer_params.do_remote_decode needs an instance "
                                  "started with kv_role='prefill'")
-            return dataclasses.replace(params, max_tokens=1), None, True
+            # one token here; min_tokens > 0 still bans EOS from that first token
+            return (dataclasses.replace(params, max_tokens=1,
+                                        min_tokens=min(params.min_tokens, 1)), None, True)
         if kv.get("do_remote_prefill"):
             if self.role != "decode":
                 raise ValueError("kv_transfer_params.do_remote_prefill needs an instance "

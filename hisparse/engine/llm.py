@@ -755,6 +755,14 @@ class LLM:
         if params.bad_words:
             words += self._bad_word_ids(params.bad_words)
             params = dataclasses.replace(params, bad_words_token_ids=words, bad_words=None)
+        if params.kv_transfer_params:
+            # the prefill samples the first token without the grammar, and the decode side
+            # adds it without its logprobs entry: refused until both carry across
+            for name, given in (("structured_outputs", params.structured_outputs is not None),
+                                ("logprobs", params.logprobs is not None)):
+                if given:
+                    raise ValueError(f"{name}: not supported with kv_transfer_params "
+                                     "(prefill/decode disaggregation)")
         if params.structured_outputs is not None:
             if self.core.num_speculative_tokens:
                 raise ValueError("structured_outputs: not supported with "

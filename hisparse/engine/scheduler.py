@@ -116,7 +116,8 @@ class Scheduler:
         loads, self._new_loads = self._new_loads, []
         return loads
 
-    def load_finished(self, req_id: str, ok: bool, recompute: bool) -> Request | None:
+    def load_finished(self, req_id: str, ok: bool, recompute: bool,
+                      eos_token_ids: frozenset[int] = frozenset()) -> Request | None:
         """A load ended. ``ok``: the request runs from its first token (or finishes at once
         if that token ends it). Failed: its blocks are freed and it is recomputed from its
         prompt (``recompute``) or finished with ``finish_reason="error"``. Returns the request
@@ -138,12 +139,13 @@ class Scheduler:
             req.status, req.finish_reason = RequestStatus.FINISHED, "error"
             return req
         token = req.token_ids[-1]
-        if (token in req.stop_token_ids or req.num_output_tokens >= req.max_tokens
-                or len(req.token_ids) >= req.max_len):
+        stop = token in req.stop_token_ids or (token in eos_token_ids and not (
+            req.sampling is not None and req.sampling.ignore_eos))
+        if stop or req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= req.max_len:
             self.kv.free(req_id)
             req.kv = None
             req.status = RequestStatus.FINISHED
-            req.finish_reason = "length" if token not in req.stop_token_ids else "stop"
+            req.finish_reason = "stop" if stop else "length"
             return req
         self.kv.finish_remote(req_id)
         req.status = RequestStatus.RUNNING

@@ -38,7 +38,7 @@ class _Strict(BaseModel):
     @classmethod
     def _drop_absent(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if k in cls.model_fields or v is not None}
+            return {k: v for k, v in data.items() if v is not None}
         return data
 
 

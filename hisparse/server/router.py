@@ -86,24 +86,26 @@ def create_router(prefill: list[str], decode: list[str], policy: str = "least-lo
         u.in_flight -= 1
         in_flight.labels(u.kind, u.url).set(u.in_flight)
 
-    async def run_prefill(path: str, body: dict) -> dict | None:
+    async def run_prefill(path: str, body: dict, headers: dict) -> dict | None:
         """The decode params from a prefill instance, or None (it failed: recompute)."""
         pre = dict(body, stream=False, max_tokens=1, n=1,
                    kv_transfer_params={"do_remote_decode": True})
+        if pre.get("min_tokens"):       # the prefill samples one token
+            pre["min_tokens"] = 1
         pre.pop("stream_options", None)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         u = prefills.pick()
         enter(u)
         try:
-            r = await client.post(u.url + path, json=pre)
+            r = await client.post(u.url + path, json=pre, headers=headers)
         except httpx.HTTPError as e:
             logger.warning("prefill %s unreachable: %s", u.url, e)
             requests.labels("prefill", "unreachable").inc()
             return None
         finally:
             leave(u)
-        if r.status_code == 400:     # the request itself is bad: the decode would say so too
+        if r.status_code in (400, 401):   # the request itself is refused: so would the decode
             requests.labels("prefill", "rejected").inc()
             raise _Upstream(r)
         kv = r.json().get("kv_transfer_params") if r.status_code == 200 else None
@@ -122,8 +124,10 @@ def create_router(prefill: list[str], decode: list[str], policy: str = "least-lo
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        # the client's API key goes to the instances (each checks it, as vLLM's servers do)
+        headers = {k: raw.headers[k] for k in ("authorization",) if k in raw.headers}
         try:
-            kv = await run_prefill(path, body)
+            kv = await run_prefill(path, body, headers)
         except _Upstream as e:
             return Response(e.response.content, status_code=e.response.status_code,
                             media_type="application/json")
@@ -135,7 +139,7 @@ def create_router(prefill: list[str], decode: list[str], policy: str = "least-lo
         u = decodes.pick()
         enter(u)
         if body.get("stream"):
-            req = client.build_request("POST", u.url + path, json=body)
+            req = client.build_request("POST", u.url + path, json=body, headers=headers)
             try:
                 upstream = await client.send(req, stream=True)
             except httpx.HTTPError as e:
@@ -155,7 +159,7 @@ def create_router(prefill: list[str], decode: list[str], policy: str = "least-lo
             return StreamingResponse(relay(), status_code=upstream.status_code,
                                      media_type=upstream.headers.get("content-type"))
         try:
-            r = await client.post(u.url + path, json=body)
+            r = await client.post(u.url + path, json=body, headers=headers)
         except httpx.HTTPError as e:
             requests.labels("decode", "unreachable").inc()
             return JSONResponse(error_body(f"decode instance unreachable: {e}", None,
