@@ -20,7 +20,7 @@ for v in $VERSIONS; do
     got=$(PYTHONPATH="$target" "$PY" -c "import triton; print(triton.__version__)")
     echo "== tests/ops under TRITON_INTERPRET=1 with triton $got"
     if ! TRITON_INTERPRET=1 PYTHONPATH="$target:$ROOT" "$PY" -m pytest -q -p no:cacheprovider \
-            -m "not gpu" tests/ops; then
+            -m "not gpu" -n 2 tests/ops; then
         echo "FAILED with triton $got" >&2
         status=1
     fi

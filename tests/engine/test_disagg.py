@@ -3,6 +3,7 @@ process, real NIXL over UCX on loopback; greedy outputs equal a colocated run.""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -11,6 +12,8 @@ from workload import prompts, tokens
 from hisparse import LLM, SamplingParams
 
 pytest.importorskip("nixl_cu13")
+# NIXL listeners on free ports: these run on one pytest-xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("nixl")
 
 N_OUT = 12
 
@@ -116,14 +119,26 @@ def test_failed_load_recomputes_or_fails_and_leaks_nothing(dsv32_path, small_bat
     p = engine(dsv32_path, kv_role="prefill", kv_hold_timeout_s=0.5)
     d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=0.5)
     params, _ = prefill(p, small_batch)
+    # the ports the loads are sent to stay held by this test (a port given back to the kernel
+    # can go to another test process's listener at once, which would then answer)
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if failure == "hash":
         params = [dict(kv, compat_hash="0" * 32) for kv in params]
-    elif failure == "timeout":      # nobody serves NIXL metadata there
-        from hisparse.engine.disagg import free_port
-        params = [dict(kv, remote_port=free_port("127.0.0.1")) for kv in params]
-    else:
+    elif failure == "timeout":      # a listener that never answers: the handshake times out
+        held.bind(("127.0.0.1", 0))
+        held.listen(16)
+        params = [dict(kv, remote_port=held.getsockname()[1]) for kv in params]
+    else:                           # the prefill is gone and its port refuses connections
         p.shutdown()
-    outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind(("127.0.0.1", params[0]["remote_port"]))
+        except OSError:             # still closing: nobody else can have it either
+            pass
+    try:
+        outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
+    finally:
+        held.close()
     assert d.disagg.metrics.failures == len(small_batch) and d.disagg.metrics.requests == 0
     if policy == "recompute":
         assert tokens(outs) == colocated

@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from hisparse import LLM, SamplingParams
 
 pytest.importorskip("nixl_cu13")
+# NIXL listeners on free ports: these run on one pytest-xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("nixl")
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "8", "--max-model-len",
           "128", "--max-num-seqs", "8", "--host-pool-gib", "0.02", "--max-num-batched-tokens",
