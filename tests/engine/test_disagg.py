@@ -209,3 +209,15 @@ def test_decode_prefix_hits_are_not_pulled(dsv32_path, small_batch, colocated):
     wait_released(p, len(small_batch))
     assert_pools_full(d)
     assert_pools_full(p)
+
+
+def test_min_tokens_reaches_the_prefill_as_one_token(dsv32_path, small_batch):
+    """A request with min_tokens > 1 (what a client sends through the router) is prefilled
+    with its one token (min_tokens capped to it, EOS still banned from that token) instead of
+    failing min_tokens <= max_tokens."""
+    p = engine(dsv32_path, kv_role="prefill", kv_hold_timeout_s=0.5)
+    sp = SamplingParams(temperature=0.0, max_tokens=N_OUT, min_tokens=5,
+                        kv_transfer_params={"do_remote_decode": True})
+    outs = p.generate(small_batch, sp)
+    assert all(len(o.outputs[0].token_ids) == 1 and o.kv_transfer_params for o in outs)
+    p.shutdown()

@@ -142,6 +142,13 @@ def test_unimplemented_fields_are_refused_by_name(srv):
                                   suffix=None, user="u-1", frequency_penalty=0,
                                   extra_body={"repetition_penalty": 1.0})
     assert r.usage.completion_tokens == 2
+    # JSON null for every kind of declared field (numbers with defaults included) is absent
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": None,
+            "frequency_penalty": None, "repetition_penalty": None, "min_p": None,
+            "min_tokens": None, "logit_bias": None, "response_format": None, "n": None}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
     still_serves(srv.url)
 
 
