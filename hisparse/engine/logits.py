@@ -165,17 +165,11 @@ class LogitsState:
             f[2] = np.repeat([p.presence_penalty for p in params], counts)
             floats.append(f.ravel())
         if has_bias:
-            rows, toks, vals = [], [], []
-            for i, p in enumerate(params):
-                if flags[i] & BIAS:
-                    ids, v = p.packed_bias
-                    for j in range(counts[i]):
-                        rows.append(np.full(ids.size, row0[i] + j))
-                        toks.append(ids)
-                        vals.append(v)
-            put("bias_rows", np.concatenate(rows))
-            put("bias_toks", np.concatenate(toks))
-            floats.append(np.concatenate(vals))
+            rows, toks, vals = _per_token_row(params, flags, BIAS, counts, row0,
+                                              lambda p: p.packed_bias)
+            put("bias_rows", rows)
+            put("bias_toks", toks)
+            floats.append(vals)
         if has_min:
             rows, toks = [], []
             eos = list(eos_token_ids)
@@ -191,17 +185,11 @@ class LogitsState:
                 put("ban_rows", rows)
                 put("ban_toks", toks)
         if has_bw:
-            rows, last, prefix = [], [], []
-            for i, p in enumerate(params):
-                if flags[i] & BAD_WORDS:
-                    w_last, w_prefix = p.packed_bad_words
-                    for j in range(counts[i]):
-                        rows.append(np.full(w_last.size, row0[i] + j))
-                        last.append(w_last)
-                        prefix.append(w_prefix)
-            put("bw_rows", np.concatenate(rows))
-            put("bw_last", np.concatenate(last))
-            put("bw_prefix", np.concatenate(prefix))
+            rows, last, prefix = _per_token_row(params, flags, BAD_WORDS, counts, row0,
+                                                lambda p: p.packed_bad_words)
+            put("bw_rows", rows)
+            put("bw_last", last)
+            put("bw_prefix", prefix)
         dev_i = self._upload(self._ints, np.concatenate(ints))
         dev_f = self._upload(self._floats, np.concatenate(floats)) if floats else None
 
@@ -313,3 +301,17 @@ class LogitsState:
         n = valid.sum(dim=1, keepdim=True)
         window = torch.cat([self.recent[slots], toks], dim=1).gather(1, n + self._window)
         self.recent.index_copy_(0, slots, window)
+
+
+def _per_token_row(params, flags, bit, counts, row0, packed) -> tuple[np.ndarray, ...]:
+    """The packed arrays (``packed(p)``: arrays of equal length ``n_p``) of every request whose
+    processors include ``bit``, once per token row of the request (``counts[i]`` rows from
+    ``row0[i]``), concatenated: ``(token rows int64 [sum], *arrays)``."""
+    rows, parts = [], []
+    for i, p in enumerate(params):
+        if flags[i] & bit:
+            arrays = packed(p)
+            for j in range(counts[i]):
+                rows.append(np.full(arrays[0].shape[0], row0[i] + j))
+                parts.append(arrays)
+    return (np.concatenate(rows), *(np.concatenate(a) for a in zip(*parts)))
