@@ -24,13 +24,19 @@ run() {   # run NAME LIMIT_S CMD...: log to OUTDIR/NAME.log, print its last line
 
 for section in "$@"; do
   case $section in
-    tests)   # the whole GPU suite (every file its own process; ~4 min in 4 parallel shards:
-             # see docs/GPU_TESTS.md); xgrammar, pydantic and nixl-cu13 wheels carried
-      GPU_TEST_TIMEOUT=300 HISPARSE_TRITON_AUTOTUNE=0 .ci/gpu_tests.sh "$out/tests" ;;
+    tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
+             # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
+      mapfile -t files < <(grep -rlE "mark\.gpu|pytestmark = pytest\.mark\.gpu" tests | sort)
+      for shard in 0 1 2 3; do
+        mine=(); for i in "${!files[@]}"; do (( i % 4 == shard )) && mine+=("${files[$i]}"); done
+        GPU_TEST_TIMEOUT=300 .ci/gpu_tests.sh "$out/tests" "${mine[@]}" >"$out/shard$shard.txt" &
+      done
+      wait; cat "$out"/shard?.txt; elapsed tests ;;
     rank)    # issues 24/25: one real TP-8 rank of DeepSeek-V3.2, FP8 KV, 512 outputs, the
              # kernel profile by class at every point (fused glue, radix top-k, memory split)
       run rank 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency 8,24,max \
+        --modes gpu-only,hisparse \
         --outputs 512 --host-pool-gib 64 --profile-kernels 5 --out "$out/rank" ;;
     glm)     # issue 25: GLM-5's rank (78 layers, never run), the same table
       run glm 560 python3 -m hisparse.cli bench --model-shape glm-5-tp8-rank \
