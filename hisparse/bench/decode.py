@@ -298,9 +298,15 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
     t0 = time.perf_counter()
     kernels = None
     decoding_steps = 0
+    # The profile waits for three pure decode steps at the most requests the engine can run
+    # (a capacity-bound mode never has all ``concurrency`` decoding at once).
+    full_batch = min(concurrency, planned.max_running)
     while llm.has_unfinished_requests():
         decoding_steps += all(r in clock.times for r in req_ids)
-        if profile_steps and kernels is None and decoding_steps > 3:
+        recent = clock.steps[-3:]
+        at_full_batch = len(recent) == 3 and all(dec and n >= full_batch
+                                                 for _, n, dec, *_ in recent)
+        if profile_steps and kernels is None and (at_full_batch or decoding_steps > 3):
             outs, first = [], len(clock.steps)
             kernels = profile_kernels(lambda got=outs: got.extend(llm.step()), profile_steps)
             for i in range(first, len(clock.steps)):    # not steady-state steps
