@@ -31,7 +31,12 @@ for section in "$@"; do
         mine=(); for i in "${!files[@]}"; do (( i % 4 == shard )) && mine+=("${files[$i]}"); done
         GPU_TEST_TIMEOUT=300 .ci/gpu_tests.sh "$out/tests" "${mine[@]}" >"$out/shard$shard.txt" &
       done
-      wait; cat "$out"/shard?.txt; elapsed tests ;;
+      wait; cat "$out"/shard?.txt; elapsed tests
+      # the device returns few files: failed logs' tails in one file, every log in one archive
+      for f in "$out"/tests/*.log; do
+        grep -qE "[0-9]+ (failed|error)" "$f" && { echo "=== $f"; tail -n 80 "$f"; }
+      done >"$out/tests_failed.txt"
+      tar -czf "$out/tests_logs.tgz" -C "$out" tests && rm -r "$out/tests" "$out"/shard?.txt ;;
     rank)    # issues 24/25: one real TP-8 rank of DeepSeek-V3.2, FP8 KV, 512 outputs, the
              # kernel profile by class at every point (fused glue, radix top-k, memory split)
       run rank 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
