@@ -116,8 +116,10 @@ def bench_topk(res, contexts, rows_list, table_width, k=2048):
                   flush=True)
 
 
-def _score_case(ctx, T, group, bs, Hi, D):
-    """(keys name, us, bytes of keys read) for FP8 and bf16 keys."""
+def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
+    """(keys name, config, us, bytes of keys read) for FP8 and bf16 keys and each
+    ``indexer_keys`` config (``None``: the default; else ``(BLOCK_S, programs per SM, warps,
+    stages)``)."""
     layout = FP8KeyLayout(D, bs)
     R = T // group
     P = ctx // bs
@@ -133,10 +135,33 @@ def _score_case(ctx, T, group, bs, Hi, D):
     k8 = layout.pages(quantize_index_keys_reference(kc))
     rows = []
     for name, cache, kb in (("fp8", k8, layout.key_bytes), ("bf16", kc, 2 * D)):
-        t = timeit_graph(lambda c=cache: indexer_keys(q, w, c, bt, req, pos, bs, out=keys,
-                                                      lengths=lens, group=group))
-        rows.append((name, t, R * ctx * kb))
+        if name not in kinds:
+            continue
+        for cfg in configs:
+            try:
+                t = timeit_graph(lambda c=cache, cfg=cfg: indexer_keys(
+                    q, w, c, bt, req, pos, bs, out=keys, lengths=lens, group=group, config=cfg))
+            except Exception as e:      # a swept config may not fit (registers, shared memory)
+                if cfg is None:
+                    raise
+                print(f"  config {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            rows.append((name, cfg, t, R * ctx * kb))
     return rows
+
+
+def sweep_scoring(res, ctx, T, bs=64, Hi=64, D=128):
+    """FP8 scoring at one shape over a grid of kernel configs, fastest first."""
+    grid = [(s, p, w, st) for s in (64, 128, 256) for p in (4, 8, 16) for w in (4, 8)
+            for st in (2, 3)]
+    rows = _score_case(ctx, T, 1, bs, Hi, D, configs=[None] + grid, kinds=("fp8",))
+    print(f"\nscoring config sweep, FP8 keys, ctx {ctx}, {T} tokens (BLOCK_S, per SM, warps, "
+          f"stages): us, fraction of {HBM_GBS / 1000:.1f} TB/s")
+    for name, cfg, t, nbytes in sorted(rows, key=lambda r: r[2]):
+        gbs = nbytes / t / 1e9
+        res.append(dict(bench="scoring_sweep", ctx=ctx, tokens=T, keys=name,
+                        config=cfg, us=t * 1e6, gbs=gbs, hbm_fraction=gbs / HBM_GBS))
+        print(f"  {str(cfg or 'default'):>18} {t * 1e6:8.1f} {gbs / HBM_GBS:6.2f}", flush=True)
 
 
 def bench_scoring(res, contexts, rows_list, bs=64, Hi=64, D=128):
@@ -147,7 +172,7 @@ def bench_scoring(res, contexts, rows_list, bs=64, Hi=64, D=128):
     for ctx in contexts:
         for T in rows_list:
             for group in (1, 2):
-                for name, t, nbytes in _score_case(ctx, T, group, bs, Hi, D):
+                for name, _, t, nbytes in _score_case(ctx, T, group, bs, Hi, D):
                     gbs = nbytes / t / 1e9
                     res.append(dict(bench="scoring", ctx=ctx, tokens=T, group=group, keys=name,
                                     us=t * 1e6, gbs=gbs, hbm_fraction=gbs / HBM_GBS))
@@ -162,7 +187,8 @@ def main():
     ap.add_argument("--score-rows", default="8,64", help="scoring tokens")
     ap.add_argument("--table-width", type=int, default=163840,
                     help="the old path's width (max_model_len); 0: each context's own")
-    ap.add_argument("--only", default="topk,scoring")
+    ap.add_argument("--only", default="topk,scoring", help="topk, scoring, sweep (scoring "
+                    "configs at the first context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -173,6 +199,8 @@ def main():
         bench_topk(res, contexts, rows, args.table_width)
     if "scoring" in args.only:
         bench_scoring(res, contexts, [int(r) for r in args.score_rows.split(",")])
+    if "sweep" in args.only:
+        sweep_scoring(res, contexts[0], int(args.score_rows.split(",")[-1]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv),
