@@ -497,7 +497,14 @@ def main(argv: list[str] | None = None) -> int:
             json.dump([asdict(x) for x in points], f, indent=1)
 
     for context in contexts:
-        host_cap = host_rows // (context + a.outputs + 64)
+        host_modes = [m for m in a.modes.split(",") if m != "gpu-only"]
+        # the host pool bounds the concurrency of the host modes only
+        host_cap = host_rows // (context + a.outputs + 64) if host_modes else 1 << 20
+        if host_cap < 1:
+            p.error(f"--host-pool-gib {a.host_pool_gib}: holds no {context}-token request of "
+                    f"modes {','.join(host_modes)}")
+        if not host_modes and "max" in a.concurrency.split(","):
+            p.error("--concurrency max is the host pool's limit: give numbers for gpu-only")
         # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
         # blocks, and 10% of the blocks stay free (the watermark).
         cap = host_cap
