@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hisparse.bench.replay import replay_rows
 from hisparse.config import Mode, cdiv
 from hisparse.engine.arg_utils import host_pool_gib_arg
 from hisparse.models.shapes import MODEL_SHAPES, TP8_GEOMETRY, model_shape_config  # noqa: F401
@@ -196,15 +197,14 @@ def make_topk_override(table: torch.Tensor, context: int, k: int | None = None):
     returns ``(topk [T, k], band [T, NB] or None)``, ``k`` = the table's width when not given
     (no band). A request's stream is its slot modulo the table's streams; decode step =
     position - ``context`` (clamped to the table). Padding tokens (slot ``-1``) select nothing
-    and have no band. CUDA-graph safe: one gather from a device tensor, fixed shapes."""
+    and have no band. CUDA-graph safe: one gather kernel (:func:`hisparse.bench.replay.
+    replay_rows`, its own kernel class in a profile), fixed shapes."""
     streams, layers, steps, width = table.shape
     k = width if k is None else k
 
     def override(layer: int, token_slot: torch.Tensor, positions: torch.Tensor,
                  computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        step = (positions - context).clamp(0, steps - 1)
-        selected = table[token_slot.long() % streams, layer % layers, step]
-        selected = torch.where(token_slot[:, None] >= 0, selected, -1)
+        selected = replay_rows(table, layer, token_slot, positions, context)
         return selected[:, :k], (selected[:, k:] if width > k else None)
 
     return override

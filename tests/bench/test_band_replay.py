@@ -235,3 +235,50 @@ def test_bench_names_host_pool_gib_when_the_pool_cannot_be_pinned(monkeypatch, c
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--host-pool-gib 96" in err and "out of memory" in err
+
+
+def test_replay_kernel_equals_reference(monkeypatch):
+    """The benchmark's one-kernel top-k replay (Triton, under the interpreter here) gives the
+    torch reference's rows: stream = slot modulo streams, layer modulo layers, step clamped on
+    both sides, padding tokens all -1; a poisoned output catches unwritten columns."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import importlib
+
+    from hisparse.bench import _replay_triton, replay
+    importlib.reload(_replay_triton)
+    g = torch.Generator().manual_seed(3)
+    streams, layers, steps, width, context = 3, 4, 5, 1500, 100   # width > BLOCK: two blocks
+    table = torch.randint(-1, 10_000, (streams, layers, steps, width), generator=g,
+                          dtype=torch.int32)
+    slots = torch.tensor([0, 4, -1, 2, 7], dtype=torch.int32)
+    positions = torch.tensor([90, 101, 103, 104, 500], dtype=torch.int64)   # below, in, above
+    for layer in (0, 3, 6):
+        want = replay.replay_rows_reference(table, layer, slots, positions, context)
+        got = _replay_triton.replay_rows(table, layer, slots, positions, context)
+        assert torch.equal(got, want), layer
+        assert (got[2] == -1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_replay_kernel_equals_reference_inside_a_graph():
+    """On CUDA the replay is the compiled kernel; captured in a CUDA graph (as the engine's
+    decode graphs capture it) and replayed after the slots and positions changed, it gives the
+    reference's rows for the new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from hisparse.bench import replay
+    g = torch.Generator(device="cuda").manual_seed(5)
+    table = torch.randint(-1, 50_000, (4, 61, 64, 4096), generator=g, device="cuda",
+                          dtype=torch.int32)
+    slots = torch.tensor([0, 5, -1, 3], dtype=torch.int32, device="cuda")
+    positions = torch.tensor([10, 40, 41, 90], dtype=torch.int64, device="cuda")
+    replay.replay_rows(table, 7, slots, positions, 32)          # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = replay.replay_rows(table, 7, slots, positions, 32)
+    slots.copy_(torch.tensor([2, -1, 6, 1], dtype=torch.int32))
+    positions.copy_(torch.tensor([33, 34, 200, 0], dtype=torch.int64))
+    graph.replay()
+    want = replay.replay_rows_reference(table, 7, slots, positions, 32)
+    assert torch.equal(out, want)

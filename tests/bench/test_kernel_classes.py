@@ -22,6 +22,7 @@ def test_kernel_names_fall_in_their_class():
         "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copies",
         "Memcpy HtoD (Pinned -> Device)": "copies",
         "void at::native::reduce_kernel<512, 1, ...>": "norms and elementwise",
+        "_bench_topk_replay_kernel": "benchmark replay",
         "some_unknown_kernel": "other",
     }
     for name, cls in cases.items():
@@ -33,8 +34,12 @@ def test_summarize_sums_device_events_per_step_and_skips_cpu_ops():
     ev = [SimpleNamespace(device_type=cuda, device_time_total=300.0, name="_resolve_kernel"),
           SimpleNamespace(device_type=cuda, device_time_total=100.0, name="_resolve_kernel"),
           SimpleNamespace(device_type=cuda, device_time_total=200.0, name="_moe_gate_up_kernel"),
+          SimpleNamespace(device_type=cuda, device_time_total=60.0,
+                          name="_bench_topk_replay_kernel"),
           SimpleNamespace(device_type=cpu, device_time_total=900.0, name="aten::mm")]
     kp = summarize(ev, steps=2)
-    assert kp.ms_per_step == {"all": 0.3, "resolver and miss gather": 0.2, "MoE": 0.1}
+    assert kp.ms_per_step == {"all": 0.33, "engine": 0.3, "benchmark replay": 0.03,
+                              "resolver and miss gather": 0.2, "MoE": 0.1}
+    # kernels per step / layer count the engine's kernels, not the replay's
     assert kp.kernels_per_step == 1.5 and kp.per_layer(3) == 0.5
     assert kp.top[0] == ("_resolve_kernel", 0.2)
