@@ -17,14 +17,13 @@ import torch
 
 from hisparse.config import Mode
 from hisparse.engine.disagg import check_disagg_args
+from hisparse.ops.resolve import HOT_POLICIES
 from hisparse.worker.cache import KV_CACHE_DTYPES
 
 # The deprecated ``hisparse=`` keyword's values.
 HISPARSE_MODES = {True: Mode.HISPARSE, False: Mode.GPU_ONLY, "always-host": Mode.ALWAYS_HOST}
 
 MAX_SPECULATIVE_TOKENS = 8
-
-HOT_POLICIES = ("lru", "score", "score+prefetch")
 
 
 def is_int(v) -> bool:
