@@ -12,7 +12,7 @@ Two measurements:
   the milliseconds of each phase: ``schedule`` (``Scheduler.schedule``, plan included),
   ``stage_plan`` and ``stage_tokens`` (``StepState``), ``sampling`` (``SamplingTensors.build``
   and ``sample_tensor`` on tiny logits), ``update`` (``Scheduler.update``), ``outputs``
-  (``LLM._output`` of every streamed request) and ``other`` (the rest of ``LLM.step()``:
+  (``OutputBuilder.build`` of every streamed request) and ``other`` (the rest of ``LLM.step()``:
   input ids, the engine loop).
 
 Targets: scheduler + plan + sampling <= 1 ms per step at 256 host-read requests.
@@ -39,6 +39,7 @@ from hisparse.engine.llm import LLM
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
+from hisparse.engine.startup import EngineParts
 from hisparse.kv.plan import StepPlan
 from hisparse.worker.step_state import StepState
 
@@ -191,20 +192,17 @@ class PhaseTimer:
 
 
 def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner, gc_freeze: bool = True) -> LLM:
-    """An ``LLM`` around a scheduler and ``runner``, without a model: the step path
+    """An ``LLM`` adopting a scheduler and ``runner``, without a model: the step path
     (``LLM.step`` -> ``EngineCore.step``, output building) is the engine's own code; only the
-    constructor (checkpoint, caches) is skipped."""
+    start-up (checkpoint, caches) is skipped."""
+    scheduler = Scheduler(cfg)
+    core = EngineCore(scheduler, runner, frozenset(), async_scheduling=True,
+                      gc_freeze=gc_freeze)
     llm = LLM.__new__(LLM)
-    llm.scheduler = Scheduler(cfg)
-    llm.core = EngineCore(llm.scheduler, runner, frozenset(), async_scheduling=True,
-                          gc_freeze=gc_freeze)
-    llm.tokenizer = None
-    llm._fault = None
-    llm._stashed = []
-    llm._errors = {}
-    llm._requests = {}
-    llm.max_model_len = cfg.max_model_len
-    llm.disagg = None                  # no prefill/decode role
+    llm._adopt(EngineParts(model_dir="", device=torch.device("cpu"), tensor_parallel_size=1,
+                           model_config=None, max_model_len=cfg.max_model_len, kv_config=cfg,
+                           model=None, caches=None, runner=runner, scheduler=scheduler,
+                           core=core, disagg=None, tokenizer=None))
     return llm
 
 
@@ -218,7 +216,7 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_model_len - context,
                             ignore_eos=True)
     for i in range(requests):
-        llm._enqueue(None, prompt(i, context), params, f"r{i}")
+        llm._table.enqueue(None, prompt(i, context), params, f"r{i}")
     t0 = time.perf_counter()
     prefill_steps = 0
     while sched.waiting or any(r.num_uncomputed > 1 for r in sched.running):
@@ -233,7 +231,7 @@ def run_engine(requests: int, context: int, block_size: int, steps: int, mode: s
     sched.update = timer.wrap("update", sched.update)
     runner.inputs.stage_plan = timer.wrap("stage_plan", runner.inputs.stage_plan)
     runner.inputs.stage_tokens = timer.wrap("stage_tokens", runner.inputs.stage_tokens)
-    llm._output = timer.wrap("outputs", llm._output)
+    llm._outputs.build = timer.wrap("outputs", llm._outputs.build)
     real_sampling = (engine_core.sampling.SamplingTensors.build,
                      engine_core.sampling.sample_tensor)
     engine_core.sampling.SamplingTensors.build = timer.wrap("sampling", real_sampling[0])

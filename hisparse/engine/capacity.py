@@ -445,14 +445,24 @@ def plan_for_llm(llm, context: int | None = None, **overrides) -> CapacityPlan:
     inputs = CapacityInputs(
         context=context or kv.max_model_len, block_size=kv.block_size,
         hot_buffer_size=kv.hot_buffer_size, max_num_seqs=kv.max_num_seqs,
-        kv_cache_dtype=("fp8" if llm.caches.geo.fp8
-                        else str(llm.caches.geo.dtype).removeprefix("torch.")),
+        kv_cache_dtype=planner_kv_dtype(llm.caches.geo),
         num_gpu_blocks=kv.num_gpu_blocks, num_indexer_blocks=kv.num_indexer_blocks,
         num_host_blocks=num_host, watermark_blocks=kv.watermark_blocks)
-    geo = llm.caches.geo
-    mg = replace(geometry_from_config(llm.model_config), num_layers=geo.num_layers,
-                 num_indexer_layers=len(geo.indexer_layers))   # an MTP layer's KV included
+    mg = planner_geometry(llm.model_config, llm.caches.geo)
     return plan_capacity(mg, replace(inputs, **overrides))
+
+
+def planner_kv_dtype(cache_geo) -> str:
+    """The planner's ``kv_cache_dtype`` of the engine's caches (a
+    :class:`~hisparse.worker.cache.CacheGeometry`): ``"fp8"`` or the compute dtype's name."""
+    return "fp8" if cache_geo.fp8 else str(cache_geo.dtype).removeprefix("torch.")
+
+
+def planner_geometry(model_config, cache_geo) -> ModelGeometry:
+    """The planner's view of the engine's caches: the model's geometry with the caches' layer
+    counts (an MTP layer's KV included)."""
+    return replace(geometry_from_config(model_config), num_layers=cache_geo.num_layers,
+                   num_indexer_layers=len(cache_geo.indexer_layers))
 
 
 def _fmt_bytes(n: float) -> str:

@@ -1,9 +1,14 @@
-"""Shared helpers for the data-plane ops: backend choice and Triton availability.
+"""Shared helpers for the data-plane ops: backend choice, Triton availability, and what an op's
+reference module and its Triton kernels both need (formats, policy constants).
 
 Triton kernels live in private ``_*_triton.py`` modules that are imported lazily, on the first
 Triton dispatch. ``triton.jit`` decides at decoration time whether a kernel is compiled or
 interpreted (``TRITON_INTERPRET=1``), so importing kernels lazily lets tests set that variable
 after ``hisparse`` itself was imported.
+
+Imports run one way: an op's module (``quant``, ``topk``, ...) imports its ``_*_triton``
+module, and the ``_*_triton`` module does not import its op's module back: what both sides
+share lives here (importing it loads no Triton).
 """
 
 from __future__ import annotations
@@ -49,3 +54,24 @@ def interpreted() -> bool:
 def next_pow2(n: int) -> int:
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------- shared by ops and kernels
+# FP8 formats (quant): values per scale tile.
+TILE = 128
+
+
+def fp8_tile(d: int) -> int:
+    """Values per scale tile for ``d`` quantized values (128, or ``d`` itself below 128)."""
+    tile = min(TILE, d)
+    if d % tile or (d // tile) & (d // tile - 1):
+        raise ValueError(f"FP8 format: {d} values must be a power-of-two number of "
+                         f"{TILE}-value tiles (or a single tile below {TILE})")
+    return tile
+
+
+# Radix select (topk): four 8-bit digits of the 32-bit key; MAX_SPLITS programs per row at most
+# cooperate on one row's histograms.
+RADIX_BINS = 256
+RADIX_LEVELS = 4
+MAX_SPLITS = 16

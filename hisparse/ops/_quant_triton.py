@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import fp8_tile
+from ._common import fp8_tile
 
 
 @triton.jit

@@ -23,13 +23,16 @@ Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of th
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreted, next_pow2
-from .topk import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, TopkScratch
+from ._common import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, interpreted, next_pow2
+
+if TYPE_CHECKING:   # the annotation only: topk imports this module, never the reverse
+    from .topk import TopkScratch
 
 COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
 STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) ]

@@ -35,20 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import want_triton
+from ._common import TILE as TILE  # the format's tile, public here
+from ._common import fp8_tile, want_triton
 
 FP8_MAX = 448.0
 SCALE_MIN = 1e-4          # FlashMLA clamps amax / 448 to this before rounding up
-TILE = 128
-
-
-def fp8_tile(d: int) -> int:
-    """Values per scale tile for ``d`` quantized values (128, or ``d`` itself below 128)."""
-    tile = min(TILE, d)
-    if d % tile or (d // tile) & (d // tile - 1):
-        raise ValueError(f"FP8 format: {d} values must be a power-of-two number of "
-                         f"{TILE}-value tiles (or a single tile below {TILE})")
-    return tile
 
 
 def mla_row_bytes(d_nope: int, d_rope: int) -> int:

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import want_triton
+from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
-# Radix select: four 8-bit digits of the 32-bit key (see _topk_triton).
-RADIX_BINS = 256
-RADIX_LEVELS = 4
-MAX_SPLITS = 16             # programs per row cooperating on one row's histograms
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 
 

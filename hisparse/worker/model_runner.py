@@ -104,41 +104,35 @@ class PagedContext:
                sm_scale: float) -> Tensor:
         c = self.caches
         arena = c.arena_layer(layer_idx)
-        fp8 = c.geo.fp8
-        if not isinstance(kv_new, Tensor):  # norm + RoPE (+ FP8 quantization) + write, fused
-            kv_new.write(arena, self.kv_rows)
-        elif fp8:   # FP8 byte rows: quantize-and-write (one launch), rows move as bytes
-            ops.quantize_write_mla_rows(kv_new, arena, self.kv_rows, self.kv_lora_rank)
-        else:
-            arena.index_copy_(0, self.kv_rows, kv_new.to(arena.dtype))
+        self._write(arena, kv_new, self.kv_rows, ops.quantize_write_mla_rows, self.kv_lora_rank)
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
-            if not isinstance(index_k_new, Tensor):
-                index_k_new.write(keys, self.idx_rows)
-            elif fp8:
-                ops.quantize_write_index_keys(index_k_new, keys, self.idx_rows)
-            else:
-                keys.index_copy_(0, self.idx_rows, index_k_new.to(keys.dtype))
+            self._write(keys, index_k_new, self.idx_rows, ops.quantize_write_index_keys)
             self.topk = self.select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
         if self.staged is not None:
             return self._attend_staged(layer_idx, q_latent, rows, sm_scale)
-        if fp8:     # queries stay in the compute dtype; the kernels dequantize the rows
-            if self.flashmla_meta is None and c.device.type == "cuda":
-                self.flashmla_meta = flashmla_sched_meta()
-            out, _ = ops.sparse_mla_attention_fp8(q_latent.to(c.geo.dtype), arena, rows,
-                                                  sm_scale, d_v=self.kv_lora_rank,
-                                                  backend=self.attn_backend,
-                                                  sched_meta=self.flashmla_meta)
+        return self._attention(q_latent, arena, rows, sm_scale).to(q_latent.dtype)
+
+    def _write(self, dst: Tensor, new, rows: Tensor, quantize_write, *args) -> None:
+        """Write this forward's new rows (MLA rows or indexer keys) into ``dst`` at ``rows``:
+        ``new`` not a tensor (``NewRows`` / ``NewKeys``): its fused norm + RoPE (+ FP8) + write;
+        FP8 caches: ``quantize_write(new, dst, rows, *args)`` (one launch, rows move as bytes);
+        bf16: a plain indexed copy."""
+        if not isinstance(new, Tensor):
+            new.write(dst, rows)
+        elif self.caches.geo.fp8:
+            quantize_write(new, dst, rows, *args)
         else:
-            out, _ = ops.sparse_mla_attention(q_latent.to(arena.dtype), arena, rows, sm_scale,
-                                              d_v=self.kv_lora_rank, backend=self.attn_backend)
-        return out.to(q_latent.dtype)
+            dst.index_copy_(0, rows, new.to(dst.dtype))
 
     def _attention(self, q: Tensor, kv: Tensor, rows: Tensor, sm_scale: float,
                    meta: bool = True) -> Tensor:
+        """Sparse MLA attention of ``q`` over ``rows`` of ``kv`` (FP8 rows: queries stay in the
+        compute dtype, the kernels dequantize; ``meta``: share the forward's FlashMLA
+        scheduler metadata, built at the first call)."""
         c = self.caches
         if c.geo.fp8:
             if meta and self.flashmla_meta is None and c.device.type == "cuda":

@@ -304,9 +304,11 @@ def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode
     from dataclasses import replace
 
     from hisparse import LLM
+    from hisparse.engine import pool_sizing
 
     budget = 300 * 1024 * 1024 // 64       # ~4.7 MiB: ~14 full-length requests' GPU pages
-    monkeypatch.setattr(LLM, "_gpu_kv_budget", lambda self, geo, util, reserve: budget)
+    monkeypatch.setattr(pool_sizing, "gpu_kv_budget",
+                        lambda device, geo, util, reserve, staging_rows: budget)
     mg = load_geometry(dsv32_path)
     per_token = mg.num_layers * mg.row_bytes("float32") + mg.num_indexer_layers * mg.key_bytes(
         "float32")

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-import hisparse.engine.llm as llm_mod
 import hisparse.engine.sampling as sampling_mod
+import hisparse.engine.startup as startup_mod
 from hisparse import LLM, SamplingParams
 from hisparse.cli import main as cli_main
 from hisparse.config import Mode
@@ -245,7 +245,7 @@ def test_config_is_validated_before_any_weight_is_loaded(dsv32_path, monkeypatch
     def boom(*a, **k):
         raise AssertionError("weights loaded before the config was validated")
 
-    monkeypatch.setattr(llm_mod, "load_model", boom)
+    monkeypatch.setattr(startup_mod, "load_model", boom)
     with pytest.raises(ValueError, match="hot_buffer_size must be >= index_topk"):
         small(dsv32_path, hot_buffer_size=8)
     with pytest.raises(ValueError, match="num_gpu_blocks must be >= "):
@@ -317,7 +317,7 @@ def test_host_pool_allocation_failure_names_host_pool_gib(dsv32_path, monkeypatc
     def fail(*a, **k):
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
 
-    monkeypatch.setattr(llm_mod, "KVCaches", fail)
+    monkeypatch.setattr(startup_mod, "KVCaches", fail)
     with pytest.raises(EngineStartupError, match=r"host_pool_gib=0.01.*GiB host memory "
                                                  r"available: lower host_pool_gib"):
         small(dsv32_path)
@@ -327,7 +327,7 @@ def test_gpu_oom_at_start_up_names_the_pool_to_shrink(dsv32_path, monkeypatch):
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(llm_mod, "KVCaches", oom)
+    monkeypatch.setattr(startup_mod, "KVCaches", oom)
     with pytest.raises(EngineStartupError, match="num_gpu_blocks=40.*lower num_gpu_blocks"):
         small(dsv32_path)
 
