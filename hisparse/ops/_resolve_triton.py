@@ -46,7 +46,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     T, P, HB, G_MAX,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr,
-                    stride_band, stride_flags, plan_half, PLAN_W, stride_cr, copy_half,
+                    stride_band, stride_flags, plan_half, PLAN_W, stride_cr, copy_half, stride_cc,
                     K: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HB: tl.constexpr,
                     COUNT_BAD: tl.constexpr,
@@ -381,7 +381,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                                  tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=em)
                 o0 += BLOCK_H
             offs_sp = tl.arange(0, SPLIT)
-            tl.store(cc_ptr + g.to(tl.int64) * SPLIT + offs_sp,
+            tl.store(cc_ptr + g.to(tl.int64) * stride_cc + offs_sp,
                      tl.zeros([SPLIT], tl.int32) + n_copy)
             if PLAN:       # the group's plan row g is written whole: its targets, then -1
                 # (own names: Triton types a name once per scope, and the loop above uses s/p/...)
@@ -460,7 +460,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 
 
 @triton.jit
-def _resolve_gather_kernel(cr_ptr, cc_ptr, arena_ptr, host_ptr, stride_cr, copy_half,
+def _resolve_gather_kernel(cr_ptr, cc_ptr, arena_ptr, host_ptr, stride_cr, copy_half, stride_cc,
                            arena_row_w, host_row_w, SPLIT: tl.constexpr, CHUNKS: tl.constexpr,
                            VEC: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program ``(g, s)``: reads and zeroes ``copy_count[g, s]`` (= the length ``n`` of group
@@ -469,7 +469,7 @@ def _resolve_gather_kernel(cr_ptr, cc_ptr, arena_ptr, host_ptr, stride_cr, copy_
     Only this program touches its cell, so the counts are all 0 again after the launch."""
     g = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
-    cell = cc_ptr + g * SPLIT + sp
+    cell = cc_ptr + g * stride_cc + sp
     n = tl.load(cell)
     tl.store(cell, n * 0)
     per = (n + SPLIT - 1) // SPLIT
@@ -569,9 +569,11 @@ def _words(t: torch.Tensor):
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
                         hot_keys, hot_lru, arena, host, block_size, counters, workspace,
                         block_k=None, out=None, band=None, policy="lru", prefetch=0,
-                        hot_flags=None, prefetch_plan=None):
+                        hot_flags=None, prefetch_plan=None, split=MISS_COPY_SPLIT):
     """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
-    call (checked; never grown: a captured graph keeps the addresses it saw)."""
+    call (checked; never grown: a captured graph keeps the addresses it saw). ``split``: gather
+    programs per request group, a power of two in ``[1, MISS_COPY_SPLIT]`` (a speed knob for
+    benchmarks; results do not depend on it)."""
     T, K = topk.shape
     R, P = resident_block_table.shape
     HB = hot_block_table.shape[1]
@@ -598,6 +600,10 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     chunks = words // vec
     groups = min(T, R)
     workspace.check(groups, P * block_size, H, dev)
+    if split not in [1 << i for i in range(MISS_COPY_SPLIT.bit_length())
+                     if 1 << i <= MISS_COPY_SPLIT]:
+        raise ValueError(f"resolve_rows: split must be a power of two in [1, "
+                         f"{MISS_COPY_SPLIT}], got {split!r}")
     m, scr = workspace.position_map, workspace.scratch
     cr, cc = workspace.copy_rows, workspace.copy_count
     g_max = m.shape[0]
@@ -626,18 +632,18 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         band.stride(0) if band is not None else 0,
         hot_flags.stride(0) if hot_flags is not None else 0,
         prefetch_plan[0].numel() if prefetch_plan is not None else 0, plan_w,
-        cr.stride(1), cr.stride(0),
+        cr.stride(1), cr.stride(0), cc.stride(0),
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h,
         BLOCK_HB=max(2, next_pow2(triton.cdiv(H, block_size))),
         COUNT_BAD=counters.numel() >= 3, NB=nb,
         BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
-        BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=MISS_COPY_SPLIT,
+        BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split,
         COPY_PF=prefetch > 0 and not plan, num_warps=8,
     )
-    _resolve_gather_kernel[(groups, MISS_COPY_SPLIT)](
-        cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), arena_rw, host_rw,
-        SPLIT=MISS_COPY_SPLIT, CHUNKS=chunks, VEC=vec, BLOCK_C=512, num_warps=4,
+    _resolve_gather_kernel[(groups, split)](
+        cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), cc.stride(0), arena_rw, host_rw,
+        SPLIT=split, CHUNKS=chunks, VEC=vec, BLOCK_C=512, num_warps=4,
     )
     return out

@@ -506,6 +506,32 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
     assert c[1] > 3 * 16 and c[2] == 2 * 3            # misses beyond the split; corrupt x steps
 
 
+@pytest.mark.parametrize("split", [1, 4])
+def test_gather_split_does_not_change_results(triton_cpu, split):
+    """The miss gather's programs per group are a speed knob: any split gives the reference's
+    state and arena (cold buffers: every miss of a group spread over the split)."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._resolve_triton import resolve_rows_triton
+    R, P, H = 3, 10, 48
+    b = Batch(R=R, P=P, H=H, seed=51, resident_frac=0.2)
+    ref = b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    g = torch.Generator().manual_seed(51)
+    for _ in range(2):
+        req = torch.tensor([2, 0, 1], dtype=torch.int32)
+        topk = torch.stack([rand_sel(g, 30, 0, P * BS) for _ in range(3)])
+        o1 = resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                                 b.arena_all[0], b.host_all[0], BS, b.counters[0], ws,
+                                 split=split)
+        o2 = ref.resolve("reference", topk, req)
+        assert torch.equal(o1, o2) and torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert (ws.copy_count == 0).all()
+    with pytest.raises(ValueError, match="split"):
+        resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                            b.arena_all[0], b.host_all[0], BS, b.counters[0], ws, split=3)
+
+
 @pytest.mark.gpu
 def test_gpu_graphs_captured_ascending_replay_in_any_order():
     """Regression (issue 10): capture one graph per batch size in ascending order, all sharing
