@@ -1,0 +1,148 @@
+"""Resolver + miss gather at one real rank's decode shape (H200): GPU time of one layer's call.
+
+    PYTHONPATH=. python benchmarks/bench_resolver.py [--requests 42] [--splits 16,1]
+
+One CUDA-graph replay of ``resolve_rows`` per timed step (as the engine runs it): ``R`` decode
+requests, top-k 2048, hot buffer 4096 slots, block 64, 32k context, FP8 rows (656 B) in a
+pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``'s source:
+~178 misses per request and layer once the buffers are warm). Scenarios:
+
+- ``steady``: every request in host-read mode, nothing resident, warm hot buffers;
+- ``cold2``: as ``steady``, but two requests start each step with an empty hot buffer (a request
+  that just entered host-read mode: 2048 misses in every layer);
+- ``mixed``: half the requests host-read (warm), half with every page resident and no hot block;
+- ``resident``: no request holds a hot block, every page resident (HiSparse at 24 requests on
+  the real rank, where no lookup was a hot one).
+
+``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
+program moves a group's misses) and is the in-run baseline of the ratios printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from hisparse.bench.decode import topk_table
+from hisparse.ops import ResolveWorkspace
+from hisparse.ops._resolve_triton import resolve_rows_triton
+
+K, H, BS, ROW = 2048, 4096, 64, 656
+WARM, TIMED = 6, 8
+
+
+def pages(ctx: int) -> int:
+    return -(-(ctx + WARM + TIMED + 1) // BS)
+
+
+def build(R: int, ctx: int, scenario: str, gen: torch.Generator, host: torch.Tensor) -> dict:
+    P = pages(ctx)
+    HB = H // BS
+    n_blocks = R * HB + R * P + 1
+    perm = torch.randperm(n_blocks, generator=gen).to(torch.int32)
+    hot = perm[:R * HB].view(R, HB).clone()
+    res = perm[R * HB:R * HB + R * P].view(R, P).clone()
+    slotless = torch.zeros(R, dtype=torch.bool)      # requests not in host-read mode
+    if scenario == "resident":
+        slotless[:] = True
+    elif scenario == "mixed":
+        slotless[R // 2:] = True
+    hot[slotless] = -1
+    res[~slotless] = -1
+    dev = "cuda"
+    return dict(
+        P=P, hot=hot.to(dev), res=res.to(dev),
+        hostbt=torch.randperm(R * P, generator=gen).to(torch.int32).view(R, P).to(dev),
+        arena=torch.randint(0, 256, (n_blocks * BS, ROW), dtype=torch.uint8, device=dev),
+        host=host,
+        keys=torch.full((R, H), -1, dtype=torch.int32, device=dev),
+        lru=torch.stack([torch.randperm(H, generator=gen) for _ in range(R)]).to(torch.int32)
+        .to(dev),
+        counters=torch.zeros(3, dtype=torch.int64, device=dev))
+
+
+def run(R: int, ctx: int, scenario: str, split: int, table: torch.Tensor,
+        host: torch.Tensor) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    b = build(R, ctx, scenario, gen, host)
+    ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
+    req = torch.arange(R, dtype=torch.int32, device="cuda")
+    streams = table.shape[0]
+    steps = [table[torch.arange(R) % streams, 0, s].contiguous().cuda()
+             for s in range(WARM + TIMED)]
+    topk = steps[0].clone()
+    out = torch.empty_like(topk)
+    cold = torch.tensor([0, 1], device="cuda")
+
+    def call():
+        resolve_rows_triton(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"],
+                            b["arena"], b["host"], BS, b["counters"], ws, out=out, split=split)
+
+    call()                                   # compile outside the capture (a cold fill)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    times, hits, misses = [], 0, 0
+    for i, sel in enumerate(steps):
+        topk.copy_(sel)
+        if scenario == "cold2" and i >= WARM:
+            b["keys"][cold] = -1
+        c0 = b["counters"].clone()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= WARM:
+            times.append(start.elapsed_time(end) * 1e3)
+            d = (b["counters"] - c0).tolist()
+            hits, misses = hits + d[0], misses + d[1]
+    assert int(b["counters"][2]) == 0
+    times.sort()
+    us = times[len(times) // 2]
+    miss_rows = misses / TIMED
+    return dict(scenario=scenario, split=split, requests=R, us=us,
+                misses_per_request=miss_rows / R,
+                hit_rate=hits / max(1, hits + misses),
+                miss_gb_s=miss_rows * ROW / (us * 1e-6) / 1e9 if miss_rows else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=42)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--splits", default="16,1")
+    p.add_argument("--scenarios", default="steady,cold2,mixed,resident")
+    p.add_argument("--out", default=None, help="JSON file")
+    a = p.parse_args()
+    assert torch.cuda.is_available(), "needs CUDA"
+    table = topk_table("synthetic:0.8", 1, a.context, WARM + TIMED, K)
+    splits = [int(s) for s in a.splits.split(",")]
+    # the pinned pool (contents do not matter for the timing), shared by every run
+    host = torch.empty((a.requests * pages(a.context) * BS, ROW), dtype=torch.uint8,
+                       pin_memory=True)
+    res = []
+    for scenario in a.scenarios.split(","):
+        for split in splits:
+            r = run(a.requests, a.context, scenario, split, table, host)
+            res.append(r)
+            print(f"{scenario:<9} split {split:>2}: {r['us']:8.1f} us per layer call, "
+                  f"{r['misses_per_request']:6.1f} misses per request (hit rate "
+                  f"{r['hit_rate']:.3f})"
+                  + (f", {r['miss_gb_s']:.1f} GB/s of missed rows" if r["miss_gb_s"] else ""),
+                  flush=True)
+        one = [r for r in res if r["scenario"] == scenario and r["split"] == 1]
+        for r in res:
+            if r["scenario"] == scenario and one and r["split"] != 1:
+                print(f"{scenario:<9} split {r['split']} / split 1: "
+                      f"{r['us'] / one[0]['us']:.2f}x time", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
