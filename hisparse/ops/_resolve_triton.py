@@ -1,9 +1,10 @@
 """Triton resolver + zero-copy swap-in kernels (imported lazily by resolve.py).
 
 ``_resolve_kernel``: one program per request group (grid = T; non-leader tokens exit at once).
-A group with no usable hot slot writes its resident rows (and ``-1``) and stops. Otherwise
-phases, separated by CTA barriers (global writes of a CTA are visible to the CTA after
-``bar.sync``):
+A group with no usable hot slot writes its resident rows (and ``-1``) and stops; a group whose
+walk (B, B2) finds no hot lookup and no hot or servable band row unmaps its keys and stops
+(nothing else changes). Otherwise phases, separated by CTA barriers (global writes of a CTA are
+visible to the CTA after ``bar.sync``):
 
 A  map the usable hot slots' keys into a per-group position map ``M[g, pos] = slot``;
 B  walk the group's entries (token, then k, in blocks): resident rows are written out; a mapped
@@ -214,19 +215,90 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         tl.debug_barrier()
                     tt += 1
 
-            n_load = tl.minimum(n_miss, n_usable - n_hit)
-            # ---- C0 (score or prefetch): count candidates outside the band (n_nb) and prefetch
-            # targets (unreferenced, outside the band, not loaded)
-            n_nb = n_hit * 0
-            n_low = n_hit * 0
-            n_pfc = n_hit * 0
-            if SCORE or (PF > 0):
-                cand_run = n_hit * 0
+            if (n_hit + n_miss + n_bh + n_bm) == 0:
+                # no hot lookup hit or missed and no band row is hot or servable: keys, LRU
+                # and flags stay as they are and phase B already wrote every output (resident
+                # rows, -1 for the unservable); unmap the keys phase A mapped
+                for h0 in range(0, H, BLOCK_H):
+                    j = h0 + offs_h
+                    jm = j < H
+                    blk = tl.load(hot_row + j // PAGE, mask=jm & ((j // PAGE) < HB), other=-1)
+                    key = tl.load(keys_row + j, mask=jm & (blk >= 0), other=-1)
+                    tl.store(m_row + key, -1, mask=jm & (blk >= 0) & (key >= 0) & (key < s_max))
+                if PLAN:       # the group's prefetch plan row is written whole: all -1
+                    offs_p = tl.arange(0, BLOCK_P)
+                    prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
+                    none = tl.full([BLOCK_P], -1, tl.int64)
+                    tl.store(prow, none, mask=offs_p < PLAN_W)
+                    tl.store(prow + plan_half, none, mask=offs_p < PLAN_W)
+                if COUNT_BAD:
+                    n_bad = 0
+                    for h0 in range(0, H, BLOCK_H):
+                        i = h0 + offs_h
+                        im = i < H
+                        s = tl.load(lru_row + i, mask=im, other=0)
+                        n_bad += tl.sum((im & ((s < 0) | (s >= H))).to(tl.int32))
+                    tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
+            else:
+                n_load = tl.minimum(n_miss, n_usable - n_hit)
+                # ---- C0 (score or prefetch): count candidates outside the band (n_nb) and prefetch
+                # targets (unreferenced, outside the band, not loaded)
+                n_nb = n_hit * 0
+                n_low = n_hit * 0
+                n_pfc = n_hit * 0
+                if SCORE or (PF > 0):
+                    cand_run = n_hit * 0
+                    for h0 in range(0, H, BLOCK_H):
+                        i = h0 + offs_h
+                        im = i < H
+                        s = tl.load(lru_row + i, mask=im, other=0)
+                        s_ok = im & (s >= 0) & (s < H)
+                        blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
+                        usable = s_ok & (blk >= 0)
+                        key = tl.load(keys_row + s, mask=usable, other=-1)
+                        mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max),
+                                     other=-1, volatile=True)
+                        keyed = usable & (key >= 0)
+                        referenced = keyed & (mk >= H) & (mk < 2 * H)
+                        bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
+                        cand = usable & (~referenced)
+                        nb = cand & (~bandheld)
+                        if FLAGS:
+                            st = tl.load(flags_row + s, mask=nb, other=0)
+                            n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
+                        else:
+                            n_low += tl.sum(nb.to(tl.int32))
+                        cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
+                        n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
+                        cand_run += tl.sum(cand.to(tl.int32))
+                        n_nb += tl.sum(nb.to(tl.int32))
+                    if SCORE:
+                        n_pfc = tl.maximum(n_nb - n_load, 0)
+                n_pf = n_hit * 0
+                if PF > 0:
+                    n_pf = tl.minimum(tl.minimum(n_bm, PF), n_pfc)
+
+                # band rows that stay hot (score policy): touched, placed worst rank first
+                n_bhk = n_hit * 0
+                if SCORE:
+                    n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
+                # ---- C: one LRU walk: victims, prefetch targets and new order
+                u_total = H - n_hit - n_load - n_pf - n_bhk
+                cand_run = 0
+                low_run = 0
+                high_run = 0
+                pf_run = 0
+                unt_run = 0
+                hit_run = 0
+                n_bad = 0
+                n_used = n_hit * 0
                 for h0 in range(0, H, BLOCK_H):
                     i = h0 + offs_h
                     im = i < H
                     s = tl.load(lru_row + i, mask=im, other=0)
+                    # an LRU entry outside [0, H) is corrupt: never read or written through, counted
                     s_ok = im & (s >= 0) & (s < H)
+                    n_bad += tl.sum((im & (~s_ok)).to(tl.int32))
                     blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
                     usable = s_ok & (blk >= 0)
                     key = tl.load(keys_row + s, mask=usable, other=-1)
@@ -237,226 +309,181 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
                     cand = usable & (~referenced)
                     nb = cand & (~bandheld)
+                    ci = cand.to(tl.int32)
                     if FLAGS:
-                        st = tl.load(flags_row + s, mask=nb, other=0)
-                        n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
+                        st = tl.load(flags_row + s, mask=usable, other=0)
                     else:
-                        n_low += tl.sum(nb.to(tl.int32))
-                    cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
-                    n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
-                    cand_run += tl.sum(cand.to(tl.int32))
-                    n_nb += tl.sum(nb.to(tl.int32))
-                if SCORE:
-                    n_pfc = tl.maximum(n_nb - n_load, 0)
-            n_pf = n_hit * 0
-            if PF > 0:
-                n_pf = tl.minimum(tl.minimum(n_bm, PF), n_pfc)
+                        st = s * 0
+                    low = nb & ((st >> 1) < PROTECT)
+                    high = nb & (~low)
+                    # score: outside the band first (rarely used, then used), then band rows,
+                    # worst rank first
+                    if SCORE:
+                        bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
+                        low_ord = low_run + tl.cumsum(low.to(tl.int32), 0) - 1
+                        high_ord = n_low + high_run + tl.cumsum(high.to(tl.int32), 0) - 1
+                        cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
+                                        tl.where(low, low_ord, high_ord))
+                    else:
+                        cord = cand_run + tl.cumsum(ci, 0) - 1
+                    loaded = cand & (cord < n_load)
+                    pfc = nb & (~loaded)
+                    pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
+                    pf = pfc & (pord < n_pf)
+                    if SCORE:
+                        bhk = cand & bandheld & (~loaded)
+                    else:
+                        bhk = cand & (~cand)
+                    untouched = im & (~referenced) & (~loaded) & (~pf) & (~bhk)
+                    ui = untouched.to(tl.int32)
+                    hi = referenced.to(tl.int32)
+                    uord = unt_run + tl.cumsum(ui, 0) - 1
+                    hord = hit_run + tl.cumsum(hi, 0) - 1
+                    if SCORE:
+                        kpos = u_total + n_bhk - 1 - bo
+                    else:
+                        kpos = uord
+                    base = u_total + n_bhk
+                    newpos = tl.where(untouched, uord,
+                                      tl.where(bhk, kpos,
+                                               tl.where(pf, base + pord,
+                                                        tl.where(loaded, base + n_pf + cord,
+                                                                 base + n_pf + n_load + hord))))
+                    newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
+                    tl.store(nl_row + newpos, s, mask=im)
+                    tl.store(v_row + cord, s, mask=loaded)
+                    tl.store(pv_row + pord, s, mask=pf)
+                    # the evicted key is referenced by no entry of this group: safe to unmap now
+                    tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
+                    if FLAGS:
+                        n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
+                        newst = tl.where(pf, 1, tl.where(loaded, 2,
+                                                         tl.minimum((st >> 1) + 1, COUNT_CAP) * 2))
+                        tl.store(flags_row + s, newst.to(st.dtype), mask=referenced | loaded | pf)
+                    cand_run += tl.sum(ci)
+                    low_run += tl.sum(low.to(tl.int32))
+                    high_run += tl.sum(high.to(tl.int32))
+                    pf_run += tl.sum(pfc.to(tl.int32))
+                    unt_run += tl.sum(ui)
+                    hit_run += tl.sum(hi)
+                tl.debug_barrier()
 
-            # band rows that stay hot (score policy): touched, placed worst rank first
-            n_bhk = n_hit * 0
-            if SCORE:
-                n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
-            # ---- C: one LRU walk: victims, prefetch targets and new order
-            u_total = H - n_hit - n_load - n_pf - n_bhk
-            cand_run = 0
-            low_run = 0
-            high_run = 0
-            pf_run = 0
-            unt_run = 0
-            hit_run = 0
-            n_bad = 0
-            n_used = n_hit * 0
-            for h0 in range(0, H, BLOCK_H):
-                i = h0 + offs_h
-                im = i < H
-                s = tl.load(lru_row + i, mask=im, other=0)
-                # an LRU entry outside [0, H) is corrupt: never read or written through, counted
-                s_ok = im & (s >= 0) & (s < H)
-                n_bad += tl.sum((im & (~s_ok)).to(tl.int32))
-                blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
-                usable = s_ok & (blk >= 0)
-                key = tl.load(keys_row + s, mask=usable, other=-1)
-                mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
-                             volatile=True)
-                keyed = usable & (key >= 0)
-                referenced = keyed & (mk >= H) & (mk < 2 * H)
-                bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
-                cand = usable & (~referenced)
-                nb = cand & (~bandheld)
-                ci = cand.to(tl.int32)
-                if FLAGS:
-                    st = tl.load(flags_row + s, mask=usable, other=0)
-                else:
-                    st = s * 0
-                low = nb & ((st >> 1) < PROTECT)
-                high = nb & (~low)
-                if SCORE:      # outside the band first (rarely used, then used), then band rows,
-                    #            worst rank first
-                    bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
-                    low_ord = low_run + tl.cumsum(low.to(tl.int32), 0) - 1
-                    high_ord = n_low + high_run + tl.cumsum(high.to(tl.int32), 0) - 1
-                    cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
-                                    tl.where(low, low_ord, high_ord))
-                else:
-                    cord = cand_run + tl.cumsum(ci, 0) - 1
-                loaded = cand & (cord < n_load)
-                pfc = nb & (~loaded)
-                pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
-                pf = pfc & (pord < n_pf)
-                if SCORE:
-                    bhk = cand & bandheld & (~loaded)
-                else:
-                    bhk = cand & (~cand)
-                untouched = im & (~referenced) & (~loaded) & (~pf) & (~bhk)
-                ui = untouched.to(tl.int32)
-                hi = referenced.to(tl.int32)
-                uord = unt_run + tl.cumsum(ui, 0) - 1
-                hord = hit_run + tl.cumsum(hi, 0) - 1
-                if SCORE:
-                    kpos = u_total + n_bhk - 1 - bo
-                else:
-                    kpos = uord
-                base = u_total + n_bhk
-                newpos = tl.where(untouched, uord,
-                                  tl.where(bhk, kpos,
-                                           tl.where(pf, base + pord,
-                                                    tl.where(loaded, base + n_pf + cord,
-                                                             base + n_pf + n_load + hord))))
-                newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
-                tl.store(nl_row + newpos, s, mask=im)
-                tl.store(v_row + cord, s, mask=loaded)
-                tl.store(pv_row + pord, s, mask=pf)
-                # the evicted key is referenced by no entry of this group: safe to unmap now
-                tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
-                if FLAGS:
-                    n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
-                    newst = tl.where(pf, 1, tl.where(loaded, 2,
-                                                     tl.minimum((st >> 1) + 1, COUNT_CAP) * 2))
-                    tl.store(flags_row + s, newst.to(st.dtype), mask=referenced | loaded | pf)
-                cand_run += tl.sum(ci)
-                low_run += tl.sum(low.to(tl.int32))
-                high_run += tl.sum(high.to(tl.int32))
-                pf_run += tl.sum(pfc.to(tl.int32))
-                unt_run += tl.sum(ui)
-                hit_run += tl.sum(hi)
-            tl.debug_barrier()
-
-            # ---- D1: new keys of the loaded (and prefetched) slots; the (host row, arena row)
-            # pairs to copy go to the group's copy list for the gather kernel: demand misses
-            # first, then the prefetched band rows unless they go to the plan
-            cr_row = cr_ptr + g.to(tl.int64) * stride_cr
-            n_copy = n_load
-            if COPY_PF:
-                n_copy = n_load + n_pf
-            o0 = n_load * 0
-            while o0 < tl.maximum(n_load, n_pf):
-                o = o0 + offs_h
-                om = o < n_load
-                s = tl.load(v_row + o, mask=om, other=0, volatile=True)
-                p = tl.load(mp_row + o, mask=om, other=-1, volatile=True)
-                ok = om & (s >= 0) & (s < H)
-                tl.store(keys_row + s, p, mask=ok)
-                ok = ok & (p >= 0)
-                hb = tl.load(host_row + p // PAGE, mask=ok, other=0)
-                ab = tl.load(hot_row + s // PAGE, mask=ok, other=0)
-                tl.store(cr_row + o, tl.where(ok, hb.to(tl.int64) * PAGE + p % PAGE, -1),
-                         mask=om)
-                tl.store(cr_row + copy_half + o,
-                         tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=om)
-                if PF > 0:
-                    pm = o < n_pf
-                    s = tl.load(pv_row + o, mask=pm, other=0, volatile=True)
-                    p = tl.load(bp_row + o, mask=pm, other=-1, volatile=True)
-                    ok = pm & (s >= 0) & (s < H)
+                # ---- D1: new keys of the loaded (and prefetched) slots; the (host row, arena row)
+                # pairs to copy go to the group's copy list for the gather kernel: demand misses
+                # first, then the prefetched band rows unless they go to the plan
+                cr_row = cr_ptr + g.to(tl.int64) * stride_cr
+                n_copy = n_load
+                if COPY_PF:
+                    n_copy = n_load + n_pf
+                o0 = n_load * 0
+                while o0 < tl.maximum(n_load, n_pf):
+                    o = o0 + offs_h
+                    om = o < n_load
+                    s = tl.load(v_row + o, mask=om, other=0, volatile=True)
+                    p = tl.load(mp_row + o, mask=om, other=-1, volatile=True)
+                    ok = om & (s >= 0) & (s < H)
                     tl.store(keys_row + s, p, mask=ok)
-                    if COPY_PF:
-                        ok = ok & (p >= 0)
-                        hb = tl.load(host_row + p // PAGE, mask=ok, other=0)
-                        ab = tl.load(hot_row + s // PAGE, mask=ok, other=0)
-                        e = n_load + o
-                        em = pm & (e < H)
-                        tl.store(cr_row + e, tl.where(ok, hb.to(tl.int64) * PAGE + p % PAGE, -1),
-                                 mask=em)
-                        tl.store(cr_row + copy_half + e,
-                                 tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=em)
-                o0 += BLOCK_H
-            offs_sp = tl.arange(0, SPLIT)
-            tl.store(cc_ptr + g.to(tl.int64) * stride_cc + offs_sp,
-                     tl.zeros([SPLIT], tl.int32) + n_copy)
-            if PLAN:       # the group's plan row g is written whole: its targets, then -1
-                # (own names: Triton types a name once per scope, and the loop above uses s/p/...)
-                offs_p = tl.arange(0, BLOCK_P)
-                pw = offs_p < PLAN_W
-                pf_ok = offs_p < n_pf
-                pf_slot = tl.load(pv_row + offs_p, mask=pf_ok, other=0, volatile=True)
-                pf_pos = tl.load(bp_row + offs_p, mask=pf_ok, other=0, volatile=True)
-                pf_ok = pf_ok & (pf_slot >= 0) & (pf_slot < H) & (pf_pos >= 0)
-                pf_host_blk = tl.load(host_row + pf_pos // PAGE, mask=pf_ok, other=0)
-                pf_hot_blk = tl.load(hot_row + pf_slot // PAGE, mask=pf_ok, other=0)
-                src_r = tl.where(pf_ok, pf_host_blk.to(tl.int64) * PAGE + pf_pos % PAGE, -1)
-                dst_r = tl.where(pf_ok, pf_hot_blk.to(tl.int64) * PAGE + pf_slot % PAGE, -1)
-                prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
-                tl.store(prow, src_r, mask=pw)
-                tl.store(prow + plan_half, dst_r, mask=pw)
-            tl.debug_barrier()
+                    ok = ok & (p >= 0)
+                    hb = tl.load(host_row + p // PAGE, mask=ok, other=0)
+                    ab = tl.load(hot_row + s // PAGE, mask=ok, other=0)
+                    tl.store(cr_row + o, tl.where(ok, hb.to(tl.int64) * PAGE + p % PAGE, -1),
+                             mask=om)
+                    tl.store(cr_row + copy_half + o,
+                             tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=om)
+                    if PF > 0:
+                        pm = o < n_pf
+                        s = tl.load(pv_row + o, mask=pm, other=0, volatile=True)
+                        p = tl.load(bp_row + o, mask=pm, other=-1, volatile=True)
+                        ok = pm & (s >= 0) & (s < H)
+                        tl.store(keys_row + s, p, mask=ok)
+                        if COPY_PF:
+                            ok = ok & (p >= 0)
+                            hb = tl.load(host_row + p // PAGE, mask=ok, other=0)
+                            ab = tl.load(hot_row + s // PAGE, mask=ok, other=0)
+                            e = n_load + o
+                            em = pm & (e < H)
+                            tl.store(cr_row + e,
+                                     tl.where(ok, hb.to(tl.int64) * PAGE + p % PAGE, -1), mask=em)
+                            tl.store(cr_row + copy_half + e,
+                                     tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=em)
+                    o0 += BLOCK_H
+                offs_sp = tl.arange(0, SPLIT)
+                tl.store(cc_ptr + g.to(tl.int64) * stride_cc + offs_sp,
+                         tl.zeros([SPLIT], tl.int32) + n_copy)
+                if PLAN:       # the group's plan row g is written whole: its targets, then -1
+                    # (own names: Triton types a name once per scope; the loop above uses s/p/...)
+                    offs_p = tl.arange(0, BLOCK_P)
+                    pw = offs_p < PLAN_W
+                    pf_ok = offs_p < n_pf
+                    pf_slot = tl.load(pv_row + offs_p, mask=pf_ok, other=0, volatile=True)
+                    pf_pos = tl.load(bp_row + offs_p, mask=pf_ok, other=0, volatile=True)
+                    pf_ok = pf_ok & (pf_slot >= 0) & (pf_slot < H) & (pf_pos >= 0)
+                    pf_host_blk = tl.load(host_row + pf_pos // PAGE, mask=pf_ok, other=0)
+                    pf_hot_blk = tl.load(hot_row + pf_slot // PAGE, mask=pf_ok, other=0)
+                    src_r = tl.where(pf_ok, pf_host_blk.to(tl.int64) * PAGE + pf_pos % PAGE, -1)
+                    dst_r = tl.where(pf_ok, pf_hot_blk.to(tl.int64) * PAGE + pf_slot % PAGE, -1)
+                    prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
+                    tl.store(prow, src_r, mask=pw)
+                    tl.store(prow + plan_half, dst_r, mask=pw)
+                tl.debug_barrier()
 
-            # ---- D3: outputs of hot lookups
-            tt = t
-            while tt < t + n:
-                for k0 in range(0, K, BLOCK_K):
-                    kk = k0 + offs_k
-                    km = kk < K
-                    pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
-                    page = pos // PAGE
-                    valid = km & (pos >= 0) & (page < P)
-                    res = tl.load(res_row + page, mask=valid, other=-1)
-                    nonres = valid & (res < 0)
-                    mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
-                    is_hit = nonres & (mval >= H) & (mval < 2 * H)
-                    mord = -2 - mval
-                    is_miss = nonres & (mval <= -2) & (mord < n_load)
-                    slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
-                    slot = tl.where(is_hit, mval - H, slot_m)
-                    served = is_hit | is_miss
-                    ab = tl.load(hot_row + slot // PAGE, mask=served, other=-1)
-                    row = tl.where(served, ab * PAGE + slot % PAGE, -1)
-                    tl.store(out_ptr + tt * stride_out + kk, row, mask=nonres)
-                tt += 1
-            tl.debug_barrier()
-
-            # ---- E: commit LRU, reset the position map
-            for h0 in range(0, H, BLOCK_H):
-                i = h0 + offs_h
-                im = i < H
-                s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
-                tl.store(lru_row + i, s, mask=im)
-                blk = tl.load(hot_row + i // PAGE, mask=im & ((i // PAGE) < HB), other=-1)
-                key = tl.load(keys_row + i, mask=im & (blk >= 0), other=-1, volatile=True)
-                tl.store(m_row + key, -1, mask=im & (blk >= 0) & (key >= 0) & (key < s_max))
-            tt = t
-            while tt < t + n:
-                for k0 in range(0, K, BLOCK_K):
-                    kk = k0 + offs_k
-                    km = kk < K
-                    pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
-                    valid = km & (pos >= 0) & (pos < s_max)
-                    tl.store(m_row + pos, -1, mask=valid)
-                tt += 1
-            if NB > 0:
+                # ---- D3: outputs of hot lookups
                 tt = t
                 while tt < t + n:
-                    for b0 in range(0, NB, BLOCK_B):
-                        bb = b0 + tl.arange(0, BLOCK_B)
-                        pos = tl.load(band_ptr + tt * stride_band + bb, mask=bb < NB, other=-1)
-                        tl.store(m_row + pos, -1, mask=(bb < NB) & (pos >= 0) & (pos < s_max))
+                    for k0 in range(0, K, BLOCK_K):
+                        kk = k0 + offs_k
+                        km = kk < K
+                        pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
+                        page = pos // PAGE
+                        valid = km & (pos >= 0) & (page < P)
+                        res = tl.load(res_row + page, mask=valid, other=-1)
+                        nonres = valid & (res < 0)
+                        mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                        is_hit = nonres & (mval >= H) & (mval < 2 * H)
+                        mord = -2 - mval
+                        is_miss = nonres & (mval <= -2) & (mord < n_load)
+                        slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
+                        slot = tl.where(is_hit, mval - H, slot_m)
+                        served = is_hit | is_miss
+                        ab = tl.load(hot_row + slot // PAGE, mask=served, other=-1)
+                        row = tl.where(served, ab * PAGE + slot % PAGE, -1)
+                        tl.store(out_ptr + tt * stride_out + kk, row, mask=nonres)
                     tt += 1
-            tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
-            tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
-            if COUNT_BAD:
-                tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
-            if COUNT_PF:
-                tl.atomic_add(cnt_ptr + 3, n_pf.to(tl.int64))
-                tl.atomic_add(cnt_ptr + 4, n_used.to(tl.int64))
+                tl.debug_barrier()
+
+                # ---- E: commit LRU, reset the position map
+                for h0 in range(0, H, BLOCK_H):
+                    i = h0 + offs_h
+                    im = i < H
+                    s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
+                    tl.store(lru_row + i, s, mask=im)
+                    blk = tl.load(hot_row + i // PAGE, mask=im & ((i // PAGE) < HB), other=-1)
+                    key = tl.load(keys_row + i, mask=im & (blk >= 0), other=-1, volatile=True)
+                    tl.store(m_row + key, -1, mask=im & (blk >= 0) & (key >= 0) & (key < s_max))
+                tt = t
+                while tt < t + n:
+                    for k0 in range(0, K, BLOCK_K):
+                        kk = k0 + offs_k
+                        km = kk < K
+                        pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
+                        valid = km & (pos >= 0) & (pos < s_max)
+                        tl.store(m_row + pos, -1, mask=valid)
+                    tt += 1
+                if NB > 0:
+                    tt = t
+                    while tt < t + n:
+                        for b0 in range(0, NB, BLOCK_B):
+                            bb = b0 + tl.arange(0, BLOCK_B)
+                            pos = tl.load(band_ptr + tt * stride_band + bb, mask=bb < NB, other=-1)
+                            tl.store(m_row + pos, -1, mask=(bb < NB) & (pos >= 0) & (pos < s_max))
+                        tt += 1
+                tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
+                tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
+                if COUNT_BAD:
+                    tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
+                if COUNT_PF:
+                    tl.atomic_add(cnt_ptr + 3, n_pf.to(tl.int64))
+                    tl.atomic_add(cnt_ptr + 4, n_used.to(tl.int64))
 
 
 @triton.jit

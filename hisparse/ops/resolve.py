@@ -77,10 +77,10 @@ writes the group's rows to load as a copy list) and the miss gather (``MISS_COPY
 per group, each moving a share of the list, so a group's misses stream through many SMs instead
 of one). Misses are copied straight from the (pinned, on CUDA) ``host`` tensor through unified
 addressing, in flat 16-byte chunks. A group with no usable hot slot (a request not in host-read
-mode in a mixed batch) only writes its resident rows. Position map, scratch and copy list live in
-a caller-owned :class:`ResolveWorkspace`, allocated once for the largest call (as FlashMLA's
-``FlashMLASchedMeta`` holds kernel state for its caller): CUDA-graph capturable, and graphs
-captured at any batch size stay valid.
+mode in a mixed batch), or whose selections are all resident, only writes its outputs.
+Position map, scratch and copy list live in a caller-owned :class:`ResolveWorkspace`, allocated
+once for the largest call (as FlashMLA's ``FlashMLASchedMeta`` holds kernel state for its
+caller): CUDA-graph capturable, and graphs captured at any batch size stay valid.
 """
 
 from __future__ import annotations

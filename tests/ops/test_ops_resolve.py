@@ -463,9 +463,11 @@ def test_workspace_is_never_reallocated(triton_cpu):
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
     """A batch mixing host-read requests with requests that lease no hot block (their slots'
-    stale keys and corrupt LRU entries included): the Triton path equals the reference in
-    outputs, keys, LRU, flags, counters (corrupt entries counted), arena and prefetch plan (the
-    slotless groups' plan rows are all -1), with misses larger than the gather's split."""
+    stale keys and corrupt LRU entries included) and a host-read request whose selections are
+    all resident (no hot lookup: its mapped keys must be unmapped): the Triton path equals the
+    reference in outputs, keys, LRU, flags, counters (corrupt entries counted), arena and
+    prefetch plan (the groups without hot lookups have plan rows of -1), with misses larger than
+    the gather's split, and leaves the workspace clean."""
     from hisparse.ops import ResolveWorkspace
     R, P, H, PF = 4, 10, 40, prefetch
     b = Batch(R=R, P=P, H=H, seed=41, resident_frac=0.3)
@@ -473,6 +475,9 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
     b.hot[3] = -1
     g = torch.Generator().manual_seed(41)
     b.keys[0][1] = rand_sel(g, H, 0, P * BS)          # stale keys must never be served
+    b.res[2] = Batch(R=R, P=P, H=H, seed=41, resident_frac=1.0).res[2]   # all resident
+    b.keys[0][2] = rand_sel(g, H, 0, P * BS)
+    b.lru[0][2, 3] = H
     b.lru[0][3, 5] = H + 7                            # corrupt entries: skipped, counted
     b.lru[0][1, 0] = -3
     b.counters[0] = torch.zeros(5, dtype=torch.int64)
@@ -500,10 +505,10 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
         assert torch.equal(b.arena_all, ref.arena_all)
         if PF:
             assert torch.equal(plan, ref_plan)
-            assert (plan[:, [0, 2]] == -1).all()      # groups 0 (slot 1) and 2 (slot 3)
-        assert (ws.copy_count == 0).all()
+            assert (plan[:, [0, 2, 3]] == -1).all()   # groups of slots 1, 3 and 2
+        assert (ws.copy_count == 0).all() and (ws.position_map == -1).all()
     c = b.counters[0].tolist()
-    assert c[1] > 3 * 16 and c[2] == 2 * 3            # misses beyond the split; corrupt x steps
+    assert c[1] > 16 and c[2] == 3 * 3               # misses beyond the split; corrupt x steps
 
 
 @pytest.mark.parametrize("split", [1, 4])
