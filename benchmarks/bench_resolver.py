@@ -15,12 +15,16 @@ pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``
   the real rank, where no lookup was a hot one).
 
 ``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
-program moves a group's misses) and is the in-run baseline of the ratios printed.
+program moves a group's misses). ``--baseline FILE``: also time another version of
+``hisparse/ops/_resolve_triton.py`` (e.g. ``git show 986c8d9:hisparse/ops/_resolve_triton.py >
+.bench_base/resolve_base.py``: the kernel before the split) on the same inputs; ratios are
+printed against it, else against split 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
@@ -63,8 +67,17 @@ def build(R: int, ctx: int, scenario: str, gen: torch.Generator, host: torch.Ten
         counters=torch.zeros(3, dtype=torch.int64, device=dev))
 
 
-def run(R: int, ctx: int, scenario: str, split: int, table: torch.Tensor,
-        host: torch.Tensor) -> dict:
+def load_baseline(path: str):
+    """``resolve_rows_triton`` of another version of the kernel module, imported inside
+    ``hisparse.ops`` (its relative imports resolve against this tree's package)."""
+    spec = importlib.util.spec_from_file_location("hisparse.ops._resolve_triton_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.resolve_rows_triton
+
+
+def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
+        table: torch.Tensor, host: torch.Tensor) -> dict:
     gen = torch.Generator().manual_seed(0)
     b = build(R, ctx, scenario, gen, host)
     ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
@@ -77,8 +90,8 @@ def run(R: int, ctx: int, scenario: str, split: int, table: torch.Tensor,
     cold = torch.tensor([0, 1], device="cuda")
 
     def call():
-        resolve_rows_triton(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"],
-                            b["arena"], b["host"], BS, b["counters"], ws, out=out, split=split)
+        resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"], b["arena"],
+                b["host"], BS, b["counters"], ws, out=out, **kw)
 
     call()                                   # compile outside the capture (a cold fill)
     torch.cuda.synchronize()
@@ -104,7 +117,7 @@ def run(R: int, ctx: int, scenario: str, split: int, table: torch.Tensor,
     times.sort()
     us = times[len(times) // 2]
     miss_rows = misses / TIMED
-    return dict(scenario=scenario, split=split, requests=R, us=us,
+    return dict(scenario=scenario, variant=variant, requests=R, us=us,
                 misses_per_request=miss_rows / R,
                 hit_rate=hits / max(1, hits + misses),
                 miss_gb_s=miss_rows * ROW / (us * 1e-6) / 1e9 if miss_rows else None)
@@ -116,29 +129,36 @@ def main() -> None:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--splits", default="16,1")
     p.add_argument("--scenarios", default="steady,cold2,mixed,resident")
+    p.add_argument("--baseline", default=None, help="another _resolve_triton.py to time")
     p.add_argument("--out", default=None, help="JSON file")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     table = topk_table("synthetic:0.8", 1, a.context, WARM + TIMED, K)
-    splits = [int(s) for s in a.splits.split(",")]
+    variants = [(f"split {n}", resolve_rows_triton, {"split": int(n)})
+                for n in a.splits.split(",")]
+    if a.baseline:
+        variants.insert(0, ("baseline", load_baseline(a.baseline), {}))
+    ref = "baseline" if a.baseline else "split 1"
     # the pinned pool (contents do not matter for the timing), shared by every run
     host = torch.empty((a.requests * pages(a.context) * BS, ROW), dtype=torch.uint8,
                        pin_memory=True)
     res = []
     for scenario in a.scenarios.split(","):
-        for split in splits:
-            r = run(a.requests, a.context, scenario, split, table, host)
-            res.append(r)
-            print(f"{scenario:<9} split {split:>2}: {r['us']:8.1f} us per layer call, "
+        rows = []
+        for name, fn, kw in variants:
+            r = run(a.requests, a.context, scenario, name, fn, kw, table, host)
+            rows.append(r)
+            print(f"{scenario:<9} {name:<9}: {r['us']:8.1f} us per layer call, "
                   f"{r['misses_per_request']:6.1f} misses per request (hit rate "
                   f"{r['hit_rate']:.3f})"
                   + (f", {r['miss_gb_s']:.1f} GB/s of missed rows" if r["miss_gb_s"] else ""),
                   flush=True)
-        one = [r for r in res if r["scenario"] == scenario and r["split"] == 1]
-        for r in res:
-            if r["scenario"] == scenario and one and r["split"] != 1:
-                print(f"{scenario:<9} split {r['split']} / split 1: "
-                      f"{r['us'] / one[0]['us']:.2f}x time", flush=True)
+        base = [r for r in rows if r["variant"] == ref]
+        for r in rows:
+            if base and r is not base[0]:
+                print(f"{scenario:<9} {r['variant']} / {ref}: {r['us'] / base[0]['us']:.2f}x "
+                      f"time", flush=True)
+        res += rows
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
