@@ -313,12 +313,21 @@ def test_triton_interpreter_matches_reference_random_steps(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mult", [1, 2, 5])
-def test_gpu_production_shape_matches_reference(mult):
+@pytest.mark.parametrize("mult,mixed", [(1, False), (2, False), (5, False), (2, True)])
+def test_gpu_production_shape_matches_reference(mult, mixed):
+    """``mixed``: a quarter of the requests lease no hot block and a quarter hold hot blocks
+    (with stale keys) but have every page resident: the resolver's two short paths."""
     R, K = 64, 2048
     H = mult * K
     P = (4 * K) // BS + 4
     b = Batch(R=R, P=P, H=H, seed=13, resident_frac=0.3, device="cuda", pin=True)
+    if mixed:
+        b.hot[0::4] = -1
+        n_blocks = b.arena_all.shape[1] // BS
+        b.res[1::4] = torch.randint(0, n_blocks, (len(range(1, R, 4)), P), dtype=torch.int32,
+                                    device="cuda")
+        b.keys[0][1::4] = torch.randint(0, P * BS, (len(range(1, R, 4)), H), dtype=torch.int32,
+                                        device="cuda")
     ref = b.clone()
     ref.host_all = b.host_all                    # same pinned host rows
     g = torch.Generator().manual_seed(13)
