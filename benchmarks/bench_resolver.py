@@ -11,14 +11,17 @@ pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``
 - ``cold2``: as ``steady``, but two requests start each step with an empty hot buffer (a request
   that just entered host-read mode: 2048 misses in every layer);
 - ``mixed``: half the requests host-read (warm), half with every page resident and no hot block;
-- ``resident``: no request holds a hot block, every page resident (HiSparse at 24 requests on
-  the real rank, where no lookup was a hot one).
+- ``resident``: no request holds a hot block, every page resident;
+- ``leased``: every request holds its hot blocks (stale keys) but every page is resident
+  (HiSparse at 24 requests on the real rank, where no lookup was a hot one, is one of these two
+  or a mix).
 
 ``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
-program moves a group's misses). ``--baseline FILE``: also time another version of
-``hisparse/ops/_resolve_triton.py`` (e.g. ``git show 986c8d9:hisparse/ops/_resolve_triton.py >
-.bench_base/resolve_base.py``: the kernel before the split) on the same inputs; ratios are
-printed against it, else against split 1.
+program moves a group's misses). ``--configs BLOCK_H:WARPS,...``: also time the resolver with
+those slots per pass over the hot buffer and warps (default 1024:8), at split 16.
+``--baseline FILE``: also time another version of ``hisparse/ops/_resolve_triton.py`` (e.g.
+``git show 986c8d9:hisparse/ops/_resolve_triton.py > .bench_base/resolve_base.py``: the kernel
+before the split) on the same inputs; ratios are printed against it, else against split 1.
 """
 
 from __future__ import annotations
@@ -54,14 +57,16 @@ def build(R: int, ctx: int, scenario: str, gen: torch.Generator, host: torch.Ten
     elif scenario == "mixed":
         slotless[R // 2:] = True
     hot[slotless] = -1
-    res[~slotless] = -1
+    if scenario != "leased":
+        res[~slotless] = -1
     dev = "cuda"
     return dict(
         P=P, hot=hot.to(dev), res=res.to(dev),
         hostbt=torch.randperm(R * P, generator=gen).to(torch.int32).view(R, P).to(dev),
         arena=torch.randint(0, 256, (n_blocks * BS, ROW), dtype=torch.uint8, device=dev),
         host=host,
-        keys=torch.full((R, H), -1, dtype=torch.int32, device=dev),
+        keys=(torch.randint(0, P * BS, (R, H), dtype=torch.int32, generator=gen)
+              if scenario == "leased" else torch.full((R, H), -1, dtype=torch.int32)).to(dev),
         lru=torch.stack([torch.randperm(H, generator=gen) for _ in range(R)]).to(torch.int32)
         .to(dev),
         counters=torch.zeros(3, dtype=torch.int64, device=dev))
@@ -128,7 +133,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=42)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--splits", default="16,1")
-    p.add_argument("--scenarios", default="steady,cold2,mixed,resident")
+    p.add_argument("--scenarios", default="steady,cold2,mixed,resident,leased")
+    p.add_argument("--configs", default="", help="BLOCK_H:WARPS,... resolver configs to try")
     p.add_argument("--baseline", default=None, help="another _resolve_triton.py to time")
     p.add_argument("--out", default=None, help="JSON file")
     a = p.parse_args()
@@ -136,6 +142,10 @@ def main() -> None:
     table = topk_table("synthetic:0.8", 1, a.context, WARM + TIMED, K)
     variants = [(f"split {n}", resolve_rows_triton, {"split": int(n)})
                 for n in a.splits.split(",")]
+    for cfg in filter(None, a.configs.split(",")):
+        bh, nw = (int(x) for x in cfg.split(":"))
+        variants.append((f"h{bh} w{nw}", resolve_rows_triton,
+                         {"split": 16, "block_h": bh, "num_warps": nw}))
     if a.baseline:
         variants.insert(0, ("baseline", load_baseline(a.baseline), {}))
     ref = "baseline" if a.baseline else "split 1"

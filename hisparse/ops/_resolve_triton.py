@@ -596,11 +596,14 @@ def _words(t: torch.Tensor):
 def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table, hot_block_table,
                         hot_keys, hot_lru, arena, host, block_size, counters, workspace,
                         block_k=None, out=None, band=None, policy="lru", prefetch=0,
-                        hot_flags=None, prefetch_plan=None, split=MISS_COPY_SPLIT):
+                        hot_flags=None, prefetch_plan=None, split=MISS_COPY_SPLIT, block_h=None,
+                        num_warps=8):
     """``workspace``: a :class:`~hisparse.ops.resolve.ResolveWorkspace` large enough for this
-    call (checked; never grown: a captured graph keeps the addresses it saw). ``split``: gather
-    programs per request group, a power of two in ``[1, MISS_COPY_SPLIT]`` (a speed knob for
-    benchmarks; results do not depend on it)."""
+    call (checked; never grown: a captured graph keeps the addresses it saw). Speed knobs for
+    benchmarks (results do not depend on them): ``split``, gather programs per request group, a
+    power of two in ``[1, MISS_COPY_SPLIT]``; ``block_h``, slots per pass of the resolver's
+    walks over the hot buffer (a power of two >= 32; default ``min(1024, H)`` rounded up);
+    ``num_warps`` of the resolver."""
     T, K = topk.shape
     R, P = resident_block_table.shape
     HB = hot_block_table.shape[1]
@@ -636,7 +639,10 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     g_max = m.shape[0]
     if block_k is None:
         block_k = min(1024, max(32, next_pow2(K)))
-    block_h = min(1024, max(32, next_pow2(H)))
+    if block_h is None:
+        block_h = min(1024, max(32, next_pow2(H)))
+    elif block_h < 32 or block_h & (block_h - 1):
+        raise ValueError(f"resolve_rows: block_h must be a power of two >= 32, got {block_h}")
     nb = 0 if band is None else band.shape[1]
     if band is not None and band.shape[0] != T:
         raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
@@ -667,7 +673,7 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
         BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split,
-        COPY_PF=prefetch > 0 and not plan, num_warps=8,
+        COPY_PF=prefetch > 0 and not plan, num_warps=num_warps,
     )
     _resolve_gather_kernel[(groups, split)](
         cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), cc.stride(0), arena_rw, host_rw,

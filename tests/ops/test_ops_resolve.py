@@ -520,10 +520,11 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
     assert c[1] > 16 and c[2] == 3 * 3               # misses beyond the split; corrupt x steps
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_gather_split_does_not_change_results(triton_cpu, split):
-    """The miss gather's programs per group are a speed knob: any split gives the reference's
-    state and arena (cold buffers: every miss of a group spread over the split)."""
+@pytest.mark.parametrize("split,block_h", [(1, None), (4, 32)])
+def test_speed_knobs_do_not_change_results(triton_cpu, split, block_h):
+    """The miss gather's programs per group and the resolver's slots per pass are speed knobs:
+    any setting gives the reference's state and arena (cold buffers: every miss of a group
+    spread over the split; 32 slots per pass: two passes over 48 slots)."""
     from hisparse.ops import ResolveWorkspace
     from hisparse.ops._resolve_triton import resolve_rows_triton
     R, P, H = 3, 10, 48
@@ -536,14 +537,15 @@ def test_gather_split_does_not_change_results(triton_cpu, split):
         topk = torch.stack([rand_sel(g, 30, 0, P * BS) for _ in range(3)])
         o1 = resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
                                  b.arena_all[0], b.host_all[0], BS, b.counters[0], ws,
-                                 split=split)
+                                 split=split, block_h=block_h)
         o2 = ref.resolve("reference", topk, req)
         assert torch.equal(o1, o2) and torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert (ws.copy_count == 0).all()
-    with pytest.raises(ValueError, match="split"):
-        resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
-                            b.arena_all[0], b.host_all[0], BS, b.counters[0], ws, split=3)
+    for bad, match in (({"split": 3}, "split"), ({"block_h": 48}, "block_h")):
+        with pytest.raises(ValueError, match=match):
+            resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                                b.arena_all[0], b.host_all[0], BS, b.counters[0], ws, **bad)
 
 
 @pytest.mark.gpu
