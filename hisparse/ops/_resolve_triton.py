@@ -54,7 +54,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     NB: tl.constexpr, BLOCK_B: tl.constexpr, SCORE: tl.constexpr,
                     PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
                     PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
-                    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, COPY_PF: tl.constexpr):
+                    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+                    COPY_PF: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -407,9 +408,9 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                             tl.store(cr_row + copy_half + e,
                                      tl.where(ok, ab.to(tl.int64) * PAGE + s % PAGE, -1), mask=em)
                     o0 += BLOCK_H
-                offs_sp = tl.arange(0, SPLIT)
+                offs_sp = tl.arange(0, BLOCK_S)
                 tl.store(cc_ptr + g.to(tl.int64) * stride_cc + offs_sp,
-                         tl.zeros([SPLIT], tl.int32) + n_copy)
+                         tl.zeros([BLOCK_S], tl.int32) + n_copy, mask=offs_sp < SPLIT)
                 if PLAN:       # the group's plan row g is written whole: its targets, then -1
                     # (own names: Triton types a name once per scope; the loop above uses s/p/...)
                     offs_p = tl.arange(0, BLOCK_P)
@@ -672,7 +673,7 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
-        BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split,
+        BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split, BLOCK_S=max(2, split),
         COPY_PF=prefetch > 0 and not plan, num_warps=num_warps,
     )
     _resolve_gather_kernel[(groups, split)](
