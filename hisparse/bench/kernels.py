@@ -5,6 +5,13 @@ the kernels, memcpys and memsets CUPTI records, inside CUDA-graph replays too) a
 device event's time into the first class of :data:`KERNEL_CLASSES` whose pattern matches the
 kernel's name. Events of the side streams (mirrors, prefetch) count like any other: the figure
 is device time, not the critical path (the step's wall and GPU-event times say that).
+
+HiSparse (host-read) steps profile like GPU-only ones this way (real rank, 42 host-read
+requests: docs/BENCHMARKS.md, "Profiling HiSparse steps"). Under the overlapped loop one
+``LLM.step()`` launches step n and then waits for step n-1's tokens: ``N`` calls hold the kernels
+of the ``N`` steps launched inside the session (the step in flight when it starts is not in
+it), and the session ends after a device synchronize so none of them is still running. Why an
+earlier plain profile of HiSparse steps recorded no kernels was not determined (ibid.).
 """
 
 from __future__ import annotations

@@ -71,12 +71,16 @@ Padding tokens (``token_req == -1``) output a row of ``-1`` and touch nothing. W
 row positions must be unique (the indexer guarantees it). ``hot_keys`` must be reset to ``-1``
 whenever the hot blocks change or a host block is reused (DESIGN I6): the op trusts the keys.
 
-The Triton kernel runs one program per request group, entirely on device (no host sync, fixed
-shapes, a fixed number of launches). Its position map and scratch live in a caller-owned
-:class:`ResolveWorkspace`, allocated once for the largest call (as FlashMLA's ``FlashMLASchedMeta``
-holds kernel state for its caller): CUDA-graph capturable, and graphs captured at any batch size
-stay valid. Misses are copied straight from the (pinned, on CUDA) ``host`` tensor through unified
-addressing, in flat 16-byte chunks.
+The Triton path is two launches, entirely on device (no host sync, fixed shapes, a fixed number
+of launches): the resolver (one program per request group: lookups, victims, LRU, outputs; it
+writes the group's rows to load as a copy list) and the miss gather (``MISS_COPY_SPLIT`` programs
+per group, each moving a share of the list, so a group's misses stream through many SMs instead
+of one). Misses are copied straight from the (pinned, on CUDA) ``host`` tensor through unified
+addressing, in flat 16-byte chunks. A group with no usable hot slot (a request not in host-read
+mode in a mixed batch), or whose selections are all resident, only writes its outputs.
+Position map, scratch and copy list live in a caller-owned :class:`ResolveWorkspace`, allocated
+once for the largest call (as FlashMLA's ``FlashMLASchedMeta`` holds kernel state for its
+caller): CUDA-graph capturable, and graphs captured at any batch size stay valid.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ from ._common import want_triton
 POLICIES = ("lru", "score")
 PROTECT_USES = 3          # score policy: rows used this often since loaded are evicted last
 USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
+MISS_COPY_SPLIT = 16      # miss-gather programs per request group (a power of two)
 HOT_POLICIES = ("lru", "score", "score+prefetch")
 DEFAULT_HOT_POLICY = "score+prefetch"
 
@@ -118,7 +123,11 @@ class ResolveWorkspace:
 
     ``position_map [max_groups, max_positions]`` int32 is all ``-1`` between calls (each call
     resets what it touched); ``scratch [6, max_groups, hot_buffer_size]`` int32 (victims, miss
-    positions, new LRU order, band ordinals, band-miss positions, prefetch targets). A call needs
+    positions, new LRU order, band ordinals, band-miss positions, prefetch targets);
+    ``copy_rows [2, max_groups, hot_buffer_size]`` int64 (per group, the host rows and arena rows
+    the miss gather moves; ``-1`` skip) and ``copy_count [max_groups, MISS_COPY_SPLIT]`` int32,
+    all 0 between calls (the resolver writes a group's list length into its row, each gather
+    program reads and zeroes its own cell). A call needs
     ``max_groups >= min(T, R)`` (request groups of the call), ``max_positions >= P * block_size``
     and the same ``H``; a workspace is never grown (a captured CUDA graph keeps its addresses),
     a call that does not fit raises ``ValueError``. One workspace serves every layer (calls on
@@ -135,6 +144,10 @@ class ResolveWorkspace:
                                        dtype=torch.int32, device=self.device)
         self.scratch = torch.empty((6, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
                                    device=self.device)
+        self.copy_rows = torch.empty((2, self.max_groups, self.hot_buffer_size),
+                                     dtype=torch.int64, device=self.device)
+        self.copy_count = torch.zeros((self.max_groups, MISS_COPY_SPLIT), dtype=torch.int32,
+                                      device=self.device)
 
     def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:
         if (groups > self.max_groups or positions > self.max_positions

@@ -126,9 +126,9 @@ class CacheGeometry:
 
 class StepWorkspace:
     """Kernel state shared by all layers of a step, sized once for the largest batch:
-    the resolver's position map + scratch (``max_num_seqs`` request groups), the indexer's
-    score-key buffer and, with prefetch, one prefetch plan per layer. Ops receive these
-    explicitly; nothing here is ever reallocated once a step ran."""
+    the resolver's position map, scratch and miss-copy list (``max_num_seqs`` request groups),
+    the indexer's score-key buffer and, with prefetch, one prefetch plan per layer. Ops receive
+    these explicitly; nothing here is ever reallocated once a step ran."""
 
     def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
         positions = cfg.max_pages_per_request * cfg.block_size

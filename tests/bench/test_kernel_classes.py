@@ -15,6 +15,7 @@ def test_kernel_names_fall_in_their_class():
         "_sparse_attention_fp8_kernel": "attention",
         "_resolve_kernel": "resolver and miss gather",
         "_plan_copy_kernel": "resolver and miss gather",
+        "_resolve_gather_kernel": "resolver and miss gather",
         "_moe_gate_up_kernel": "MoE",
         "_fp8_gemm_kernel": "GEMM",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "GEMM",

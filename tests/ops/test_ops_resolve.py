@@ -313,12 +313,21 @@ def test_triton_interpreter_matches_reference_random_steps(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mult", [1, 2, 5])
-def test_gpu_production_shape_matches_reference(mult):
+@pytest.mark.parametrize("mult,mixed", [(1, False), (2, False), (5, False), (2, True)])
+def test_gpu_production_shape_matches_reference(mult, mixed):
+    """``mixed``: a quarter of the requests lease no hot block and a quarter hold hot blocks
+    (with stale keys) but have every page resident: the resolver's two short paths."""
     R, K = 64, 2048
     H = mult * K
     P = (4 * K) // BS + 4
     b = Batch(R=R, P=P, H=H, seed=13, resident_frac=0.3, device="cuda", pin=True)
+    if mixed:
+        b.hot[0::4] = -1
+        n_blocks = b.arena_all.shape[1] // BS
+        b.res[1::4] = torch.randint(0, n_blocks, (len(range(1, R, 4)), P), dtype=torch.int32,
+                                    device="cuda")
+        b.keys[0][1::4] = torch.randint(0, P * BS, (len(range(1, R, 4)), H), dtype=torch.int32,
+                                        device="cuda")
     ref = b.clone()
     ref.host_all = b.host_all                    # same pinned host rows
     g = torch.Generator().manual_seed(13)
@@ -433,7 +442,8 @@ def test_workspace_is_never_reallocated(triton_cpu):
     from hisparse.ops import ResolveWorkspace
     R, P, H = 4, 6, 32
     ws = ResolveWorkspace(R, P * BS, H, "cpu")
-    ptrs = (ws.position_map.data_ptr(), ws.scratch.data_ptr())
+    ptrs = (ws.position_map.data_ptr(), ws.scratch.data_ptr(), ws.copy_rows.data_ptr(),
+            ws.copy_count.data_ptr())
     b = Batch(R=R, P=P, H=H, seed=22)
     ref = b.clone()
     g = torch.Generator().manual_seed(22)
@@ -445,8 +455,11 @@ def test_workspace_is_never_reallocated(triton_cpu):
         o = resolve_rows(*args, workspace=ws)
         o_ref = ref.resolve("reference", topk, req)
         assert torch.equal(o, o_ref)
-        assert (ws.position_map.data_ptr(), ws.scratch.data_ptr()) == ptrs
+        assert (ws.position_map.data_ptr(), ws.scratch.data_ptr(), ws.copy_rows.data_ptr(),
+                ws.copy_count.data_ptr()) == ptrs
         assert (ws.position_map == -1).all()       # left clean for the next call
+        assert (ws.copy_count == 0).all()          # every copy list consumed by the gather
+    assert int(b.counters[0][1]) > 0               # misses went through the gather
     small = ResolveWorkspace(1, P * BS, H, "cpu")
     with pytest.raises(ValueError, match="workspace"):          # 2 groups do not fit in 1
         resolve_rows(torch.zeros(2, 10, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
@@ -454,6 +467,85 @@ def test_workspace_is_never_reallocated(triton_cpu):
     import hisparse.ops._resolve_triton as kernel_module
     assert not any(isinstance(v, dict) for k, v in vars(kernel_module).items()
                    if k.isupper() or k.startswith("_S")), "no module-global scratch"
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
+    """A batch mixing host-read requests with requests that lease no hot block (their slots'
+    stale keys and corrupt LRU entries included) and a host-read request whose selections are
+    all resident (no hot lookup: its mapped keys must be unmapped): the Triton path equals the
+    reference in outputs, keys, LRU, flags, counters (corrupt entries counted), arena and
+    prefetch plan (the groups without hot lookups have plan rows of -1), with misses larger than
+    the gather's split, and leaves the workspace clean."""
+    from hisparse.ops import ResolveWorkspace
+    R, P, H, PF = 4, 10, 40, prefetch
+    b = Batch(R=R, P=P, H=H, seed=41, resident_frac=0.3)
+    b.hot[1] = -1
+    b.hot[3] = -1
+    g = torch.Generator().manual_seed(41)
+    b.keys[0][1] = rand_sel(g, H, 0, P * BS)          # stale keys must never be served
+    b.res[2] = Batch(R=R, P=P, H=H, seed=41, resident_frac=1.0).res[2]   # all resident
+    b.keys[0][2] = rand_sel(g, H, 0, P * BS)
+    b.lru[0][2, 3] = H
+    b.lru[0][3, 5] = H + 7                            # corrupt entries: skipped, counted
+    b.lru[0][1, 0] = -3
+    b.counters[0] = torch.zeros(5, dtype=torch.int64)
+    ref = b.clone()
+    flags_b = torch.zeros(R, H, dtype=torch.int32)
+    flags_r = flags_b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    for _ in range(3):
+        req = torch.tensor([1, 0, 0, 3, -1, 2], dtype=torch.int32)
+        topk, band = ranked_rows(g, 6, 16, 8, P * BS)
+        kw = dict(band=band, policy="score", prefetch=PF, hot_flags=flags_b)
+        plan = torch.full((2, R, PF), 55, dtype=torch.int64) if PF else None
+        ref_plan = plan.clone() if PF else None
+        poison = torch.full(topk.shape, -7, dtype=torch.int32)
+        o1 = resolve_rows(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                          b.arena_all[0], b.host_all[0], BS, b.counters[0], out=poison,
+                          workspace=ws, prefetch_plan=plan, **kw)
+        kw["hot_flags"] = flags_r
+        o2 = resolve_rows_reference(topk, req, ref.res, ref.hostbt, ref.hot, ref.keys[0],
+                                    ref.lru[0], ref.arena_all[0], ref.host_all[0], BS,
+                                    ref.counters[0], prefetch_plan=ref_plan, **kw)
+        assert torch.equal(o1, o2)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(flags_b, flags_r) and torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        if PF:
+            assert torch.equal(plan, ref_plan)
+            assert (plan[:, [0, 2, 3]] == -1).all()   # groups of slots 1, 3 and 2
+        assert (ws.copy_count == 0).all() and (ws.position_map == -1).all()
+    c = b.counters[0].tolist()
+    assert c[1] > 16 and c[2] == 3 * 3               # misses beyond the split; corrupt x steps
+
+
+@pytest.mark.parametrize("split,block_h", [(1, None), (4, 32)])
+def test_speed_knobs_do_not_change_results(triton_cpu, split, block_h):
+    """The miss gather's programs per group and the resolver's slots per pass are speed knobs:
+    any setting gives the reference's state and arena (cold buffers: every miss of a group
+    spread over the split; 32 slots per pass: two passes over 48 slots)."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._resolve_triton import resolve_rows_triton
+    R, P, H = 3, 10, 48
+    b = Batch(R=R, P=P, H=H, seed=51, resident_frac=0.2)
+    ref = b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    g = torch.Generator().manual_seed(51)
+    for _ in range(2):
+        req = torch.tensor([2, 0, 1], dtype=torch.int32)
+        topk = torch.stack([rand_sel(g, 30, 0, P * BS) for _ in range(3)])
+        o1 = resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                                 b.arena_all[0], b.host_all[0], BS, b.counters[0], ws,
+                                 split=split, block_h=block_h)
+        o2 = ref.resolve("reference", topk, req)
+        assert torch.equal(o1, o2) and torch.equal(b.arena_all, ref.arena_all)
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert (ws.copy_count == 0).all()
+    for bad, match in (({"split": 3}, "split"), ({"block_h": 48}, "block_h")):
+        with pytest.raises(ValueError, match=match):
+            resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                                b.arena_all[0], b.host_all[0], BS, b.counters[0], ws, **bad)
 
 
 @pytest.mark.gpu

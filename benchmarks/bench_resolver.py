@@ -1,0 +1,178 @@
+"""Resolver + miss gather at one real rank's decode shape (H200): GPU time of one layer's call.
+
+    PYTHONPATH=. python benchmarks/bench_resolver.py [--requests 42] [--splits 16,1]
+
+One CUDA-graph replay of ``resolve_rows`` per timed step (as the engine runs it): ``R`` decode
+requests, top-k 2048, hot buffer 4096 slots, block 64, 32k context, FP8 rows (656 B) in a
+pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``'s source:
+~178 misses per request and layer once the buffers are warm). Scenarios:
+
+- ``steady``: every request in host-read mode, nothing resident, warm hot buffers;
+- ``cold2``: as ``steady``, but two requests start each step with an empty hot buffer (a request
+  that just entered host-read mode: 2048 misses in every layer);
+- ``mixed``: half the requests host-read (warm), half with every page resident and no hot block;
+- ``resident``: no request holds a hot block, every page resident;
+- ``leased``: every request holds its hot blocks (stale keys) but every page is resident
+  (HiSparse at 24 requests on the real rank, where no lookup was a hot one, is one of these two
+  or a mix).
+
+``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
+program moves a group's misses). ``--configs BLOCK_H:WARPS,...``: also time the resolver with
+those slots per pass over the hot buffer and warps (default 1024:8), at split 16.
+``--baseline FILE``: also time another version of ``hisparse/ops/_resolve_triton.py`` (e.g.
+``git show 986c8d9:hisparse/ops/_resolve_triton.py > .bench_base/resolve_base.py``: the kernel
+before the split) on the same inputs; ratios are printed against it, else against split 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import torch
+
+from hisparse.bench.decode import topk_table
+from hisparse.ops import ResolveWorkspace
+from hisparse.ops._resolve_triton import resolve_rows_triton
+
+K, H, BS, ROW = 2048, 4096, 64, 656
+WARM, TIMED = 6, 8
+
+
+def pages(ctx: int) -> int:
+    return -(-(ctx + WARM + TIMED + 1) // BS)
+
+
+def build(R: int, ctx: int, scenario: str, gen: torch.Generator, host: torch.Tensor) -> dict:
+    P = pages(ctx)
+    HB = H // BS
+    n_blocks = R * HB + R * P + 1
+    perm = torch.randperm(n_blocks, generator=gen).to(torch.int32)
+    hot = perm[:R * HB].view(R, HB).clone()
+    res = perm[R * HB:R * HB + R * P].view(R, P).clone()
+    slotless = torch.zeros(R, dtype=torch.bool)      # requests not in host-read mode
+    if scenario == "resident":
+        slotless[:] = True
+    elif scenario == "mixed":
+        slotless[R // 2:] = True
+    hot[slotless] = -1
+    if scenario != "leased":
+        res[~slotless] = -1
+    dev = "cuda"
+    return dict(
+        P=P, hot=hot.to(dev), res=res.to(dev),
+        hostbt=torch.randperm(R * P, generator=gen).to(torch.int32).view(R, P).to(dev),
+        arena=torch.randint(0, 256, (n_blocks * BS, ROW), dtype=torch.uint8, device=dev),
+        host=host,
+        keys=(torch.randint(0, P * BS, (R, H), dtype=torch.int32, generator=gen)
+              if scenario == "leased" else torch.full((R, H), -1, dtype=torch.int32)).to(dev),
+        lru=torch.stack([torch.randperm(H, generator=gen) for _ in range(R)]).to(torch.int32)
+        .to(dev),
+        counters=torch.zeros(3, dtype=torch.int64, device=dev))
+
+
+def load_baseline(path: str):
+    """``resolve_rows_triton`` of another version of the kernel module, imported inside
+    ``hisparse.ops`` (its relative imports resolve against this tree's package)."""
+    spec = importlib.util.spec_from_file_location("hisparse.ops._resolve_triton_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.resolve_rows_triton
+
+
+def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
+        table: torch.Tensor, host: torch.Tensor) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    b = build(R, ctx, scenario, gen, host)
+    ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
+    req = torch.arange(R, dtype=torch.int32, device="cuda")
+    streams = table.shape[0]
+    steps = [table[torch.arange(R) % streams, 0, s].contiguous().cuda()
+             for s in range(WARM + TIMED)]
+    topk = steps[0].clone()
+    out = torch.empty_like(topk)
+    cold = torch.tensor([0, 1], device="cuda")
+
+    def call():
+        resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"], b["arena"],
+                b["host"], BS, b["counters"], ws, out=out, **kw)
+
+    call()                                   # compile outside the capture (a cold fill)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    times, hits, misses = [], 0, 0
+    for i, sel in enumerate(steps):
+        topk.copy_(sel)
+        if scenario == "cold2" and i >= WARM:
+            b["keys"][cold] = -1
+        c0 = b["counters"].clone()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= WARM:
+            times.append(start.elapsed_time(end) * 1e3)
+            d = (b["counters"] - c0).tolist()
+            hits, misses = hits + d[0], misses + d[1]
+    assert int(b["counters"][2]) == 0
+    times.sort()
+    us = times[len(times) // 2]
+    miss_rows = misses / TIMED
+    return dict(scenario=scenario, variant=variant, requests=R, us=us,
+                misses_per_request=miss_rows / R,
+                hit_rate=hits / max(1, hits + misses),
+                miss_gb_s=miss_rows * ROW / (us * 1e-6) / 1e9 if miss_rows else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=42)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--splits", default="16,1")
+    p.add_argument("--scenarios", default="steady,cold2,mixed,resident,leased")
+    p.add_argument("--configs", default="", help="BLOCK_H:WARPS,... resolver configs to try")
+    p.add_argument("--baseline", default=None, help="another _resolve_triton.py to time")
+    p.add_argument("--out", default=None, help="JSON file")
+    a = p.parse_args()
+    assert torch.cuda.is_available(), "needs CUDA"
+    table = topk_table("synthetic:0.8", 1, a.context, WARM + TIMED, K)
+    variants = [(f"split {n}", resolve_rows_triton, {"split": int(n)})
+                for n in a.splits.split(",")]
+    for cfg in filter(None, a.configs.split(",")):
+        bh, nw = (int(x) for x in cfg.split(":"))
+        variants.append((f"h{bh} w{nw}", resolve_rows_triton,
+                         {"split": 16, "block_h": bh, "num_warps": nw}))
+    if a.baseline:
+        variants.insert(0, ("baseline", load_baseline(a.baseline), {}))
+    ref = "baseline" if a.baseline else "split 1"
+    # the pinned pool (contents do not matter for the timing), shared by every run
+    host = torch.empty((a.requests * pages(a.context) * BS, ROW), dtype=torch.uint8,
+                       pin_memory=True)
+    res = []
+    for scenario in a.scenarios.split(","):
+        rows = []
+        for name, fn, kw in variants:
+            r = run(a.requests, a.context, scenario, name, fn, kw, table, host)
+            rows.append(r)
+            print(f"{scenario:<9} {name:<9}: {r['us']:8.1f} us per layer call, "
+                  f"{r['misses_per_request']:6.1f} misses per request (hit rate "
+                  f"{r['hit_rate']:.3f})"
+                  + (f", {r['miss_gb_s']:.1f} GB/s of missed rows" if r["miss_gb_s"] else ""),
+                  flush=True)
+        base = [r for r in rows if r["variant"] == ref]
+        for r in rows:
+            if base and r is not base[0]:
+                print(f"{scenario:<9} {r['variant']} / {ref}: {r['us'] / base[0]['us']:.2f}x "
+                      f"time", flush=True)
+        res += rows
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
