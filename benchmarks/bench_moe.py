@@ -32,6 +32,7 @@ counted: this is what a graph-captured decode step sees. Prints short tables, wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -189,7 +190,9 @@ def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches) -> lis
                 default = G.stream_config(M, N, K, S, sms)
                 row = {"op": name, "M": M, "N": N, "K": K, "chunks": S,
                        "default_chunks": base, "default": _cfg_str(default), "configs": {}}
-                cfgs = [default] + [c for c in G.stream_configs(M) if c != default]
+                other = dataclasses.replace(
+                    default, quant="kernel" if default.quant == "gemm" else "gemm")
+                cfgs = list(dict.fromkeys([default, other] + G.stream_configs(M)))
                 for cfg in cfgs if device == "cuda" else cfgs[:3]:  # --smoke: code paths only
                     call, n = _rotating(lambda p, x=x, cfg=cfg, S=S: G.fp8_block_linear_stream(
                         x, p[0], p[1], (128, 128), torch.bfloat16, config=cfg, chunks=S), pool)

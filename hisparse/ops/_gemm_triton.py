@@ -275,9 +275,10 @@ def _chunk_sum(part, c, S, stride_ps, omask):
                    cache_modifier=".cg")
 
 
-# M, KB and the chunking only bound loops and masks: not specialized, so one compile per tile
-# configuration serves every shape and batch
-@triton.jit(do_not_specialize=["M", "KB", "CHUNK", "S", "stride_ps"])
+# M, KB, the chunking and the scale strides only bound loops and masks or index scalars: not
+# specialized, so one compile per tile configuration serves every rank shape and batch
+@triton.jit(do_not_specialize=["M", "KB", "N_TILES", "CHUNK", "S", "stride_xsm", "stride_wsn",
+                               "stride_ps"])
 def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
                        M, N, K, KB, N_TILES, CHUNK, S,
                        stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
@@ -308,24 +309,37 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
     else:                       # one per row (tiles over several scale blocks: small bn)
         ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
     sw = tl.load(ws_blk + kb_start)
+    xs_rows = xs_ptr + rows * stride_xsm
+    if not QUANT_A:
+        sa = tl.load(xs_rows + kb_start, mask=rmask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     if MODE == 1:
         total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
-        # next block's weight scale loaded a step ahead (see _fp8_tile_dot)
-        sw_next = tl.load(ws_blk + tl.minimum(kb + 1, KB - 1))
+        # the scales of the next block loaded a step ahead: the software pipeliner prefetches
+        # only the tiles (see _fp8_tile_dot), and a scale load waited on in the step that
+        # issues it costs a memory latency per step
+        nxt = tl.minimum(kb + 1, KB - 1)
+        sw_next = tl.load(ws_blk + nxt)
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
-        q, sa = _act_tile_fp8(x_ptr, xs_ptr, rows, rmask, offs_k, kmask, kb, stride_xm,
-                              stride_xsm, QUANT_A, POW2)
+        xm = rmask[:, None] & kmask[None, :]
+        if QUANT_A:
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
+            q, sa = _quant_rows(a.to(tl.float32), POW2)
+        else:
+            sa_next = tl.load(xs_rows + nxt, mask=rmask, other=0.0)
+            q = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
         d = tl.dot(w, tl.trans(q))
         if SCALE_N % BLOCK_N == 0:
             acc += d * (sw * sa)[None, :]
         else:
             acc += d * (sw[:, None] * sa[None, :])
         sw = sw_next
+        if not QUANT_A:
+            sa = sa_next
         if MODE == 1:
             end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # the last block of a chunk
             total = tl.where(end, total + acc, total)
@@ -405,36 +419,49 @@ def m_bucket(M: int) -> int:
 def stream_config(M: int, N: int, K: int, chunks: int, sms: int) -> StreamConfig:
     """The launch of the stream kernel for ``M`` rows (speed only). Measured entries win
     (:data:`STREAM_TABLE`); otherwise: tokens on the MMA's narrow side in 16..128-wide tiles,
-    64 weight rows per program up to 64 tokens (128 above, 8 warps), and K split into its
-    chunks while the output tiles alone leave SMs idle."""
+    64 weight rows per program up to 64 tokens (128 above, 8 warps), K split into its chunks
+    while the output tiles alone leave half the SMs idle, activations quantized in the K loop
+    up to QUANT_IN_GEMM_MAX_M rows."""
     cfg = STREAM_TABLE.get((N, K, m_bucket(M)))
     if cfg is not None:
         return cfg
+    quant = "gemm" if M <= QUANT_IN_GEMM_MAX_M else "kernel"
     if M <= 64:
         bt = max(16, triton.next_power_of_2(M))
-        bn, warps, stages = 64, 4, (6 if bt <= 32 else 4)
-    else:
-        bt, bn, warps, stages = 128, 128, 8, 3
-    tiles = triton.cdiv(M, bt) * triton.cdiv(N, bn)
-    return StreamConfig(bt, bn, warps, stages, chunks > 1 and 2 * tiles < sms,
-                        "gemm" if M <= QUANT_IN_GEMM_MAX_M else "kernel")
+        tiles = triton.cdiv(M, bt) * triton.cdiv(N, 64)
+        return StreamConfig(bt, 64, 4, 6 if bt <= 32 else 4, chunks > 1 and 2 * tiles < sms,
+                            quant)
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    if chunks == 1 or 2 * tiles < sms:
+        return StreamConfig(128, 128, 8, 3, chunks > 1, quant)
+    # the chain mode's three accumulators fit 32 a thread (ptxas spills at 64)
+    return StreamConfig(64, 128, 8, 4, False, quant)
 
 
 def stream_configs(M: int) -> list[StreamConfig]:
-    """Candidate launches for ``M`` rows (the sweep; every one gives the same bits)."""
-    bts = sorted({max(16, min(t, triton.next_power_of_2(M))) for t in (16, 32, 64, 128, 256)})
+    """Candidate launches for ``M`` rows (the sweep; every one gives the same bits): token
+    tiles around M, 64..256 weight rows, one or two warp groups, a few pipeline depths, both
+    chunk modes, the quantizer :func:`stream_config` picks for M (the sweep times the other
+    one on the default launch); none past the registers (ptxas: the chain mode holds three
+    accumulators) or shared memory."""
+    top = max(16, min(256, triton.next_power_of_2(M)))
+    bts = sorted({top, max(16, top // 2), max(16, min(top, 64))})
     out = []
     for bt in bts:
-        for bn, warps in ((64, 4), (128, 8), (128, 4), (256, 8)):
-            if bt * bn > 128 * 128 or (bt >= 128 and warps == 4 and bn > 64):
-                continue  # accumulators past the register file
-            for stages in (3, 4, 6):
-                if bt * 128 + bn * 128 > 48 * 1024 and stages > 4:
-                    continue  # shared memory
-                for quant in ("gemm", "kernel"):
-                    if quant == "gemm" and M > 128:
+        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+            per_thread = bt * bn // (32 * warps)
+            if per_thread > 64:
+                continue
+            for quant in ("gemm" if M <= QUANT_IN_GEMM_MAX_M else "kernel",):
+                stage = bn * 128 + bt * 128 * (2 if quant == "gemm" else 1)
+                depths = (4, 6) if bt <= 32 and bn == 64 else ((3, 4) if bt * bn <= 8192
+                                                               else (3,))
+                for stages in depths:
+                    if stage * stages > 200 * 1024:
                         continue
                     for split in (False, True):
+                        if not split and per_thread > 32:
+                            continue
                         out.append(StreamConfig(bt, bn, warps, stages, split, quant))
     return out
 
