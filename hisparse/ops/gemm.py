@@ -28,6 +28,14 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
   refuses the call. Not batch invariant: cuBLASLt picks its algorithm (tiles, split-K) per M.
 - ``auto``: Triton on CUDA (or with HISPARSE_FORCE_TRITON=1), reference otherwise.
 
+Batch invariance up to 512 rows (a row's bits do not depend on the other rows of its step):
+``triton`` and ``triton_tile`` keep it (GPU-tested bitwise); ``scaled_mm`` does not promise it
+(cuBLASLt's algorithm, tiles and split-K follow M), nor does ``reference`` (fp32 BLAS).
+DeepGEMM (``sgl-deep-gemm`` 0.2.5, the kernels vLLM and SGLang use) is not a backend: its
+wheel's ``_C.so`` is built against torch 2.13 and needs symbols torch 2.11 does not export
+(``c10::cuda::c10_cuda_check_implementation`` with an error-log argument,
+``torch::Library::_def`` with ``headeronly::Tag``, ...), so it does not load there.
+
 No backend syncs with the host: all are CUDA-graph capturable.
 """
 
