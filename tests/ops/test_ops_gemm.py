@@ -265,9 +265,9 @@ def test_gpu_fp8_gemm_matches_reference(M, N, K):
     got = fp8_block_linear(x, w, s, backend="triton")
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol)
-    # the tile kernel (the baseline, backend="triton_tile")
-    tile = fp8_block_linear(x, w, s, backend="triton_tile", out_dtype=torch.float32)
-    torch.testing.assert_close(tile, want, rtol=1e-3, atol=tol)
+    # the tile kernel (the baseline, backend="triton_tile"; bf16 out: the benchmark's compiles)
+    tile = fp8_block_linear(x, w, s, backend="triton_tile")
+    torch.testing.assert_close(tile.float(), want, rtol=1e-2, atol=tol)
     if M % 16 == 0:
         # torch._scaled_mm where cuBLAS takes the block scaling (falls back to Triton otherwise)
         sm = fp8_block_linear(x, w, s, backend="scaled_mm", out_dtype=torch.float32)
