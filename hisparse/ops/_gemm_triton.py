@@ -257,7 +257,7 @@ def quantize_fp8_act_triton(x: torch.Tensor, block_k: int, pow2_scale: bool = Fa
 
 # ----------------------------------------------------------------------------- stream kernel
 # The numerics of a row are fixed by the weight shape alone: K is cut into S chunks of CHUNK
-# scale blocks (from N and K: stream_chunk); within a chunk the blocks' scaled products are
+# scale blocks (from N and K: stream_chunks); within a chunk the blocks' scaled products are
 # accumulated in K order from zero; the chunks' sums are added in chunk order to a zero total.
 # Whether one program walks all chunks or each chunk has its own program, the tile sizes,
 # warps and stages are free (chosen from M for speed) and do not change a bit of the result.
@@ -446,23 +446,22 @@ def stream_configs(M: int) -> list[StreamConfig]:
     accumulators) or shared memory."""
     top = max(16, min(256, triton.next_power_of_2(M)))
     bts = sorted({top, max(16, top // 2), max(16, min(top, 64))})
+    quant = "gemm" if M <= QUANT_IN_GEMM_MAX_M else "kernel"
     out = []
     for bt in bts:
         for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
             per_thread = bt * bn // (32 * warps)
             if per_thread > 64:
                 continue
-            for quant in ("gemm" if M <= QUANT_IN_GEMM_MAX_M else "kernel",):
-                stage = bn * 128 + bt * 128 * (2 if quant == "gemm" else 1)
-                depths = (4, 6) if bt <= 32 and bn == 64 else ((3, 4) if bt * bn <= 8192
-                                                               else (3,))
-                for stages in depths:
-                    if stage * stages > 200 * 1024:
+            stage = bn * 128 + bt * 128 * (2 if quant == "gemm" else 1)
+            depths = (4, 6) if bt <= 32 and bn == 64 else ((3, 4) if bt * bn <= 8192 else (3,))
+            for stages in depths:
+                if stage * stages > 200 * 1024:
+                    continue
+                for split in (False, True):
+                    if not split and per_thread > 32:
                         continue
-                    for split in (False, True):
-                        if not split and per_thread > 32:
-                            continue
-                        out.append(StreamConfig(bt, bn, warps, stages, split, quant))
+                    out.append(StreamConfig(bt, bn, warps, stages, split, quant))
     return out
 
 
