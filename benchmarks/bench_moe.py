@@ -212,15 +212,16 @@ def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches) -> lis
 
 def _cfg_str(c) -> str:
     return (f"{c.block_t}x{c.block_n}/w{c.num_warps}/s{c.num_stages}/"
-            f"{'split' if c.split else 'chain'}/{c.quant}")
+            f"{'split' if c.split else 'chain'}/{c.quant}/k{c.blocks}")
 
 
 def _cfg_parse(text: str):
     from hisparse.ops._gemm_triton import StreamConfig
 
-    tiles, w, st, mode, quant = text.split("/")
+    tiles, w, st, mode, quant, blocks = text.split("/")
     bt, bn = tiles.split("x")
-    return StreamConfig(int(bt), int(bn), int(w[1:]), int(st[1:]), mode == "split", quant)
+    return StreamConfig(int(bt), int(bn), int(w[1:]), int(st[1:]), mode == "split", quant,
+                        int(blocks[1:]))
 
 
 def _best(row: dict) -> tuple[str, float]:
@@ -266,7 +267,7 @@ def print_sweep_choice(rows: list[dict]) -> None:
     for k, v in table.items():
         c = _cfg_parse(v)
         print(f"    {k}: StreamConfig({c.block_t}, {c.block_n}, {c.num_warps}, {c.num_stages}, "
-              f"{c.split}, {c.quant!r}),")
+              f"{c.split}, {c.quant!r}, {c.blocks}),")
     print("}")
 
 

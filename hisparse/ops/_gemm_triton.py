@@ -268,6 +268,26 @@ MODE_SPLIT = 2  # one program per (output tile, chunk) stores the chunk's sum; t
 
 
 @triton.jit
+def _block_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb, K, stride_xm, stride_wn,
+               BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, POW2: tl.constexpr):
+    """``(w[offs_n, blk] @ q[rows, blk]^T, a_scale)`` for scale block ``kb``; the activation
+    scale is computed only with ``QUANT_A`` (else the caller's prefetched one is used: the
+    returned value is a placeholder)."""
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=nmask[:, None] & kmask[None, :], other=0.0)
+    xm = rmask[:, None] & kmask[None, :]
+    a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
+    if QUANT_A:
+        q, sa = _quant_rows(a.to(tl.float32), POW2)
+    else:
+        q = a
+        sa = tl.zeros_like(rows).to(tl.float32)
+    return tl.dot(w, tl.trans(q)), sa
+
+
+@triton.jit
 def _chunk_sum(part, c, S, stride_ps, omask):
     """Chunk ``c``'s stored sum (past the last chunk: the last one again, which the caller
     does not add)."""
@@ -284,7 +304,7 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
                        stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
                        MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr,
-                       POW2: tl.constexpr, RED: tl.constexpr):
+                       POW2: tl.constexpr, RED: tl.constexpr, BLOCKS: tl.constexpr):
     """``out[t, n] = sum_chunks(sum_blocks(dot(w[n, blk], q[t, blk]) * w_scale * a_scale))``.
     Each program owns BLOCK_N weight rows (the MMA's tall side, so any M from 1 uses wgmma) and
     BLOCK_T tokens and streams its K range once. See MODE_* for how chunks are combined."""
@@ -312,27 +332,32 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
     xs_rows = xs_ptr + rows * stride_xsm
     if not QUANT_A:
         sa = tl.load(xs_rows + kb_start, mask=rmask, other=0.0)
+    if BLOCKS == 2:
+        sw1 = tl.load(ws_blk + kb_start + 1)
+        if not QUANT_A:
+            sa1 = tl.load(xs_rows + kb_start + 1, mask=rmask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     if MODE == 1:
         total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        # the scales of the next block loaded a step ahead: the software pipeliner prefetches
+    # BLOCKS scale blocks a step (2: fewer waits per byte; the wrapper keeps every chunk and
+    # K an even number of blocks then); the products are added one block at a time, in K order
+    for kb in range(kb_start, kb_end, BLOCKS):
+        # the scales of the next step loaded a step ahead: the software pipeliner prefetches
         # only the tiles (see _fp8_tile_dot), and a scale load waited on in the step that
         # issues it costs a memory latency per step
-        nxt = tl.minimum(kb + 1, KB - 1)
+        nxt = tl.minimum(kb + BLOCKS, KB - 1)
         sw_next = tl.load(ws_blk + nxt)
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0)
-        xm = rmask[:, None] & kmask[None, :]
-        if QUANT_A:
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
-            q, sa = _quant_rows(a.to(tl.float32), POW2)
-        else:
+        if not QUANT_A:
             sa_next = tl.load(xs_rows + nxt, mask=rmask, other=0.0)
-            q = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
-        d = tl.dot(w, tl.trans(q))
+        if BLOCKS == 2:
+            nxt1 = tl.minimum(kb + 3, KB - 1)
+            sw1_next = tl.load(ws_blk + nxt1)
+            if not QUANT_A:
+                sa1_next = tl.load(xs_rows + nxt1, mask=rmask, other=0.0)
+        d, sq = _block_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb, K, stride_xm,
+                           stride_wn, BLOCK_K, QUANT_A, POW2)
+        if QUANT_A:
+            sa = sq
         if SCALE_N % BLOCK_N == 0:
             acc += d * (sw * sa)[None, :]
         else:
@@ -340,8 +365,20 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
         sw = sw_next
         if not QUANT_A:
             sa = sa_next
+        if BLOCKS == 2:
+            d1, sq1 = _block_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb + 1, K,
+                                 stride_xm, stride_wn, BLOCK_K, QUANT_A, POW2)
+            if QUANT_A:
+                sa1 = sq1
+            if SCALE_N % BLOCK_N == 0:
+                acc += d1 * (sw1 * sa1)[None, :]
+            else:
+                acc += d1 * (sw1[:, None] * sa1[None, :])
+            sw1 = sw1_next
+            if not QUANT_A:
+                sa1 = sa1_next
         if MODE == 1:
-            end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # the last block of a chunk
+            end = ((kb + BLOCKS) % CHUNK == 0) | (kb + BLOCKS == KB)  # a chunk's last step
             total = tl.where(end, total + acc, total)
             acc = tl.where(end, 0.0, acc)
     out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
@@ -382,7 +419,9 @@ class StreamConfig:
     program per K chunk and output tile (MODE_SPLIT) rather than one walking all chunks
     (MODE_CHAIN; the same when there is one chunk); ``quant``: activations quantized in the
     GEMM's K loop (``"gemm"``, re-done by every N tile: cheap for few rows) or first by
-    :func:`quantize_fp8_act_triton` (``"kernel"``); on CPU torch's quantizer is used always."""
+    :func:`quantize_fp8_act_triton` (``"kernel"``); on CPU torch's quantizer is used always.
+    ``blocks``: scale blocks a K step (2 needs an even chunk length and block count, else 1 is
+    used)."""
 
     block_t: int
     block_n: int
@@ -390,6 +429,7 @@ class StreamConfig:
     num_stages: int
     split: bool
     quant: str = "gemm"
+    blocks: int = 1
 
 
 STREAM_MIN_CHUNK = 2   # scale blocks per chunk at least: a chunk of one costs more to add up
@@ -462,6 +502,9 @@ def stream_configs(M: int) -> list[StreamConfig]:
                     if not split and per_thread > 32:
                         continue
                     out.append(StreamConfig(bt, bn, warps, stages, split, quant))
+                    if bt <= 64 and (bn, warps) in ((64, 4), (128, 8)) and \
+                            2 * stage * stages <= 200 * 1024:
+                        out.append(StreamConfig(bt, bn, warps, stages, split, quant, 2))
     return out
 
 
@@ -537,6 +580,7 @@ def fp8_block_linear_stream(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     ws = w_scale_inv.float().contiguous()
     t_tiles, n_tiles = triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n)
     mode = MODE_ONE if S == 1 else (MODE_SPLIT if cfg.split else MODE_CHAIN)
+    blocks = 2 if cfg.blocks == 2 and KB % 2 == 0 and (S == 1 or chunk % 2 == 0) else 1
     out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if mode == MODE_SPLIT:
         part = torch.empty(S, M, N, device=x.device, dtype=torch.float32)
@@ -548,13 +592,13 @@ def fp8_block_linear_stream(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     meta = dict(MODE=mode, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk, SCALE_N=bn,
                 QUANT_A=quant == "gemm", POW2=pow2_scale,
                 # chunk sums the reducer loads at once (1, 2 or 4): <= 64 registers a thread
-                RED=_red(64 * 32 * cfg.num_warps // (cfg.block_t * cfg.block_n)))
+                RED=_red(64 * 32 * cfg.num_warps // (cfg.block_t * cfg.block_n)), BLOCKS=blocks)
     grid = (t_tiles, n_tiles * (S if mode == MODE_SPLIT else 1))
     if not x.is_cuda:
         _fp8_stream_kernel[grid](*args, **meta)
         return out
     # fewer stages if shared memory runs out (remembered per configuration)
-    key = (x.device, cfg, mode, bk, out_dtype, quant)
+    key = (x.device, cfg, mode, blocks, bk, out_dtype, quant)
     stages = _STAGES.get(key, cfg.num_stages)
     while True:
         try:

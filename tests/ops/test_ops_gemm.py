@@ -114,10 +114,10 @@ def poisoned_empty(monkeypatch):
     yield
 
 
-def _cfg(bt, bn=64, split=False, quant="gemm", warps=4):
+def _cfg(bt, bn=64, split=False, quant="gemm", warps=4, blocks=1):
     from hisparse.ops._gemm_triton import StreamConfig
 
-    return StreamConfig(bt, bn, warps, 2, split, quant)
+    return StreamConfig(bt, bn, warps, 2, split, quant, blocks)
 
 
 # (M, N, K, block, chunks, config): per-row scales (bn < BLOCK_N) and one scale per tile,
@@ -128,7 +128,13 @@ STREAM_CASES = [(1, 48, 80, (16, 16), None, None), (19, 70, 96, (32, 32), 3, _cf
                 (40, 130, 33, (32, 16), 2, _cfg(64, split=True)),
                 (70, 200, 256, (128, 128), 2, _cfg(128, 128, warps=8)),
                 (9, 72, 160, (32, 32), 5, _cfg(32, 128, split=True)),
-                (9, 72, 224, (32, 32), 3, _cfg(16))]
+                (9, 72, 224, (32, 32), 3, _cfg(16)),
+                # two scale blocks a K step: one chunk, chained and split chunks, and an odd
+                # chunk length (falls back to one block a step)
+                (5, 96, 256, (32, 32), 1, _cfg(16, blocks=2)),
+                (21, 100, 512, (32, 32), 4, _cfg(32, blocks=2)),
+                (21, 100, 480, (32, 32), 3, _cfg(16, split=True, blocks=2)),
+                (6, 64, 320, (32, 32), 2, _cfg(16, split=True, blocks=2))]
 
 
 @pytest.mark.parametrize("M,N,K,block,chunks,cfg", STREAM_CASES)
@@ -153,7 +159,8 @@ def test_stream_kernel_matches_reference(triton_cpu, poisoned_empty, M, N, K, bl
 
 def test_stream_kernel_launch_choices_do_not_change_bits(triton_cpu, poisoned_empty):
     """For one chunk count, the chain (registers) and split (per-chunk programs, last arrival
-    adds) modes and both activation quantizers give identical bits; another chunk count may
+    adds) modes, one or two scale blocks a K step and both activation quantizers give
+    identical bits; another chunk count may
     not (the numerics' one parameter). Token tiles and weight-tile heights are the GPU's
     claim (one wgmma kind whatever the tile: the GPU tests); here the interpreter's
     ``tl.dot`` is numpy's matmul, which may round by the tile's shape."""
@@ -162,11 +169,11 @@ def test_stream_kernel_launch_choices_do_not_change_bits(triton_cpu, poisoned_em
     N, K, block = 96, 384, (32, 32)
     w, s = _weights(N, K, block, seed=5)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(6)) * 3
-    runs = {(split, quant): G.fp8_block_linear_stream(x, w, s, block, torch.float32,
-                                                      config=_cfg(32, split=split),
-                                                      chunks=4, quant=quant)
-            for split in (False, True) for quant in ("gemm", "kernel")}
-    first = runs[(False, "gemm")]
+    runs = {(split, quant, blocks): G.fp8_block_linear_stream(
+        x, w, s, block, torch.float32, config=_cfg(32, split=split, blocks=blocks), chunks=3,
+        quant=quant) for split in (False, True) for quant in ("gemm", "kernel")
+        for blocks in (1, 2)}
+    first = runs[(False, "gemm", 1)]
     for key, got in runs.items():
         assert torch.equal(got, first), key
     other = G.fp8_block_linear_stream(x, w, s, block, torch.float32, config=_cfg(32),
