@@ -323,7 +323,6 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
     rmask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    omask = nmask[:, None] & rmask[None, :]
     if SCALE_N % BLOCK_N == 0:  # one weight scale per tile and K block
         ws_blk = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
     else:                       # one per row (tiles over several scale blocks: small bn)
@@ -381,6 +380,8 @@ def _fp8_stream_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
             end = ((kb + BLOCKS) % CHUNK == 0) | (kb + BLOCKS == KB)  # a chunk's last step
             total = tl.where(end, total + acc, total)
             acc = tl.where(end, 0.0, acc)
+    # (made after the loop: a [BLOCK_N, BLOCK_T] mask held through it costs registers)
+    omask = nmask[:, None] & rmask[None, :]
     out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     if MODE == 0:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=omask)
@@ -458,7 +459,7 @@ def m_bucket(M: int) -> int:
 
 def stream_config(M: int, N: int, K: int, chunks: int, sms: int) -> StreamConfig:
     """The launch of the stream kernel for ``M`` rows (speed only). Measured entries win
-    (:data:`STREAM_TABLE`); otherwise: tokens on the MMA's narrow side in 16..128-wide tiles,
+    (:data:`STREAM_TABLE`); otherwise: tokens on the MMA's narrow side in 16..64-wide tiles,
     64 weight rows per program up to 64 tokens (128 above, 8 warps), K split into its chunks
     while the output tiles alone leave half the SMs idle, activations quantized in the K loop
     up to QUANT_IN_GEMM_MAX_M rows."""
@@ -471,11 +472,11 @@ def stream_config(M: int, N: int, K: int, chunks: int, sms: int) -> StreamConfig
         tiles = triton.cdiv(M, bt) * triton.cdiv(N, 64)
         return StreamConfig(bt, 64, 4, 6 if bt <= 32 else 4, chunks > 1 and 2 * tiles < sms,
                             quant)
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-    if chunks == 1 or 2 * tiles < sms:
-        return StreamConfig(128, 128, 8, 3, chunks > 1, quant)
-    # the chain mode's three accumulators fit 32 a thread (ptxas spills at 64)
-    return StreamConfig(64, 128, 8, 4, False, quant)
+    # 64 x 128 tiles: 128 x 128 spills (ptxas, triton 3.6: the prefetched activation scales
+    # sit in the MMA layout, a column's worth a thread); the chain mode's three accumulators
+    # fit too
+    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
+    return StreamConfig(64, 128, 8, 4, chunks > 1 and 2 * tiles < sms, quant)
 
 
 def stream_configs(M: int) -> list[StreamConfig]:
