@@ -302,11 +302,12 @@ def test_gpu_fp8_gemm_rows_are_batch_invariant(N, K):
 
 
 # launches spanning the kinds the sweep may pick: token tiles 16..256, weight tiles 64..256,
-# 4 and 8 warps, chain and split, both quantizers
+# 4 and 8 warps, chain and split, both quantizers, one and two scale blocks a K step
 SWEEP_SAMPLE = [(16, 64, 4, 4, True, "gemm"), (32, 128, 8, 4, False, "kernel"),
                 (64, 64, 4, 3, True, "kernel"), (128, 128, 8, 3, True, "kernel"),
                 (64, 256, 8, 3, True, "gemm"), (256, 64, 8, 3, True, "kernel"),
-                (64, 128, 8, 4, False, "kernel")]
+                (64, 128, 8, 4, False, "kernel"), (16, 64, 4, 4, True, "gemm", 2),
+                (64, 128, 8, 3, False, "kernel", 2)]
 
 
 @pytest.mark.gpu
