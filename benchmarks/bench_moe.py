@@ -5,13 +5,17 @@ Measures, in one run, against peaks measured in the same run:
 - peaks: HBM bandwidth (device-to-device copy of 4 GiB: read + write bytes), dense FP8 rate
   (``torch._scaled_mm`` tensorwise, 8192^3; falls back to the Triton block kernel), dense bf16
   rate (``torch.mm`` 8192^3);
-- GEMM: for every rank linear ``(N, K)`` and ``M`` in 1, 16, 64, 256: the Triton block-FP8
-  split-K decode kernel (``backend="triton_decode"``), the tile kernel (``backend="triton"``,
-  what the model runs), ``torch._scaled_mm`` block scaling (1x128 / 128x128;
-  "n/a" where cuBLAS refuses it), and bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations
-  + output), and the fractions of the FP8 peak and of HBM bandwidth. Weights rotate through
-  copies larger than L2 so every call reads HBM. ``--sweep``: the decode kernel at M = 16 and
-  256 under other K splits / pipeline depths (tuning data; other splits round differently);
+- GEMM: for every rank linear ``(N, K)`` and ``M`` in 1, 16, 64, 256, 512: the Triton
+  block-FP8 stream kernel (``backend="triton"``, what the model runs up to 512 rows), the
+  tile kernel (``backend="triton_tile"``, the model's kernel before it: the baseline),
+  ``torch._scaled_mm`` block scaling (1x128 / 128x128; "n/a" where cuBLAS refuses it), and
+  bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations + output), and the fractions of the
+  FP8 peak and of HBM bandwidth. Weights rotate through copies larger than L2 so every call
+  reads HBM. ``--sweep``: the stream kernel under every candidate launch
+  (``_gemm_triton.stream_configs``) and a few chunk counts per linear; prints the best per
+  (linear, chunks, M) and, ready to paste, the ``STREAM_CHUNKS`` / ``STREAM_TABLE`` entries
+  of the fastest (launches never change the bits; the chunk count does, so it is chosen per
+  linear over all M);
 - MoE: one rank's MoE layer (256 experts, top 8, expert intermediate 256, hidden 7168, FP8 and
   bf16) at batch 16..256 with uniformly random routing: the routed experts alone
   (``fused_moe``) and the whole layer (router + routed + shared expert), each against the time
@@ -28,6 +32,7 @@ counted: this is what a graph-captured decode step sees. Prints short tables, wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -138,9 +143,9 @@ def bench_gemm(peaks: dict, device: str, batches, linears, l2_bytes: int) -> lis
             row = {"op": name, "M": M, "N": N, "K": K}
 
             for label, fn, pool, wbytes in (
-                ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton_decode"),
+                ("triton", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
                  fp8_ws, N * K),
-                ("tile", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton"),
+                ("tile", lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="triton_tile"),
                  fp8_ws, N * K),
                 ("scaled_mm",
                  lambda p, x=x: fp8_block_linear(x, p[0], p[1], backend="scaled_mm"),
@@ -165,69 +170,123 @@ def _rates(t: float, flops: int, byts: int, peaks: dict) -> dict:
             "frac_hbm": byts / t / 1e9 / peaks["hbm_gb_s"]}
 
 
-def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches=(16, 256)
-               ) -> list[dict]:
-    """The decode kernel under K splits of half, twice and one (no split) the default, pipeline
-    depths 2 / 6, and (M > 64) 64 x 64 tiles: tuning data for ``nt_splits`` / ``nt_tiles``."""
-    from hisparse.ops._gemm_triton import _num_sms, fp8_block_linear_nt, nt_splits
+def sweep_gemm(peaks: dict, device: str, linears, l2_bytes: int, batches) -> list[dict]:
+    """The stream kernel under every candidate launch for each M, for the default chunk count
+    and a few others: tuning data for ``STREAM_CHUNKS`` / ``STREAM_TABLE``."""
+    from hisparse.ops import _gemm_triton as G
     from hisparse.ops.gemm import quantize_fp8_weight
 
     rows = []
     for name, (N, K) in linears.items():
-        wq, ws = quantize_fp8_weight(torch.randn(N, K, device=device) * 0.02)
+        wq, ws = quantize_fp8_weight(torch.randn(N, K, device=device) * 0.02, (128, 128))
         pool = [(wq.clone(), ws.clone()) for _ in range(max(1, math.ceil(4 * l2_bytes / (N * K))))]
         KB = math.ceil(K / 128)
-        base = nt_splits(N, KB, _num_sms(wq.device))
-        variants = {f"splits={sp}": {"splits": sp}
-                    for sp in sorted({1, max(1, base // 2), base, min(KB, 2 * base)})}
-        variants.update({f"stages={st}": {"splits": base, "num_stages": st} for st in (2, 6)})
-        for M in batches:
-            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            row = {"op": name, "M": M, "N": N, "K": K, "default_splits": base}
-            extra = {"tiles=64x64": {"splits": base, "tiles": (64, 64, 4, 4)}} if M > 64 else {}
-            for label, kw in {**variants, **extra}.items():
-                call, n = _rotating(lambda p, x=x, kw=kw: fp8_block_linear_nt(
-                    x, p[0], p[1], (128, 128), torch.bfloat16, **kw), pool)
-                try:
-                    t = time_fn(call, reps=max(n, 8), device=device)
-                except Exception as e:  # noqa: BLE001 - a config that does not build is data too
-                    row[label] = {"error": type(e).__name__}
-                    continue
-                row[label] = _rates(t, 2 * M * N * K, N * K + M * K * 2 + M * N * 2, peaks)
-            rows.append(row)
-            print_sweep([row], header=len(rows) == 1)  # as it goes: the sweep may be cut short
+        sms = G._num_sms(wq.device)
+        base = G.stream_chunks(N, K, 128, sms)
+        cands = sorted({base, 1, max(1, base // 2), min(KB // 2 or 1, 2 * base)})
+        for S in cands:
+            for M in batches:
+                x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+                default = G.stream_config(M, N, K, S, sms)
+                row = {"op": name, "M": M, "N": N, "K": K, "chunks": S,
+                       "default_chunks": base, "default": _cfg_str(default), "configs": {}}
+                other = dataclasses.replace(
+                    default, quant="kernel" if default.quant == "gemm" else "gemm")
+                cfgs = list(dict.fromkeys([default, other] + G.stream_configs(M)))
+                for cfg in cfgs if device == "cuda" else cfgs[:3]:  # --smoke: code paths only
+                    call, n = _rotating(lambda p, x=x, cfg=cfg, S=S: G.fp8_block_linear_stream(
+                        x, p[0], p[1], (128, 128), torch.bfloat16, config=cfg, chunks=S), pool)
+                    try:
+                        t = time_fn(call, reps=max(n, 8), device=device)
+                    except Exception as e:  # noqa: BLE001 - a launch that does not build is data
+                        row["configs"][_cfg_str(cfg)] = {"error": type(e).__name__}
+                        continue
+                    row["configs"][_cfg_str(cfg)] = _rates(
+                        t, 2 * M * N * K, N * K + M * K * 2 + M * N * 2, peaks)
+                rows.append(row)
+                print_sweep([row], header=len(rows) == 1)  # as it goes: it may be cut short
         del pool
+    print_sweep_choice(rows)
     return rows
+
+
+def _cfg_str(c) -> str:
+    return (f"{c.block_t}x{c.block_n}/w{c.num_warps}/s{c.num_stages}/"
+            f"{'split' if c.split else 'chain'}/{c.quant}/k{c.blocks}")
+
+
+def _cfg_parse(text: str):
+    from hisparse.ops._gemm_triton import StreamConfig
+
+    tiles, w, st, mode, quant, blocks = text.split("/")
+    bt, bn = tiles.split("x")
+    return StreamConfig(int(bt), int(bn), int(w[1:]), int(st[1:]), mode == "split", quant,
+                        int(blocks[1:]))
+
+
+def _best(row: dict) -> tuple[str, float]:
+    ok = {k: v["us"] for k, v in row["configs"].items() if "us" in v}
+    k = min(ok, key=ok.get)
+    return k, ok[k]
 
 
 def print_sweep(rows: list[dict], header: bool = True) -> None:
     if header:
-        print("\nDecode-kernel sweep (us; * = the default split count)")
+        print("\nStream-kernel sweep (us): default launch, best launch; * = default chunk count")
     for r in rows:
-        default = f"splits={r['default_splits']}"
-        cells = []
-        for k, v in r.items():
-            if isinstance(v, dict):
-                mark = "*" if k == default else ""
-                cells.append(f"{k}{mark}:{v['us']:.1f}" if "us" in v else f"{k}:{v['error']}")
-        print(f"{r['op']:>15} {r['M']:>4} | " + " ".join(cells), flush=True)
+        d = r["configs"].get(r["default"], {})
+        k, t = _best(r)
+        mark = "*" if r["chunks"] == r["default_chunks"] else " "
+        print(f"{r['op']:>15} S={r['chunks']:<3}{mark} M={r['M']:>4} | default "
+              f"{d.get('us', float('nan')):7.1f} ({r['default']}) | best {t:7.1f} ({k}) "
+              f"frac HBM {r['configs'][k]['frac_hbm']:.2f}", flush=True)
 
 
-GEMM_COLUMNS = (("triton", "decode kernel"), ("tile", "tile kernel (old)"),
+def print_sweep_choice(rows: list[dict]) -> None:
+    """Per linear: the chunk count with the least summed best time over the swept M, then the
+    table entries (one per M bucket: the largest swept M of the bucket) to paste."""
+    from hisparse.ops._gemm_triton import m_bucket
+
+    chunks, table = {}, {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        total: dict[int, float] = {}
+        for r in mine:
+            total[r["chunks"]] = total.get(r["chunks"], 0.0) + _best(r)[1]
+        n_ms = {S: sum(r["chunks"] == S for r in mine) for S in total}
+        full = max(n_ms.values())
+        S = min((s for s in total if n_ms[s] == full), key=total.get)
+        N, K = mine[0]["N"], mine[0]["K"]
+        chunks[(N, K)] = S
+        for r in sorted((r for r in mine if r["chunks"] == S), key=lambda r: r["M"]):
+            table[(N, K, m_bucket(r["M"]))] = _best(r)[0]
+        print(f"{op:>15}: chunks {S} (summed best us by chunks: "
+              + ", ".join(f"{s}: {t:.1f}" for s, t in sorted(total.items())) + ")")
+    print("\nSTREAM_CHUNKS = {" + ", ".join(f"{k}: {v}" for k, v in chunks.items()) + "}")
+    print("STREAM_TABLE = {")
+    for k, v in table.items():
+        c = _cfg_parse(v)
+        print(f"    {k}: StreamConfig({c.block_t}, {c.block_n}, {c.num_warps}, {c.num_stages}, "
+              f"{c.split}, {c.quant!r}, {c.blocks}),")
+    print("}")
+
+
+GEMM_COLUMNS = (("triton", "stream kernel (new)"), ("tile", "tile kernel (old)"),
                 ("scaled_mm", "scaled_mm"), ("bf16", "bf16 mm"))
 
 
 def print_gemm(rows: list[dict]) -> None:
-    print("\nFP8 block GEMM: us | frac FP8 peak | frac HBM  (decode kernel = backend triton)")
+    print("\nFP8 block GEMM: us | frac FP8 peak | frac HBM  (stream = backend triton, tile = "
+          "triton_tile)")
     print(f"{'op':>15} {'M':>4} | " + " | ".join(f"{h:>22}" for _, h in GEMM_COLUMNS)
-          + " | decode/bf16")
+          + " | old/new")
     for r in rows:
         cells = []
         for k, _ in GEMM_COLUMNS:
             c = r[k]
             cells.append("n/a".rjust(22) if c is None else
                          f"{c['us']:8.1f} {c['frac_fp8_peak']:6.2f} {c['frac_hbm']:6.2f}")
-        speed = r["bf16"]["us"] / r["triton"]["us"]
+        speed = r["tile"]["us"] / r["triton"]["us"]
         print(f"{r['op']:>15} {r['M']:>4} | " + " | ".join(cells) + f" | {speed:10.2f}x")
 
 
@@ -323,9 +382,12 @@ def print_moe(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,16,64,256", help="GEMM rows M")
+    p.add_argument("--batches", default="1,16,64,256,512", help="GEMM rows M")
     p.add_argument("--moe-batches", default="16,64,256", help="MoE tokens T")
-    p.add_argument("--sweep", action="store_true", help="decode-kernel split / stage sweep")
+    p.add_argument("--sweep", action="store_true",
+                   help="stream-kernel launch / chunk sweep (with --skip-gemm --skip-moe alone)")
+    p.add_argument("--sweep-ops", default="", help="comma-separated linears to sweep (all)")
+    p.add_argument("--sweep-batches", default="16,64,256,512", help="M for the sweep")
     p.add_argument("--out", default="bench_moe.json")
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
@@ -356,7 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke)
         print_moe(out["moe"])
     if a.sweep:
-        out["sweep"] = sweep_gemm(peaks, device, linears, l2, [16] if a.smoke else (16, 256))
+        ops = [o for o in a.sweep_ops.split(",") if o]
+        bad = [o for o in ops if o not in linears]
+        if bad:
+            raise SystemExit(f"--sweep-ops: unknown {bad}; known: {list(linears)}")
+        sweep_linears = {o: linears[o] for o in ops} if ops else linears
+        out["sweep"] = sweep_gemm(peaks, device, sweep_linears, l2, [16] if a.smoke else
+                                  [int(b) for b in a.sweep_batches.split(",")])
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nwrote {a.out}")

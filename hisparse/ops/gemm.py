@@ -11,20 +11,30 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 
 - ``reference``: dequantize the weight and matmul in fp32 (activations *not* quantized unless
   ``quantize_input=True``); the spec, any device. CPU models run this.
-- ``triton``: the tile kernel (:func:`_gemm_triton.fp8_block_linear_triton`), activation
-  quantization fused into the GEMM on CUDA (bf16 ``x`` read directly); 64-row tiles and K splits
-  fixed up to ``BATCH_INVARIANT_MAX_M`` (512) rows, so a row's result does not depend on the
-  other rows of its batch. The default: measured on the H200 it is the faster kernel at the
-  batches tiering serves (M >= 64; docs/BENCHMARKS.md, FP8 block GEMM run 2).
-- ``triton_decode``: up to 512 rows the split-K decode kernel (weight rows on the MMA's tall
-  side, K split by a count fixed by the weight shape, partials reduced in the same launch in a
-  fixed order: deterministic and batch invariant); faster at M <= 16 for most rank shapes,
-  2-5x slower at M >= 64 (too many splits for wide token tiles). Larger M: the tile kernel.
+- ``triton`` (the default on CUDA): up to ``BATCH_INVARIANT_MAX_M`` (512) rows the stream
+  kernel (:func:`_gemm_triton.fp8_block_linear_stream`): weight rows on the MMA's tall side,
+  tokens on its narrow side, each program streaming its weight slice once; K cut into chunks
+  whose count comes from the weight shape only, summed in a fixed order, so a row's result does
+  not depend on M or on the launch configuration chosen from M (batch invariant, the lossless
+  contract). Activations quantized in the K loop for few rows, by one Triton launch first for
+  more, bitwise the same. Larger M (prefill): the tile kernel.
+- ``triton_tile``: the tile kernel (:func:`_gemm_triton.fp8_block_linear_triton`) for every
+  M, activation quantization fused (bf16 ``x`` read directly); 64-row tiles and K splits fixed
+  up to 512 rows (batch invariant too). The engine's kernel before the stream kernel: the
+  baseline of ``benchmarks/bench_moe.py``.
 - ``scaled_mm``: ``torch._scaled_mm`` with (BlockWise1x128, BlockWise128x128) scaling
   (cuBLAS, SM90, bk = bn = 128 only), activations quantized by :func:`quantize_fp8_act`.
   Probed once per (device, shape class) outside graph capture; falls back to Triton if cuBLAS
-  refuses the call.
+  refuses the call. Not batch invariant: cuBLASLt picks its algorithm (tiles, split-K) per M.
 - ``auto``: Triton on CUDA (or with HISPARSE_FORCE_TRITON=1), reference otherwise.
+
+Batch invariance up to 512 rows (a row's bits do not depend on the other rows of its step):
+``triton`` and ``triton_tile`` keep it (GPU-tested bitwise); ``scaled_mm`` does not promise it
+(cuBLASLt's algorithm, tiles and split-K follow M), nor does ``reference`` (fp32 BLAS).
+DeepGEMM (``sgl-deep-gemm`` 0.2.5, the kernels vLLM and SGLang use) is not a backend: its
+wheel's ``_C.so`` is built against torch 2.13 and needs symbols torch 2.11 does not export
+(``c10::cuda::c10_cuda_check_implementation`` with an error-log argument,
+``torch::Library::_def`` with ``headeronly::Tag``, ...), so it does not load there.
 
 No backend syncs with the host: all are CUDA-graph capturable.
 """
@@ -40,7 +50,7 @@ from ._common import want_triton
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BACKEND_ENV = "HISPARSE_FP8_GEMM"
-BACKENDS = ("auto", "reference", "triton", "triton_decode", "scaled_mm")
+BACKENDS = ("auto", "reference", "triton", "triton_tile", "scaled_mm")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -189,9 +199,13 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     x2 = x.reshape(-1, K)
     if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
         return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
-    from ._gemm_triton import BATCH_INVARIANT_MAX_M, fp8_block_linear_nt, fp8_block_linear_triton
-    if b == "triton_decode" and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
-        y = fp8_block_linear_nt(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
+    from ._gemm_triton import (
+        BATCH_INVARIANT_MAX_M,
+        fp8_block_linear_stream,
+        fp8_block_linear_triton,
+    )
+    if b == "triton" and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
+        y = fp8_block_linear_stream(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     else:
         y = fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     return y.reshape(*lead, N)
