@@ -1,15 +1,15 @@
 """Triton kernels of the fused MoE layer's glue (imported lazily by moe_layer.py; contracts there).
 
-- ``_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]`` (16-token
+- ``_moe_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]`` (16-token
   tiles whatever ``T``, split count fixed by ``K``: a row's partials do not depend on the batch);
-- ``_route_kernel``: one program per token: the partials summed in split order, sigmoid,
+- ``_moe_route_kernel``: one program per token: the partials summed in split order, sigmoid,
   correction bias, group-limited top-k (ties to the lower index), normalisation and scaling;
   appends the always-selected shared expert column;
-- ``_align_kernel``: one program: assignments into per-expert ``BLOCK_M``-row tiles, in token
+- ``_moe_align_kernel``: one program: assignments into per-expert ``BLOCK_M``-row tiles, in token
   order within an expert, without a sort (per-expert counts and ranks from one-hot prefix sums
   over token chunks);
-- ``_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMM's in-register math);
-- ``_combine_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
+- ``_moe_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMM's in-register math);
+- ``_moe_combine_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ._gemm_triton import _act_tile_fp8
 
 
 @triton.jit
-def _router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, stride_w, stride_ps,
+def _moe_router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, stride_w, stride_ps,
                         K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pt = tl.program_id(0)
@@ -46,63 +46,72 @@ def _router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, stride_w, str
 
 
 @triton.jit
-def _route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, stride_ps, scaling, shared_id,
+def _moe_route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_ps, scaling, shared_id,
                   E: tl.constexpr, SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                   EPG: tl.constexpr, EPGP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOPK: tl.constexpr, KP: tl.constexpr, N_SHARED: tl.constexpr,
-                  NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                  NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    # [BLOCK_T tokens, GP groups, EPGP experts of a group]; every reduction is within a token
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
     g = tl.arange(0, GP)
     i = tl.arange(0, EPGP)
+    e_idx = g[:, None] * EPG + i[None, :]
     valid = (g < G)[:, None] & (i < EPG)[None, :]
-    e_idx = g[:, None] * EPG + i[None, :]                        # [GP, EPGP] expert ids
+    valid3 = tmask[:, None, None] & valid[None, :, :]
     big = E + 1
-    logit = tl.zeros((GP, EPGP), dtype=tl.float32)
+    logit = tl.zeros((BLOCK_T, GP, EPGP), dtype=tl.float32)
     for s in tl.static_range(SPLITS):                            # fixed order: batch invariant
-        logit += tl.load(part_ptr + s * stride_ps + t * E + e_idx, mask=valid, other=0.0)
+        logit += tl.load(part_ptr + s * stride_ps + t[:, None, None] * E + e_idx[None, :, :],
+                         mask=valid3, other=0.0)
     if LIBDEVICE:  # expf as torch's sigmoid calls it (tl.exp is ex2.approx on CUDA)
         score = 1.0 / (1.0 + libdevice.exp(-logit))
     else:
         score = 1.0 / (1.0 + tl.exp(-logit))
     choice = score
     if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + e_idx, mask=valid, other=0.0)
+        choice = choice + tl.load(bias_ptr + e_idx, mask=valid, other=0.0)[None, :, :]
     neg = float("-inf")
-    choice = tl.where(valid, choice, neg)
+    choice = tl.where(valid[None, :, :], choice, neg)
     # group score: the sum of its two largest choice scores (one copy of a tied maximum removed)
-    m1 = tl.max(choice, axis=1)
-    a1 = tl.min(tl.where(choice == m1[:, None], i[None, :], EPGP), axis=1)
-    m2 = tl.max(tl.where(i[None, :] == a1[:, None], neg, choice), axis=1)
-    gs = tl.where(g < G, m1 + m2, neg)
-    sel = g < 0
+    m1 = tl.max(choice, axis=2)
+    a1 = tl.min(tl.where(choice == m1[:, :, None], i[None, None, :], EPGP), axis=2)
+    m2 = tl.max(tl.where(i[None, None, :] == a1[:, :, None], neg, choice), axis=2)
+    gs = tl.where((g < G)[None, :], m1 + m2, neg)                # [BLOCK_T, GP]
+    sel = gs != gs                                               # all False
     for _ in tl.static_range(TOPK_GROUP):
-        gm = tl.max(gs, axis=0)
-        gi = tl.min(tl.where(gs == gm, g, GP), axis=0)
-        sel = sel | (g == gi)
-        gs = tl.where(g == gi, neg, gs)
-    cand = tl.where(sel[:, None] & valid, choice, neg)
+        gm = tl.max(gs, axis=1)
+        gi = tl.min(tl.where(gs == gm[:, None], g[None, :], GP), axis=1)
+        hit = g[None, :] == gi[:, None]
+        sel = sel | hit
+        gs = tl.where(hit, neg, gs)
+    cand = tl.where(sel[:, :, None] & valid[None, :, :], choice, neg)
     j = tl.arange(0, KP)
-    ids = tl.zeros((KP,), dtype=tl.int32) + shared_id + j - TOPK  # shared columns after top-k
-    wts = tl.zeros((KP,), dtype=tl.float32) + 1.0
+    ids = tl.zeros((BLOCK_T, KP), dtype=tl.int32) + (shared_id + j - TOPK)[None, :]
+    wts = tl.zeros((BLOCK_T, KP), dtype=tl.float32) + 1.0        # shared columns after top-k
     for kk in tl.static_range(TOPK):
-        cm = tl.max(tl.max(cand, axis=1), axis=0)
-        ci = tl.min(tl.min(tl.where(cand == cm, e_idx, big), axis=1), axis=0)
-        cw = tl.sum(tl.sum(tl.where(e_idx == ci, score, 0.0), axis=1), axis=0)
-        ids = tl.where(j == kk, ci, ids)
-        wts = tl.where(j == kk, cw, wts)
-        cand = tl.where(e_idx == ci, neg, cand)
-    routed = j < TOPK
+        cm = tl.max(tl.max(cand, axis=2), axis=1)
+        ci = tl.min(tl.min(tl.where(cand == cm[:, None, None], e_idx[None, :, :], big), axis=2),
+                    axis=1)
+        hit = e_idx[None, :, :] == ci[:, None, None]
+        cw = tl.sum(tl.sum(tl.where(hit, score, 0.0), axis=2), axis=1)
+        ids = tl.where(j[None, :] == kk, ci[:, None], ids)
+        wts = tl.where(j[None, :] == kk, cw[:, None], wts)
+        cand = tl.where(hit, neg, cand)
+    routed = (j < TOPK)[None, :]
     if NORM:
-        den = tl.sum(tl.where(routed, wts, 0.0), axis=0) + 1e-20
-        wts = tl.where(routed, wts / den, wts)
+        den = tl.sum(tl.where(routed, wts, 0.0), axis=1) + 1e-20
+        wts = tl.where(routed, wts / den[:, None], wts)
     wts = tl.where(routed, wts * scaling, wts)
-    out = j < TOPK + N_SHARED
-    tl.store(ids_ptr + t * (TOPK + N_SHARED) + j, ids, mask=out)
-    tl.store(w_ptr + t * (TOPK + N_SHARED) + j, wts, mask=out)
+    out = tmask[:, None] & (j < TOPK + N_SHARED)[None, :]
+    offs = t[:, None] * (TOPK + N_SHARED) + j[None, :]
+    tl.store(ids_ptr + offs, ids, mask=out)
+    tl.store(w_ptr + offs, wts, mask=out)
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
+def _moe_align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
                   K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_M: tl.constexpr, FILL: tl.constexpr):
     ex = tl.arange(0, EP)
@@ -146,7 +155,7 @@ def _align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, stride_q, stride_s,
+def _moe_quant_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, stride_q, stride_s,
                       BLOCK_K: tl.constexpr, POW2: tl.constexpr):
     t = tl.program_id(0)
     kb = tl.program_id(1)
@@ -160,7 +169,7 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, stride_q, stride_s,
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr,
+def _moe_combine_kernel(y_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

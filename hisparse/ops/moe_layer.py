@@ -146,13 +146,13 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
         use_triton = want_triton(x)
     if not use_triton or T == 0:
         return route_reference(x, weight, bias, cfg, n_shared)
-    from ._moe_layer_triton import _route_kernel, _router_gemm_kernel
+    from ._moe_layer_triton import _moe_route_kernel, _moe_router_gemm_kernel
 
     splits = cdiv(D, ROUTER_K_SPLIT)
     part = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)
     x, weight = x.contiguous(), weight.contiguous()
     block_e = 32
-    _router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, block_e), splits)](
+    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, block_e), splits)](
         x, weight, part, T, E, D, x.stride(0), weight.stride(0), part.stride(0),
         K_SPLIT=ROUTER_K_SPLIT, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=block_e, BLOCK_K=64,
         PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3")
@@ -160,13 +160,14 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)
     epg = E // G
-    _route_kernel[(T,)](
-        part, bias if bias is not None else part, ids, w, part.stride(0),
+    block_t = 4 if x.is_cuda else 16   # the interpreter's cost is per program
+    _moe_route_kernel[(cdiv(T, block_t),)](
+        part, bias if bias is not None else part, ids, w, T, part.stride(0),
         float(cfg.routed_scaling_factor), E,
         E=E, SPLITS=splits, G=G, GP=next_pow2(G), EPG=epg, EPGP=next_pow2(epg),
         TOPK_GROUP=cfg.topk_group, TOPK=cfg.top_k, KP=max(2, next_pow2(k_out)),
         N_SHARED=n_shared, NORM=bool(cfg.norm_topk_prob), HAS_BIAS=bias is not None,
-        LIBDEVICE=x.is_cuda and not interpreted())
+        LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t)
     return ids, w
 
 
@@ -179,13 +180,13 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
     if not use_triton:
         s, e = moe_align_reference(ids.cpu(), num_experts, block_m)
         return s.to(ids.device), e.to(ids.device)
-    from ._moe_layer_triton import _align_kernel
+    from ._moe_layer_triton import _moe_align_kernel
 
     T, k = ids.shape
     max_tiles = moe_max_tiles(T * k, num_experts, block_m)
     sorted_ids = torch.empty(max_tiles * block_m, device=ids.device, dtype=torch.int32)
     tile_expert = torch.empty(max_tiles, device=ids.device, dtype=torch.int32)
-    _align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, T, sorted_ids.numel(),
+    _moe_align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, T, sorted_ids.numel(),
                         max_tiles, K=k, E=num_experts, EP=next_pow2(num_experts), BLOCK_T=16,
                         BLOCK_M=block_m, FILL=1024, num_warps=8)
     return sorted_ids, tile_expert
@@ -197,14 +198,14 @@ def quantize_act(x: Tensor, block_k: int, pow2_scale: bool) -> tuple[Tensor, Ten
     if not x.is_cuda:
         q, s = quantize_fp8_act(x, block_k, pow2_scale)
         return q.contiguous(), s
-    from ._moe_layer_triton import _quant_act_kernel
+    from ._moe_layer_triton import _moe_quant_act_kernel
 
     T, K = x.shape
     kb = cdiv(K, block_k)
     q = torch.empty(T, K, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(T, kb, device=x.device, dtype=torch.float32)
     if T:
-        _quant_act_kernel[(T, kb)](x, q, s, K, kb, x.stride(0), q.stride(0), s.stride(0),
+        _moe_quant_act_kernel[(T, kb)](x, q, s, K, kb, x.stride(0), q.stride(0), s.stride(0),
                                    BLOCK_K=block_k, POW2=pow2_scale)
     return q, s
 
@@ -215,12 +216,12 @@ def combine(y: Tensor, T: int, dtype: torch.dtype, use_triton: bool | None = Non
         use_triton = want_triton(y)
     if not use_triton or T == 0:
         return combine_reference(y, T, dtype)
-    from ._moe_layer_triton import _combine_kernel
+    from ._moe_layer_triton import _moe_combine_kernel
 
     D = y.shape[1]
     out = torch.empty(T, D, device=y.device, dtype=dtype)
     block_d = 512
-    _combine_kernel[(T, cdiv(D, block_d))](y, out, D, y.stride(0), out.stride(0),
+    _moe_combine_kernel[(T, cdiv(D, block_d))](y, out, D, y.stride(0), out.stride(0),
                                            K=y.shape[0] // T, BLOCK_D=block_d)
     return out
 

@@ -238,3 +238,63 @@ def test_gpu_layer_captures_and_replays_new_inputs():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, moe_layer(x, *args[:2], RANK, *args[2:], **kw))
+
+
+# ----------------------------------------------------------------------------- the model's layer
+def _dsa_moe(fp8: bool, device="cpu", smoke=True):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from bench_moe import moe_config
+
+    from hisparse.models.dsa import DSAMoE
+
+    cfg = moe_config(smoke, fp8)
+    torch.manual_seed(0)
+    with torch.device(device):
+        moe = DSAMoE(cfg)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02 / 32)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, device=device) * 32).clamp_(-448, 448))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+            else:
+                p.normal_(0.0, cfg.hidden_size ** -0.5)
+    return moe.requires_grad_(False), cfg
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
+    moe, cfg = _dsa_moe(fp8)
+    assert moe._fusable_shared() is not None            # served as the extra expert
+    x = torch.randn(13, cfg.hidden_size)
+    assert moe.fused(x)
+    got = moe(x)
+    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    assert not moe.fused(x)
+    want = moe(x)
+    tol = 1e-5 if not fp8 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(monkeypatch, fp8):
+    moe, cfg = _dsa_moe(fp8, device="cuda", smoke=False)
+    if not fp8:
+        moe = moe.to(torch.bfloat16)
+        moe.gate.float()
+    x = torch.randn(256, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    got = moe(x)
+    for T in (1, 16, 24, 64):
+        assert torch.equal(moe(x[:T]), got[:T]), T
+    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    want = moe(x).float()
+    # bf16 roundings (the unfused path rounds routed and shared outputs apart) and FP8
+    # activation quantization of intermediates rounded differently
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err < (0.03 if fp8 else 0.02), err
