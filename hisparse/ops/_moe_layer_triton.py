@@ -2,13 +2,13 @@
 
 - ``_moe_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]`` (16-token
   tiles whatever ``T``, split count fixed by ``K``: a row's partials do not depend on the batch);
-- ``_moe_route_kernel``: one program per token: the partials summed in split order, sigmoid,
+- ``_moe_route_kernel``: per token (a few per program): the partials summed in split order, sigmoid,
   correction bias, group-limited top-k (ties to the lower index), normalisation and scaling;
   appends the always-selected shared expert column;
 - ``_moe_align_kernel``: one program: assignments into per-expert ``BLOCK_M``-row tiles, in token
   order within an expert, without a sort (per-expert counts and ranks from one-hot prefix sums
   over token chunks);
-- ``_moe_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMM's in-register math);
+- ``_moe_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMMs' in-tile math);
 - ``_moe_combine_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
 """
 
@@ -79,7 +79,7 @@ def _moe_route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_ps, scaling,
     a1 = tl.min(tl.where(choice == m1[:, :, None], i[None, None, :], EPGP), axis=2)
     m2 = tl.max(tl.where(i[None, None, :] == a1[:, :, None], neg, choice), axis=2)
     gs = tl.where((g < G)[None, :], m1 + m2, neg)                # [BLOCK_T, GP]
-    sel = gs != gs                                               # all False
+    sel = tl.zeros((BLOCK_T, GP), dtype=tl.int32) != 0          # all False
     for _ in tl.static_range(TOPK_GROUP):
         gm = tl.max(gs, axis=1)
         gi = tl.min(tl.where(gs == gm[:, None], g[None, :], GP), axis=1)
@@ -155,17 +155,17 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
 
 
 @triton.jit
-def _moe_quant_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, stride_q, stride_s,
-                      BLOCK_K: tl.constexpr, POW2: tl.constexpr):
-    t = tl.program_id(0)
+def _moe_quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
     kb = tl.program_id(1)
-    rows = t + tl.arange(0, 1)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
-    q, sa = _act_tile_fp8(x_ptr, x_ptr, rows, rows >= 0, offs_k, kmask, kb, stride_x, 0,
-                          True, POW2)
-    tl.store(q_ptr + rows[:, None] * stride_q + offs_k[None, :], q, mask=kmask[None, :])
-    tl.store(s_ptr + rows * stride_s + kb, sa)
+    q, sa = _act_tile_fp8(x_ptr, x_ptr, rows, rmask, offs_k, kmask, kb, stride_x, 0, True, POW2)
+    tl.store(q_ptr + rows[:, None] * stride_q + offs_k[None, :], q,
+             mask=rmask[:, None] & kmask[None, :])
+    tl.store(s_ptr + rows * stride_s + kb, sa, mask=rmask)
 
 
 @triton.jit

@@ -40,9 +40,13 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
                         TOPK: tl.constexpr, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                         FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
-                        POW2: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        POW2: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        SKIP_EMPTY: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
+    if SKIP_EMPTY:  # tiles past the last used one: exit instead of looping over masked loads
+        if tl.load(te_ptr + tile) < 0:
+            return
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
     aid = tl.load(ids_ptr + slots)
@@ -98,9 +102,12 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
                      KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                      FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
-                     POW2: tl.constexpr, HAS_SHARED: tl.constexpr):
+                     POW2: tl.constexpr, HAS_SHARED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
+    if SKIP_EMPTY:
+        if tl.load(te_ptr + tile) < 0:
+            return
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
     aid = tl.load(ids_ptr + slots)
@@ -137,9 +144,9 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
 
 
 _gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
-                                                     "POW2", "HAS_SHARED"])
+                                                     "POW2", "HAS_SHARED", "SKIP_EMPTY"])
 _down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2",
-                                       "HAS_SHARED"])
+                                       "HAS_SHARED", "SKIP_EMPTY"])
 
 
 def _block_n(n: int, scale_n: int | None, cap: int) -> int:
@@ -159,19 +166,21 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
     T, k = topk_ids.shape
     block_m = moe_block_m(T * k, gate_up.shape[0])
     sorted_ids, tile_expert = moe_align(topk_ids, gate_up.shape[0], block_m)
-    out = grouped_moe(x, None, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
+    out = grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                       gate_up_scale, down_scale, block, pow2_scale)
     return out.view(T, k, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
 
 
-def grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
+def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                 gate_up_scale, down_scale, block, pow2_scale: bool = False,
-                shared=None) -> torch.Tensor:
+                shared=None, quantize=None, skip_empty: bool = False) -> torch.Tensor:
     """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
     ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
-    ``x.dtype``, each times its routing weight. ``xq_xs``: ``x`` already FP8-quantized per
-    ``1 x bk`` with its scales (FP8 experts; None: quantized in the kernel on CUDA). ``shared``:
-    a :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``."""
+    ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
+    experts, CUDA): quantize each GEMM's activations once with it instead of in every tile
+    (the same math: ``_gemm_triton._act_tile_fp8``). ``shared``: a
+    :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
+    ``skip_empty``: programs of unused tiles exit at once."""
     from .gemm import quantize_fp8_act
 
     T, D = x.shape
@@ -182,7 +191,7 @@ def grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, topk_weights, gate_u
     fp8 = gate_up_scale is not None
     max_tiles = tile_expert.numel()
     x = x.contiguous()
-    quant_a = fp8 and x.is_cuda
+    quant_a = fp8 and x.is_cuda and quantize is None
     # fp32 experts use IEEE fp32 dots; so does the CPU interpreter for bf16 (its bf16 tl.dot is
     # wrong in triton 3.9, see _indexer_triton)
     ieee = not fp8 and (x.dtype == torch.float32 or not x.is_cuda)
@@ -204,13 +213,12 @@ def grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, topk_weights, gate_u
         sg, su, sd, sgs, sus, sds = gate_up, gate_up, down, gus, gus, dns
     # ---- gate_up + silu * up into the padded layout
     h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
-    if xq_xs is not None:
-        (xq, xs), quant_x = xq_xs, False
-    elif fp8 and not quant_a:
-        (xq, xs), quant_x = quantize_fp8_act(x, bk, pow2_scale), False
+    quant = (quantize if x.is_cuda else None) or quantize_fp8_act
+    if fp8 and not quant_a:
+        xq, xs = quant(x, bk, pow2_scale)
+        xq = xq.contiguous()
     else:
-        xq, xs, quant_x = x, x, quant_a
-    xq = xq.contiguous()
+        xq, xs = x, x
     bn1 = _block_n(I, bn, 64)
     kb1 = triton.cdiv(D, bk)
     kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
@@ -220,11 +228,11 @@ def grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, topk_weights, gate_u
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
         gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_x, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
-        **opts)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        SKIP_EMPTY=skip_empty, **opts)
     # ---- down, weighted, per assignment
     if fp8 and not quant_a:
-        hq, hs = quantize_fp8_act(h, bk, pow2_scale)
+        hq, hs = quant(h, bk, pow2_scale)
         hq = hq.contiguous()
     else:
         hq, hs = h, h
@@ -242,5 +250,5 @@ def grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, topk_weights, gate_u
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
         FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
-        **opts)
+        SKIP_EMPTY=skip_empty, **opts)
     return out

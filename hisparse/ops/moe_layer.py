@@ -1,7 +1,8 @@
 """The whole MoE layer of DeepSeek-V3.2 / GLM-5 fused: router, shared expert, routed experts.
 
-Seven kernels per layer on CUDA, none of them a general sort or a host sync (CUDA-graph
-capturable; every row computed independently of the batch it runs in):
+Eight kernels per layer on CUDA (FP8 experts; six for plain ones), none of them a general sort
+or a host sync (CUDA-graph capturable; every row computed independently of the batch it runs
+in):
 
 1. router GEMM (:func:`route`): logits ``x @ gate^T`` as fp32 partials over a K split fixed by
    ``D`` (16-token tiles whatever ``T``). The checkpoints keep the gate in fp32 and transformers
@@ -17,10 +18,12 @@ capturable; every row computed independently of the batch it runs in):
    the shared experts are appended as columns ``E, E+1, ...`` of weight 1;
 3. alignment (:func:`align`): assignments into per-expert tiles in token order (the layout of
    :func:`hisparse.ops.moe.moe_align`), from per-expert counts and one-hot prefix sums;
-4. activation quantization (FP8 experts): ``x`` per ``1 x bk`` once, not once per GEMM tile;
-5. / 6. the grouped GEMMs of :mod:`hisparse.ops.moe`, the shared expert served as expert ``E``
-   from its own tensors (SGLang's "shared experts fusion", without copying weights);
-7. combine (:func:`combine`): each token's ``top_k + n_shared`` rows summed in fp32 in slot
+4. / 6. activation quantization (FP8 experts): ``x`` and the intermediate ``silu(g) * u``
+   per ``1 x bk``, once each, not in every program of the GEMMs that read them (the same math);
+5. / 7. the grouped GEMMs of :mod:`hisparse.ops.moe`, the shared expert served as expert ``E``
+   from its own tensors (SGLang's "shared experts fusion", without copying weights); programs
+   of unused tiles (the layout is sized for any routing) exit at once;
+8. combine (:func:`combine`): each token's ``top_k + n_shared`` rows summed in fp32 in slot
    order, rounded once to ``x.dtype``.
 
 ``HISPARSE_FUSED_MOE=0`` runs the unfused layer (torch router, sort-based alignment, the shared
@@ -192,10 +195,11 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
     return sorted_ids, tile_expert
 
 
-def quantize_act(x: Tensor, block_k: int, pow2_scale: bool) -> tuple[Tensor, Tensor]:
+def quantize_act(x: Tensor, block_k: int, pow2_scale: bool, use_triton: bool | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """:func:`hisparse.ops.gemm.quantize_fp8_act` in one kernel on CUDA (the interpreter's
-    fp32 -> fp8 cast does not round like torch's: there the reference runs)."""
-    if not x.is_cuda:
+    fp32 -> fp8 cast does not round like torch's: on CPU the reference runs by default)."""
+    if not (x.is_cuda if use_triton is None else use_triton):
         q, s = quantize_fp8_act(x, block_k, pow2_scale)
         return q.contiguous(), s
     from ._moe_layer_triton import _moe_quant_act_kernel
@@ -205,8 +209,9 @@ def quantize_act(x: Tensor, block_k: int, pow2_scale: bool) -> tuple[Tensor, Ten
     q = torch.empty(T, K, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(T, kb, device=x.device, dtype=torch.float32)
     if T:
-        _moe_quant_act_kernel[(T, kb)](x, q, s, K, kb, x.stride(0), q.stride(0), s.stride(0),
-                                   BLOCK_K=block_k, POW2=pow2_scale)
+        _moe_quant_act_kernel[(cdiv(T, 16), kb)](x, q, s, T, K, x.stride(0), q.stride(0),
+                                                 s.stride(0), BLOCK_R=16, BLOCK_K=block_k,
+                                                 POW2=pow2_scale)
     return q, s
 
 
@@ -232,8 +237,10 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
               pow2_scale: bool = False, shared: SharedExpert | None = None,
               prequant: bool = True) -> Tensor:
     """Routed experts (+ the shared one) of ``x [T, D]`` -> ``[T, D]`` in ``x.dtype``, on Triton
-    (the seven kernels of the module doc); experts as :func:`hisparse.ops.moe.fused_moe` takes
-    them. ``prequant`` (FP8): quantize ``x`` once instead of in every gate/up tile."""
+    (the kernels of the module doc); experts as :func:`hisparse.ops.moe.fused_moe` takes them.
+    ``prequant`` (FP8): quantize ``x`` and the intermediate once each instead of in every GEMM
+    tile (the grouped GEMMs' programs of one tile each redo it ``I / 64`` resp. ``D / 128``
+    times)."""
     from ._moe_triton import grouped_moe
 
     T = x.shape[0]
@@ -242,9 +249,7 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
     ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
     block_m = moe_block_m(T * cfg.top_k, E)
     sorted_ids, tile_expert = align(ids, E + n_shared, block_m, use_triton=True)
-    xq_xs = None
-    if gate_up_scale is not None and (prequant or not x.is_cuda):
-        xq_xs = quantize_act(x.contiguous(), block[1], pow2_scale)
-    y = grouped_moe(x, xq_xs, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
-                    down_scale, block, pow2_scale, shared=shared)
+    y = grouped_moe(x, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
+                    down_scale, block, pow2_scale, shared=shared,
+                    quantize=quantize_act if prequant else None, skip_empty=True)
     return combine(y, T, x.dtype, use_triton=True)

@@ -14,6 +14,7 @@ from hisparse.ops.moe_layer import (
     combine,
     combine_reference,
     moe_layer,
+    quantize_act,
     route,
     route_reference,
 )
@@ -113,6 +114,30 @@ def test_combine_sums_rows_in_slot_order(triton_cpu):
     got = combine(y.bfloat16(), 7, torch.bfloat16).float()
     want = combine_reference(y.bfloat16(), 7, torch.float32)
     assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_act_kernel(triton_cpu, pow2):
+    from hisparse.ops.gemm import quantize_fp8_act
+
+    x = torch.randn(21, 80) * torch.rand(21, 1) * 10
+    q, s = quantize_act(x, 32, pow2, use_triton=True)
+    want_q, want_s = quantize_fp8_act(x, 32, pow2)
+    # the scales exactly; the interpreter's fp32 -> fp8 cast is not torch's (the GPU test
+    # compares the FP8 values bitwise): here only its shape and dtype
+    assert torch.equal(s, want_s)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gpu_quantize_act_kernel_is_torchs(pow2):
+    from hisparse.ops.gemm import quantize_fp8_act
+
+    x = torch.randn(300, 7168, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_act(x, 128, pow2)
+    want_q, want_s = quantize_fp8_act(x, 128, pow2)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def _experts(E, I, D, seed, device="cpu"):
