@@ -289,7 +289,8 @@ def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
     return sorted(((k[:60], n, us) for k, (n, us) in agg.items()), key=lambda r: -r[2])
 
 
-def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
+def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "bf16")
+              ) -> list[dict]:
     """Per T: the routed experts alone (``fused_moe``, uniform routing) and the whole layer
     (``DSAMoE``: router + routed + shared) unfused (``HISPARSE_FUSED_MOE=0``: torch router,
     sort-based alignment, the shared expert as its own MLP: the baseline) and fused (the seven
@@ -303,7 +304,7 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
     from hisparse.ops.moe_layer import FUSED_MOE_ENV, moe_layer
 
     rows = []
-    for fp8 in (True, False):
+    for fp8 in [w == "fp8" for w in weights]:
         cfg = moe_config(smoke, fp8)
         with torch.device(device):
             moe = DSAMoE(cfg)
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,16,64,256", help="GEMM rows M")
     p.add_argument("--moe-batches", default="16,24,64,128,256", help="MoE tokens T")
+    p.add_argument("--moe-weights", default="fp8,bf16", help="MoE expert weights: fp8, bf16")
     p.add_argument("--sweep", action="store_true", help="decode-kernel split / stage sweep")
     p.add_argument("--out", default="bench_moe.json")
     p.add_argument("--skip-gemm", action="store_true")
@@ -436,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         out["gemm"] = bench_gemm(peaks, device, batches, linears, l2)
         print_gemm(out["gemm"])
     if not a.skip_moe:
-        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke)
+        weights = [w for w in a.moe_weights.split(",") if w]
+        if not weights or set(weights) - {"fp8", "bf16"}:
+            raise SystemExit(f"--moe-weights: fp8 and/or bf16, got {a.moe_weights!r}")
+        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke, weights)
         print_moe(out["moe"])
     if a.sweep:
         out["sweep"] = sweep_gemm(peaks, device, linears, l2, [16] if a.smoke else (16, 256))

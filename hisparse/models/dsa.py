@@ -24,9 +24,13 @@ fp32 ``*_scale_inv`` per block), run through :func:`hisparse.ops.fp8_block_linea
 ``weights_proj`` stay in the model dtype (fp32 where noted), as in DeepSeek's checkpoints;
 ``kv_b_proj`` is dequantized once at load into the absorbed ``w_uk`` / ``w_uv`` (as vLLM does).
 
-The routed experts run through :func:`hisparse.ops.fused_moe`: on CUDA a device-side sort plus
-Triton grouped GEMMs (no host sync: MoE models decode under CUDA graphs); on CPU the reference
-loop over the experts hit.
+The MoE layer on CUDA is :func:`hisparse.ops.moe_layer.moe_layer` (router GEMM and routing
+kernels, sort-free alignment, the shared expert as an extra expert of the Triton grouped GEMMs,
+one combine kernel; no host sync: MoE models decode under CUDA graphs). With
+``HISPARSE_FUSED_MOE=0`` (and on CPU) it runs unfused: the router in torch (fp32, as
+transformers), the routed experts through :func:`hisparse.ops.fused_moe` (on CUDA a device-side
+sort plus the grouped GEMMs; on CPU the reference loop over the experts hit), the shared expert
+as its own MLP.
 """
 
 from __future__ import annotations
