@@ -138,20 +138,21 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
     for i in range(0, (T + BLOCK_M - 1) // BLOCK_M):   # an expert holds <= T assignments
         tl.store(te_ptr + tile_start + i, ex, mask=i < tiles)
     # pass 2: an assignment's slot = its expert's first slot + #earlier tokens on that expert
+    # ([experts, tokens] tiles: the prefix sum runs along the last axis)
     carry = tl.zeros((EP,), dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
         rows = t0 + tr
         rmask = rows < T
-        hot = tl.zeros((BLOCK_T, EP), dtype=tl.int32)
+        hot = tl.zeros((EP, BLOCK_T), dtype=tl.int32)
         for j in tl.static_range(K):
             e = tl.load(ids_ptr + rows * K + j, mask=rmask, other=EP)
-            hot += (e[:, None] == ex[None, :]).to(tl.int32)
-        before = tl.cumsum(hot, axis=0) - hot + carry[None, :] + slot_start[None, :]
+            hot += (ex[:, None] == e[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=1) - hot + (carry + slot_start)[:, None]
         for j in tl.static_range(K):
             e = tl.load(ids_ptr + rows * K + j, mask=rmask, other=EP)
-            slot = tl.sum(tl.where(e[:, None] == ex[None, :], before, 0), axis=1)
+            slot = tl.sum(tl.where(ex[:, None] == e[None, :], before, 0), axis=0)
             tl.store(sorted_ptr + slot, rows * K + j, mask=rmask)
-        carry += tl.sum(hot, axis=0)
+        carry += tl.sum(hot, axis=1)
 
 
 @triton.jit
