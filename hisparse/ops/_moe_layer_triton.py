@@ -9,7 +9,7 @@
   order within an expert, without a sort (per-expert counts and ranks from one-hot prefix sums
   over token chunks);
 - ``_moe_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMMs' in-tile math);
-- ``_moe_combine_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
+- ``_moe_token_sum_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _moe_quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr,
+def _moe_token_sum_kernel(y_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

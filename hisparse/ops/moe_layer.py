@@ -221,12 +221,12 @@ def combine(y: Tensor, T: int, dtype: torch.dtype, use_triton: bool | None = Non
         use_triton = want_triton(y)
     if not use_triton or T == 0:
         return combine_reference(y, T, dtype)
-    from ._moe_layer_triton import _moe_combine_kernel
+    from ._moe_layer_triton import _moe_token_sum_kernel
 
     D = y.shape[1]
     out = torch.empty(T, D, device=y.device, dtype=dtype)
     block_d = 512
-    _moe_combine_kernel[(T, cdiv(D, block_d))](y, out, D, y.stride(0), out.stride(0),
+    _moe_token_sum_kernel[(T, cdiv(D, block_d))](y, out, D, y.stride(0), out.stride(0),
                                            K=y.shape[0] // T, BLOCK_D=block_d)
     return out
 

@@ -349,3 +349,15 @@ def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(monkeypatch, f
     # activation quantization of intermediates rounded differently
     err = (got.float() - want).abs().max() / want.abs().max()
     assert err < (0.03 if fp8 else 0.02), err
+
+
+def test_the_layers_kernels_count_as_moe_in_the_kernel_profile():
+    """``hisparse bench --profile-kernels`` counts the whole fused layer in its MoE class."""
+    pytest.importorskip("triton")
+    from hisparse.bench.kernels import kernel_class
+    from hisparse.ops import _moe_layer_triton, _moe_triton
+
+    names = [n for mod in (_moe_layer_triton, _moe_triton) for n in vars(mod)
+             if n.endswith("_kernel")]
+    assert len(names) == 7
+    assert {n: kernel_class(n) for n in names} == {n: "MoE" for n in names}
