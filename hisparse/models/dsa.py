@@ -43,7 +43,13 @@ from ..ops import glue
 from ..ops._common import want_triton
 from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
-from ..ops.moe_layer import RoutingConfig, SharedExpert, fused_moe_layer_enabled, moe_layer
+from ..ops.moe_layer import (
+    MOE_LAYER_MAX_TOKENS,
+    RoutingConfig,
+    SharedExpert,
+    fused_moe_layer_enabled,
+    moe_layer,
+)
 from .config import DSAConfig
 from .context import NewKeys, NewRows, SparseAttentionContext
 
@@ -305,10 +311,10 @@ class DSAMoE(nn.Module):
 
     def fused(self, x: Tensor) -> bool:
         """Whether :meth:`forward` runs the fused layer (:func:`hisparse.ops.moe_layer.
-        moe_layer`: Triton, SiLU experts, unless ``HISPARSE_FUSED_MOE=0``); it reads ``x``
-        itself, not an fp32 copy."""
+        moe_layer`: Triton, SiLU experts, 1 to ``MOE_LAYER_MAX_TOKENS`` tokens, unless
+        ``HISPARSE_FUSED_MOE=0``); it reads ``x`` itself, not an fp32 copy."""
         return (fused_moe_layer_enabled() and self.experts.act_name == "silu"
-                and want_triton(x) and x.shape[0] > 0)
+                and want_triton(x) and 0 < x.shape[0] <= MOE_LAYER_MAX_TOKENS)
 
     def _fusable_shared(self) -> SharedExpert | None:
         """The shared expert as the grouped GEMMs' extra expert, when it has the routed

@@ -44,6 +44,10 @@ from .gemm import cdiv, quantize_fp8_act
 from .moe import moe_align_reference, moe_block_m, moe_max_tiles
 
 FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
+# Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
+# sizes): the alignment is one program and the router GEMM re-reads its weight per 16 tokens,
+# both fine here, both worse than the unfused path for prefill-sized steps.
+MOE_LAYER_MAX_TOKENS = 512
 ROUTER_K_SPLIT = 512      # K per router partial: the split count depends on D only
 _ROUTER_BLOCK_T = 16      # fixed token tile: a row's MMA shape does not depend on T
 

@@ -325,6 +325,8 @@ def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
     x = torch.randn(13, cfg.hidden_size)
     assert moe.fused(x)
     got = moe(x)
+    from hisparse.ops.moe_layer import MOE_LAYER_MAX_TOKENS
+    assert not moe.fused(torch.empty(MOE_LAYER_MAX_TOKENS + 1, cfg.hidden_size))  # prefill
     monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
     assert not moe.fused(x)
     want = moe(x)
