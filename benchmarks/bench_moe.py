@@ -285,7 +285,7 @@ def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
             continue
         a = agg.setdefault(ev.name, [0, 0.0])
         a[0] += 1
-        a[1] += ev.device_time
+        a[1] += ev.device_time_total
     return sorted(((k[:60], n, us) for k, (n, us) in agg.items()), key=lambda r: -r[2])
 
 
