@@ -18,9 +18,11 @@ Measures, in one run, against peaks measured in the same run:
   linear over all M);
 - MoE: one rank's MoE layer (256 experts, top 8, expert intermediate 256, hidden 7168, FP8 and
   bf16) at batch 16..256 with uniformly random routing: the routed experts alone
-  (``fused_moe``) and the whole layer (router + routed + shared expert), each against the time
-  to read the touched experts' bytes (plus the shared expert and router for the layer) at the
-  measured HBM bandwidth (target: <= 1.25x).
+  (``fused_moe``) and the whole layer (router + routed + shared expert) unfused
+  (``HISPARSE_FUSED_MOE=0``, the baseline) and fused (:mod:`hisparse.ops.moe_layer`), each
+  against the time to read the touched experts' bytes (plus the shared expert and router for
+  the layer) at the measured HBM bandwidths (target: <= 1.25x the copy figure, >= 0.8 of the
+  read figure), with the layer's kernels (name, launches, GPU time) from one profiled call.
 
 Every timed body is captured in a CUDA graph (many calls per replay), so launch overhead is not
 counted: this is what a graph-captured decode step sees. Prints short tables, writes JSON to
@@ -96,6 +98,9 @@ def measure_peaks(device: str) -> dict:
     bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
     t = time_fn(lambda: bufs[1].copy_(bufs[0]), reps=5)
     hbm = 2 * n / t / 1e9
+    # read-only (what a weight-streaming GEMM does): a sum over the same bytes
+    t_read = time_fn(lambda: bufs[0].view(torch.bfloat16).sum(dtype=torch.float32), reps=5)
+    hbm_read = n / t_read / 1e9
     bufs.clear()
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.ones((), device=device)
@@ -111,6 +116,7 @@ def measure_peaks(device: str) -> dict:
         t8 = time_fn(functools.partial(fp8_block_linear, a, w, s, backend="triton"), reps=5)
         fp8_src = "hisparse triton block kernel"
     return {"hbm_gb_s": hbm, "hbm_source": "device copy, read + write bytes",
+            "hbm_read_gb_s": hbm_read, "hbm_read_source": "bf16 sum, bytes read",
             "bf16_tflops": bf16, "fp8_tflops": 2 * S ** 3 / t8 / 1e12, "fp8_peak_source": fp8_src}
 
 
@@ -305,12 +311,59 @@ def moe_config(smoke: bool, fp8: bool):
     return DSAConfig.from_hf(raw)
 
 
-def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
+def _with_env(name: str, value: str, fn):
+    """``fn`` called (also when a CUDA graph captures it) with ``os.environ[name] = value``."""
+    def call():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+    return call
+
+
+def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
+    """``(kernel, launches, GPU us)`` of one eager call of ``fn``, slowest first (CUDA)."""
+    if device != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in ev.name.lower() \
+                or "memset" in ev.name.lower():
+            continue
+        a = agg.setdefault(ev.name, [0, 0.0])
+        a[0] += 1
+        a[1] += ev.device_time_total
+    return sorted(((k[:60], n, us) for k, (n, us) in agg.items()), key=lambda r: -r[2])
+
+
+def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "bf16")
+              ) -> list[dict]:
+    """Per T: the routed experts alone (``fused_moe``, uniform routing) and the whole layer
+    (``DSAMoE``: router + routed + shared) unfused (``HISPARSE_FUSED_MOE=0``: torch router,
+    sort-based alignment, the shared expert as its own MLP: the baseline) and fused (the seven
+    kernels of :mod:`hisparse.ops.moe_layer`; FP8 also without the one-pass activation
+    quantization), each against the bytes it must read: touched experts (+ the shared expert
+    and the fp32 router weight for the layer) at the measured HBM bandwidths (copy; read).
+    The router and shared weights are re-read by every call of a replay and may hit L2 there:
+    at most ~13 MB of a layer's ~500 MB, within the noise of the ratio."""
     from hisparse.models.dsa import DSAMoE
     from hisparse.ops.moe import fused_moe
+    from hisparse.ops.moe_layer import FUSED_MOE_ENV, moe_layer
 
     rows = []
-    for fp8 in (True, False):
+    for fp8 in [w == "fp8" for w in weights]:
         cfg = moe_config(smoke, fp8)
         with torch.device(device):
             moe = DSAMoE(cfg)
@@ -351,17 +404,34 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
             idx, _ = moe.gate(x)
             touched_layer = int(torch.unique(idx).numel())
             layer_bytes = touched_layer * per_expert + shared + router
-            t_layer = time_fn(functools.partial(moe, x), device=device)
+            unfused = _with_env(FUSED_MOE_ENV, "0", functools.partial(moe, x))
+            fused = _with_env(FUSED_MOE_ENV, "1", functools.partial(moe, x))
+            variants = {"unfused": unfused, "fused": fused}
+            if fp8:
+                variants["fused_in_tile_quant"] = functools.partial(
+                    moe_layer, x, moe.gate.weight, moe.gate.e_score_correction_bias,
+                    moe.gate.routing, ex.gate_up_proj, ex.down_proj,
+                    gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv,
+                    block=ex.block, pow2_scale=ex.pow2_scale, shared=moe._fusable_shared(),
+                    prequant=False)
             hbm = peaks["hbm_gb_s"] * 1e9
-            rows.append({
+            read = peaks.get("hbm_read_gb_s", peaks["hbm_gb_s"]) * 1e9
+            row = {
                 "weights": "fp8" if fp8 else "bf16", "T": T, "experts_touched": touched,
                 "routed_us": t_routed * 1e6, "routed_ideal_us": routed_bytes / hbm * 1e6,
                 "routed_ratio": t_routed / (routed_bytes / hbm),
                 "routed_gb_s": routed_bytes / t_routed / 1e9,
-                "layer_experts_touched": touched_layer, "layer_us": t_layer * 1e6,
+                "layer_experts_touched": touched_layer, "layer_bytes": layer_bytes,
                 "layer_ideal_us": layer_bytes / hbm * 1e6,
-                "layer_ratio": t_layer / (layer_bytes / hbm),
-            })
+                "layer_ideal_read_us": layer_bytes / read * 1e6,
+            }
+            for name, fn in variants.items():
+                t = time_fn(fn, device=device)
+                row[f"layer_{name}_us"] = t * 1e6
+                row[f"layer_{name}_ratio"] = t / (layer_bytes / hbm)
+                row[f"layer_{name}_frac_read_bw"] = (layer_bytes / read) / t
+                row[f"layer_{name}_kernels"] = layer_kernels(fn, device)
+            rows.append(row)
         moe = ex = None
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -369,21 +439,36 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool) -> list[dict]:
 
 
 def print_moe(rows: list[dict]) -> None:
-    print("\nMoE layer (one TP-8 rank): time vs touched-expert bytes at HBM bandwidth "
-          "(target ratio <= 1.25)")
-    print(f"{'w':>5} {'T':>4} {'touched':>7} | {'routed us':>9} {'ideal':>7} {'ratio':>6} "
-          f"{'GB/s':>7} | {'layer us':>9} {'ideal':>7} {'ratio':>6}")
+    print("\nMoE layer (one TP-8 rank): time vs touched-weight bytes at HBM bandwidth; ratio = "
+          "time / (bytes at the copy bandwidth), target <= 1.25; frac = (bytes at the read "
+          "bandwidth) / time, target >= 0.8")
+    print(f"{'w':>5} {'T':>4} {'touched':>7} | {'routed us':>9} {'ratio':>6} | "
+          f"{'unfused us':>10} {'ratio':>6} {'frac':>5} | {'fused us':>9} {'ratio':>6} "
+          f"{'frac':>5} | {'in-tile quant':>13} | kernels unfused -> fused")
     for r in rows:
-        print(f"{r['weights']:>5} {r['T']:>4} {r['experts_touched']:>7} | "
-              f"{r['routed_us']:9.1f} {r['routed_ideal_us']:7.1f} {r['routed_ratio']:6.2f} "
-              f"{r['routed_gb_s']:7.0f} | {r['layer_us']:9.1f} {r['layer_ideal_us']:7.1f} "
-              f"{r['layer_ratio']:6.2f}")
+        tile = r.get("layer_fused_in_tile_quant_us")
+        nk = [sum(n for _, n, _ in r[f"layer_{v}_kernels"]) for v in ("unfused", "fused")]
+        print(f"{r['weights']:>5} {r['T']:>4} {r['layer_experts_touched']:>7} | "
+              f"{r['routed_us']:9.1f} {r['routed_ratio']:6.2f} | "
+              f"{r['layer_unfused_us']:10.1f} {r['layer_unfused_ratio']:6.2f} "
+              f"{r['layer_unfused_frac_read_bw']:5.2f} | {r['layer_fused_us']:9.1f} "
+              f"{r['layer_fused_ratio']:6.2f} {r['layer_fused_frac_read_bw']:5.2f} | "
+              + (f"{tile:13.1f}" if tile is not None else f"{'':>13}")
+              + f" | {nk[0]} -> {nk[1]}")
+    for r in rows:
+        for v in ("unfused", "fused"):
+            ks = r[f"layer_{v}_kernels"]
+            if ks:
+                print(f"  {r['weights']} T={r['T']} {v}: {sum(n for _, n, _ in ks)} kernels, "
+                      f"{sum(us for _, _, us in ks):.1f} us: "
+                      + "; ".join(f"{name} x{n} {us:.1f}" for name, n, us in ks))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,16,64,256,512", help="GEMM rows M")
-    p.add_argument("--moe-batches", default="16,64,256", help="MoE tokens T")
+    p.add_argument("--moe-batches", default="16,24,64,128,256", help="MoE tokens T")
+    p.add_argument("--moe-weights", default="fp8,bf16", help="MoE expert weights: fp8, bf16")
     p.add_argument("--sweep", action="store_true",
                    help="stream-kernel launch / chunk sweep (with --skip-gemm --skip-moe alone)")
     p.add_argument("--sweep-ops", default="", help="comma-separated linears to sweep (all)")
@@ -415,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         out["gemm"] = bench_gemm(peaks, device, batches, linears, l2)
         print_gemm(out["gemm"])
     if not a.skip_moe:
-        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke)
+        weights = [w for w in a.moe_weights.split(",") if w]
+        if not weights or set(weights) - {"fp8", "bf16"}:
+            raise SystemExit(f"--moe-weights: fp8 and/or bf16, got {a.moe_weights!r}")
+        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke, weights)
         print_moe(out["moe"])
     if a.sweep:
         ops = [o for o in a.sweep_ops.split(",") if o]

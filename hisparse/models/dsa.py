@@ -24,9 +24,13 @@ fp32 ``*_scale_inv`` per block), run through :func:`hisparse.ops.fp8_block_linea
 ``weights_proj`` stay in the model dtype (fp32 where noted), as in DeepSeek's checkpoints;
 ``kv_b_proj`` is dequantized once at load into the absorbed ``w_uk`` / ``w_uv`` (as vLLM does).
 
-The routed experts run through :func:`hisparse.ops.fused_moe`: on CUDA a device-side sort plus
-Triton grouped GEMMs (no host sync: MoE models decode under CUDA graphs); on CPU the reference
-loop over the experts hit.
+The MoE layer on CUDA is :func:`hisparse.ops.moe_layer.moe_layer` (router GEMM and routing
+kernels, sort-free alignment, the shared expert as an extra expert of the Triton grouped GEMMs,
+one combine kernel; no host sync: MoE models decode under CUDA graphs). With
+``HISPARSE_FUSED_MOE=0`` (and on CPU) it runs unfused: the router in torch (fp32, as
+transformers), the routed experts through :func:`hisparse.ops.fused_moe` (on CUDA a device-side
+sort plus the grouped GEMMs; on CPU the reference loop over the experts hit), the shared expert
+as its own MLP.
 """
 
 from __future__ import annotations
@@ -36,8 +40,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import glue
+from ..ops._common import want_triton
 from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
+from ..ops.moe_layer import (
+    MOE_LAYER_MAX_TOKENS,
+    RoutingConfig,
+    SharedExpert,
+    fused_moe_layer_enabled,
+    moe_layer,
+)
 from .config import DSAConfig
 from .context import NewKeys, NewRows, SparseAttentionContext
 
@@ -234,6 +246,8 @@ class DSARouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = (cfg.num_experts_per_tok, cfg.n_group,
                                                      cfg.topk_group)
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.routing = RoutingConfig(self.top_k, self.n_group, self.topk_group,
+                                     bool(self.norm_topk_prob), float(self.scaling))
 
     def forward(self, x: Tensor, x32: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Computed in fp32 as transformers' reference (``_keep_in_fp32_modules_strict``:
@@ -295,7 +309,46 @@ class DSAMoE(nn.Module):
                                if cfg.n_shared_experts > 0 else None)
         self.tp_group = None     # tensor parallelism: one all-reduce of routed + shared
 
+    def fused(self, x: Tensor) -> bool:
+        """Whether :meth:`forward` runs the fused layer (:func:`hisparse.ops.moe_layer.
+        moe_layer`: Triton, SiLU experts, 1 to ``MOE_LAYER_MAX_TOKENS`` tokens, unless
+        ``HISPARSE_FUSED_MOE=0``); it reads ``x`` itself, not an fp32 copy."""
+        return (fused_moe_layer_enabled() and self.experts.act_name == "silu"
+                and want_triton(x) and 0 < x.shape[0] <= MOE_LAYER_MAX_TOKENS)
+
+    def _fusable_shared(self) -> SharedExpert | None:
+        """The shared expert as the grouped GEMMs' extra expert, when it has the routed
+        experts' form (one expert's intermediate size, no biases, same dtype and layout)."""
+        m, ex = self.shared_experts, self.experts
+        if m is None or m.act is not F.silu:
+            return None
+        lins = (m.gate_proj, m.up_proj, m.down_proj)
+        if any(getattr(lin, "bias", None) is not None for lin in lins):
+            return None
+        fp8 = ex.block is not None
+        if fp8 and not all(isinstance(lin, FP8Linear) and lin.block == ex.block for lin in lins):
+            return None
+        sh = SharedExpert(*(lin.weight for lin in lins),
+                          *((lin.weight_scale_inv for lin in lins) if fp8 else ()))
+        try:
+            sh.check(ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv,
+                     ex.down_proj_scale_inv)
+        except ValueError:
+            return None
+        return sh
+
     def forward(self, x: Tensor, x32: Tensor | None = None) -> Tensor:
+        if self.fused(x):
+            ex = self.experts
+            shared = self._fusable_shared()
+            y = moe_layer(x, self.gate.weight, self.gate.e_score_correction_bias,
+                          self.gate.routing, ex.gate_up_proj, ex.down_proj,
+                          gate_up_scale=ex.gate_up_proj_scale_inv,
+                          down_scale=ex.down_proj_scale_inv, block=ex.block,
+                          pow2_scale=ex.pow2_scale, shared=shared)
+            if shared is None and self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return tp_all_reduce(y, self.tp_group)
         idx, w = self.gate(x, x32)
         y = self.experts(x, idx, w)
         if self.shared_experts is not None:
@@ -323,7 +376,8 @@ class DSADecoderLayer(nn.Module):
         ``residual`` is None)."""
         x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
         a = self.self_attn(x, cos, sin, ctx, *x32)
-        x, residual, *x32 = self.post_attention_layernorm.add(a, residual, self.mlp_fp32)
+        fp32 = self.mlp_fp32 and not self.mlp.fused(a)
+        x, residual, *x32 = self.post_attention_layernorm.add(a, residual, fp32)
         return self.mlp(x, *x32), residual
 
 

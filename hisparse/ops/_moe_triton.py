@@ -34,14 +34,19 @@ def _plain_tile_dot(acc, x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb, K,
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
-                        I, K, KB, NBI,
+                        sg_ptr, su_ptr, sgs_ptr, sus_ptr,
+                        I, K, KB, NBI, E_SHARED,
                         stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                         TOPK: tl.constexpr, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                         FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
-                        POW2: tl.constexpr):
+                        POW2: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        SKIP_EMPTY: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
+    if SKIP_EMPTY:  # tiles past the last used one: exit instead of looping over masked loads
+        if tl.load(te_ptr + tile) < 0:
+            return
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
     aid = tl.load(ids_ptr + slots)
@@ -58,6 +63,14 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
     if FP8:  # weight scales loaded a K step ahead (see _gemm_triton._fp8_tile_dot)
         s_g = ws_ptr + e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
         s_u = s_g + NBI * stride_sn
+    if HAS_SHARED:  # the shared expert: an always-selected expert with its own tensors
+        if e == E_SHARED:
+            wg = sg_ptr
+            wu = su_ptr
+            if FP8:
+                s_g = sgs_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+                s_u = sus_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+    if FP8:
         sw_g = tl.load(s_g)
         sw_u = tl.load(s_u)
     for kb in range(KB_TOTAL):
@@ -83,14 +96,18 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
 
 @triton.jit
 def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_ptr,
-                     N, K, KB,
+                     sd_ptr, sds_ptr,
+                     N, K, KB, E_SHARED,
                      stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
                      KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                      FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
-                     POW2: tl.constexpr):
+                     POW2: tl.constexpr, HAS_SHARED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
+    if SKIP_EMPTY:
+        if tl.load(te_ptr + tile) < 0:
+            return
     slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ev = tl.load(te_ptr + tile + tl.zeros((BLOCK_M,), dtype=tl.int32))  # the tile's expert
     aid = tl.load(ids_ptr + slots)
@@ -103,6 +120,12 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:  # weight scales loaded a K step ahead (see _gemm_triton._fp8_tile_dot)
         s_d = ws_ptr + e * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+    if HAS_SHARED:
+        if e == E_SHARED:
+            wd = sd_ptr
+            if FP8:
+                s_d = sds_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+    if FP8:
         sw = tl.load(s_d)
     for kb in range(KB_TOTAL):
         if FP8:
@@ -121,8 +144,9 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
 
 
 _gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
-                                                     "POW2"])
-_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2"])
+                                                     "POW2", "HAS_SHARED", "SKIP_EMPTY"])
+_down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2",
+                                       "HAS_SHARED", "SKIP_EMPTY"])
 
 
 def _block_n(n: int, scale_n: int | None, cap: int) -> int:
@@ -135,20 +159,39 @@ def _block_n(n: int, scale_n: int | None, cap: int) -> int:
 
 def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
                      block, pow2_scale: bool = False) -> torch.Tensor:
-    from .gemm import quantize_fp8_act
+    """:func:`hisparse.ops.moe.fused_moe` on Triton: torch sort-based alignment, the grouped
+    GEMMs, the combine in torch (the layer path, ``moe_layer``, replaces both)."""
     from .moe import moe_align, moe_block_m
 
+    T, k = topk_ids.shape
+    block_m = moe_block_m(T * k, gate_up.shape[0])
+    sorted_ids, tile_expert = moe_align(topk_ids, gate_up.shape[0], block_m)
+    out = grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
+                      gate_up_scale, down_scale, block, pow2_scale)
+    return out.view(T, k, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
+                gate_up_scale, down_scale, block, pow2_scale: bool = False,
+                shared=None, quantize=None, skip_empty: bool = False) -> torch.Tensor:
+    """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
+    ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
+    ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
+    experts, CUDA): quantize each GEMM's activations once with it instead of in every tile
+    (the same math: ``_gemm_triton._act_tile_fp8``). ``shared``: a
+    :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
+    ``skip_empty``: programs of unused tiles exit at once."""
+    from .gemm import quantize_fp8_act
+
     T, D = x.shape
-    k = topk_ids.shape[1]
+    k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape
     I = two_i // 2
     A = T * k
     fp8 = gate_up_scale is not None
-    block_m = moe_block_m(A, E)
-    sorted_ids, tile_expert = moe_align(topk_ids, E, block_m)
     max_tiles = tile_expert.numel()
     x = x.contiguous()
-    quant_a = fp8 and x.is_cuda
+    quant_a = fp8 and x.is_cuda and quantize is None
     # fp32 experts use IEEE fp32 dots; so does the CPU interpreter for bf16 (its bf16 tl.dot is
     # wrong in triton 3.9, see _indexer_triton)
     ieee = not fp8 and (x.dtype == torch.float32 or not x.is_cuda)
@@ -161,10 +204,18 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
         nbi = 0
         gus = dns = x  # unused
     bk = min(bk, max(16, triton.next_power_of_2(min(D, I)))) if not fp8 else bk
+    if shared is not None:
+        shared.check(gate_up, down, gus if fp8 else None, dns if fp8 else None)
+        sg, su, sd = shared.gate, shared.up, shared.down
+        sgs, sus, sds = ((shared.gate_scale, shared.up_scale, shared.down_scale) if fp8
+                         else (x, x, x))
+    else:
+        sg, su, sd, sgs, sus, sds = gate_up, gate_up, down, gus, gus, dns
     # ---- gate_up + silu * up into the padded layout
     h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
+    quant = (quantize if x.is_cuda else None) or quantize_fp8_act
     if fp8 and not quant_a:
-        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
+        xq, xs = quant(x, bk, pow2_scale)
         xq = xq.contiguous()
     else:
         xq, xs = x, x
@@ -172,30 +223,32 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
     kb1 = triton.cdiv(D, bk)
     kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
-        xq, xs, gate_up, gus, sorted_ids, tile_expert, h,
-        I, D, kb1, nbi,
+        xq, xs, gate_up, gus, sorted_ids, tile_expert, h, sg, su, sgs, sus,
+        I, D, kb1, nbi, E,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
         gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        SKIP_EMPTY=skip_empty, **opts)
     # ---- down, weighted, per assignment
     if fp8 and not quant_a:
-        hq, hs = quantize_fp8_act(h, bk, pow2_scale)
+        hq, hs = quant(h, bk, pow2_scale)
         hq = hq.contiguous()
     else:
         hq, hs = h, h
     # per-assignment outputs in x.dtype (half the memory of fp32 for large prefill batches);
-    # the k contributions of a token are summed in fp32, in slot order
+    # the caller sums the k contributions of a token in fp32, in slot order
     out = torch.empty(A, D, device=x.device, dtype=x.dtype)
     bn2 = _block_n(D, bn, 128)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
     kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)
     kernel[(max_tiles, triton.cdiv(D, bn2))](
-        hq, hs, down, dns, sorted_ids, tile_expert, rw, out,
-        D, I, kb2,
+        hq, hs, down, dns, sorted_ids, tile_expert, rw, out, sd, sds,
+        D, I, kb2, E,
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, **opts)
-    return out.view(T, k, D).sum(1, dtype=torch.float32).to(x.dtype)
+        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        SKIP_EMPTY=skip_empty, **opts)
+    return out

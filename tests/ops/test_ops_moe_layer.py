@@ -1,0 +1,365 @@
+"""The fused MoE layer (router GEMM + routing + alignment + grouped GEMMs with the shared expert +
+combine) against its references: Triton under the CPU interpreter at small sizes, CUDA at one
+TP-8 rank's shapes."""
+
+import pytest
+import torch
+
+from hisparse.ops.gemm import quantize_fp8_weight
+from hisparse.ops.moe import fused_moe_reference, moe_align_reference
+from hisparse.ops.moe_layer import (
+    RoutingConfig,
+    SharedExpert,
+    align,
+    combine,
+    combine_reference,
+    moe_layer,
+    quantize_act,
+    route,
+    route_reference,
+)
+
+
+def _router(E, D, seed, device="cpu"):
+    g = torch.Generator(device).manual_seed(seed)
+    # bf16-valued fp32 weight, as DeepSeek's checkpoints store the gate
+    w = (torch.randn(E, D, generator=g, device=device) * D ** -0.5).bfloat16().float()
+    return w, torch.randn(E, generator=g, device=device) * 0.05
+
+
+def _torch_topk_route(x, w, b, cfg):
+    """transformers' router (torch.topk): the model's unfused path."""
+    from hisparse.models.dsa import DSARouter
+
+    r = DSARouter.__new__(DSARouter)
+    torch.nn.Module.__init__(r)
+    r.weight, r.e_score_correction_bias = torch.nn.Parameter(w), torch.nn.Parameter(b)
+    r.top_k, r.n_group, r.topk_group = cfg.top_k, cfg.n_group, cfg.topk_group
+    r.norm_topk_prob, r.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+    return r(x)
+
+
+@pytest.mark.parametrize("T,E,G,tg,k,ns,norm,bias", [
+    (5, 16, 4, 2, 4, 1, True, True), (19, 32, 8, 3, 6, 0, False, True),
+    (3, 16, 1, 1, 8, 2, True, False), (1, 8, 2, 2, 2, 1, True, True)])
+def test_route_matches_reference(triton_cpu, T, E, G, tg, k, ns, norm, bias):
+    D = 80
+    w, b = _router(E, D, seed=T + E)
+    b = b if bias else None
+    cfg = RoutingConfig(k, G, tg, norm, 2.5)
+    x = torch.randn(T, D).bfloat16()
+    ids, wt = route(x, w, b, cfg, ns)
+    want_ids, want_w = route_reference(x, w, b, cfg, ns)
+    assert ids.dtype == torch.int32 and ids.shape == (T, k + ns)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids[:, k:], torch.arange(E, E + ns, dtype=torch.int32).expand(T, ns))
+    # the same experts and weights as the model's torch.topk router
+    t_ids, t_w = _torch_topk_route(x.float(), w, b if b is not None else torch.zeros(E), cfg)
+    order = t_ids.sort(1).indices
+    torch.testing.assert_close(ids[:, :k].sort(1).values.long(), t_ids.gather(1, order),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(wt[:, :k].gather(1, ids[:, :k].long().argsort(1)),
+                               t_w.gather(1, order), rtol=1e-5, atol=1e-7)
+
+
+def test_route_ties_go_to_the_lower_index(triton_cpu):
+    E, D, G = 16, 64, 4
+    g = torch.Generator().manual_seed(3)
+    # small integers over 64: every logit exact whatever the summation order, so ties are exact
+    w = torch.randint(-3, 4, (E, D), generator=g).float() / 64
+    w[9] = w[2]                     # experts 2 and 9 always tie, as do groups 1 and 3
+    w[4:8] = w[12:16]
+    b = torch.zeros(E)
+    cfg = RoutingConfig(3, G, 2, True, 1.0)
+    x = torch.randint(-3, 4, (12, D), generator=g).float()
+    ids, wt = route(x, w, b, cfg)
+    want_ids, want_w = route_reference(x, w, b, cfg)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+    # groups 1 and 3 tie: 3 only with 1; within them expert 12 + i only with its twin 4 + i
+    chosen = torch.zeros(12, E, dtype=torch.bool).scatter_(1, ids.long(), True)
+    assert chosen[:, 4:8].any()
+    assert not (chosen[:, 12:16] & ~chosen[:, 4:8]).any()
+    assert not (chosen[:, 9] & ~chosen[:, 2] & chosen[:, 0:4].any(1)).any()
+
+
+def test_route_rejects_bad_groups():
+    w, b = _router(12, 16, seed=0)
+    with pytest.raises(ValueError, match="n_group=5"):
+        route(torch.randn(2, 16), w, b, RoutingConfig(2, 5, 1, True, 1.0))
+
+
+def _distinct_ids(T, k, E, seed, shared=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.long)
+    sh = torch.arange(E, E + shared).expand(T, shared)
+    return torch.cat([ids, sh], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("T,k,E,shared,bm", [(1, 2, 8, 1, 16), (37, 3, 8, 1, 16),
+                                             (20, 4, 64, 0, 32), (3, 8, 256, 1, 16)])
+def test_align_matches_reference(triton_cpu, T, k, E, shared, bm):
+    ids = _distinct_ids(T, k, E, seed=T, shared=shared)
+    got_ids, got_e = align(ids, E + shared, bm)
+    want_ids, want_e = moe_align_reference(ids, E + shared, bm)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_e, want_e)
+
+
+def test_combine_sums_rows_in_slot_order(triton_cpu):
+    y = torch.randn(7 * 5, 40)
+    assert torch.equal(combine(y, 7, torch.float32), combine_reference(y, 7, torch.float32))
+    # the interpreter casts fp32 -> bf16 by truncation: within one bf16 ulp of the reference
+    got = combine(y.bfloat16(), 7, torch.bfloat16).float()
+    want = combine_reference(y.bfloat16(), 7, torch.float32)
+    assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_act_kernel(triton_cpu, pow2):
+    from hisparse.ops.gemm import quantize_fp8_act
+
+    x = torch.randn(21, 80) * torch.rand(21, 1) * 10
+    q, s = quantize_act(x, 32, pow2, use_triton=True)
+    want_q, want_s = quantize_fp8_act(x, 32, pow2)
+    # the scales exactly; the interpreter's fp32 -> fp8 cast is not torch's (the GPU test
+    # compares the FP8 values bitwise): here only its shape and dtype
+    assert torch.equal(s, want_s)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gpu_quantize_act_kernel_is_torchs(pow2):
+    from hisparse.ops.gemm import quantize_fp8_act
+
+    x = torch.randn(300, 7168, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_act(x, 128, pow2)
+    want_q, want_s = quantize_fp8_act(x, 128, pow2)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def _experts(E, I, D, seed, device="cpu"):
+    g = torch.Generator(device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    gu = torch.randn(E + 1, 2 * I, D, **kw) * D ** -0.5     # the last: the shared one
+    dn = torch.randn(E + 1, D, I, **kw) * I ** -0.5
+    return gu, dn
+
+
+def _split(gu, dn, scales=None):
+    """Routed experts [:E] and the shared one (expert E) as a SharedExpert."""
+    I = dn.shape[2]
+    if scales is None:
+        return gu[:-1], dn[:-1], SharedExpert(gu[-1, :I], gu[-1, I:], dn[-1])
+    gus, dns = scales
+    nbi = gus.shape[1] // 2
+    return gu[:-1], dn[:-1], SharedExpert(gu[-1, :I], gu[-1, I:], dn[-1], gus[-1, :nbi],
+                                          gus[-1, nbi:], dns[-1])
+
+
+def _quantized(gu, dn, block):
+    I = dn.shape[2]
+    g_q, g_s = quantize_fp8_weight(gu[:, :I], block)
+    u_q, u_s = quantize_fp8_weight(gu[:, I:], block)
+    d_q, d_s = quantize_fp8_weight(dn, block)
+    return torch.cat([g_q, u_q], 1), torch.cat([g_s, u_s], 1), d_q, d_s
+
+
+CFG = RoutingConfig(top_k=3, n_group=4, topk_group=2, norm_topk_prob=True,
+                    routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_layer_plain_fp32_matches_reference(triton_cpu, shared):
+    T, E, I, D = 11, 16, 32, 64
+    gu, dn = _experts(E, I, D, seed=1)
+    rw, rb = _router(E, D, seed=2)
+    x = torch.randn(T, D)
+    r_gu, r_dn, sh = _split(gu, dn)
+    got = moe_layer(x, rw, rb, CFG, r_gu, r_dn, shared=sh if shared else None)
+    ids, w = route_reference(x, rw, rb, CFG, int(shared))
+    want = fused_moe_reference(x, ids.long(), w, gu if shared else r_gu, dn if shared else r_dn)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_layer_fp8_with_shared_matches_reference(triton_cpu, pow2):
+    T, E, I, D, block = 9, 16, 32, 64, (32, 32)
+    gu, dn = _experts(E, I, D, seed=3)
+    gu_q, gu_s, dn_q, dn_s = _quantized(gu, dn, block)
+    rw, rb = _router(E, D, seed=4)
+    x = torch.randn(T, D)
+    r_gu, r_dn, sh = _split(gu_q, dn_q, (gu_s, dn_s))
+    got = moe_layer(x, rw, rb, CFG, r_gu, r_dn, gate_up_scale=gu_s[:-1], down_scale=dn_s[:-1],
+                    block=block, pow2_scale=pow2, shared=sh)
+    ids, w = route_reference(x, rw, rb, CFG, 1)
+    want = fused_moe_reference(x, ids.long(), w, gu_q, dn_q, gate_up_scale=gu_s,
+                               down_scale=dn_s, block=block, quantize_input=True,
+                               pow2_scale=pow2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_shared_expert_of_another_shape_is_refused(triton_cpu):
+    gu, dn = _experts(8, 32, 64, seed=0)
+    r_gu, r_dn, sh = _split(gu, dn)
+    sh.down = sh.down[:, :16]
+    with pytest.raises(ValueError, match="shared expert down"):
+        moe_layer(torch.randn(2, 64), *_router(8, 64, 0), RoutingConfig(2, 2, 1, True, 1.0),
+                  r_gu, r_dn, shared=sh)
+
+
+# ----------------------------------------------------------------------------- GPU, rank shapes
+RANK = RoutingConfig(top_k=8, n_group=8, topk_group=4, norm_topk_prob=True,
+                     routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
+def rank_layer():
+    """One TP-8 rank's MoE layer (FP8, random): built once, fresh inputs per test."""
+    return _rank_layer(seed=7)
+
+
+def _rank_layer(seed):
+    E, I, D = 256, 256, 7168
+    gu, dn = _experts(E, I, D, seed=seed, device="cuda")
+    gu_q, gu_s, dn_q, dn_s = _quantized(gu, dn, (128, 128))
+    del gu, dn
+    rw, rb = _router(E, D, seed=seed + 1, device="cuda")
+    r_gu, r_dn, sh = _split(gu_q, dn_q, (gu_s, dn_s))
+    kw = dict(gate_up_scale=gu_s[:-1], down_scale=dn_s[:-1], block=(128, 128), shared=sh)
+    return (rw, rb, r_gu, r_dn), kw, (gu_q, gu_s, dn_q, dn_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 24, 64, 256])
+def test_gpu_route_matches_reference(T):
+    E, D = 256, 7168
+    g = torch.Generator("cuda").manual_seed(T)
+    # logits exact in any summation order (multiples of 2^-10), many of them tied
+    w = torch.randint(-1, 2, (E, D), generator=g, device="cuda").float() / 1024
+    b = torch.randint(-8, 9, (E,), generator=g, device="cuda").float() / 1024
+    x = torch.randint(-3, 4, (T, D), generator=g, device="cuda").to(torch.bfloat16)
+    ids, wt = route(x, w, b, RANK, 1)
+    want_ids, want_w = route_reference(x, w, b, RANK, 1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 24, 64, 256])
+def test_gpu_layer_fp8_matches_reference(rank_layer, T):
+    args, kw, (gu_q, gu_s, dn_q, dn_s) = rank_layer
+    x = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
+    ids, w = route(x, args[0], args[1], RANK, 1)
+    ref_ids, ref_w = route_reference(x, args[0], args[1], RANK, 1)
+    # the router GEMM sums in another order than cuBLAS: the same experts but for near ties
+    same = (ids.sort(1).values == ref_ids.sort(1).values).all(1)
+    assert same.float().mean() >= 0.95
+    by_id = w.gather(1, ids.sort(1).indices)
+    ref_by_id = ref_w.gather(1, ref_ids.sort(1).indices)
+    torch.testing.assert_close(by_id[same], ref_by_id[same], rtol=1e-4, atol=1e-6)
+    got = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+    want = fused_moe_reference(x, ids.long(), w, gu_q, dn_q, gate_up_scale=gu_s,
+                               down_scale=dn_s, block=(128, 128), quantize_input=True).float()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_layer_rows_are_batch_invariant(rank_layer):
+    args, kw, _ = rank_layer
+    x = torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16)
+    full = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+    ids, w = route(x, args[0], args[1], RANK, 1)
+    for T in (1, 16, 24, 64, 128):
+        assert torch.equal(moe_layer(x[:T], *args[:2], RANK, *args[2:], **kw), full[:T]), T
+        i2, w2 = route(x[:T], args[0], args[1], RANK, 1)
+        assert torch.equal(i2, ids[:T]) and torch.equal(w2, w[:T]), T
+
+
+@pytest.mark.gpu
+def test_gpu_layer_captures_and_replays_new_inputs(rank_layer):
+    args, kw, _ = rank_layer
+    x = torch.randn(24, 7168, device="cuda", dtype=torch.bfloat16)
+    moe_layer(x, *args[:2], RANK, *args[2:], **kw)  # compile (and tune) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, moe_layer(x, *args[:2], RANK, *args[2:], **kw))
+
+
+# ----------------------------------------------------------------------------- the model's layer
+def _dsa_moe(fp8: bool, device="cpu", smoke=True):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from bench_moe import moe_config
+
+    from hisparse.models.dsa import DSAMoE
+
+    cfg = moe_config(smoke, fp8)
+    torch.manual_seed(0)
+    with torch.device(device):
+        moe = DSAMoE(cfg)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02 / 32)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, device=device) * 32).clamp_(-448, 448))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+            else:
+                p.normal_(0.0, cfg.hidden_size ** -0.5)
+    return moe.requires_grad_(False), cfg
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
+    moe, cfg = _dsa_moe(fp8)
+    assert moe._fusable_shared() is not None            # served as the extra expert
+    x = torch.randn(13, cfg.hidden_size)
+    assert moe.fused(x)
+    got = moe(x)
+    from hisparse.ops.moe_layer import MOE_LAYER_MAX_TOKENS
+    assert not moe.fused(torch.empty(MOE_LAYER_MAX_TOKENS + 1, cfg.hidden_size))  # prefill
+    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    assert not moe.fused(x)
+    want = moe(x)
+    tol = 1e-5 if not fp8 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(monkeypatch, fp8):
+    moe, cfg = _dsa_moe(fp8, device="cuda", smoke=False)
+    if not fp8:
+        moe = moe.to(torch.bfloat16)
+        moe.gate.float()
+    x = torch.randn(256, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    got = moe(x)
+    for T in (1, 16, 24, 64):
+        assert torch.equal(moe(x[:T]), got[:T]), T
+    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    want = moe(x).float()
+    # bf16 roundings (the unfused path rounds routed and shared outputs apart) and FP8
+    # activation quantization of intermediates rounded differently
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err < (0.03 if fp8 else 0.02), err
+
+
+def test_the_layers_kernels_count_as_moe_in_the_kernel_profile():
+    """``hisparse bench --profile-kernels`` counts the whole fused layer in its MoE class."""
+    pytest.importorskip("triton")
+    from hisparse.bench.kernels import kernel_class
+    from hisparse.ops import _moe_layer_triton, _moe_triton
+
+    names = [n for mod in (_moe_layer_triton, _moe_triton) for n in vars(mod)
+             if n.endswith("_kernel")]
+    assert len(names) == 7
+    assert {n: kernel_class(n) for n in names} == {n: "MoE" for n in names}
