@@ -2,7 +2,7 @@
 # The GPU measurements still owed (docs/BENCHMARKS.md, "Not yet measured on a GPU"), as sections
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
-#   benchmarks/gpu_pending.sh OUTDIR SECTION...   SECTION: tests rank glm gemm pinned disagg
+#   benchmarks/gpu_pending.sh OUTDIR SECTION...   SECTION: tests rank glm gemm pinned disagg kernels
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -66,6 +66,21 @@ for section in "$@"; do
     disagg)  # issue 23: TTFT / ITL through the router vs colocated, transfer GB/s
       run disagg 300 python3 benchmarks/bench_disagg.py --out "$out/disagg.json" --layers 4 \
         --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2 ;;
-    *) echo "unknown section $section (tests rank glm gemm pinned disagg)"; exit 2 ;;
+    kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
+             # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
+             # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
+             # resolver (split miss gather vs the kernel at 986c8d9), scoring configs
+      git show 986c8d9:hisparse/ops/_resolve_triton.py >"$out/resolve_base.py"
+      export HISPARSE_TRITON_AUTOTUNE=0
+      run gemm 110 python3 benchmarks/bench_moe.py --skip-moe --batches 1,16,64,256,512 \
+        --out "$out/bench_gemm.json"
+      run moe 100 python3 benchmarks/bench_moe.py --skip-gemm --moe-weights fp8 \
+        --out "$out/bench_moe_layer.json"
+      run resolver 70 python3 benchmarks/bench_resolver.py --baseline "$out/resolve_base.py" \
+        --splits 16,1 --out "$out/bench_resolver.json"
+      run scoring 50 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
+        --score-rows 24 --out "$out/scoring_sweep.json"
+      rm -f "$out/resolve_base.py"; unset HISPARSE_TRITON_AUTOTUNE ;;
+    *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels)"; exit 2 ;;
   esac
 done
