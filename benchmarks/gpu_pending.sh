@@ -70,17 +70,19 @@ for section in "$@"; do
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
              # resolver (split miss gather vs the kernel at 986c8d9), scoring configs
-      git show 986c8d9:hisparse/ops/_resolve_triton.py >"$out/resolve_base.py"
+      # the baseline resolver, made where git is (the device's copy has no history):
+      # mkdir -p bench_base && git show 986c8d9:hisparse/ops/_resolve_triton.py >bench_base/resolve_base.py
+      base=${RESOLVE_BASE:-bench_base/resolve_base.py}
       export HISPARSE_TRITON_AUTOTUNE=0
       run gemm 110 python3 benchmarks/bench_moe.py --skip-moe --batches 1,16,64,256,512 \
         --out "$out/bench_gemm.json"
       run moe 100 python3 benchmarks/bench_moe.py --skip-gemm --moe-weights fp8 \
         --out "$out/bench_moe_layer.json"
-      run resolver 70 python3 benchmarks/bench_resolver.py --baseline "$out/resolve_base.py" \
+      run resolver 70 python3 benchmarks/bench_resolver.py --baseline "$base" \
         --splits 16,1 --out "$out/bench_resolver.json"
       run scoring 50 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
         --score-rows 24 --out "$out/scoring_sweep.json"
-      rm -f "$out/resolve_base.py"; unset HISPARSE_TRITON_AUTOTUNE ;;
+      unset HISPARSE_TRITON_AUTOTUNE ;;
     *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels)"; exit 2 ;;
   esac
 done
