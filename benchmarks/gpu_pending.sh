@@ -74,13 +74,13 @@ for section in "$@"; do
       # mkdir -p bench_base && git show 986c8d9:hisparse/ops/_resolve_triton.py >bench_base/resolve_base.py
       base=${RESOLVE_BASE:-bench_base/resolve_base.py}
       export HISPARSE_TRITON_AUTOTUNE=0
-      run gemm 110 python3 benchmarks/bench_moe.py --skip-moe --batches 1,16,64,256,512 \
+      run gemm 100 python3 benchmarks/bench_moe.py --skip-moe --batches 1,16,64,256,512 \
         --out "$out/bench_gemm.json"
-      run moe 100 python3 benchmarks/bench_moe.py --skip-gemm --moe-weights fp8 \
+      run moe 90 python3 benchmarks/bench_moe.py --skip-gemm --moe-weights fp8 \
         --out "$out/bench_moe_layer.json"
-      run resolver 70 python3 benchmarks/bench_resolver.py --baseline "$base" \
+      run resolver 60 python3 benchmarks/bench_resolver.py --baseline "$base" \
         --splits 16,1 --out "$out/bench_resolver.json"
-      run scoring 50 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
+      run scoring 40 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
         --score-rows 24 --out "$out/scoring_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels)"; exit 2 ;;
