@@ -17,8 +17,9 @@ in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it dec
   (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
   notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
   NIXL error (a prefill instance that dies mid-READ) or its timeout (a dead, stalled or
-  unreachable prefill instance); its transfers are released (an active READ is cancelled)
-  first, so a failed load's blocks can be freed.
+  unreachable prefill instance, before its READs are posted); READs in flight are never
+  cancelled (a cancelled READ can still land): a load whose READs are posted ends when they
+  do, so a failed load's blocks are freed only once nothing writes them.
 """
 
 from __future__ import annotations
@@ -189,7 +190,11 @@ class KVTransferAgent:
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
             error = load.error
-            if error is None and now > load.deadline:
+            # The deadline does not end READs in flight: one that NIXL cancels or whose peer
+            # is disconnected can still land later (seen with UCX over TCP: a stalled prefill
+            # that resumes) in blocks the recompute or another request reuses. Such a load
+            # ends when its READs do (done, or failed: a dead peer).
+            if error is None and now > load.deadline and load.state != "reading":
                 error = (f"KV load timed out after {self.load_timeout_s:g} s in state "
                          f"{load.state!r} (prefill instance {load.job.remote.engine_id!r} at "
                          f"{load.job.remote.host}:{load.job.remote.port})")
@@ -200,8 +205,10 @@ class KVTransferAgent:
                     error = f"NIXL transfer failed: {type(e).__name__}: {e}"
             if error is None and load.state != "done":
                 continue
+            if error is not None and load.handles and self._in_flight(load):
+                continue        # an aborted load's READs still write its blocks: wait
             if error is not None and not self._release(load):
-                continue        # a READ that cannot be cancelled yet still owns the blocks
+                continue        # a READ that cannot be released yet still owns the blocks
             del self._loads[req_id]
             if error is not None:
                 self._notify_done(load)
@@ -225,9 +232,14 @@ class KVTransferAgent:
                 return error
             self._post_reads(load)
             load.state = "reading"
-        states = [self.agent.check_xfer_state(h) for h in load.handles]
-        if "ERR" in states:
-            return "NIXL READ failed"
+        try:
+            states = [self.agent.check_xfer_state(h) for h in load.handles]
+        except Exception as e:  # noqa: BLE001 - NIXL raises on a peer that went away
+            states = [f"{type(e).__name__}: {e}"]
+        if any(st not in ("DONE", "PROC") for st in states):
+            bad = next(st for st in states if st not in ("DONE", "PROC"))
+            return (f"NIXL READ from {remote.engine_id!r} at {remote.host}:{remote.port} failed "
+                    f"({bad}): the prefill instance died or dropped the connection mid-transfer")
         if all(s == "DONE" for s in states):
             self._release(load)
             self.agent.send_notif(remote.engine_id, NOTIF_READ + remote.request_id.encode())
@@ -263,6 +275,16 @@ class KVTransferAgent:
                            f"not of {remote.engine_id!r}")
         self._remotes[key] = READY
         return True, None
+
+    def _in_flight(self, load: _Load) -> bool:
+        """Whether a READ of ``load`` is still in progress (an errored one is not)."""
+        for h in load.handles:
+            try:
+                if self.agent.check_xfer_state(h) == "PROC":
+                    return True
+            except Exception:  # noqa: BLE001 - NIXL raises on a peer that went away
+                pass
+        return False
 
     def _notify_done(self, load: _Load) -> None:
         """Tell the prefill instance a failed or cancelled load is done with its blocks (it
