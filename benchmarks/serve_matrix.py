@@ -19,6 +19,7 @@ with a note when it is not importable.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -151,10 +152,8 @@ def _dist(metrics: dict, name: str, key: str) -> float:
 
 
 def guidellm(url: str, model: str, a, outdir: str, log: str) -> dict:
-    try:
-        import guidellm as _  # noqa: F401
-    except ImportError as e:
-        return {"tool": "guidellm", "error": f"not importable: {e}"}
+    if importlib.util.find_spec("guidellm") is None:
+        return {"tool": "guidellm", "error": "not installed (pip install guidellm==0.8.1)"}
     path = os.path.join(outdir, "guidellm.json")
     n = a.guidellm_requests or a.num_prompts
     cmd = [sys.executable, "-m", "guidellm", "run",
@@ -211,7 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--gpu-kv-requests", type=int, default=8,
                    help="GPU KV pool size in whole requests (0: the engine's default)")
-    p.add_argument("--host-pool-gib", type=float, default=32.0)
+    p.add_argument("--host-pool-gib", type=float, default=8.0)
     p.add_argument("--guidellm-mode", default="hisparse", help="the server guidellm drives "
                    "('' to skip)")
     p.add_argument("--guidellm-requests", type=int, default=None,
