@@ -2,7 +2,8 @@
 # The GPU measurements still owed (docs/BENCHMARKS.md, "Not yet measured on a GPU"), as sections
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
-#   benchmarks/gpu_pending.sh OUTDIR SECTION...   SECTION: tests rank glm gemm pinned disagg kernels
+#   benchmarks/gpu_pending.sh OUTDIR SECTION...
+#   SECTION: tests rank glm gemm pinned disagg kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -83,6 +84,10 @@ for section in "$@"; do
       run scoring 40 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
         --score-rows 24 --out "$out/scoring_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
-    *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels)"; exit 2 ;;
+    serve)   # issue 22 item 6: hisparse serve per mode on the stand-in, bench-serve at 32k / 512
+             # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
+      run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
+        --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
+    *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels serve)"; exit 2 ;;
   esac
 done

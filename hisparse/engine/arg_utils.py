@@ -102,10 +102,10 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
                    "decode: pull the KV of requests carrying kv_transfer_params (default: "
                    "neither, a colocated server)")
     d.add_argument("--kv-host", default="127.0.0.1",
-                   help="address of this instance's NIXL metadata listener, as peers reach it "
+                   help="address of this instance's KV handshake server, as peers reach it "
                    "(default: %(default)s)")
     d.add_argument("--kv-port", type=int, default=None,
-                   help="port of the NIXL metadata listener (default: a free port)")
+                   help="port of the KV handshake server (default: a free port)")
     d.add_argument("--kv-load-failure", default="recompute", choices=["recompute", "fail"],
                    help="decode: a failed or timed-out load recomputes the prompt here, or "
                    "fails the request (default: %(default)s)")

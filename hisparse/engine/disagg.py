@@ -21,7 +21,6 @@ Either role still serves ordinary (colocated) requests.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 import uuid
 
@@ -33,12 +32,6 @@ from hisparse.kv.transfer_plan import (
     RemotePrefill,
     compat_hash,
 )
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def prompt_digest(ids: list[int]) -> str:
@@ -86,10 +79,10 @@ class Disaggregation:
                                   row_bytes=geo.row_bytes, key_bytes=geo.key_bytes)
         self.engine_id = f"hisparse-{role}-{uuid.uuid4().hex[:12]}"
         self.host = host
-        self.port = port or free_port(host)
         self.hold_timeout_s = hold_timeout_s
-        self.agent = KVTransferAgent(caches, self.engine_id, host, self.port, self.compat,
+        self.agent = KVTransferAgent(caches, self.engine_id, host, port, self.compat,
                                      load_timeout_s)
+        self.port = self.agent.port
         self.recompute = load_failure == "recompute"
         # prefill side: finished requests whose prompt mirrors are not durable yet, and the
         # held prompts by request id: (host blocks, deadline)

@@ -103,7 +103,7 @@ class LLM:
     ``RequestOutput.kv_transfer_params``; ``"decode"`` pulls the KV of requests whose
     ``SamplingParams.kv_transfer_params`` carry them (``kv_load_timeout_s``; a failed load
     recomputes the prompt, or fails the request with ``kv_load_failure="fail"``).
-    ``kv_host`` / ``kv_port``: this instance's NIXL metadata listener (default: a free port).
+    ``kv_host`` / ``kv_port``: this instance's KV handshake server (default: a free port).
     Needs a host tier (not ``gpu-only``) and ``tensor_parallel_size=1``.
     """
 

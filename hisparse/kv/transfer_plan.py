@@ -9,8 +9,9 @@ Protocol (vLLM's ``kv_transfer_params``, so a vLLM-style disaggregation proxy ca
   request: ``do_remote_prefill``, ``remote_engine_id`` (its NIXL agent name),
   ``remote_request_id``, ``remote_block_ids`` (``{"host": [...]}``: one host block per prompt
   page; MLA rows and indexer keys share host block ids), ``remote_host`` / ``remote_port`` (its
-  NIXL metadata listener), ``num_remote_tokens`` (the prompt rows held), ``first_token``
-  (sampled by the prefill), ``compat_hash`` and ``remote_layout`` (its registered regions);
+  KV handshake server: :mod:`hisparse.worker.kv_handshake`), ``num_remote_tokens`` (the prompt
+  rows held), ``first_token`` (sampled by the prefill), ``compat_hash`` and ``remote_layout``
+  (its registered regions);
 - a decode request carrying them is admitted in a *waiting for remote KV* state: the KV core
   allocates the destination blocks (:meth:`KVCoordinator.admit_remote
   <hisparse.kv.coordinator.KVCoordinator.admit_remote>`), the worker pulls with NIXL READs

@@ -161,6 +161,9 @@ _KV_TRANSFER_COUNTERS = {
     "kv_transfer_bytes": ("hisparse_kv_transfer_bytes", "Bytes pulled over NIXL (decode)"),
     "kv_transfer_seconds": ("hisparse_kv_transfer_seconds",
                             "Summed start-to-landed time of remote KV loads (decode)"),
+    "kv_transfer_prefix_hit_rows": ("hisparse_kv_transfer_prefix_hit_rows",
+                                    "Remote prompt rows not pulled: prefix-cache hits here "
+                                    "(decode)"),
     "kv_transfer_held": ("hisparse_kv_transfer_held",
                          "Prompts held for a remote decode (prefill)"),
     "kv_transfer_released": ("hisparse_kv_transfer_released",

@@ -2,7 +2,8 @@
 
 :class:`KVTransferAgent` registers this engine's four regions (GPU arena, GPU indexer cache,
 host pool, host indexer keys) with a NIXL agent (UCX backend; DRAM on CPU, VRAM on CUDA) whose
-listen thread serves its metadata to peers. The request protocol and the descriptor plans are
+handshake server (:mod:`hisparse.worker.kv_handshake`) tells peers who it is. The request
+protocol and the descriptor plans are
 in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it decides nothing.
 
 - Prefill side: the held prompt rows are read from its host pool (the authoritative, durable
@@ -11,28 +12,34 @@ in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it dec
 - Decode side: :meth:`KVTransferAgent.start_load` takes a :class:`LoadJob`; :meth:`poll` (once
   per engine step, never blocking) walks each load through: wait for the device work queued
   before it (its blocks may have been written by a step still in flight), the handshake
-  (NIXL metadata from the peer's listener; compatibility hash), one READ per local memory type
+  (the peer at ``remote_host:remote_port`` must be the engine the params name, with our
+  compatibility hash; then its NIXL metadata is loaded), one READ per local memory type
   (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
-  notification to the prefill instance. A load fails on a hash mismatch, a NIXL error or its
-  timeout (a dead or unreachable prefill instance); its transfers are released first, so a
-  failed load's blocks can be freed.
+  notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
+  NIXL error (a prefill instance that dies mid-READ) or its timeout (a dead, stalled or
+  unreachable prefill instance, before its READs are posted); READs in flight are never
+  cancelled (a cancelled READ can still land): a load whose READs are posted ends when they
+  do, so a failed load's blocks are freed only once nothing writes them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from hisparse.kv.transfer_plan import LoadJob, RegionLayout, transfer_descriptors
+from hisparse.kv.transfer_plan import LoadJob, RegionLayout, RemotePrefill, transfer_descriptors
 from hisparse.worker.cache import KVCaches
+from hisparse.worker.kv_handshake import HandshakeServer, fetch_peer
 
 logger = logging.getLogger(__name__)
 
 NOTIF_READ = b"read:"
+READY = "ready"
 
 
 def nixl_available() -> bool:
@@ -90,11 +97,10 @@ class _Load:
 
 class KVTransferAgent:
     """One NIXL agent over an engine's caches. ``name`` is the agent (and engine) id peers
-    address; ``port`` its metadata listener; ``compat`` the compatibility hash both sides
-    must share; ``num_gpu_blocks`` / ``num_indexer_blocks`` / ``num_host_blocks`` size the
-    regions (the GPU regions include their sink block)."""
+    address; ``host:port`` its handshake server (port 0: a free one, :attr:`port` after);
+    ``compat`` the compatibility hash both sides must share."""
 
-    def __init__(self, caches: KVCaches, name: str, host: str, port: int, compat: str,
+    def __init__(self, caches: KVCaches, name: str, host: str, port: int | None, compat: str,
                  load_timeout_s: float = 30.0) -> None:
         try:
             from nixl_cu13 import nixl_agent, nixl_agent_config
@@ -102,11 +108,11 @@ class KVTransferAgent:
             raise RuntimeError("prefill/decode disaggregation needs NIXL: pip install "
                                "--no-deps nixl-cu13==1.5.1") from e
         cfg = caches.cfg
-        self.name, self.host, self.port, self.compat = name, host, port, compat
+        self.name, self.host, self.compat = name, host, compat
         self.load_timeout_s = load_timeout_s
         self.device = caches.device
-        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=True,
-                                                        listen_port=port, backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False,
+                                                        backends=["UCX"]))
         tensors = {"arena": (caches.arena, cfg.num_gpu_blocks + 1),
                    "indexer": (caches.indexer, cfg.num_indexer_blocks + 1),
                    "host": (caches.host, cfg.num_host_blocks if cfg.uses_host else 0),
@@ -118,10 +124,15 @@ class KVTransferAgent:
             self.layouts[region] = region_layout(t, blocks)
             if t.numel():
                 self._registered.append(self.agent.register_memory(t))
+        self._server = HandshakeServer(host, port or 0, name, compat,
+                                       self.agent.get_agent_metadata())
+        self.port = self._server.port
+        self._handshakes = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
         self.block_size = cfg.block_size
         self.metrics = TransferMetrics()
         self._loads: dict[str, _Load] = {}
-        self._remotes: dict[str, str] = {}       # peer name -> "fetching" | "ready"
+        # (engine id, host, port) -> the handshake in progress or done (a Future), or READY
+        self._remotes: dict[tuple[str, str, int], Future | str] = {}
         self._done: list[tuple[str, str | None]] = []
         # (peer, its request id, deadline): failed loads whose peer is still to be told
         self._goodbyes: list[tuple[str, str, float]] = []
@@ -160,9 +171,11 @@ class KVTransferAgent:
         if self.device.type == "cuda":
             load.event = torch.cuda.Event()
             load.event.record()
-        if self._remotes.get(remote.engine_id) is None:
-            self.agent.fetch_remote_metadata(remote.engine_id, remote.host, remote.port)
-            self._remotes[remote.engine_id] = "fetching"
+        key = (remote.engine_id, remote.host, remote.port)
+        peer = self._remotes.get(key)
+        if peer is None or (peer is not READY and peer.done() and peer.exception()):
+            self._remotes[key] = self._handshakes.submit(fetch_peer, remote.host, remote.port,
+                                                         self.load_timeout_s)
         self._loads[job.req_id] = load
 
     def cancel(self, req_id: str) -> None:
@@ -177,7 +190,11 @@ class KVTransferAgent:
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
             error = load.error
-            if error is None and now > load.deadline:
+            # The deadline does not end READs in flight: one that NIXL cancels or whose peer
+            # is disconnected can still land later (seen with UCX over TCP: a stalled prefill
+            # that resumes) in blocks the recompute or another request reuses. Such a load
+            # ends when its READs do (done, or failed: a dead peer).
+            if error is None and now > load.deadline and load.state != "reading":
                 error = (f"KV load timed out after {self.load_timeout_s:g} s in state "
                          f"{load.state!r} (prefill instance {load.job.remote.engine_id!r} at "
                          f"{load.job.remote.host}:{load.job.remote.port})")
@@ -188,15 +205,15 @@ class KVTransferAgent:
                     error = f"NIXL transfer failed: {type(e).__name__}: {e}"
             if error is None and load.state != "done":
                 continue
+            if error is not None and load.handles and self._in_flight(load):
+                continue        # an aborted load's READs still write its blocks: wait
             if error is not None and not self._release(load):
-                continue        # a READ that cannot be cancelled yet still owns the blocks
+                continue        # a READ that cannot be released yet still owns the blocks
             del self._loads[req_id]
             if error is not None:
                 self._notify_done(load)
             if error is not None and load.error is None:    # not a cancellation
                 self.metrics.failures += 1
-                if load.state == "handshake":   # refetch next time (the peer may be back)
-                    self._remotes.pop(load.job.remote.engine_id, None)
             self._done.append((req_id, error))
         if self._goodbyes:
             self._send_goodbyes(now)
@@ -210,20 +227,64 @@ class KVTransferAgent:
                 return None
             load.state = "handshake"
         if load.state == "handshake":
-            if not self.agent.check_remote_metadata(remote.engine_id):
-                return None
-            self._remotes[remote.engine_id] = "ready"
+            ready, error = self._peer(remote)
+            if not ready:
+                return error
             self._post_reads(load)
             load.state = "reading"
-        states = [self.agent.check_xfer_state(h) for h in load.handles]
-        if "ERR" in states:
-            return "NIXL READ failed"
+        try:
+            states = [self.agent.check_xfer_state(h) for h in load.handles]
+        except Exception as e:  # noqa: BLE001 - NIXL raises on a peer that went away
+            states = [f"{type(e).__name__}: {e}"]
+        if any(st not in ("DONE", "PROC") for st in states):
+            bad = next(st for st in states if st not in ("DONE", "PROC"))
+            return (f"NIXL READ from {remote.engine_id!r} at {remote.host}:{remote.port} failed "
+                    f"({bad}): the prefill instance died or dropped the connection mid-transfer")
         if all(s == "DONE" for s in states):
             self._release(load)
             self.agent.send_notif(remote.engine_id, NOTIF_READ + remote.request_id.encode())
             self._landed(load)
             load.state = "done"
         return None
+
+    def _peer(self, remote: RemotePrefill) -> tuple[bool, str | None]:
+        """Whether the handshake with ``remote``'s instance is done: ``(True, None)``, not
+        yet ``(False, None)``, or failed ``(False, why)`` (a later load asks again)."""
+        key = (remote.engine_id, remote.host, remote.port)
+        peer = self._remotes[key]
+        if peer is READY:
+            return True, None
+        if not peer.done():
+            return False, None
+        if peer.exception() is not None:
+            return False, str(peer.exception())
+        info, where = peer.result(), f"{remote.host}:{remote.port}"
+        if info.engine_id != remote.engine_id:
+            return False, (f"the KV peer at {where} is engine {info.engine_id!r}, not "
+                           f"{remote.engine_id!r} (another instance answers there)")
+        if info.compat_hash != self.compat:
+            return False, (f"KV compatibility hash mismatch at the handshake with "
+                           f"{remote.engine_id!r} at {where}: remote {info.compat_hash}, local "
+                           f"{self.compat} (model, block size, KV format or layer count "
+                           f"differ)")
+        name = self.agent.add_remote_agent(info.metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != remote.engine_id:    # metadata of another agent than the one it claims
+            self.agent.remove_remote_agent(name)
+            return False, (f"the KV peer at {where} sent the NIXL metadata of agent {name!r}, "
+                           f"not of {remote.engine_id!r}")
+        self._remotes[key] = READY
+        return True, None
+
+    def _in_flight(self, load: _Load) -> bool:
+        """Whether a READ of ``load`` is still in progress (an errored one is not)."""
+        for h in load.handles:
+            try:
+                if self.agent.check_xfer_state(h) == "PROC":
+                    return True
+            except Exception:  # noqa: BLE001 - NIXL raises on a peer that went away
+                pass
+        return False
 
     def _notify_done(self, load: _Load) -> None:
         """Tell the prefill instance a failed or cancelled load is done with its blocks (it
@@ -302,6 +363,8 @@ class KVTransferAgent:
         return not kept
 
     def close(self) -> None:
+        self._server.close()
+        self._handshakes.shutdown(wait=False, cancel_futures=True)
         for load in self._loads.values():
             self._release(load)
         self._loads.clear()

@@ -3,7 +3,14 @@ process, real NIXL over UCX on loopback; greedy outputs equal a colocated run.""
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -221,3 +228,188 @@ def test_min_tokens_reaches_the_prefill_as_one_token(dsv32_path, small_batch):
     outs = p.generate(small_batch, sp)
     assert all(len(o.outputs[0].token_ids) == 1 and o.kv_transfer_params for o in outs)
     p.shutdown()
+
+
+def test_remote_first_token_that_ends_the_request_decodes_nothing(dsv32_path, small_batch,
+                                                                   colocated):
+    """A first token of EOS (or a stop token) from the prefill finishes the decode request
+    when its load lands: no decode step runs for it; with ignore_eos it decodes on."""
+    p = engine(dsv32_path, kv_role="prefill")
+    d = engine(dsv32_path, kv_role="decode")
+    eos = 1     # the random checkpoint's eos_token_id
+    forced = p.generate(small_batch[:1], SamplingParams(
+        temperature=0.0, max_tokens=N_OUT, logit_bias={eos: 100.0},
+        kv_transfer_params={"do_remote_decode": True}))[0]
+    assert forced.outputs[0].token_ids == [eos]
+    params, _ = prefill(p, small_batch[1:3])
+    executed = []
+    execute = d.runner.execute
+    d.runner.execute = lambda plan, ids: executed.append(len(plan.seqs)) or execute(plan, ids)
+    outs = d.generate(small_batch[:2], [
+        SamplingParams(temperature=0.0, max_tokens=N_OUT,
+                       kv_transfer_params=forced.kv_transfer_params),
+        SamplingParams(temperature=0.0, max_tokens=N_OUT, stop_token_ids=[colocated[1][0]],
+                       kv_transfer_params=params[0])])
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [
+        ([eos], "stop"), ([colocated[1][0]], "stop")]
+    assert executed == [] and d.disagg.metrics.requests == 2
+    assert_pools_full(d)
+    # control: the same kind of load with nothing that stops it decodes (the hook counts)
+    out = d.generate([small_batch[2]], greedy(kv=params[1]))[0]
+    assert out.outputs[0].token_ids == colocated[2] and executed
+    assert_pools_full(d)
+    wait_released(p, 3)
+    assert_pools_full(p)
+
+
+def test_wrong_peer_at_the_address_is_refused(dsv32_path, small_batch, colocated):
+    """The instance answering at ``remote_host:remote_port`` must be the engine the params name
+    (another instance there: refused) with our compatibility hash (another model, block size
+    or KV format: refused), before a byte is read; the requests recompute or fail."""
+    p = engine(dsv32_path, kv_role="prefill", kv_hold_timeout_s=1.0)
+    other = engine(dsv32_path, kv_role="prefill")                   # same model and format
+    other_format = engine(dsv32_path, kv_role="prefill", block_size=16)
+    d = engine(dsv32_path, kv_role="decode")
+    poison(d)
+    params, _ = prefill(p, small_batch)
+    at_other = [dict(kv, remote_port=other.disagg.port) for kv in params]
+    # a stale route: the params name the instance there, but it serves another KV format
+    other_hash = [dict(kv, remote_port=other_format.disagg.port,
+                       remote_engine_id=other_format.disagg.engine_id) for kv in params]
+    outs = d.generate(small_batch, [greedy(kv=kv) for kv in at_other])
+    assert tokens(outs) == colocated
+    assert d.disagg.metrics.failures == len(small_batch) and d.disagg.metrics.requests == 0
+    d_fail = engine(dsv32_path, kv_role="decode", kv_load_failure="fail")
+    for kvs, want in ((at_other, f"is engine {other.disagg.engine_id!r}, not "
+                                 f"{p.disagg.engine_id!r}"),
+                      (other_hash, "compatibility hash mismatch at the handshake")):
+        for o in d_fail.generate(small_batch, [greedy(kv=kv) for kv in kvs]):
+            c = o.outputs[0]
+            assert c.finish_reason == "error" and c.token_ids == [] and want in c.error, c.error
+    assert d_fail.disagg.metrics.requests == 0
+    assert_pools_full(d)
+    assert_pools_full(d_fail)
+    # nothing reached p: its held prompts go at their timeout; the others held nothing
+    time.sleep(1.1)
+    p.service_kv_transfer()
+    assert p.disagg.metrics.expired == len(small_batch) and not p.disagg.held
+    assert_pools_full(p)
+    assert other.disagg.metrics.released == 0 and other_format.disagg.metrics.released == 0
+
+
+PROC_ENGINE = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192,
+                   max_num_seqs=8, num_gpu_blocks=60, hot_buffer_size=32, host_pool_gib=0.02,
+                   max_num_batched_tokens=64, kv_hold_timeout_s=3.0)
+
+
+class PrefillProcess:
+    """A prefill instance in a child process (tests/engine/disagg_prefill_proc.py) that the
+    test stops, resumes and kills. UCX over TCP only: a READ then needs the prefill's own
+    progress, so a stopped prefill holds the decode's READ in flight (shared-memory
+    transports would complete it without the peer)."""
+
+    def __init__(self, path, batch):
+        env = dict(os.environ, PYTHONPATH=os.getcwd(), UCX_TLS="tcp", OMP_NUM_THREADS="1")
+        script = os.path.join(os.path.dirname(__file__), "disagg_prefill_proc.py")
+        self.proc = subprocess.Popen([sys.executable, script], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.proc.stdin.write(json.dumps({"path": str(path), "engine": PROC_ENGINE,
+                                          "prompts": batch}) + "\n")
+        self.proc.stdin.flush()
+        self.params = self.wait_for("PARAMS")
+
+    def _read(self):
+        for line in self.proc.stdout:
+            for word in ("PARAMS", "STATUS"):
+                if line.startswith(word + " "):
+                    self.lines.put((word, json.loads(line[len(word) + 1:])))
+
+    def wait_for(self, word, want=None, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, value = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"the prefill process sent no {word} {want or ''}; rc "
+                                     f"{self.proc.poll()}") from None
+            if got == word and (want is None or value == want):
+                return value
+
+    def signal(self, sig):
+        os.kill(self.proc.pid, sig)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.mark.parametrize("event,policy", [("kill", "recompute"), ("kill", "fail"),
+                                          ("stall", "recompute")])
+def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, monkeypatch,
+                                            event, policy):
+    """The prefill process is stopped just as the decode posts its READs; the test sees every
+    READ in flight, then kills the prefill (the READs fail: every request finishes,
+    recomputed or with a clear error) or resumes it past the load timeout (a READ in flight
+    is never cancelled, since a cancelled READ can still land in blocks that are reused: the
+    loads wait and complete). The decode's pools are full after; a resumed prefill frees its
+    prompts on the decode's notifications."""
+    prefill_proc = PrefillProcess(dsv32_path, small_batch)
+    try:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=3.0)
+        poison(d)
+        agent = d.disagg.agent
+        post, poll = agent._post_reads, agent.poll
+        seen = {"posted": 0, "in_flight_polls": 0, "ended": [], "resumed": False}
+
+        def stop_then_post(load):
+            if not seen["posted"]:
+                prefill_proc.signal(signal.SIGSTOP)
+            seen["posted"] += 1
+            post(load)
+            seen["last_post"] = time.monotonic()
+
+        def watch(*a):
+            loads = list(agent._loads.values())
+            if (seen["posted"] == len(small_batch) and len(loads) == len(small_batch)
+                    and not seen["ended"] and seen["in_flight_polls"] < 20):
+                states = [agent.agent.check_xfer_state(h) for ld in loads for h in ld.handles]
+                assert states and all(s == "PROC" for s in states), states
+                seen["in_flight_polls"] += 1
+                if seen["in_flight_polls"] == 20 and event == "kill":
+                    prefill_proc.signal(signal.SIGKILL)
+            if (event == "stall" and seen["in_flight_polls"] == 20 and not seen["resumed"]
+                    and time.monotonic() > seen["last_post"] + 3.5):    # past the deadline
+                assert not seen["ended"] and all(ld.state == "reading" for ld in loads)
+                prefill_proc.signal(signal.SIGCONT)
+                seen["resumed"] = True
+            ended = poll(*a)
+            seen["ended"] += ended
+            return ended
+
+        monkeypatch.setattr(agent, "_post_reads", stop_then_post)
+        monkeypatch.setattr(agent, "poll", watch)
+        outs = d.generate(small_batch, [greedy(kv=kv) for kv in prefill_proc.params])
+        assert seen["in_flight_polls"] == 20
+        assert len(seen["ended"]) == len(small_batch)
+        if event == "stall":        # the READs completed late: the KV is the prefill's
+            assert seen["resumed"] and all(err is None for _, err in seen["ended"])
+            assert d.disagg.metrics.requests == len(small_batch)
+        else:
+            assert all("died or dropped the connection" in err for _, err in seen["ended"])
+            assert d.disagg.metrics.failures == len(small_batch)
+        if policy == "recompute":
+            assert tokens(outs) == colocated
+        else:
+            for o in outs:
+                c = o.outputs[0]
+                assert c.finish_reason == "error" and c.token_ids == [] and c.error
+        assert_pools_full(d)
+        if event == "stall":
+            prefill_proc.wait_for("STATUS", {"held": 0, "pools_full": True}, timeout=30)
+    finally:
+        prefill_proc.close()
