@@ -129,6 +129,9 @@ def test_fp8_fast_path_close_to_reference(fp8_pair, monkeypatch):
         pytest.skip("interpreter test")
     monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
     monkeypatch.setenv("HISPARSE_FP8_GEMM", "triton")
+    # the glue ops (norms, RoPE: not FP8; interpreted they were 40% of this test) stay on their
+    # references; tests/ops/test_ops_glue.py runs them interpreted
+    monkeypatch.setenv("HISPARSE_FUSED_GLUE", "0")
     _, _, _, ours, cfg = fp8_pair
     ids = _ids(20, cfg.vocab_size, 5)
     got = _logits(ours, cfg, ids)
