@@ -144,7 +144,10 @@ class Disaggregation:
             req.held = None
             self.held[req.req_id] = (blocks, now + self.hold_timeout_s)
             self.metrics.held += 1
-            out.append((req, self.transfer_params(req, blocks)))
+            params = self.transfer_params(req, blocks)
+            # the decode refuses rows whose READ ends after this (the blocks may be reused)
+            params["remote_hold_until"] = time.time() + self.hold_timeout_s
+            out.append((req, params))
         self.handoffs = waiting
         return out
 

@@ -139,6 +139,8 @@ class RemotePrefill:
     first_token: int
     compat_hash: str
     layout: dict            # region name -> RegionLayout (the remote's host regions)
+    # wall-clock time (time.time()) after which the prefill may reuse the blocks; None: unknown
+    hold_until: float | None = None
 
     @classmethod
     def parse(cls, params: dict, block_size: int) -> RemotePrefill:
@@ -173,10 +175,16 @@ class RemotePrefill:
                 regions[name] = RegionLayout.from_dict(layout[name])
             except ValueError as e:
                 raise ValueError(f"kv_transfer_params.remote_layout.{name}: {e}") from None
+        hold_until = params.get("remote_hold_until")
+        if hold_until is not None and (not isinstance(hold_until, (int, float))
+                                       or isinstance(hold_until, bool)):
+            raise ValueError(f"kv_transfer_params.remote_hold_until must be a number (seconds "
+                             f"since the epoch), got {hold_until!r}")
         return cls(engine_id=need("remote_engine_id", str),
                    request_id=need("remote_request_id", str), host=need("remote_host", str),
                    port=port, host_blocks=tuple(ids), num_tokens=n, first_token=first,
-                   compat_hash=need("compat_hash", str), layout=regions)
+                   compat_hash=need("compat_hash", str), layout=regions,
+                   hold_until=None if hold_until is None else float(hold_until))
 
 
 @dataclass(frozen=True)

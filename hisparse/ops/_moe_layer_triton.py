@@ -94,7 +94,8 @@ def _moe_route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_ps, scaling,
         cm = tl.max(tl.max(cand, axis=2), axis=1)
         ci = tl.min(tl.min(tl.where(cand == cm[:, None, None], e_idx[None, :, :], big), axis=2),
                     axis=1)
-        hit = e_idx[None, :, :] == ci[:, None, None]
+        # padded slots (EPG not a power of two) alias the next group's ids: never a hit
+        hit = (e_idx[None, :, :] == ci[:, None, None]) & valid[None, :, :]
         cw = tl.sum(tl.sum(tl.where(hit, score, 0.0), axis=2), axis=1)
         ids = tl.where(j[None, :] == kk, ci[:, None], ids)
         wts = tl.where(j[None, :] == kk, cw[:, None], wts)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ._common import interpreted, next_pow2, want_triton
 from .gemm import cdiv, quantize_fp8_act
-from .moe import moe_align_reference, moe_block_m, moe_max_tiles
+from .moe import moe_align_reference, moe_max_tiles
 
 FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
@@ -50,6 +50,7 @@ FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
 MOE_LAYER_MAX_TOKENS = 512
 ROUTER_K_SPLIT = 512      # K per router partial: the split count depends on D only
 _ROUTER_BLOCK_T = 16      # fixed token tile: a row's MMA shape does not depend on T
+FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whatever T
 
 
 def fused_moe_layer_enabled() -> bool:
@@ -145,10 +146,11 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
     T, D = x.shape
     E = weight.shape[0]
     G = cfg.n_group
-    if E % G or E // G < 2 or not 1 <= cfg.topk_group <= G or cfg.top_k > E:
+    if (E % G or E // G < 2 or not 1 <= cfg.topk_group <= G
+            or cfg.top_k > cfg.topk_group * (E // G)):
         raise ValueError(f"routing: n_routed_experts={E} must split into n_group={G} groups of "
                          f">= 2, 1 <= topk_group={cfg.topk_group} <= n_group, top_k={cfg.top_k} "
-                         f"<= n_routed_experts")
+                         f"<= the experts of topk_group groups ({cfg.topk_group * (E // G)})")
     if use_triton is None:
         use_triton = want_triton(x)
     if not use_triton or T == 0:
@@ -251,7 +253,9 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
     E = gate_up.shape[0]
     n_shared = int(shared is not None)
     ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
-    block_m = moe_block_m(T * cfg.top_k, E)
+    # one tile height for every batch size: a row's GEMM (and so its bits) must not depend on
+    # T (moe_block_m grows with tokens per expert; 16 is what it picks for 256 experts here)
+    block_m = FUSED_BLOCK_M
     sorted_ids, tile_expert = align(ids, E + n_shared, block_m, use_triton=True)
     y = grouped_moe(x, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
                     down_scale, block, pow2_scale, shared=shared,

@@ -44,6 +44,7 @@ class HandshakeServer:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                self.request.settimeout(5.0)   # a peer that never reads frees its thread
                 self.request.sendall(reply)
 
         class Server(socketserver.ThreadingTCPServer):

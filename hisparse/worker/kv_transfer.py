@@ -39,6 +39,9 @@ from hisparse.worker.kv_handshake import HandshakeServer, fetch_peer
 logger = logging.getLogger(__name__)
 
 NOTIF_READ = b"read:"
+# READs must end this long before the prefill's hold expires (``remote_hold_until``; covers
+# the clock skew of two hosts on NTP): after it the prefill may reuse the blocks being read
+HOLD_MARGIN_S = 2.0
 READY = "ready"
 
 
@@ -241,6 +244,11 @@ class KVTransferAgent:
             return (f"NIXL READ from {remote.engine_id!r} at {remote.host}:{remote.port} failed "
                     f"({bad}): the prefill instance died or dropped the connection mid-transfer")
         if all(s == "DONE" for s in states):
+            hold = remote.hold_until
+            if hold is not None and time.time() > hold - HOLD_MARGIN_S:
+                return (f"the NIXL READs from {remote.engine_id!r} ended after its hold of the "
+                        f"prompt's blocks expired (less {HOLD_MARGIN_S:g} s): the rows may have "
+                        f"been overwritten")
             self._release(load)
             self.agent.send_notif(remote.engine_id, NOTIF_READ + remote.request_id.encode())
             self._landed(load)
@@ -251,14 +259,25 @@ class KVTransferAgent:
         """Whether the handshake with ``remote``'s instance is done: ``(True, None)``, not
         yet ``(False, None)``, or failed ``(False, why)`` (a later load asks again)."""
         key = (remote.engine_id, remote.host, remote.port)
-        peer = self._remotes[key]
+        peer = self._remotes.get(key)
+        if peer is None:   # another load's failed answer was dropped: ask again
+            peer = self._remotes[key] = self._handshakes.submit(
+                fetch_peer, remote.host, remote.port, self.load_timeout_s)
         if peer is READY:
             return True, None
         if not peer.done():
             return False, None
         if peer.exception() is not None:
             return False, str(peer.exception())
-        info, where = peer.result(), f"{remote.host}:{remote.port}"
+        ok, why = self._admit_peer(peer.result(), remote)
+        if not ok:   # ask again next time: the right instance may answer there later
+            self._remotes.pop(key, None)
+        return ok, why
+
+    def _admit_peer(self, info, remote) -> tuple[bool, str | None]:
+        """Check a handshake's answer against the params and load the peer's metadata."""
+        where = f"{remote.host}:{remote.port}"
+        key = (remote.engine_id, remote.host, remote.port)
         if info.engine_id != remote.engine_id:
             return False, (f"the KV peer at {where} is engine {info.engine_id!r}, not "
                            f"{remote.engine_id!r} (another instance answers there)")

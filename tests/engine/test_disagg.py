@@ -163,6 +163,34 @@ def test_failed_load_recomputes_or_fails_and_leaks_nothing(dsv32_path, small_bat
         assert_pools_full(p)
 
 
+def test_reads_ending_after_the_prefills_hold_are_refused(dsv32_path, small_batch, colocated,
+                                                          monkeypatch):
+    """The prefill's params say until when it holds the blocks (``remote_hold_until``); rows
+    whose READs end later (here: every READ, the margin made larger than the hold) may have
+    been overwritten, so the load fails and the request recomputes; pools full on both sides."""
+    from hisparse.worker import kv_transfer
+
+    p = engine(dsv32_path, kv_role="prefill")
+    d = engine(dsv32_path, kv_role="decode")
+    params, _ = prefill(p, small_batch)
+    assert all(kv["remote_hold_until"] > time.time() + 60 for kv in params)   # default 120 s
+    monkeypatch.setattr(kv_transfer, "HOLD_MARGIN_S", 1e6)
+    outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
+    assert tokens(outs) == colocated
+    assert d.disagg.metrics.failures == len(small_batch) and d.disagg.metrics.requests == 0
+    assert_pools_full(d)
+    # a failed load tells the prefill, which frees the prompt's blocks at once
+    deadline = time.monotonic() + 10
+    while p.disagg.held and time.monotonic() < deadline:
+        p.service_kv_transfer()
+        d.service_kv_transfer()
+        time.sleep(0.05)
+    assert not p.disagg.held
+    assert_pools_full(p)
+    with pytest.raises(ValueError, match="remote_hold_until"):
+        d.add_request(small_batch[0], greedy(kv=dict(params[0], remote_hold_until="soon")))
+
+
 def test_bad_kv_transfer_params_are_refused(dsv32_path, small_batch):
     d = engine(dsv32_path, kv_role="decode")
     ids = small_batch[0]

@@ -218,6 +218,7 @@ def test_fp8_lossless_through_the_triton_kernels(dsv32_path, monkeypatch):
     from functools import partial
 
     from hisparse.models import dsa
+    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")   # the unfused layer: its experts patched
     monkeypatch.setattr(dsa, "fused_moe", partial(dsa.fused_moe, use_triton=False))
     # prompts of 2-3x the top-k (16) (the interpreted indexer's cost grows with their square)
     # under a GPU pool of 80 rows: pages spill, the hot buffers (16) miss (measured: 9 pages,

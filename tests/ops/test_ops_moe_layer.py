@@ -41,7 +41,8 @@ def _torch_topk_route(x, w, b, cfg):
 
 @pytest.mark.parametrize("T,E,G,tg,k,ns,norm,bias", [
     (5, 16, 4, 2, 4, 1, True, True), (19, 32, 8, 3, 6, 0, False, True),
-    (3, 16, 1, 1, 8, 2, True, False), (1, 8, 2, 2, 2, 1, True, True)])
+    (3, 16, 1, 1, 8, 2, True, False), (1, 8, 2, 2, 2, 1, True, True),
+    (19, 24, 4, 2, 4, 1, True, True)])   # 6 experts a group: padded slots alias the next group
 def test_route_matches_reference(triton_cpu, T, E, G, tg, k, ns, norm, bias):
     D = 80
     w, b = _router(E, D, seed=T + E)
