@@ -8,7 +8,9 @@ after ``hisparse`` itself was imported.
 
 Imports run one way: an op's module (``quant``, ``topk``, ...) imports its ``_*_triton``
 module, and the ``_*_triton`` module does not import its op's module back: what both sides
-share lives here (importing it loads no Triton).
+share lives here, or in a small Triton-free module of its own (``block_fp8``: the FP8 GEMM
+format; ``moe_tiles``: the MoE tile layout). Importing any of them loads no Triton
+(``tests/ops/test_ops_layering.py`` checks the import graph).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 # ---------------------------------------------------------------- shared by ops and kernels
 # FP8 formats (quant): values per scale tile.
 TILE = 128
@@ -75,3 +81,23 @@ def fp8_tile(d: int) -> int:
 RADIX_BINS = 256
 RADIX_LEVELS = 4
 MAX_SPLITS = 16
+
+
+# Hot-buffer resolver (resolve).
+PROTECT_USES = 3          # score policy: rows used this often since loaded are evicted last
+USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
+MISS_COPY_SPLIT = 16      # miss-gather programs per request group (a power of two)
+
+
+def check_prefetch_plan(plan: torch.Tensor | None, prefetch: int, T: int, R: int) -> None:
+    """``resolve_rows``' ``prefetch_plan``: None, or contiguous int64 ``[2, >= min(T, R),
+    prefetch]`` (host rows, arena rows per request group); ``ValueError`` otherwise."""
+    if plan is None:
+        return
+    G = min(T, R)
+    if (plan.dim() != 3 or plan.shape[0] != 2 or plan.shape[1] < G
+            or plan.shape[2] != int(prefetch) or plan.dtype != torch.int64
+            or not plan.is_contiguous()):
+        raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 [2, >= {G}, "
+                         f"{int(prefetch)}] (request groups x prefetch), got "
+                         f"{tuple(plan.shape)} {plan.dtype}")

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-FP8_MAX = 448.0
+from .block_fp8 import quantize_fp8_act
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _quant_rows(a, POW2: tl.constexpr):
     Every Triton path quantizes through this one function (in a GEMM's K loop or in
     :func:`_act_quant_kernel`), so they agree bitwise (torch's division may round differently)."""
     sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
-    if POW2:  # round up to a power of two from the exponent bits (as gemm.pow2_ceil)
+    if POW2:  # round up to a power of two from the exponent bits (as block_fp8.pow2_ceil)
         bits = sa.to(tl.int32, bitcast=True)
         ex = bits & 0x7F800000
         sa = tl.where((bits & 0x007FFFFF) == 0, ex, ex + 0x00800000).to(tl.float32,
@@ -165,8 +165,8 @@ def gemm_config(M: int, N: int, KB: int, bn: int, device: torch.device) -> tuple
     so do different K splits; with either varying by M, greedy tokens of
     an FP8-weight MoE model diverged between the two runs. Larger M (prefill chunks, alone or
     with decode tokens) get no split and round differently. Not covered here: the fused MoE
-    picks its tile height from tokens per expert (``moe.moe_block_m``; it did not change tokens
-    in that test). ``BLOCK_N`` and the splits are chosen from N so one row of tiles fills the
+    picks its tile height from tokens per expert (``moe_tiles.moe_block_m``; it did not change
+    tokens in that test). ``BLOCK_N`` and the splits are chosen from N so one row of tiles fills the
     SMs (decode GEMMs are GEMV-like: every SM must stream weights)."""
     block_m = 64
     block_n = min(bn, 128)
@@ -186,8 +186,6 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                             quant_in_kernel: bool | None = None, pow2_scale: bool = False
                             ) -> torch.Tensor:
     """``x [M, K]`` (any float dtype) times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``."""
-    from .gemm import quantize_fp8_act
-
     M, K = x.shape
     N = w.shape[0]
     bn, bk = block
@@ -239,7 +237,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
 
 def quantize_fp8_act_triton(x: torch.Tensor, block_k: int, pow2_scale: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gemm.quantize_fp8_act` in one Triton launch, bitwise equal to the quantization
+    """:func:`block_fp8.quantize_fp8_act` in one Triton launch, bitwise equal to the quantization
     the stream kernel does in its K loop: ``x [M, K]`` -> ``(q [M, K] float8_e4m3fn,
     s [M, ceil(K/bk)] fp32)``."""
     M, K = x.shape
@@ -554,8 +552,6 @@ def fp8_block_linear_stream(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     parameter of the numerics (another count rounds differently). On CPU (interpreter) the
     activations are quantized by torch unless ``quant`` says otherwise. ``M * N * chunks``
     must stay below 2**31."""
-    from .gemm import quantize_fp8_act
-
     M, K = x.shape
     N = w.shape[0]
     bn, bk = block

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from ._gemm_triton import _fp8_tile_dot, pick, tuned
+from .block_fp8 import quantize_fp8_act
+from .moe_tiles import moe_align, moe_block_m
 
 
 @triton.jit
@@ -161,8 +163,6 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
                      block, pow2_scale: bool = False) -> torch.Tensor:
     """:func:`hisparse.ops.moe.fused_moe` on Triton: torch sort-based alignment, the grouped
     GEMMs, the combine in torch (the layer path, ``moe_layer``, replaces both)."""
-    from .moe import moe_align, moe_block_m
-
     T, k = topk_ids.shape
     block_m = moe_block_m(T * k, gate_up.shape[0])
     sorted_ids, tile_expert = moe_align(topk_ids, gate_up.shape[0], block_m)
@@ -181,8 +181,6 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     (the same math: ``_gemm_triton._act_tile_fp8``). ``shared``: a
     :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
     ``skip_empty``: programs of unused tiles exit at once."""
-    from .gemm import quantize_fp8_act
-
     T, D = x.shape
     k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape

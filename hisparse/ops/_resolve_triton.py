@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
-from .resolve import MISS_COPY_SPLIT, PROTECT_USES, USE_COUNT_CAP
+from ._common import MISS_COPY_SPLIT, PROTECT_USES, USE_COUNT_CAP, check_prefetch_plan, next_pow2
 
 
 @triton.jit
@@ -649,9 +648,7 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
     plan_w = int(prefetch)
     prefetch = min(int(prefetch), H) if nb else 0
-    if prefetch_plan is not None:
-        from .resolve import _check_plan
-        _check_plan(prefetch_plan, plan_w, T, R)
+    check_prefetch_plan(prefetch_plan, plan_w, T, R)
     plan = prefetch_plan is not None and prefetch > 0
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,

@@ -45,71 +45,18 @@ import os
 
 import torch
 
-from ._common import want_triton
+from ._common import cdiv, want_triton
+from .block_fp8 import (
+    FP8_DTYPE,
+    dequantize_fp8_act,
+    dequantize_fp8_weight,
+    quantize_fp8_act,
+)
+from .block_fp8 import pow2_ceil as pow2_ceil  # the format's helpers, public here too
+from .block_fp8 import quantize_fp8_weight as quantize_fp8_weight
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 BACKEND_ENV = "HISPARSE_FP8_GEMM"
 BACKENDS = ("auto", "reference", "triton", "triton_tile", "scaled_mm")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# ----------------------------------------------------------------------------- quantization
-def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two ``>= s`` for positive normal fp32 ``s`` (from the exponent bits)."""
-    bits = s.float().contiguous().view(torch.int32)
-    exp = bits & 0x7F800000
-    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
-
-
-def quantize_fp8_act(x: torch.Tensor, block_k: int = 128, pow2_scale: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per ``1 x block_k`` tile: ``x [M, K]`` -> ``(q [M, K] float8_e4m3fn,
-    s [M, ceil(K/bk)] fp32)`` with ``x ~= q * s`` (the last tile may be partial)."""
-    M, K = x.shape
-    kb = cdiv(K, block_k)
-    xf = x.float()
-    if kb * block_k != K:
-        xf = torch.nn.functional.pad(xf, (0, kb * block_k - K))
-    xf = xf.view(M, kb, block_k)
-    s = xf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    if pow2_scale:
-        s = pow2_ceil(s)
-    q = (xf / s[..., None]).to(FP8_DTYPE).view(M, kb * block_k)[:, :K]
-    return q, s
-
-
-def dequantize_fp8_act(q: torch.Tensor, s: torch.Tensor, block_k: int = 128) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_act` in fp32."""
-    return q.float() * s.repeat_interleave(block_k, dim=1)[:, : q.shape[1]]
-
-
-def quantize_fp8_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128)
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` -> ``(float8_e4m3fn [..., N, K],
-    scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)])``: per block
-    ``scale_inv = amax / 448`` (1 for an all-zero block), as DeepSeek's checkpoints."""
-    bn, bk = block
-    *lead, N, K = w.shape
-    nb, kb = cdiv(N, bn), cdiv(K, bk)
-    wf = w.float()
-    wf = torch.nn.functional.pad(wf, (0, kb * bk - K, 0, nb * bn - N))
-    wf = wf.reshape(*lead, nb, bn, kb, bk)
-    amax = wf.abs().amax(dim=(-3, -1))                                     # [..., nb, kb]
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (wf / s[..., :, None, :, None]).to(FP8_DTYPE).reshape(*lead, nb * bn, kb * bk)
-    return q[..., :N, :K].contiguous(), s.contiguous()
-
-
-def dequantize_fp8_weight(w: torch.Tensor, scale_inv: torch.Tensor,
-                          block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """``w [..., N, K]`` FP8 + ``scale_inv [..., nb, kb]`` -> fp32 ``[..., N, K]``."""
-    N, K = w.shape[-2:]
-    s = scale_inv.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
-    return w.float() * s[..., :N, :K]
 
 
 # ----------------------------------------------------------------------------- GEMM

@@ -10,10 +10,11 @@ Returns ``sum_j w[t, j] * down[e_j] @ silu(gate[e_j] x) * (up[e_j] x)`` in ``x.d
 
 The fused path has no host sync and fixed shapes (CUDA-graph capturable):
 
-1. :func:`moe_align`: the ``A = T * k`` assignments are sorted by expert (``torch.sort``,
-   stable) into a padded per-expert layout of ``BLOCK_M``-row tiles: ``sorted_ids
-   [max_tiles * BLOCK_M]`` (assignment id or -1) and ``tile_expert [max_tiles]`` (expert or -1),
-   where ``max_tiles = ceil((A + min(E, A) * (BLOCK_M - 1)) / BLOCK_M)`` bounds any routing;
+1. :func:`moe_align` (:mod:`hisparse.ops.moe_tiles`): the ``A = T * k`` assignments are sorted
+   by expert (``torch.sort``, stable) into a padded per-expert layout of ``BLOCK_M``-row tiles:
+   ``sorted_ids [max_tiles * BLOCK_M]`` (assignment id or -1) and ``tile_expert [max_tiles]``
+   (expert or -1), where ``max_tiles = ceil((A + min(E, A) * (BLOCK_M - 1)) / BLOCK_M)``
+   bounds any routing;
 2. grouped GEMM 1 (Triton): per (tile, N block) the tile's token rows are gathered, multiplied
    with the tile's expert gate and up rows (FP8: activations quantized per 1 x bk in registers),
    ``silu(g) * u`` stored in the padded layout;
@@ -29,8 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import want_triton
-from .gemm import cdiv, dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_act
+from ._common import cdiv, want_triton
+from .block_fp8 import dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_act
+from .moe_tiles import moe_align as moe_align  # the layout's API, public here too
+from .moe_tiles import moe_align_reference as moe_align_reference
+from .moe_tiles import moe_max_tiles as moe_max_tiles
 
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -78,60 +82,6 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         y = F.linear(h, dn) * topk_weights[tok, slot, None].to(dn.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out
-
-
-def moe_block_m(num_assignments: int, num_experts: int) -> int:
-    """Tile height: 16 rows at decode (few tokens per expert), larger for prefill batches."""
-    per_expert = num_assignments / max(1, min(num_experts, num_assignments))
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-
-
-def moe_max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
-    A = num_assignments
-    return cdiv(A + min(num_experts, A) * (block_m - 1), block_m)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort assignments by expert into padded tiles (no host sync, shapes fixed by ``T, k, E``).
-
-    Returns ``sorted_ids [max_tiles * block_m]`` int32 (assignment id ``t * k + j`` or -1) and
-    ``tile_expert [max_tiles]`` int32 (the tile's expert, or -1 past the last used tile)."""
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    A = flat.numel()
-    max_tiles = moe_max_tiles(A, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    first_slot = (tile_end - tiles) * block_m
-    start = torch.cumsum(counts, 0) - counts
-    sorted_e, order = torch.sort(flat, stable=True)
-    rank = torch.arange(A, device=dev) - start[sorted_e]
-    sorted_ids = torch.full((max_tiles * block_m,), -1, dtype=torch.int32, device=dev)
-    sorted_ids[first_slot[sorted_e] + rank] = order.to(torch.int32)
-    t = torch.arange(max_tiles, device=dev)
-    tile_expert = torch.searchsorted(tile_end, t, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return sorted_ids, tile_expert
-
-
-def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Python loop spec of :func:`moe_align`."""
-    flat = topk_ids.reshape(-1).tolist()
-    max_tiles = moe_max_tiles(len(flat), num_experts, block_m)
-    ids, experts = [], []
-    for e in range(num_experts):
-        mine = [a for a, v in enumerate(flat) if v == e]
-        while mine:
-            chunk, mine = mine[:block_m], mine[block_m:]
-            ids += chunk + [-1] * (block_m - len(chunk))
-            experts.append(e)
-    ids += [-1] * (max_tiles * block_m - len(ids))
-    experts += [-1] * (max_tiles - len(experts))
-    return torch.tensor(ids, dtype=torch.int32), torch.tensor(experts, dtype=torch.int32)
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import interpreted, next_pow2, want_triton
-from .gemm import cdiv, quantize_fp8_act
-from .moe import moe_align_reference, moe_max_tiles
+from ._common import cdiv, interpreted, next_pow2, want_triton
+from .block_fp8 import quantize_fp8_act
+from .moe_tiles import moe_align_reference, moe_max_tiles
 
 FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
@@ -203,7 +203,7 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
 
 def quantize_act(x: Tensor, block_k: int, pow2_scale: bool, use_triton: bool | None = None
                  ) -> tuple[Tensor, Tensor]:
-    """:func:`hisparse.ops.gemm.quantize_fp8_act` in one kernel on CUDA (the interpreter's
+    """:func:`hisparse.ops.block_fp8.quantize_fp8_act` in one kernel on CUDA (the interpreter's
     fp32 -> fp8 cast does not round like torch's: on CPU the reference runs by default)."""
     if not (x.is_cuda if use_triton is None else use_triton):
         q, s = quantize_fp8_act(x, block_k, pow2_scale)

@@ -87,12 +87,15 @@ from __future__ import annotations
 
 import torch
 
-from ._common import want_triton
+from ._common import (
+    MISS_COPY_SPLIT,
+    PROTECT_USES,
+    USE_COUNT_CAP,
+    check_prefetch_plan,
+    want_triton,
+)
 
 POLICIES = ("lru", "score")
-PROTECT_USES = 3          # score policy: rows used this often since loaded are evicted last
-USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
-MISS_COPY_SPLIT = 16      # miss-gather programs per request group (a power of two)
 HOT_POLICIES = ("lru", "score", "score+prefetch")
 DEFAULT_HOT_POLICY = "score+prefetch"
 
@@ -171,25 +174,13 @@ def _check_policy(policy: str, band, prefetch: int, hot_flags) -> None:
         raise ValueError("resolve_rows: prefetch needs hot_flags (per-slot prefetch marks)")
 
 
-def _check_plan(plan, prefetch: int, T: int, R: int) -> None:
-    if plan is None:
-        return
-    G = min(T, R)
-    if (plan.dim() != 3 or plan.shape[0] != 2 or plan.shape[1] < G
-            or plan.shape[2] != int(prefetch) or plan.dtype != torch.int64
-            or not plan.is_contiguous()):
-        raise ValueError(f"resolve_rows: prefetch_plan must be contiguous int64 [2, >= {G}, "
-                         f"{int(prefetch)}] (request groups x prefetch), got "
-                         f"{tuple(plan.shape)} {plan.dtype}")
-
-
 def resolve_rows_reference(topk, token_req, resident_block_table, host_block_table,
                            hot_block_table, hot_keys, hot_lru, arena, host, block_size, counters,
                            band=None, policy: str = "lru", prefetch: int = 0, hot_flags=None,
                            prefetch_plan=None):
     """Plain PyTorch/Python spec of :func:`resolve_rows` (any device; loops in Python)."""
     _check_policy(policy, band, prefetch, hot_flags)
-    _check_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
+    check_prefetch_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
     T, K = topk.shape
     P = resident_block_table.shape[1]
     HB = hot_block_table.shape[1]
@@ -357,7 +348,7 @@ def resolve_rows(topk: torch.Tensor, token_req: torch.Tensor, resident_block_tab
     temporary workspace sized for itself.
     """
     _check_policy(policy, band, prefetch, hot_flags)
-    _check_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
+    check_prefetch_plan(prefetch_plan, prefetch, topk.shape[0], resident_block_table.shape[0])
     if want_triton(arena, topk):
         from ._resolve_triton import resolve_rows_triton
         if workspace is None:
