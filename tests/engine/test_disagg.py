@@ -327,7 +327,10 @@ def test_wrong_peer_at_the_address_is_refused(dsv32_path, small_batch, colocated
 
 PROC_ENGINE = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192,
                    max_num_seqs=8, num_gpu_blocks=60, hot_buffer_size=32, host_pool_gib=0.02,
-                   max_num_batched_tokens=64, kv_hold_timeout_s=3.0)
+                   max_num_batched_tokens=64,
+                   # longer than the stall (past the decode's 3 s load timeout): READs that end
+                   # after the hold are refused (test_reads_ending_after_the_prefills_hold_...)
+                   kv_hold_timeout_s=30.0)
 
 
 class PrefillProcess:
