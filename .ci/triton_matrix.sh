@@ -15,7 +15,9 @@ status=0
 for v in $VERSIONS; do
     target="${TRITON_MATRIX_DIR:-${TMPDIR:-/tmp}/hisparse-triton-matrix}/$v"
     if [ ! -d "$target/triton" ]; then
-        "$PY" -m pip install -q --no-deps --target "$target" "triton==$v"
+        # numpy < 2.4 beside it: triton 3.6's interpreter converts one-element arrays to
+        # Python ints (a loop bound given as an argument), which numpy 2.4 refuses
+        "$PY" -m pip install -q --no-deps --target "$target" "triton==$v" "numpy<2.4"
     fi
     got=$(PYTHONPATH="$target" "$PY" -c "import triton; print(triton.__version__)")
     echo "== tests/ops under TRITON_INTERPRET=1 with triton $got"
