@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench_ops import timeit_graph  # noqa: E402  (the same graph-replay timer)
+
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
@@ -39,33 +41,6 @@ from hisparse.ops.topk import (  # noqa: E402
 
 HBM_GBS = 4800.0
 LAYERS = 61
-
-
-def timeit_graph(fn, calls=10, reps=7):
-    """Per-call GPU time: ``calls`` calls captured in one CUDA graph, median of ``reps``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()                                   # compile / allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / calls)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def old_topk(packed, k):
