@@ -28,15 +28,19 @@ import torch
 REPLAY = "benchmark replay"
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     (REPLAY, r"_bench_"),                 # the benchmark's own top-k replay, not the engine's
-    ("top-k", r"topk|radix|gatherTopK|bitonic|sort|select_kernel"),
+    # the radix select's passes (ops/_topk_triton.py) are _hist / _collect / _sort kernels
+    ("top-k", r"topk|radix|gatherTopK|bitonic|sort|select_kernel|_hist_kernel|_collect_kernel"),
     ("indexer scoring", r"indexer|_score"),
-    ("attention", r"attention|attn|flash|mla|_combine|splitkv"),
-    ("resolver and miss gather", r"resolve|plan_copy|prefetch|stage_rows|gather_rows"),
+    ("attention", r"attention|attn|flash|mla(?!_rows)|_combine|splitkv"),
+    ("resolver and miss gather", r"resolve|plan_copy|prefetch|stage_rows|gather_rows|"
+                                 r"resident_rows"),
     ("MoE", r"moe|expert"),
-    ("GEMM", r"gemm|gemv|xmma|cutlass|cublas|sm90_|sm80_|matmul|_mm_|scaled_mm|splitk|nvjet"),
+    ("GEMM", r"gemm|gemv|xmma|cutlass|cublas|sm90_|sm80_|matmul|_mm_|scaled_mm|splitk|nvjet|"
+             r"_fp8_stream"),
     ("copies", r"copy|memcpy|memset|CatArray|fill"),
     ("norms and elementwise", r"elementwise|reduce|norm|index|vectorized|softmax|sigmoid|silu|"
-                              r"rope|rotary|quant|where|cast|add|mul|exp|relu|scatter|cumsum"),
+                              r"rope|rotary|quant|where|cast|add|mul|exp|relu|scatter|cumsum|"
+                              r"_mla_rows|_q_latent"),
 )
 OTHER = "other"
 
