@@ -26,7 +26,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hisparse.bench.serve import run_load
+from hisparse.bench.serve import run_load, wait_healthy
 
 
 def free_port() -> int:
@@ -37,27 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], log: str) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], log: str) -> tuple[subprocess.Popen, str, str]:
+    """A ``python -m hisparse ARGS --port P`` process logging to ``log``: (process, url, log)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-m", "hisparse", *args, "--port", str(port)],
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", log
 
 
-def wait_up(proc: subprocess.Popen, url: str, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode} (see its log)")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up")
-        time.sleep(0.5)
+def wait_up(proc: subprocess.Popen, url: str, log: str) -> None:
+    wait_healthy(proc, url, 600.0, log)
 
 
 def stop(procs) -> None:
@@ -137,27 +127,27 @@ def main(argv=None) -> int:
     def load(url):
         return asyncio.run(run_load(url, "bench", prompts, a.output_len, a.request_rate, 0))
 
-    proc, url = start([*common, "--gpu-memory-utilization", str(2 * util)],
-                      os.path.join(tmp, "colocated.log"))
+    proc, url, log = start([*common, "--gpu-memory-utilization", str(2 * util)],
+                           os.path.join(tmp, "colocated.log"))
     try:
-        wait_up(proc, url)
+        wait_up(proc, url, log)
         res["colocated"] = load(url)
     finally:
         stop([proc])
     procs = []
     try:
-        pre, pre_url = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
+        pre, pre_url, pre_log = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
                               "prefill"], os.path.join(tmp, "prefill.log"))
         procs.append(pre)
-        dec, dec_url = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
+        dec, dec_url, dec_log = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
                               "decode"], os.path.join(tmp, "decode.log"))
         procs.append(dec)
-        wait_up(pre, pre_url)
-        wait_up(dec, dec_url)
-        rt, rt_url = start(["router", "--prefill", pre_url, "--decode", dec_url],
+        wait_up(pre, pre_url, pre_log)
+        wait_up(dec, dec_url, dec_log)
+        rt, rt_url, rt_log = start(["router", "--prefill", pre_url, "--decode", dec_url],
                            os.path.join(tmp, "router.log"))
         procs.append(rt)
-        wait_up(rt, rt_url)
+        wait_up(rt, rt_url, rt_log)
         t = time.perf_counter()
         res["disaggregated"] = load(rt_url)
         wall = time.perf_counter() - t

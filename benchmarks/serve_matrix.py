@@ -31,6 +31,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hisparse.bench.serve import wait_healthy
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -101,19 +103,8 @@ def start_server(model: str, mode: str, a, extra: list[str], log: str):
         cmd += ["--block-size", str(a.block_size), "--num-gpu-blocks", str(blocks)]
     proc = subprocess.Popen(cmd, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + a.startup_timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{mode} server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{mode} server did not come up in {a.startup_timeout} s")
-        time.sleep(0.5)
+    wait_healthy(proc, url, a.startup_timeout, log)
+    return proc, url
 
 
 def stop_server(proc) -> None:

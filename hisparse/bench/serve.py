@@ -92,6 +92,31 @@ def served_model(url: str, api_key: str | None = None) -> str:
     return ids[0]
 
 
+def wait_healthy(proc, url: str, timeout: float, log: str) -> None:
+    """Wait until the server process ``proc`` answers ``GET url/health`` with 200.
+
+    Raises ``RuntimeError`` with the last lines of its ``log`` if it exits first (a benchmark's
+    servers log to temporary files that a remote run does not bring back), or after ``timeout``
+    seconds (the process is killed then)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            with open(log, errors="replace") as f:
+                tail = "".join(f.readlines()[-15:])
+            raise RuntimeError(f"{url} exited with {proc.returncode}; {log} ends:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{url} did not come up in {timeout:.0f} s; see {log}")
+        time.sleep(0.5)
+
+
 def _auth(api_key: str | None) -> dict:
     return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
