@@ -240,11 +240,13 @@ def main(argv=None) -> int:
                 row.update(mode=mode, peak_running=sampler.stop(), host_read_switches=metric(
                     url, "hisparse_host_read_switches_total") - switches)
                 rows.append(row)
-                print(f"[{time.monotonic() - t0:.0f} s] {mode} {row['tool']} done", flush=True)
+                # after every row: a run stopped by its time limit keeps what it measured
+                with open(os.path.join(outdir, "results.json"), "w") as f:
+                    json.dump({"args": vars(a), "rows": rows}, f, indent=1, default=str)
+                print(f"[{time.monotonic() - t0:.0f} s] {mode} {row['tool']} done: "
+                      f"{json.dumps(row, default=str)}", flush=True)
         finally:
             stop_server(proc)
-    with open(os.path.join(outdir, "results.json"), "w") as f:
-        json.dump({"args": vars(a), "rows": rows}, f, indent=1, default=str)
     print(f"serve matrix: {a.num_prompts} requests, {a.input_len} prompt + {a.output_len} "
           f"output tokens, Poisson {a.request_rate:g} req/s, GPU KV pool "
           f"{a.gpu_kv_requests or 'default'} requests; logs in {outdir}")
