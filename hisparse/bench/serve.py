@@ -159,12 +159,25 @@ def _prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-def _bench_mode(args, mode: str | None, prompts) -> dict:
+def _warm_up(url: str, model: str, args, vocab: int) -> None:
+    """``--warmup-requests`` requests of the benchmark's lengths, all at once and not measured
+    (prompts of another seed: no prefix-cache hits for the measured ones). The first requests
+    of a server compile its prefill kernels (seconds)."""
+    if args.warmup_requests:
+        prompts = _prompts(args.warmup_requests, args.input_len, vocab, args.seed + 1)
+        res = asyncio.run(run_load(url, model, prompts, args.output_len, math.inf, args.seed,
+                                   getattr(args, "api_key", None)))
+        if res["failed"]:
+            raise RuntimeError(f"warm-up request failed: {res.get('first_error')}")
+
+
+def _bench_mode(args, mode: str | None, prompts, vocab: int) -> dict:
     from hisparse.server.app import ServerThread
 
     if args.url:
         url = args.url.rstrip("/")
         model = args.served_model_name or served_model(url, args.api_key)
+        _warm_up(url, model, args, vocab)
         return asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
                                     args.seed, args.api_key))
     from hisparse.engine.arg_utils import engine_kwargs
@@ -179,6 +192,7 @@ def _bench_mode(args, mode: str | None, prompts) -> dict:
     engine = AsyncLLM(llm, max_waiting_requests=max(len(prompts), 1), log_interval=0)
     try:
         with ServerThread(create_app(engine, model_name="bench")) as srv:
+            _warm_up(srv.url, "bench", args, vocab)
             res = asyncio.run(run_load(srv.url, "bench", prompts, args.output_len,
                                        args.request_rate, args.seed))
         s = llm.stats()
@@ -211,6 +225,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token id range of the random prompts (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrivals")
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="unmeasured requests sent first (default: %(default)s; 0: none)")
     p.add_argument("--json", action="store_true", help="print one JSON line per mode")
     add_engine_args(p, with_mode=False)
 
@@ -231,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_requests < 0:
+        raise ValueError("--warmup-requests must be >= 0")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf: all at once)")
     from hisparse.engine.arg_utils import engine_kwargs
@@ -251,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [None] if args.url else [m.strip() for m in args.modes.split(",") if m.strip()]
     results = {}
     for mode in modes:
-        res = _bench_mode(args, mode, prompts)
+        res = _bench_mode(args, mode, prompts, vocab)
         results[mode or "server"] = res
         if args.json:
             print(json.dumps({"mode": mode or "server", **res}))
