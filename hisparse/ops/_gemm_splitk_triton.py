@@ -1,0 +1,297 @@
+"""The decode FP8 block GEMM (``backend="triton"`` up to ``BATCH_INVARIANT_MAX_M`` rows): split-K,
+weight-streaming, batch invariant. Imported lazily by gemm.py.
+
+Why the stream kernel (:func:`_gemm_triton.fp8_block_linear_stream`, now
+``backend="triton_stream"``) stayed at 0.15-0.5 of HBM bandwidth:
+
+- its K chunk count aims at about one 64-row program per SM, so a launch is one wave of ~132
+  (72 for the dense gate/up, 112 for o_proj) single-CTA programs, each walking 12-56 K blocks in
+  series: one CTA of 4 warps per SM cannot keep enough weight bytes in flight;
+- with the activation quantized in its K loop, the ``x`` tile of each block is loaded and
+  reduced (row amax) in the step that uses it: the pipeliner prefetches only the tiles that
+  feed the MMA directly, so each K step waits one L2 round trip;
+- its split-K sums are added by the last program of a tile to arrive, ``RED`` (1-4) chunk sums
+  in flight at a time: ``S / RED`` dependent L2 round trips in the launch's tail, behind an
+  atomic arrival counter kept in a module-global buffer (state a CUDA graph touches, grown on
+  demand: against the project rules);
+- above 32 rows the activation is quantized by a separate launch.
+
+This kernel: ``S`` K chunks from the weight shape alone (:func:`splitk_chunks`, about
+:data:`TARGET_PROGRAMS` 64-row programs, so several CTAs per SM stream at once); one program per
+(token tile, weight tile, chunk) (``split``) or per (token tile, weight tile) walking every chunk
+(chain, for many rows: the same bits); the next block's activation tile and scales are loaded a
+K step ahead in registers, so the in-loop quantization (``_quant_rows``, as every Triton path)
+waits on nothing; the chunk sums of a split launch go to an fp32 buffer ``[S, M, N]`` (an
+ordinary temporary of the call: nothing persists between calls, no counters) and one small
+reduction launch adds them in chunk order with every load in flight.
+
+Numerics (the lossless contract): a chunk's sum is accumulated from zero over its scale blocks in
+K order (``acc += dot(w_blk, q_blk) * (w_scale * a_scale)``, the weight on wgmma's tall side for
+every M), and the output is ``((0 + c_0) + c_1) + ... + c_{S-1}``, whether the chunks are added
+in registers (chain) or by the reduction launch (split). Only ``S`` changes the bits, and it
+depends on ``(N, K)`` alone; tiles, warps, stages, the mode and the quantizer (in-loop or
+:func:`_gemm_triton.quantize_fp8_act_triton` first: bitwise the same) are chosen from M for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ._gemm_triton import _quant_rows, quantize_fp8_act_triton
+from .block_fp8 import quantize_fp8_act
+
+TARGET_PROGRAMS = 512  # 64-row split programs per launch at M <= 64 (~4 per SM of an H200)
+MIN_CHUNK = 2          # scale blocks per chunk at least (a chunk sum costs a store and a load)
+# Measured overrides (benchmarks/bench_gemm.py on the H200):
+# SPLITK_CHUNKS[(N, K)] = S (the numerics: per weight shape, never per M);
+# SPLITK_TABLE[(N, K, m_bucket(M))] = SplitKConfig (speed only)
+SPLITK_CHUNKS: dict[tuple[int, int], int] = {}
+SPLITK_TABLE: dict[tuple[int, int, int], SplitKConfig] = {}
+M_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+
+
+@triton.jit
+def _act_block(x_ptr, xs_ptr, rows, rmask, kb, K, stride_xm, stride_xsm,
+               BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr):
+    """Block ``kb`` of the activation rows: raw ``x`` (``QUANT_A``: quantized by the caller when
+    used) or the pre-quantized FP8 tile and its scales."""
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = rmask[:, None] & (offs_k < K)[None, :]
+    a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
+    if QUANT_A:
+        sa = tl.zeros_like(rows).to(tl.float32)  # placeholder: computed with the quantization
+    else:
+        sa = tl.load(xs_ptr + rows * stride_xsm + kb, mask=rmask, other=0.0)
+    return a, sa
+
+
+# M, KB, the chunking and the scale strides bound loops and masks or index scalars only: not
+# specialized, so one compile per launch configuration serves every shape and batch
+@triton.jit(do_not_specialize=["M", "KB", "CHUNK", "stride_xsm", "stride_wsn", "stride_ps"])
+def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
+                       M, N, K, KB, CHUNK,
+                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
+                       SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr,
+                       POW2: tl.constexpr):
+    """``SPLIT``: ``out[chunk, t, n]`` = chunk ``program_id(2)``'s fp32 sum (``out`` is the
+    ``[S, M, N]`` partial buffer); else ``out[t, n]`` = the chunk sums added in order."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if SPLIT:
+        kb_start = tl.program_id(2) * CHUNK
+        kb_end = tl.minimum(KB, kb_start + CHUNK)
+    else:
+        kb_start = 0
+        kb_end = KB
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    if SCALE_N % BLOCK_N == 0:  # one weight scale per tile and K block
+        ws_blk = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+    else:                       # one per row (tiles over several scale blocks: small bn)
+        ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
+    # block kb_start's activation and scales; in the loop, the next block's are loaded a step
+    # ahead (registers): the pipeliner prefetches only the weight tile, which feeds the MMA
+    sw = tl.load(ws_blk + kb_start)
+    a, sa = _act_block(x_ptr, xs_ptr, rows, rmask, kb_start, K, stride_xm, stride_xsm,
+                       BLOCK_K, QUANT_A)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    if not SPLIT:
+        total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        nxt = tl.minimum(kb + 1, KB - 1)  # in bounds; past the range its values go unused
+        sw_next = tl.load(ws_blk + nxt)
+        a_next, sa_next = _act_block(x_ptr, xs_ptr, rows, rmask, nxt, K, stride_xm,
+                                     stride_xsm, BLOCK_K, QUANT_A)
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
+        if QUANT_A:
+            q, sa = _quant_rows(a.to(tl.float32), POW2)
+        else:
+            q = a
+        d = tl.dot(w, tl.trans(q))
+        if SCALE_N % BLOCK_N == 0:
+            acc += d * (sw * sa)[None, :]
+        else:
+            acc += d * (sw[:, None] * sa[None, :])
+        sw = sw_next
+        a = a_next
+        sa = sa_next
+        if not SPLIT:
+            end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # a chunk's last block
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)
+    omask = nmask[:, None] & rmask[None, :]
+    if SPLIT:
+        part = out_ptr + tl.program_id(2) * stride_ps + rows[None, :] * N + offs_n[:, None]
+        tl.store(part, acc, mask=omask)
+    else:
+        out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _fp8_splitk_reduce_kernel(part_ptr, out_ptr, n_elem, stride_ps,
+                              S: tl.constexpr, BLOCK: tl.constexpr):
+    """``out.flat[i] = ((0 + part[0].flat[i]) + part[1].flat[i]) + ...`` (chunk order; the
+    loads are independent, so all S are in flight at once)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_elem
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in tl.static_range(S):
+        total += tl.load(part_ptr + c * stride_ps + offs, mask=m, other=0.0,
+                         cache_modifier=".cg")
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """One launch of the split-K kernel (speed only, never the bits). ``split``: one program per
+    chunk plus the reduction launch (else one program walks every chunk); ``quant``: ``"gemm"``
+    (in the K loop, each weight tile re-quantizing its rows: cheap for few rows) or ``"kernel"``
+    (:func:`quantize_fp8_act_triton` first: one more launch, half the activation bytes)."""
+
+    block_t: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split: bool
+    quant: str = "gemm"
+
+    def __str__(self) -> str:
+        return (f"{self.block_t}x{self.block_n}/w{self.num_warps}/s{self.num_stages}/"
+                f"{'split' if self.split else 'chain'}/{self.quant}")
+
+    @classmethod
+    def parse(cls, text: str) -> SplitKConfig:
+        tiles, w, st, mode, quant = text.split("/")
+        bt, bn = tiles.split("x")
+        return cls(int(bt), int(bn), int(w[1:]), int(st[1:]), mode == "split", quant)
+
+
+def splitk_chunks(N: int, K: int, bk: int = 128) -> int:
+    """S, the K chunk count of a weight ``[N, K]``: the numerics' one parameter (from the shape
+    alone, never M or the device). Default: about :data:`TARGET_PROGRAMS` 64-row programs, each
+    chunk at least :data:`MIN_CHUNK` blocks; the count is normalised so every chunk but the last
+    is full."""
+    KB = triton.cdiv(K, bk)
+    s = SPLITK_CHUNKS.get((N, K))
+    if s is None:
+        s = max(1, min(KB // MIN_CHUNK, round(TARGET_PROGRAMS / triton.cdiv(N, 64))))
+    chunk = triton.cdiv(KB, max(1, min(s, KB)))
+    return triton.cdiv(KB, chunk)
+
+
+def m_bucket(M: int) -> int:
+    """The table key of a batch size: the smallest of :data:`M_BUCKETS` holding it."""
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def splitk_config(M: int, N: int, K: int, chunks: int) -> SplitKConfig:
+    """The launch for ``M`` rows: a measured :data:`SPLITK_TABLE` entry, else tokens on wgmma's
+    narrow side (16..64 wide), 64 weight rows a program up to 64 tokens (64 x 128 tiles, 8 warps
+    above), split while the output tiles alone are fewer than two per SM, activations quantized
+    in the K loop up to 64 rows."""
+    cfg = SPLITK_TABLE.get((N, K, m_bucket(M)))
+    if cfg is not None:
+        return cfg
+    if M <= 64:
+        bt = max(16, triton.next_power_of_2(M))
+        return SplitKConfig(bt, 64, 4, 3, chunks > 1)
+    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
+    return SplitKConfig(64, 128, 8, 3, chunks > 1 and tiles < 264, "kernel")
+
+
+def splitk_configs(M: int) -> list[SplitKConfig]:
+    """Candidate launches for ``M`` rows (the benchmark's sweep; every one gives the same bits):
+    a handful per M bucket, so the sweep compiles few kernels."""
+    bt = max(16, min(64, triton.next_power_of_2(M)))
+    if M <= 64:
+        out = [SplitKConfig(bt, 64, 4, s, True) for s in (2, 3, 4)]
+        out += [SplitKConfig(bt, 128, 4, 3, True), SplitKConfig(bt, 128, 8, 3, True),
+                SplitKConfig(bt, 64, 4, 3, False)]
+        return out
+    out = []
+    for split in (True, False):
+        for quant in ("gemm", "kernel"):
+            out += [SplitKConfig(64, 64, 4, 3, split, quant),
+                    SplitKConfig(64, 128, 8, 3, split, quant)]
+    out += [SplitKConfig(128, 128, 8, 3, False, "kernel"),
+            SplitKConfig(32, 128, 4, 3, True, "kernel")]
+    return out
+
+
+_STAGES: dict[tuple, int] = {}  # launch -> stages that fit in shared memory (host-side memo)
+REDUCE_BLOCK = 512
+
+
+def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                            block: tuple[int, int], out_dtype: torch.dtype,
+                            pow2_scale: bool = False, config: SplitKConfig | None = None,
+                            chunks: int | None = None, quant: str | None = None
+                            ) -> torch.Tensor:
+    """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (chain, or one
+    chunk), two (split: the chunk sums, then their reduction), one more with ``quant="kernel"``.
+    Row ``i`` equals that row computed in any other batch, bitwise, whatever ``config`` and
+    ``quant``: only ``chunks`` (default :func:`splitk_chunks`, from the weight shape) changes
+    bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says otherwise.
+    ``S * M * N`` must stay below 2**31."""
+    M, K = x.shape
+    N = w.shape[0]
+    bn, bk = block
+    KB = triton.cdiv(K, bk)
+    S = triton.cdiv(KB, triton.cdiv(KB, max(1, min(chunks or splitk_chunks(N, K, bk), KB))))
+    chunk = triton.cdiv(KB, S)
+    cfg = config or splitk_config(M, N, K, S)
+    quant = quant or (cfg.quant if x.is_cuda else "torch")
+    x = x.contiguous()
+    if quant == "gemm":
+        xq, xs = x, x  # xs unused
+    elif quant == "kernel":
+        xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)
+    elif quant == "torch":
+        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
+        xq = xq.contiguous()
+    else:
+        raise ValueError(f"fp8_block_linear_splitk: quant must be gemm, kernel or torch, "
+                         f"got {quant!r}")
+    w = w if w.stride(1) == 1 else w.contiguous()
+    ws = w_scale_inv.float().contiguous()
+    split = cfg.split and S > 1  # one chunk: its sum is the output (the chain's 0 + c_0)
+    out = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    dst = torch.empty(S, M, N, device=x.device, dtype=torch.float32) if split else out
+    grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), S if split else 1)
+    args = (xq, xs, w, ws, dst, M, N, K, KB, chunk, xq.stride(0), xs.stride(0), w.stride(0),
+            ws.stride(0), out.stride(0), M * N)
+    meta = dict(SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+                SCALE_N=bn, QUANT_A=quant == "gemm", POW2=pow2_scale)
+    if not x.is_cuda:
+        _fp8_splitk_kernel[grid](*args, **meta)
+    else:
+        key = (x.device, cfg, split, bk, bn, quant, pow2_scale)
+        stages = _STAGES.get(key, cfg.num_stages)
+        while True:  # fewer stages where shared memory runs out (remembered per launch)
+            try:
+                _fp8_splitk_kernel[grid](*args, **meta, num_warps=cfg.num_warps,
+                                         num_stages=stages)
+                break
+            except OutOfResources:
+                if stages <= 1:
+                    raise
+                stages -= 1
+        _STAGES[key] = stages
+    if split:
+        _fp8_splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            dst, out, M * N, M * N, S=S, BLOCK=REDUCE_BLOCK)
+    return out
