@@ -201,35 +201,31 @@ def m_bucket(M: int) -> int:
 def splitk_config(M: int, N: int, K: int, chunks: int) -> SplitKConfig:
     """The launch for ``M`` rows: a measured :data:`SPLITK_TABLE` entry, else tokens on wgmma's
     narrow side (16..64 wide), 64 weight rows a program up to 64 tokens (64 x 128 tiles, 8 warps
-    above), split while the output tiles alone are fewer than two per SM, activations quantized
-    in the K loop up to 64 rows."""
+    above, activations quantized first), split while the chunk sums (``4 S M N`` bytes) are no
+    more than the weight's bytes and the output tiles alone are fewer than two per SM."""
     cfg = SPLITK_TABLE.get((N, K, m_bucket(M)))
     if cfg is not None:
         return cfg
+    split = chunks > 1 and 4 * chunks * M <= K
     if M <= 64:
         bt = max(16, triton.next_power_of_2(M))
-        return SplitKConfig(bt, 64, 4, 3, chunks > 1)
+        return SplitKConfig(bt, 64, 4, 3, split)
     tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
-    return SplitKConfig(64, 128, 8, 3, chunks > 1 and tiles < 264, "kernel")
+    return SplitKConfig(64, 128, 8, 3, split and tiles < 264, "kernel")
 
 
 def splitk_configs(M: int) -> list[SplitKConfig]:
     """Candidate launches for ``M`` rows (the benchmark's sweep; every one gives the same bits):
     a handful per M bucket, so the sweep compiles few kernels."""
-    bt = max(16, min(64, triton.next_power_of_2(M)))
     if M <= 64:
-        out = [SplitKConfig(bt, 64, 4, s, True) for s in (2, 3, 4)]
-        out += [SplitKConfig(bt, 128, 4, 3, True), SplitKConfig(bt, 128, 8, 3, True),
-                SplitKConfig(bt, 64, 4, 3, False)]
-        return out
-    out = []
-    for split in (True, False):
-        for quant in ("gemm", "kernel"):
-            out += [SplitKConfig(64, 64, 4, 3, split, quant),
-                    SplitKConfig(64, 128, 8, 3, split, quant)]
-    out += [SplitKConfig(128, 128, 8, 3, False, "kernel"),
-            SplitKConfig(32, 128, 4, 3, True, "kernel")]
-    return out
+        bt = max(16, triton.next_power_of_2(M))
+        out = [SplitKConfig(bt, 64, 4, 3, True), SplitKConfig(bt, 64, 4, 4, True),
+               SplitKConfig(bt, 128, 4, 3, True), SplitKConfig(bt, 64, 4, 3, False)]
+        return out + ([SplitKConfig(bt, 64, 4, 3, True, "kernel")] if bt == 64 else [])
+    big = [(64, 64, 4, True), (64, 128, 8, True), (64, 64, 4, False), (64, 128, 8, False),
+           (128, 128, 8, False)]
+    return ([SplitKConfig(bt, bn, w, 3, split, "kernel") for bt, bn, w, split in big]
+            + [SplitKConfig(64, 64, 4, 3, False)])
 
 
 _STAGES: dict[tuple, int] = {}  # launch -> stages that fit in shared memory (host-side memo)
