@@ -15,9 +15,10 @@ shape (twice the weight bytes); ``x old`` = stream / best. Times are per call fr
 (``bench_ops.timeit_graph``) of back-to-back calls that rotate through weight copies larger
 than L2 (every call reads HBM, as the engine's 61 layers do). The footer estimates one decode
 step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old, and prints the
-``SPLITK_TABLE`` entries of the best launches, ready to paste. ``--chunks-sweep``: for each
-linear also the default launch at half and twice the default chunk count (the one numerics
-parameter: chosen per linear over all M, never per M).
+``SPLITK_TABLE`` entries of the best launches, ready to paste. ``S/G``: the plan's chunk and
+group counts (the numerics: per linear, never per M). ``--chunks-sweep``: for each linear also
+the default launch at half and twice the default chunk count (``SPLITK_PLANS`` material:
+chosen per linear over all M).
 """
 
 from __future__ import annotations
@@ -85,12 +86,13 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
         copies = max(2, math.ceil(3 * l2 / (N * K)))
         fp8 = [(wq.clone(), ws.clone()) for _ in range(copies)]
         bf16 = [wq.to(torch.bfloat16) for _ in range(max(2, copies // 2))]
-        S = G.splitk_chunks(N, K)
+        plan = G.splitk_plan(N, K)
         for M in batches:
             x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
             byts = N * K + M * K * 2 + M * N * 2
-            row = {"op": name, "N": N, "K": K, "M": M, "chunks": S, "configs": {}}
-            default = G.splitk_config(M, N, K, S)
+            row = {"op": name, "N": N, "K": K, "M": M, "chunks": plan.chunks,
+                   "groups": plan.groups, "configs": {}}
+            default = G.splitk_config(M, N, K, plan)
             row["default"] = str(default)
             for cfg in dict.fromkeys([default] + G.splitk_configs(M)):
                 try:
@@ -105,11 +107,12 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
             row["bf16_us"] = 1e6 * _time(lambda p, x=x: torch.mm(x, p.t()), bf16)
             if chunks_sweep:
                 row["chunks_sweep"] = {}
-                for s in sorted({max(1, S // 2), 2 * S}):
-                    c = G.splitk_config(M, N, K, s)
-                    row["chunks_sweep"][s] = 1e6 * _time(
-                        lambda p, c=c, s=s, x=x: G.fp8_block_linear_splitk(
-                            x, p[0], p[1], (128, 128), torch.bfloat16, config=c, chunks=s), fp8)
+                for s in sorted({max(1, plan.chunks // 2), 2 * plan.chunks}):
+                    alt = G.splitk_plan(N, K, chunks=s, groups=plan.groups)
+                    c = G.splitk_config(M, N, K, alt)
+                    row["chunks_sweep"][alt.chunks] = 1e6 * _time(
+                        lambda p, c=c, alt=alt, x=x: G.fp8_block_linear_splitk(
+                            x, p[0], p[1], (128, 128), torch.bfloat16, config=c, plan=alt), fp8)
             rows.append(row)
             print_row(row, header=len(rows) == 1)
         del fp8, bf16
@@ -126,7 +129,7 @@ def best(row: dict) -> tuple[str, float]:
 
 def print_row(r: dict, header: bool) -> None:
     if header:
-        print(f"\n{'linear':>14} {'N x K':>11} {'M':>4} S  | {'default':>7} | {'best':>7} "
+        print(f"\n{'linear':>14} {'N x K':>11} {'M':>4} S/G  | {'default':>7} | {'best':>7} "
               f"{'frac':>5} {'(launch)':<28} | {'stream':>7} | {'bf16':>6} | x old", flush=True)
     k, t = best(r)
     d = r["configs"].get(r["default"], {}).get("us", float("nan"))
@@ -134,7 +137,8 @@ def print_row(r: dict, header: bool) -> None:
     extra = ""
     if "chunks_sweep" in r:
         extra = "  S " + " ".join(f"{s}:{v:.1f}" for s, v in r["chunks_sweep"].items())
-    print(f"{r['op']:>14} {r['N']:>5}x{r['K']:<5} {r['M']:>4} {r['chunks']:<2} | {d:7.1f} | "
+    sg = f"{r['chunks']}/{r['groups']}"
+    print(f"{r['op']:>14} {r['N']:>5}x{r['K']:<5} {r['M']:>4} {sg:<5}| {d:7.1f} | "
           f"{t:7.1f} {frac:5.2f} {k:<28} | {r['stream_us']:7.1f} | {r['bf16_us']:6.1f} | "
           f"{r['stream_us'] / t:4.2f}x{extra}", flush=True)
 
@@ -154,7 +158,7 @@ def print_footer(rows: list[dict]) -> None:
     for r in rows:
         c = G.SplitKConfig.parse(best(r)[0])
         print(f"    ({r['N']}, {r['K']}, {G.m_bucket(r['M'])}): SplitKConfig({c.block_t}, "
-              f"{c.block_n}, {c.num_warps}, {c.num_stages}, {c.split}, {c.quant!r}),")
+              f"{c.block_n}, {c.num_warps}, {c.num_stages}, {c.level!r}, {c.quant!r}),")
     print("}")
 
 

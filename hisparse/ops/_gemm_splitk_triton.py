@@ -16,21 +16,24 @@ Why the stream kernel (:func:`_gemm_triton.fp8_block_linear_stream`, now
   demand: against the project rules);
 - above 32 rows the activation is quantized by a separate launch.
 
-This kernel: ``S`` K chunks from the weight shape alone (:func:`splitk_chunks`, about
-:data:`TARGET_PROGRAMS` 64-row programs, so several CTAs per SM stream at once); one program per
-(token tile, weight tile, chunk) (``split``) or per (token tile, weight tile) walking every chunk
-(chain, for many rows: the same bits); the next block's activation tile and scales are loaded a
-K step ahead in registers, so the in-loop quantization (``_quant_rows``, as every Triton path)
-waits on nothing; the chunk sums of a split launch go to an fp32 buffer ``[S, M, N]`` (an
-ordinary temporary of the call: nothing persists between calls, no counters) and one small
-reduction launch adds them in chunk order with every load in flight.
+This kernel: K is cut into ``S`` chunks of ``CHUNK`` scale blocks, and the chunks into ``G``
+groups of ``GCH`` chunks, both from the weight shape alone (:func:`splitk_plan`: about
+:data:`TARGET_PROGRAMS` 64-row chunk programs, so several CTAs per SM stream at once; groups of
+about :data:`GROUP_K` K for many rows). A program covers one chunk, one group or all of K
+(``level``, chosen from M), for one (token tile, weight tile); the next block's activation tile
+and scales are loaded a K step ahead in registers, so the in-loop quantization
+(``_quant_rows``, as every Triton path) waits on nothing. Chunk or group sums go to an fp32
+buffer ``[S or G, M, N]`` (an ordinary temporary of the call: nothing persists between calls,
+no counters) and one small reduction launch adds them in order with every load in flight.
 
-Numerics (the lossless contract): a chunk's sum is accumulated from zero over its scale blocks in
-K order (``acc += dot(w_blk, q_blk) * (w_scale * a_scale)``, the weight on wgmma's tall side for
-every M), and the output is ``((0 + c_0) + c_1) + ... + c_{S-1}``, whether the chunks are added
-in registers (chain) or by the reduction launch (split). Only ``S`` changes the bits, and it
-depends on ``(N, K)`` alone; tiles, warps, stages, the mode and the quantizer (in-loop or
-:func:`_gemm_triton.quantize_fp8_act_triton` first: bitwise the same) are chosen from M for speed.
+Numerics (the lossless contract): a chunk's sum is accumulated from zero over its scale blocks
+in K order (``acc += dot(w_blk, q_blk) * (w_scale * a_scale)``, the weight on wgmma's tall side
+for every M); a group's sum is ``((0 + c_a) + c_a+1) + ...`` over its chunks; the output is
+``((0 + g_0) + g_1) + ...`` over the groups, whichever program level computed which part
+(registers or the reduction launch: the same additions in the same order). Only the plan
+changes the bits, and it depends on ``(N, K)`` alone; the level, tiles, warps, stages and the
+quantizer (in-loop or :func:`_gemm_triton.quantize_fp8_act_triton` first: bitwise the same)
+are chosen from M for speed.
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ from triton.runtime.errors import OutOfResources
 from ._gemm_triton import _quant_rows, quantize_fp8_act_triton
 from .block_fp8 import quantize_fp8_act
 
-TARGET_PROGRAMS = 512  # 64-row split programs per launch at M <= 64 (~4 per SM of an H200)
+TARGET_PROGRAMS = 512  # 64-row chunk programs per launch (~4 per SM of an H200)
 MIN_CHUNK = 2          # scale blocks per chunk at least (a chunk sum costs a store and a load)
+GROUP_K = 2048         # K per group about (group programs: many rows, fewer partial sums)
+LEVELS = ("chunk", "group", "all")
 # Measured overrides (benchmarks/bench_gemm.py on the H200):
-# SPLITK_CHUNKS[(N, K)] = S (the numerics: per weight shape, never per M);
+# SPLITK_PLANS[(N, K)] = (chunks, groups) asked for (the numerics: per weight shape, never M);
 # SPLITK_TABLE[(N, K, m_bucket(M))] = SplitKConfig (speed only)
-SPLITK_CHUNKS: dict[tuple[int, int], int] = {}
+SPLITK_PLANS: dict[tuple[int, int], tuple[int, int]] = {}
 SPLITK_TABLE: dict[tuple[int, int, int], SplitKConfig] = {}
 M_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 
@@ -70,22 +75,27 @@ def _act_block(x_ptr, xs_ptr, rows, rmask, kb, K, stride_xm, stride_xsm,
     return a, sa
 
 
-# M, KB, the chunking and the scale strides bound loops and masks or index scalars only: not
+# M, KB, the plan and the scale strides bound loops and masks or index scalars only: not
 # specialized, so one compile per launch configuration serves every shape and batch
-@triton.jit(do_not_specialize=["M", "KB", "CHUNK", "stride_xsm", "stride_wsn", "stride_ps"])
+@triton.jit(do_not_specialize=["M", "KB", "CHUNK", "GROUP", "stride_xsm", "stride_wsn",
+                               "stride_ps"])
 def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
-                       M, N, K, KB, CHUNK,
+                       M, N, K, KB, CHUNK, GROUP,
                        stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
-                       SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       LEVEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr,
                        POW2: tl.constexpr):
-    """``SPLIT``: ``out[chunk, t, n]`` = chunk ``program_id(2)``'s fp32 sum (``out`` is the
-    ``[S, M, N]`` partial buffer); else ``out[t, n]`` = the chunk sums added in order."""
+    """``LEVEL`` 0 / 1: ``out[p, t, n]`` = chunk / group ``p = program_id(2)``'s fp32 sum
+    (``out`` is the partial buffer); 2: ``out[t, n]`` = the group sums added in order.
+    ``CHUNK`` / ``GROUP``: scale blocks per chunk / per group."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if SPLIT:
+    if LEVEL == 0:
         kb_start = tl.program_id(2) * CHUNK
         kb_end = tl.minimum(KB, kb_start + CHUNK)
+    elif LEVEL == 1:
+        kb_start = tl.program_id(2) * GROUP
+        kb_end = tl.minimum(KB, kb_start + GROUP)
     else:
         kb_start = 0
         kb_end = KB
@@ -102,8 +112,10 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     sw = tl.load(ws_blk + kb_start)
     a, sa = _act_block(x_ptr, xs_ptr, rows, rmask, kb_start, K, stride_xm, stride_xsm,
                        BLOCK_K, QUANT_A)
-    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    if not SPLIT:
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)     # the chunk's sum
+    if LEVEL >= 1:
+        gsum = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # the group's
+    if LEVEL == 2:
         total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         nxt = tl.minimum(kb + 1, KB - 1)  # in bounds; past the range its values go unused
@@ -125,69 +137,102 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
         sw = sw_next
         a = a_next
         sa = sa_next
-        if not SPLIT:
-            end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # a chunk's last block
-            total = tl.where(end, total + acc, total)
-            acc = tl.where(end, 0.0, acc)
+        if LEVEL >= 1:
+            c_end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # a chunk's last block
+            gsum = tl.where(c_end, gsum + acc, gsum)
+            acc = tl.where(c_end, 0.0, acc)
+        if LEVEL == 2:
+            g_end = ((kb + 1) % GROUP == 0) | (kb + 1 == KB)  # a group's last block
+            total = tl.where(g_end, total + gsum, total)
+            gsum = tl.where(g_end, 0.0, gsum)
     omask = nmask[:, None] & rmask[None, :]
-    if SPLIT:
-        part = out_ptr + tl.program_id(2) * stride_ps + rows[None, :] * N + offs_n[:, None]
-        tl.store(part, acc, mask=omask)
-    else:
+    if LEVEL == 2:
         out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        part = out_ptr + tl.program_id(2) * stride_ps + rows[None, :] * N + offs_n[:, None]
+        if LEVEL == 0:
+            tl.store(part, acc, mask=omask)
+        else:
+            tl.store(part, gsum, mask=omask)
 
 
 @triton.jit
-def _fp8_splitk_reduce_kernel(part_ptr, out_ptr, n_elem, stride_ps,
-                              S: tl.constexpr, BLOCK: tl.constexpr):
-    """``out.flat[i] = ((0 + part[0].flat[i]) + part[1].flat[i]) + ...`` (chunk order; the
-    loads are independent, so all S are in flight at once)."""
+def _fp8_splitk_reduce_kernel(part_ptr, out_ptr, n_elem, stride_ps, PARTS: tl.constexpr,
+                              GCH: tl.constexpr, BLOCK: tl.constexpr):
+    """``out.flat[i]`` from ``PARTS`` partial sums: chunk sums (``GCH`` a group: each group
+    summed from zero in order, then the groups from zero in order) or group sums (``GCH = 1``:
+    added from zero in order). The loads are independent: all are in flight at once."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_elem
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in tl.static_range(S):
-        total += tl.load(part_ptr + c * stride_ps + offs, mask=m, other=0.0,
-                         cache_modifier=".cg")
+    for g in tl.static_range((PARTS + GCH - 1) // GCH):
+        gsum = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(GCH):
+            if g * GCH + j < PARTS:
+                gsum += tl.load(part_ptr + (g * GCH + j) * stride_ps + offs, mask=m, other=0.0,
+                                cache_modifier=".cg")
+        total += gsum
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @dataclass(frozen=True)
+class SplitKPlan:
+    """The numerics of a weight shape: ``chunks`` chunks of ``chunk`` scale blocks (the last
+    may be short), ``groups`` groups of ``group`` chunks (likewise)."""
+
+    chunk: int
+    chunks: int
+    group: int
+    groups: int
+
+
+@dataclass(frozen=True)
 class SplitKConfig:
-    """One launch of the split-K kernel (speed only, never the bits). ``split``: one program per
-    chunk plus the reduction launch (else one program walks every chunk); ``quant``: ``"gemm"``
-    (in the K loop, each weight tile re-quantizing its rows: cheap for few rows) or ``"kernel"``
-    (:func:`quantize_fp8_act_triton` first: one more launch, half the activation bytes)."""
+    """One launch of the split-K kernel (speed only, never the bits). ``level``: a program per
+    ``"chunk"`` or per ``"group"`` (then the reduction launch), or one walking ``"all"`` of K;
+    ``quant``: ``"gemm"`` (in the K loop, each weight tile re-quantizing its rows: cheap for few
+    rows) or ``"kernel"`` (:func:`quantize_fp8_act_triton` first: one more launch, half the
+    activation bytes)."""
 
     block_t: int
     block_n: int
     num_warps: int
     num_stages: int
-    split: bool
+    level: str = "chunk"
     quant: str = "gemm"
 
     def __str__(self) -> str:
         return (f"{self.block_t}x{self.block_n}/w{self.num_warps}/s{self.num_stages}/"
-                f"{'split' if self.split else 'chain'}/{self.quant}")
+                f"{self.level}/{self.quant}")
 
     @classmethod
     def parse(cls, text: str) -> SplitKConfig:
-        tiles, w, st, mode, quant = text.split("/")
+        tiles, w, st, level, quant = text.split("/")
         bt, bn = tiles.split("x")
-        return cls(int(bt), int(bn), int(w[1:]), int(st[1:]), mode == "split", quant)
+        return cls(int(bt), int(bn), int(w[1:]), int(st[1:]), level, quant)
 
 
-def splitk_chunks(N: int, K: int, bk: int = 128) -> int:
-    """S, the K chunk count of a weight ``[N, K]``: the numerics' one parameter (from the shape
-    alone, never M or the device). Default: about :data:`TARGET_PROGRAMS` 64-row programs, each
-    chunk at least :data:`MIN_CHUNK` blocks; the count is normalised so every chunk but the last
-    is full."""
+def _counts(n: int, want: int) -> tuple[int, int]:
+    """``(size, count)``: ``n`` items cut into about ``want`` equal runs (the last may be short;
+    every run but the last is full)."""
+    size = triton.cdiv(n, max(1, min(want, n)))
+    return size, triton.cdiv(n, size)
+
+
+def splitk_plan(N: int, K: int, bk: int = 128, chunks: int | None = None,
+                groups: int | None = None) -> SplitKPlan:
+    """The numerics of a weight ``[N, K]`` (from the shape alone, never M or the device; the
+    arguments override for tests and the benchmark). Default: about :data:`TARGET_PROGRAMS`
+    64-row chunk programs, each chunk at least :data:`MIN_CHUNK` blocks, groups of about
+    :data:`GROUP_K` K (:data:`SPLITK_PLANS` entries first)."""
     KB = triton.cdiv(K, bk)
-    s = SPLITK_CHUNKS.get((N, K))
-    if s is None:
-        s = max(1, min(KB // MIN_CHUNK, round(TARGET_PROGRAMS / triton.cdiv(N, 64))))
-    chunk = triton.cdiv(KB, max(1, min(s, KB)))
-    return triton.cdiv(KB, chunk)
+    want_s, want_g = SPLITK_PLANS.get((N, K), (None, None))
+    s = chunks or want_s or max(1, min(KB // MIN_CHUNK,
+                                       round(TARGET_PROGRAMS / triton.cdiv(N, 64))))
+    chunk, S = _counts(KB, s)
+    group, G = _counts(S, groups or want_g or max(1, round(K / GROUP_K)))
+    return SplitKPlan(chunk, S, group, G)
 
 
 def m_bucket(M: int) -> int:
@@ -198,20 +243,26 @@ def m_bucket(M: int) -> int:
     return M_BUCKETS[-1]
 
 
-def splitk_config(M: int, N: int, K: int, chunks: int) -> SplitKConfig:
+def splitk_config(M: int, N: int, K: int, plan: SplitKPlan) -> SplitKConfig:
     """The launch for ``M`` rows: a measured :data:`SPLITK_TABLE` entry, else tokens on wgmma's
     narrow side (16..64 wide), 64 weight rows a program up to 64 tokens (64 x 128 tiles, 8 warps
-    above, activations quantized first), split while the chunk sums (``4 S M N`` bytes) are no
-    more than the weight's bytes and the output tiles alone are fewer than two per SM."""
+    and the activations quantized first above); programs per chunk, else per group, while the
+    output tiles alone are fewer than two per SM and the partial sums (``4 P M N`` bytes,
+    written and read back) are at most twice the weight's bytes; else one walks all of K."""
     cfg = SPLITK_TABLE.get((N, K, m_bucket(M)))
     if cfg is not None:
         return cfg
-    split = chunks > 1 and 4 * chunks * M <= K
     if M <= 64:
-        bt = max(16, triton.next_power_of_2(M))
-        return SplitKConfig(bt, 64, 4, 3, split)
-    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
-    return SplitKConfig(64, 128, 8, 3, split and tiles < 264, "kernel")
+        bt, bn, warps, quant = max(16, triton.next_power_of_2(M)), 64, 4, "gemm"
+    else:
+        bt, bn, warps, quant = 64, 128, 8, "kernel"
+    level = "all"
+    if triton.cdiv(M, bt) * triton.cdiv(N, bn) < 264:
+        if plan.chunks > 1 and 2 * plan.chunks * M <= K:
+            level = "chunk"
+        elif plan.groups > 1 and 2 * plan.groups * M <= K:
+            level = "group"
+    return SplitKConfig(bt, bn, warps, 3, level, quant)
 
 
 def splitk_configs(M: int) -> list[SplitKConfig]:
@@ -219,13 +270,13 @@ def splitk_configs(M: int) -> list[SplitKConfig]:
     a handful per M bucket, so the sweep compiles few kernels."""
     if M <= 64:
         bt = max(16, triton.next_power_of_2(M))
-        out = [SplitKConfig(bt, 64, 4, 3, True), SplitKConfig(bt, 64, 4, 4, True),
-               SplitKConfig(bt, 128, 4, 3, True), SplitKConfig(bt, 64, 4, 3, False)]
-        return out + ([SplitKConfig(bt, 64, 4, 3, True, "kernel")] if bt == 64 else [])
-    big = [(64, 64, 4, True), (64, 128, 8, True), (64, 64, 4, False), (64, 128, 8, False),
-           (128, 128, 8, False)]
-    return ([SplitKConfig(bt, bn, w, 3, split, "kernel") for bt, bn, w, split in big]
-            + [SplitKConfig(64, 64, 4, 3, False)])
+        out = [SplitKConfig(bt, 64, 4, 3), SplitKConfig(bt, 64, 4, 4),
+               SplitKConfig(bt, 128, 4, 3), SplitKConfig(bt, 64, 4, 3, "group")]
+        return out + ([SplitKConfig(bt, 64, 4, 3, "chunk", "kernel")] if bt == 64 else [])
+    big = [(64, 64, 4, "chunk"), (64, 128, 8, "chunk"), (64, 64, 4, "group"),
+           (64, 128, 8, "group"), (64, 128, 8, "all"), (128, 128, 8, "all")]
+    return ([SplitKConfig(bt, bn, w, 3, level, "kernel") for bt, bn, w, level in big]
+            + [SplitKConfig(64, 64, 4, 3, "group")])
 
 
 _STAGES: dict[tuple, int] = {}  # launch -> stages that fit in shared memory (host-side memo)
@@ -235,21 +286,25 @@ REDUCE_BLOCK = 512
 def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                             block: tuple[int, int], out_dtype: torch.dtype,
                             pow2_scale: bool = False, config: SplitKConfig | None = None,
-                            chunks: int | None = None, quant: str | None = None
+                            plan: SplitKPlan | None = None, quant: str | None = None
                             ) -> torch.Tensor:
-    """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (chain, or one
-    chunk), two (split: the chunk sums, then their reduction), one more with ``quant="kernel"``.
-    Row ``i`` equals that row computed in any other batch, bitwise, whatever ``config`` and
-    ``quant``: only ``chunks`` (default :func:`splitk_chunks`, from the weight shape) changes
-    bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says otherwise.
-    ``S * M * N`` must stay below 2**31."""
+    """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (level
+    ``all``, or one part), two (chunk or group sums, then their reduction), one more with
+    ``quant="kernel"``. Row ``i`` equals that row computed in any other batch, bitwise, whatever
+    ``config`` and ``quant``: only ``plan`` (default :func:`splitk_plan`, from the weight shape)
+    changes bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says
+    otherwise. ``parts * M * N`` must stay below 2**31."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk = block
     KB = triton.cdiv(K, bk)
-    S = triton.cdiv(KB, triton.cdiv(KB, max(1, min(chunks or splitk_chunks(N, K, bk), KB))))
-    chunk = triton.cdiv(KB, S)
-    cfg = config or splitk_config(M, N, K, S)
+    plan = plan or splitk_plan(N, K, bk)
+    if plan.chunk * plan.chunks < KB or plan.group * plan.groups < plan.chunks:
+        raise ValueError(f"fp8_block_linear_splitk: plan {plan} does not cover {KB} K blocks")
+    cfg = config or splitk_config(M, N, K, plan)
+    if cfg.level not in LEVELS:
+        raise ValueError(f"fp8_block_linear_splitk: level must be one of {LEVELS}, "
+                         f"got {cfg.level!r}")
     quant = quant or (cfg.quant if x.is_cuda else "torch")
     x = x.contiguous()
     if quant == "gemm":
@@ -264,18 +319,20 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                          f"got {quant!r}")
     w = w if w.stride(1) == 1 else w.contiguous()
     ws = w_scale_inv.float().contiguous()
-    split = cfg.split and S > 1  # one chunk: its sum is the output (the chain's 0 + c_0)
+    # one part of either kind: its program walks all of K (the same additions, no reduction)
+    parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
+    level = LEVELS.index(cfg.level) if parts > 1 else 2
     out = torch.empty(M, N, device=x.device, dtype=out_dtype)
-    dst = torch.empty(S, M, N, device=x.device, dtype=torch.float32) if split else out
-    grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), S if split else 1)
-    args = (xq, xs, w, ws, dst, M, N, K, KB, chunk, xq.stride(0), xs.stride(0), w.stride(0),
-            ws.stride(0), out.stride(0), M * N)
-    meta = dict(SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+    dst = torch.empty(parts, M, N, device=x.device, dtype=torch.float32) if level < 2 else out
+    grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), parts)
+    args = (xq, xs, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group,
+            xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0), M * N)
+    meta = dict(LEVEL=level, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
                 SCALE_N=bn, QUANT_A=quant == "gemm", POW2=pow2_scale)
     if not x.is_cuda:
         _fp8_splitk_kernel[grid](*args, **meta)
     else:
-        key = (x.device, cfg, split, bk, bn, quant, pow2_scale)
+        key = (x.device, cfg, level, bk, bn, quant, pow2_scale)
         stages = _STAGES.get(key, cfg.num_stages)
         while True:  # fewer stages where shared memory runs out (remembered per launch)
             try:
@@ -287,7 +344,8 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                     raise
                 stages -= 1
         _STAGES[key] = stages
-    if split:
+    if level < 2:
         _fp8_splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-            dst, out, M * N, M * N, S=S, BLOCK=REDUCE_BLOCK)
+            dst, out, M * N, M * N, PARTS=parts, GCH=plan.group if level == 0 else 1,
+            BLOCK=REDUCE_BLOCK)
     return out

@@ -36,63 +36,70 @@ def poisoned_empty(monkeypatch):
     yield
 
 
-def _cfg(bt, bn=64, split=True, quant="gemm", warps=4, stages=2):
+def _cfg(bt, bn=64, level="chunk", quant="gemm", warps=4, stages=2):
     from hisparse.ops._gemm_splitk_triton import SplitKConfig
 
-    return SplitKConfig(bt, bn, warps, stages, split, quant)
+    return SplitKConfig(bt, bn, warps, stages, level, quant)
 
 
-# (M, N, K, block, chunks, config): partial weight and token tiles, a partial last K block, a
-# short last chunk, per-row weight scales (bn < BLOCK_N) and one per tile, one chunk, split and
-# chain, 16..128-wide token tiles, the default launch
+# (M, N, K, block, (chunks, groups), config): partial weight and token tiles, a partial last K
+# block, a short last chunk and group, per-row weight scales (bn < BLOCK_N) and one per tile,
+# one chunk, chunk / group / all-K programs, 16..128-wide token tiles, the default launch
 CASES = [(1, 48, 80, (16, 16), None, None),
-         (19, 70, 96, (32, 32), 2, _cfg(32)),
-         (3, 64, 128, (64, 32), 1, _cfg(16)),
-         (40, 130, 33, (32, 16), 2, _cfg(64)),
-         (70, 200, 256, (128, 128), 2, _cfg(128, 128, split=False, warps=8)),
-         (9, 72, 160, (32, 32), 5, _cfg(32, 128)),
-         (9, 72, 224, (32, 32), 3, _cfg(16, split=False)),
-         (21, 100, 480, (32, 32), 4, _cfg(16, quant="kernel"))]
+         (19, 70, 96, (32, 32), (2, 1), _cfg(32)),
+         (3, 64, 128, (64, 32), (1, 1), _cfg(16)),
+         (40, 130, 33, (32, 16), (2, 2), _cfg(64, level="group")),
+         (70, 200, 256, (128, 128), (2, 1), _cfg(128, 128, level="all", warps=8)),
+         (9, 72, 160, (32, 32), (5, 2), _cfg(32, 128)),
+         (9, 72, 224, (32, 32), (3, 2), _cfg(16, level="all")),
+         (21, 100, 480, (32, 32), (5, 2), _cfg(16, level="group", quant="kernel")),
+         (21, 100, 480, (32, 32), (5, 3), _cfg(32))]
 
 
-@pytest.mark.parametrize("M,N,K,block,chunks,cfg", CASES)
-def test_splitk_matches_reference(triton_cpu, poisoned_empty, M, N, K, block, chunks, cfg):
-    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk
+@pytest.mark.parametrize("M,N,K,block,counts,cfg", CASES)
+def test_splitk_matches_reference(triton_cpu, poisoned_empty, M, N, K, block, counts, cfg):
+    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
 
     w, s = _weights(N, K, block, seed=M + N)
     x = torch.randn(M, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(K))
+    plan = splitk_plan(N, K, block[1], *(counts or (None, None)))
     want = fp8_block_linear_reference(x, w, s, block, quantize_input=True, out_dtype=torch.float32)
     # (on CPU torch quantizes the activations: the interpreter's fp32 -> fp8 cast rounds
     # differently; the in-loop quantizer is checked against the kernel one below)
-    got = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=cfg, chunks=chunks)
+    got = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=cfg, plan=plan)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    again = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=cfg, chunks=chunks)
+    again = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=cfg, plan=plan)
     assert torch.equal(again, got)  # no state kept between calls
-    g16 = fp8_block_linear_splitk(x, w, s, block, torch.bfloat16, config=cfg, chunks=chunks)
+    g16 = fp8_block_linear_splitk(x, w, s, block, torch.bfloat16, config=cfg, plan=plan)
     assert g16.dtype == torch.bfloat16 and g16.shape == (M, N)
     torch.testing.assert_close(g16.float(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_splitk_launch_choices_do_not_change_bits(triton_cpu, poisoned_empty):
-    """For one chunk count, split (chunk sums + the reduction launch) and chain (registers),
-    both in-kernel quantizers and the pipeline depth give identical bits; another chunk count
-    does not (the numerics' one parameter). Tile shapes are the GPU's claim: here ``tl.dot``
-    is numpy's matmul, which may round by the tile's shape."""
-    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk
+    """For one plan, programs per chunk or per group (partial sums + the reduction launch) or
+    over all of K (registers), both in-kernel quantizers and the pipeline depth give identical
+    bits; another plan does not (the numerics' one parameter). Tile shapes are the GPU's
+    claim: here ``tl.dot`` is numpy's matmul, which may round by the tile's shape."""
+    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
 
-    N, K, block = 96, 384, (32, 32)
+    N, K, block = 96, 480, (32, 32)
     w, s = _weights(N, K, block, seed=5)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(6)) * 3
-    runs = {(split, quant, st): fp8_block_linear_splitk(
-        x, w, s, block, torch.float32, config=_cfg(32, split=split, stages=st), chunks=3,
-        quant=quant) for split in (False, True) for quant in ("gemm", "kernel") for st in (1, 3)}
-    first = runs[(False, "gemm", 1)]
+    plan = splitk_plan(N, K, 32, chunks=5, groups=2)  # 15 blocks: chunks of 3, groups 3 + 2
+    assert (plan.chunk, plan.chunks, plan.group, plan.groups) == (3, 5, 3, 2)
+    runs = {(level, quant, st): fp8_block_linear_splitk(
+        x, w, s, block, torch.float32, config=_cfg(32, level=level, stages=st), plan=plan,
+        quant=quant) for level in ("chunk", "group", "all") for quant in ("gemm", "kernel")
+        for st in (1, 3)}
+    first = runs[("all", "gemm", 1)]
     for key, got in runs.items():
         assert torch.equal(got, first), key
-    other = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=_cfg(32), chunks=1,
-                                    quant="gemm")
-    torch.testing.assert_close(other, first, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(other, first)
+    for other_plan in (splitk_plan(N, K, 32, chunks=1, groups=1),
+                       splitk_plan(N, K, 32, chunks=5, groups=1)):
+        other = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=_cfg(32),
+                                        plan=other_plan, quant="gemm")
+        torch.testing.assert_close(other, first, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(other, first), other_plan
 
 
 def test_splitk_rows_are_batch_invariant(triton_cpu, poisoned_empty):
@@ -104,47 +111,56 @@ def test_splitk_rows_are_batch_invariant(triton_cpu, poisoned_empty):
     N, K, block = 96, 256, (32, 32)
     w, s = _weights(N, K, block, seed=11)
     x = torch.randn(130, K, generator=torch.Generator().manual_seed(12)) * 3
-    assert G.splitk_chunks(N, K, 32) > 1
+    plan = G.splitk_plan(N, K, 32)
+    assert plan.chunks > 1
     full = fp8_block_linear(x, w, s, block, backend="triton", out_dtype=torch.float32)
     alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton",
                                         out_dtype=torch.float32) for i in (0, 17, 129)])
     assert torch.equal(alone, full[[0, 17, 129]])
     for M in (2, 16, 17, 40, 64, 65):
         got = fp8_block_linear(x[:M], w, s, block, backend="triton", out_dtype=torch.float32)
-        cfg = G.splitk_config(M, N, K, G.splitk_chunks(N, K, 32))
+        cfg = G.splitk_config(M, N, K, plan)
         tiles = -(-M // cfg.block_t) * cfg.block_t
         tile = G.fp8_block_linear_splitk(x[:tiles], w, s, block, torch.float32, config=cfg)
         assert torch.equal(got, tile[:M]), M
 
 
-def test_splitk_chunks_follow_the_weight_shape_only():
-    """S depends on (N, K) alone, every chunk but the last is full, chunks hold >= 2 blocks,
-    and the rank's linears get enough programs to fill the SMs several times at M <= 16;
+def test_splitk_plan_follows_the_weight_shape_only():
+    """The plan depends on (N, K) alone and covers K with full runs but the last, chunks of
+    >= 2 blocks, and gives the rank's linears enough programs to fill the SMs several times;
     every candidate launch keeps the weight on wgmma's tall side."""
     from hisparse.ops import _gemm_splitk_triton as G
 
     for N, K in [(1536, 7168), (576, 7168), (3072, 1536), (7168, 2048), (8192, 1536),
                  (2304, 7168), (7168, 2304), (128, 7168), (7168, 256)]:
         KB = K // 128
-        S = G.splitk_chunks(N, K)
-        chunk = -(-KB // S)
-        assert -(-KB // chunk) == S and (S == 1 or chunk >= G.MIN_CHUNK), (N, K, S)
+        p = G.splitk_plan(N, K)
+        assert p.chunk * (p.chunks - 1) < KB <= p.chunk * p.chunks, (N, K, p)
+        assert p.group * (p.groups - 1) < p.chunks <= p.group * p.groups, (N, K, p)
+        assert p.chunks == 1 or p.chunk >= G.MIN_CHUNK, (N, K, p)
         if N >= 512 and KB >= 12:
-            assert -(-N // 64) * S >= 250, (N, K, S)
-    assert G.splitk_chunks(7168, 256) == 1
+            assert -(-N // 64) * p.chunks >= 250, (N, K, p)
+    assert G.splitk_plan(7168, 256).chunks == 1 and G.splitk_plan(1536, 7168).groups > 1
+    plan = G.splitk_plan(576, 7168)
     for M in (1, 5, 8, 16, 24, 33, 48, 64, 100, 128, 256, 512):
         assert G.m_bucket(M) >= M
-        for c in G.splitk_configs(M) + [G.splitk_config(M, 576, 7168, 28)]:
+        for c in G.splitk_configs(M) + [G.splitk_config(M, 576, 7168, plan)]:
             assert c.block_n >= 64 and c.num_warps % 4 == 0 and c.block_t >= 16, c
-            assert c.quant in ("gemm", "kernel") and G.SplitKConfig.parse(str(c)) == c
+            assert c.quant in ("gemm", "kernel") and c.level in G.LEVELS, c
+            assert G.SplitKConfig.parse(str(c)) == c
 
 
-def test_splitk_bad_quant(triton_cpu):
-    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk
+def test_splitk_bad_arguments(triton_cpu):
+    from hisparse.ops._gemm_splitk_triton import SplitKPlan, fp8_block_linear_splitk
 
     w, s = _weights(32, 64, (32, 32))
+    x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="quant"):
-        fp8_block_linear_splitk(torch.randn(2, 64), w, s, (32, 32), torch.float32, quant="x")
+        fp8_block_linear_splitk(x, w, s, (32, 32), torch.float32, quant="x")
+    with pytest.raises(ValueError, match="level"):
+        fp8_block_linear_splitk(x, w, s, (32, 32), torch.float32, config=_cfg(16, level="x"))
+    with pytest.raises(ValueError, match="cover"):
+        fp8_block_linear_splitk(x, w, s, (32, 32), torch.float32, plan=SplitKPlan(1, 1, 1, 1))
 
 
 # ----------------------------------------------------------------------------- GPU, real shapes
