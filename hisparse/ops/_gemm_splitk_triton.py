@@ -61,18 +61,11 @@ M_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 
 
 @triton.jit
-def _act_block(x_ptr, xs_ptr, rows, rmask, kb, K, stride_xm, stride_xsm,
-               BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr):
-    """Block ``kb`` of the activation rows: raw ``x`` (``QUANT_A``: quantized by the caller when
-    used) or the pre-quantized FP8 tile and its scales."""
+def _x_block(x_ptr, rows, rmask, kb, K, stride_xm, BLOCK_K: tl.constexpr):
+    """Block ``kb`` of the activation rows (raw ``x``, or the pre-quantized FP8 tile)."""
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     m = rmask[:, None] & (offs_k < K)[None, :]
-    a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
-    if QUANT_A:
-        sa = tl.zeros_like(rows).to(tl.float32)  # placeholder: computed with the quantization
-    else:
-        sa = tl.load(xs_ptr + rows * stride_xsm + kb, mask=rmask, other=0.0)
-    return a, sa
+    return tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
 
 
 # M, KB, the plan and the scale strides bound loops and masks or index scalars only: not
@@ -107,11 +100,14 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
         ws_blk = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
     else:                       # one per row (tiles over several scale blocks: small bn)
         ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
-    # block kb_start's activation and scales; in the loop, the next block's are loaded a step
-    # ahead (registers): the pipeliner prefetches only the weight tile, which feeds the MMA
+    # the scales (and, quantizing here, the raw activation block) of the next K step are loaded
+    # a step ahead in registers: the pipeliner prefetches only the tiles that feed the MMA
+    # directly (the weight; the activation too when it comes pre-quantized)
     sw = tl.load(ws_blk + kb_start)
-    a, sa = _act_block(x_ptr, xs_ptr, rows, rmask, kb_start, K, stride_xm, stride_xsm,
-                       BLOCK_K, QUANT_A)
+    if QUANT_A:
+        a = _x_block(x_ptr, rows, rmask, kb_start, K, stride_xm, BLOCK_K)
+    else:
+        sa = tl.load(xs_ptr + rows * stride_xsm + kb_start, mask=rmask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)     # the chunk's sum
     if LEVEL >= 1:
         gsum = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # the group's
@@ -120,23 +116,25 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     for kb in range(kb_start, kb_end):
         nxt = tl.minimum(kb + 1, KB - 1)  # in bounds; past the range its values go unused
         sw_next = tl.load(ws_blk + nxt)
-        a_next, sa_next = _act_block(x_ptr, xs_ptr, rows, rmask, nxt, K, stride_xm,
-                                     stride_xsm, BLOCK_K, QUANT_A)
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
         if QUANT_A:
+            a_next = _x_block(x_ptr, rows, rmask, nxt, K, stride_xm, BLOCK_K)
             q, sa = _quant_rows(a.to(tl.float32), POW2)
         else:
-            q = a
+            sa_next = tl.load(xs_ptr + rows * stride_xsm + nxt, mask=rmask, other=0.0)
+            q = _x_block(x_ptr, rows, rmask, kb, K, stride_xm, BLOCK_K)
         d = tl.dot(w, tl.trans(q))
         if SCALE_N % BLOCK_N == 0:
             acc += d * (sw * sa)[None, :]
         else:
             acc += d * (sw[:, None] * sa[None, :])
         sw = sw_next
-        a = a_next
-        sa = sa_next
+        if QUANT_A:
+            a = a_next
+        else:
+            sa = sa_next
         if LEVEL >= 1:
             c_end = ((kb + 1) % CHUNK == 0) | (kb + 1 == KB)  # a chunk's last block
             gsum = tl.where(c_end, gsum + acc, gsum)
