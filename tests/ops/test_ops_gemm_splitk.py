@@ -195,8 +195,9 @@ def test_gpu_splitk_matches_reference(N, K):
 @pytest.mark.parametrize("N,K", RANK_SHAPES)
 def test_gpu_splitk_rows_are_batch_invariant(N, K):
     """Row i of a batch of M equals the same row in a batch of 512 (and alone), bitwise, for M
-    across every bucket (default launches: token tiles 16..64, weight tiles 64/128, split and
-    chain, both quantizers), and under every candidate launch of the sweep."""
+    across every bucket (default launches: token tiles 16..64, weight tiles 64/128, chunk,
+    group and all-K programs, both quantizers), and under every candidate launch of the sweep
+    (M = 7, 24, 48, 100, 300 meet them all: the candidates differ by token tile only)."""
     from hisparse.ops import _gemm_splitk_triton as G
 
     w, s = _weights(N, K, (128, 128), seed=N, device="cuda")
@@ -206,7 +207,7 @@ def test_gpu_splitk_rows_are_batch_invariant(N, K):
     for M in (1, 7, 8, 16, 24, 33, 48, 64, 100, 128, 200, 256, 300, 511):
         got = fp8_block_linear(x[:M], w, s, backend="triton")
         assert torch.equal(got, full[:M]), (M, (got.float() - full[:M].float()).abs().max())
-        for cfg in G.splitk_configs(M):
+        for cfg in G.splitk_configs(M) if M in (7, 24, 48, 100, 300) else ():
             got = G.fp8_block_linear_splitk(x[:M], w, s, (128, 128), torch.bfloat16, config=cfg)
             assert torch.equal(got, full[:M]), (M, str(cfg))
     alone = fp8_block_linear(x[300:301], w, s, backend="triton")
