@@ -4,9 +4,9 @@ weight-streaming, batch invariant. Imported lazily by gemm.py.
 Why the stream kernel (:func:`_gemm_triton.fp8_block_linear_stream`, now
 ``backend="triton_stream"``) stayed at 0.15-0.5 of HBM bandwidth:
 
-- its K chunk count aims at about one 64-row program per SM, so a launch is one wave of ~132
-  (72 for the dense gate/up, 112 for o_proj) single-CTA programs, each walking 12-56 K blocks in
-  series: one CTA of 4 warps per SM cannot keep enough weight bytes in flight;
+- its K chunk count aims at about one 64-row program per SM, so a launch is one wave of <= 132
+  single-CTA programs (72 for a 4608-row gate/up, 112 for o_proj: SMs left idle), each walking
+  12-56 K blocks in series: one CTA of 4 warps per SM cannot keep enough weight bytes in flight;
 - with the activation quantized in its K loop, the ``x`` tile of each block is loaded and
   reduced (row amax) in the step that uses it: the pipeliner prefetches only the tiles that
   feed the MMA directly, so each K step waits one L2 round trip;
@@ -20,9 +20,10 @@ This kernel: K is cut into ``S`` chunks of ``CHUNK`` scale blocks, and the chunk
 groups of ``GCH`` chunks, both from the weight shape alone (:func:`splitk_plan`: about
 :data:`TARGET_PROGRAMS` 64-row chunk programs, so several CTAs per SM stream at once; groups of
 about :data:`GROUP_K` K for many rows). A program covers one chunk, one group or all of K
-(``level``, chosen from M), for one (token tile, weight tile); the next block's activation tile
-and scales are loaded a K step ahead in registers, so the in-loop quantization
-(``_quant_rows``, as every Triton path) waits on nothing. Chunk or group sums go to an fp32
+(``level``, chosen from M), for one (token tile, weight tile); the scales and the raw activation
+tile of the next block are loaded a K step ahead in registers, so the in-loop quantization
+(``_quant_rows``, as every Triton path) waits on nothing (a pre-quantized tile is streamed by
+the pipeliner with the weight's). Chunk or group sums go to an fp32
 buffer ``[S or G, M, N]`` (an ordinary temporary of the call: nothing persists between calls,
 no counters) and one small reduction launch adds them in order with every load in flight.
 
