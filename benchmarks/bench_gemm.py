@@ -18,8 +18,8 @@ than L2 (every call reads HBM, as the engine's 61 layers do). The footer estimat
 step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old, and prints the
 ``SPLITK_TABLE`` entries of the best launches, ready to paste. ``S/G``: the plan's chunk and
 group counts (the numerics: per linear, never per M). ``--chunks-sweep``: for each linear also
-the default launch at half and twice the default chunk count (``SPLITK_PLANS`` material:
-chosen per linear over all M).
+the default launch at half and twice the default chunk count at M = 1, 24, 64, 256 (``S n:µs``
+after the row; ``SPLITK_PLANS`` material: chosen per linear over all M).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ RANK_LINEARS = {
 }
 SMOKE_LINEARS = {"tiny": (96, 512, 1)}
 BATCHES = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+CHUNK_SWEEP_MS = (1, 24, 64, 256)  # --chunks-sweep: the M it times other plans at
 DEVICE = "cuda"
 
 
@@ -77,12 +78,27 @@ def _time(fn, pool) -> float:
     return timeit_graph(_rotating(fn, pool), calls=max(len(pool), 10), reps=5)
 
 
-def _launch_keys(ops, batches) -> list[tuple[str, int, str]]:
-    """One ``(linear, M, launch)`` per distinct compiled kernel the run needs (``"stream"``: the
-    old kernel's default launch for that M): what :func:`precompile` spreads over processes."""
+def _alt_plans(N: int, K: int) -> list:
+    """The other plans ``--chunks-sweep`` times: half and twice the default chunk count."""
+    plan = G.splitk_plan(N, K)
+    return [G.splitk_plan(N, K, chunks=s, groups=plan.groups)
+            for s in sorted({max(1, plan.chunks // 2), 2 * plan.chunks})]
+
+
+def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
+    """One ``(linear, M, launch, chunks)`` per distinct compiled kernel the run needs
+    (``"stream"``: the old kernel's default launch for that M; ``chunks``: the plan's when not
+    the default): what :func:`precompile` spreads over processes."""
     from hisparse.ops import _gemm_triton as old
 
-    seen: dict[tuple, tuple[str, int, str]] = {}
+    seen: dict[tuple, tuple] = {}
+
+    def add(name, M, cfg, plan, chunks):
+        parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
+        red = (parts, plan.group if cfg.level == "chunk" else 1) if parts > 1 else None
+        launch = str(cfg) if parts > 1 else str(cfg).replace(f"/{cfg.level}/", "/all/")
+        seen.setdefault((launch, red), (name, M, str(cfg), chunks))
+
     for name in ops:
         N, K, _ = RANK_LINEARS[name]
         plan = G.splitk_plan(N, K)
@@ -90,18 +106,18 @@ def _launch_keys(ops, batches) -> list[tuple[str, int, str]]:
         S = old.stream_chunks(N, K, 128, sms)
         for M in batches:
             seen.setdefault(("stream", old.stream_config(M, N, K, S, sms), S > 1),
-                            (name, M, "stream"))
+                            (name, M, "stream", None))
             for cfg in dict.fromkeys([G.splitk_config(M, N, K, plan)] + G.splitk_configs(M)):
-                parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
-                red = (parts, plan.group if cfg.level == "chunk" else 1) if parts > 1 else None
-                seen.setdefault((str(cfg) if parts > 1 else str(cfg).replace(
-                    f"/{cfg.level}/", "/all/"), red), (name, M, str(cfg)))
+                add(name, M, cfg, plan, None)
+            if chunks_sweep and M in CHUNK_SWEEP_MS:
+                for alt in _alt_plans(N, K):
+                    add(name, M, G.splitk_config(M, N, K, alt), alt, alt.chunks)
     return list(seen.values())
 
 
-def _compile(items: list[tuple[str, int, str]]) -> None:
+def _compile(items: list[tuple]) -> None:
     """Run each launch once (a worker process of :func:`precompile`: fills Triton's disk cache)."""
-    for name, M, cfg in items:
+    for name, M, cfg, chunks in items:
         N, K, _ = RANK_LINEARS[name]
         try:
             wq, ws = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
@@ -109,21 +125,23 @@ def _compile(items: list[tuple[str, int, str]]) -> None:
             if cfg == "stream":
                 fp8_block_linear(x, wq, ws, backend="triton_stream")
             else:
+                plan = G.splitk_plan(N, K)
+                plan = G.splitk_plan(N, K, chunks=chunks, groups=plan.groups) if chunks else plan
                 G.fp8_block_linear_splitk(x, wq, ws, (128, 128), torch.bfloat16,
-                                          config=G.SplitKConfig.parse(cfg))
+                                          config=G.SplitKConfig.parse(cfg), plan=plan)
         except Exception:  # noqa: BLE001, S112 - the timed run reports it
             continue
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def precompile(ops, batches, jobs: int) -> None:
+def precompile(ops, batches, jobs: int, chunks_sweep: bool) -> None:
     """Compile every kernel of the run in ``jobs`` processes first (Triton compiles one kernel at
     a time per process; the timed run then loads them from the disk cache)."""
     import concurrent.futures
     import multiprocessing
 
-    keys = _launch_keys(ops, batches)
+    keys = _launch_keys(ops, batches, chunks_sweep)
     shares = [keys[i::jobs] for i in range(jobs)]
     t = time.time()
     try:
@@ -166,10 +184,9 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
             row["stream_us"] = 1e6 * _time(lambda p, x=x: fp8_block_linear(
                 x, p[0], p[1], backend="triton_stream"), fp8)
             row["bf16_us"] = 1e6 * _time(lambda p, x=x: torch.mm(x, p.t()), bf16)
-            if chunks_sweep:
+            if chunks_sweep and M in CHUNK_SWEEP_MS:
                 row["chunks_sweep"] = {}
-                for s in sorted({max(1, plan.chunks // 2), 2 * plan.chunks}):
-                    alt = G.splitk_plan(N, K, chunks=s, groups=plan.groups)
+                for alt in _alt_plans(N, K):
                     c = G.splitk_config(M, N, K, alt)
                     row["chunks_sweep"][alt.chunks] = 1e6 * _time(
                         lambda p, c=c, alt=alt, x=x: G.fp8_block_linear_splitk(
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     batches = [int(b) for b in a.batches.split(",")]
     if DEVICE == "cuda" and a.jobs > 0:
-        precompile(ops, batches, a.jobs)
+        precompile(ops, batches, a.jobs, a.chunks_sweep)
     bw = read_bandwidth() if DEVICE == "cuda" else 1e12
     print(f"read-only HBM bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = bench(ops, batches, a.chunks_sweep, bw)
