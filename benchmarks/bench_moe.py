@@ -6,7 +6,8 @@ Measures, in one run, against peaks measured in the same run:
   (``torch._scaled_mm`` tensorwise, 8192^3; falls back to the Triton block kernel), dense bf16
   rate (``torch.mm`` 8192^3);
 - GEMM: for every rank linear ``(N, K)`` and ``M`` in 1, 16, 64, 256, 512: the Triton
-  block-FP8 stream kernel (``backend="triton"``, what the model runs up to 512 rows), the
+  block-FP8 split-K kernel (``backend="triton"``, what the model runs up to 512 rows; the
+  decode-size comparison with the stream kernel it replaced is ``bench_gemm.py``), the
   tile kernel (``backend="triton_tile"``, the model's kernel before it: the baseline),
   ``torch._scaled_mm`` block scaling (1x128 / 128x128; "n/a" where cuBLAS refuses it), and
   bf16 ``torch.mm``; TFLOP/s, GB/s (weights + activations + output), and the fractions of the
@@ -277,12 +278,12 @@ def print_sweep_choice(rows: list[dict]) -> None:
     print("}")
 
 
-GEMM_COLUMNS = (("triton", "stream kernel (new)"), ("tile", "tile kernel (old)"),
+GEMM_COLUMNS = (("triton", "split-K (triton)"), ("tile", "tile kernel (old)"),
                 ("scaled_mm", "scaled_mm"), ("bf16", "bf16 mm"))
 
 
 def print_gemm(rows: list[dict]) -> None:
-    print("\nFP8 block GEMM: us | frac FP8 peak | frac HBM  (stream = backend triton, tile = "
+    print("\nFP8 block GEMM: us | frac FP8 peak | frac HBM  (split-K = backend triton, tile = "
           "triton_tile)")
     print(f"{'op':>15} {'M':>4} | " + " | ".join(f"{h:>22}" for _, h in GEMM_COLUMNS)
           + " | old/new")

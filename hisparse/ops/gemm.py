@@ -11,17 +11,21 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 
 - ``reference``: dequantize the weight and matmul in fp32 (activations *not* quantized unless
   ``quantize_input=True``); the spec, any device. CPU models run this.
-- ``triton`` (the default on CUDA): up to ``BATCH_INVARIANT_MAX_M`` (512) rows the stream
-  kernel (:func:`_gemm_triton.fp8_block_linear_stream`): weight rows on the MMA's tall side,
-  tokens on its narrow side, each program streaming its weight slice once; K cut into chunks
-  whose count comes from the weight shape only, summed in a fixed order, so a row's result does
-  not depend on M or on the launch configuration chosen from M (batch invariant, the lossless
-  contract). Activations quantized in the K loop for few rows, by one Triton launch first for
-  more, bitwise the same. Larger M (prefill): the tile kernel.
+- ``triton`` (the default on CUDA): up to ``BATCH_INVARIANT_MAX_M`` (512) rows the split-K
+  kernel (:func:`_gemm_splitk_triton.fp8_block_linear_splitk`): weight rows on the MMA's tall
+  side, tokens on its narrow side; K cut into chunks whose count comes from the weight shape
+  only (about 512 programs a launch, several per SM streaming at once), the chunk sums added
+  in chunk order (in registers, or by a small reduction launch: no counters, nothing kept
+  between calls), so a row's result does not depend on M or on the launch configuration
+  chosen from M (batch invariant, the lossless contract). Activations quantized in the K loop
+  (the next block's loaded a step ahead), or by one Triton launch first for many rows, bitwise
+  the same. Larger M (prefill): the tile kernel.
+- ``triton_stream``: the previous decode kernel (:func:`_gemm_triton.fp8_block_linear_stream`;
+  about one program per SM, last-arrival split-K reduction through module-global counters),
+  batch invariant too; kept as the same-run baseline (``HISPARSE_FP8_GEMM=triton_stream``).
 - ``triton_tile``: the tile kernel (:func:`_gemm_triton.fp8_block_linear_triton`) for every
   M, activation quantization fused (bf16 ``x`` read directly); 64-row tiles and K splits fixed
-  up to 512 rows (batch invariant too). The engine's kernel before the stream kernel: the
-  baseline of ``benchmarks/bench_moe.py``.
+  up to 512 rows (batch invariant too). The engine's kernel before the stream kernel.
 - ``scaled_mm``: ``torch._scaled_mm`` with (BlockWise1x128, BlockWise128x128) scaling
   (cuBLAS, SM90, bk = bn = 128 only), activations quantized by :func:`quantize_fp8_act`.
   Probed once per (device, shape class) outside graph capture; falls back to Triton if cuBLAS
@@ -29,8 +33,9 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 - ``auto``: Triton on CUDA (or with HISPARSE_FORCE_TRITON=1), reference otherwise.
 
 Batch invariance up to 512 rows (a row's bits do not depend on the other rows of its step):
-``triton`` and ``triton_tile`` keep it (GPU-tested bitwise); ``scaled_mm`` does not promise it
-(cuBLASLt's algorithm, tiles and split-K follow M), nor does ``reference`` (fp32 BLAS).
+``triton``, ``triton_stream`` and ``triton_tile`` keep it (GPU-tested bitwise); ``scaled_mm``
+does not promise it (cuBLASLt's algorithm, tiles and split-K follow M), nor does ``reference``
+(fp32 BLAS).
 DeepGEMM (``sgl-deep-gemm`` 0.2.5, the kernels vLLM and SGLang use) is not a backend: its
 wheel's ``_C.so`` is built against torch 2.13 and needs symbols torch 2.11 does not export
 (``c10::cuda::c10_cuda_check_implementation`` with an error-log argument,
@@ -56,7 +61,7 @@ from .block_fp8 import pow2_ceil as pow2_ceil  # the format's helpers, public he
 from .block_fp8 import quantize_fp8_weight as quantize_fp8_weight
 
 BACKEND_ENV = "HISPARSE_FP8_GEMM"
-BACKENDS = ("auto", "reference", "triton", "triton_tile", "scaled_mm")
+BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -151,8 +156,14 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
         fp8_block_linear_stream,
         fp8_block_linear_triton,
     )
-    if b == "triton" and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
-        y = fp8_block_linear_stream(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
+    if b in ("triton", "triton_stream") and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
+        if b == "triton":
+            from ._gemm_splitk_triton import fp8_block_linear_splitk
+            y = fp8_block_linear_splitk(x2, w, w_scale_inv, block, out_dtype,
+                                        pow2_scale=pow2_scale)
+        else:
+            y = fp8_block_linear_stream(x2, w, w_scale_inv, block, out_dtype,
+                                        pow2_scale=pow2_scale)
     else:
         y = fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     return y.reshape(*lead, N)

@@ -192,16 +192,17 @@ def test_stream_kernel_rows_are_batch_invariant(triton_cpu, poisoned_empty):
     w, s = _weights(N, K, block, seed=11)
     x = torch.randn(130, K, generator=torch.Generator().manual_seed(12)) * 3
     assert G.stream_chunks(N, K, 32, G._num_sms(x.device)) > 1
-    full = fp8_block_linear(x, w, s, block, backend="triton", out_dtype=torch.float32)
-    alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton",
+    full = fp8_block_linear(x, w, s, block, backend="triton_stream", out_dtype=torch.float32)
+    alone = torch.cat([fp8_block_linear(x[i:i + 1], w, s, block, backend="triton_stream",
                                         out_dtype=torch.float32) for i in (0, 17, 129)])
     assert torch.equal(alone, full[[0, 17, 129]])
     sms = G._num_sms(x.device)
     for M in (2, 16, 17, 40, 64, 65):
-        got = fp8_block_linear(x[:M], w, s, block, backend="triton", out_dtype=torch.float32)
+        got = fp8_block_linear(x[:M], w, s, block, backend="triton_stream",
+                               out_dtype=torch.float32)
         cfg = G.stream_config(M, N, K, G.stream_chunks(N, K, 32, sms), sms)
         tiles = -(-M // cfg.block_t) * cfg.block_t  # the same rows in full token tiles
-        tile = fp8_block_linear(x[:tiles], w, s, block, backend="triton",
+        tile = fp8_block_linear(x[:tiles], w, s, block, backend="triton_stream",
                                 out_dtype=torch.float32)
         assert torch.equal(got, tile[:M]), M
 
@@ -270,9 +271,10 @@ def test_gpu_fp8_gemm_matches_reference(M, N, K):
     tol = 2e-3 * want.abs().max().item()
     # the caching allocator hands the NaN block back: an unwritten output element shows up
     torch.empty(M, N, device="cuda", dtype=torch.bfloat16).fill_(float("nan"))
-    got = fp8_block_linear(x, w, s, backend="triton")
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol)
+    for backend in ("triton", "triton_stream"):
+        got = fp8_block_linear(x, w, s, backend=backend)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol)
     # the tile kernel (the baseline, backend="triton_tile"; bf16 out: the benchmark's compiles)
     tile = fp8_block_linear(x, w, s, backend="triton_tile")
     torch.testing.assert_close(tile.float(), want, rtol=1e-2, atol=tol)
@@ -291,7 +293,7 @@ def test_gpu_fp8_gemm_rows_are_batch_invariant(N, K):
     g = torch.Generator(device="cuda").manual_seed(N + K)
     w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
     x = torch.randn(512, K, device="cuda", generator=g, dtype=torch.bfloat16)
-    for backend in ("triton", "triton_tile"):
+    for backend in ("triton", "triton_stream", "triton_tile"):
         full = fp8_block_linear(x, w, s, backend=backend)
         for M in (1, 7, 16, 33, 64, 100, 256, 300):
             got = fp8_block_linear(x[:M], w, s, backend=backend)
@@ -350,7 +352,7 @@ def test_gpu_fp8_gemm_pow2_scales(M, N, K):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     want = fp8_block_linear_reference(x, w, s, quantize_input=True, pow2_scale=True,
                                       out_dtype=torch.float32)
-    for backend in ("triton", "triton_tile"):
+    for backend in ("triton", "triton_stream", "triton_tile"):
         got = fp8_block_linear(x, w, s, backend=backend, pow2_scale=True)
         torch.testing.assert_close(got.float(), want, rtol=1e-2,
                                    atol=2e-3 * want.abs().max().item())
@@ -359,26 +361,27 @@ def test_gpu_fp8_gemm_pow2_scales(M, N, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(1536, 7168), (576, 7168)])
 def test_gpu_fp8_gemm_is_deterministic_and_capturable(N, K):
-    """Split chunks with the in-kernel reduction: the same bits on every call (200 back-to-back
-    launches: the arrival counters are reset by each launch) and under graph replay."""
+    """The stream kernel's split chunks with the in-kernel reduction: the same bits on every
+    call (200 back-to-back launches: the arrival counters are reset by each launch) and under
+    graph replay."""
     from hisparse.ops import _gemm_triton as G
 
     w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     sms = G._num_sms(x.device)
     assert G.stream_config(16, N, K, G.stream_chunks(N, K, 128, sms), sms).split
-    a = fp8_block_linear(x, w, s, backend="triton")
-    outs = [fp8_block_linear(x, w, s, backend="triton") for _ in range(200)]
+    a = fp8_block_linear(x, w, s, backend="triton_stream")
+    outs = [fp8_block_linear(x, w, s, backend="triton_stream") for _ in range(200)]
     assert all(torch.equal(a, o) for o in outs)
     want = fp8_block_linear_reference(x, w, s, quantize_input=True, out_dtype=torch.float32)
     torch.testing.assert_close(a.float(), want, rtol=1e-2, atol=2e-3 * want.abs().max().item())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_block_linear(x, w, s, backend="triton")
+        out = fp8_block_linear(x, w, s, backend="triton_stream")
     x.copy_(torch.randn_like(x))
     for _ in range(3):
         graph.replay()
-    assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton"))
+    assert torch.equal(out, fp8_block_linear(x, w, s, backend="triton_stream"))
 
 
 def test_gemm_config_is_batch_invariant_for_decode_sized_steps():
