@@ -100,6 +100,11 @@ def main(argv=None) -> int:
     p.add_argument("--host-pool-gib", type=float, default=8.0)
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this")
     p.add_argument("--engine-args", default="", help="more `hisparse serve` flags, one string")
+    p.add_argument("--decode-args", default="",
+                   help="flags for the decode instance only, e.g. '--num-gpu-blocks 160': a "
+                        "GPU pool too small for the prompts lands their rows in the host pool")
+    p.add_argument("--skip-colocated", action="store_true",
+                   help="measure only the disaggregated pair (no colocated baseline)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="bench_disagg_")
@@ -133,20 +138,22 @@ def main(argv=None) -> int:
         asyncio.run(run_load(url, "bench", warm_prompts, 8, math.inf, 0))
         return asyncio.run(run_load(url, "bench", prompts, a.output_len, a.request_rate, 0))
 
-    proc, url, log = start([*common, "--gpu-memory-utilization", str(2 * util)],
-                           os.path.join(tmp, "colocated.log"))
-    try:
-        wait_up(proc, url, log)
-        res["colocated"] = load(url)
-    finally:
-        stop([proc])
+    if not a.skip_colocated:
+        proc, url, log = start([*common, "--gpu-memory-utilization", str(2 * util)],
+                               os.path.join(tmp, "colocated.log"))
+        try:
+            wait_up(proc, url, log)
+            res["colocated"] = load(url)
+        finally:
+            stop([proc])
     procs = []
     try:
         pre, pre_url, pre_log = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
                               "prefill"], os.path.join(tmp, "prefill.log"))
         procs.append(pre)
         dec, dec_url, dec_log = start([*common, "--gpu-memory-utilization", str(util), "--kv-role",
-                              "decode"], os.path.join(tmp, "decode.log"))
+                                       "decode", *a.decode_args.split()],
+                                      os.path.join(tmp, "decode.log"))
         procs.append(dec)
         wait_up(pre, pre_url, pre_log)
         wait_up(dec, dec_url, dec_log)
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
     finally:
         stop(procs)
     res["bulk_h2d_gb_s"] = bulk_h2d_gb_s(a.device)
-    c, d = res["colocated"], res["disaggregated"]
+    c, d = res.get("colocated", {}), res["disaggregated"]
     for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
         if key in c and key in d and c[key]:
             res[f"{key}_ratio"] = d[key] / c[key]

@@ -64,9 +64,13 @@ for section in "$@"; do
         --out "$out/bench_moe.json" ;;
     pinned)  # issue 25 item 4: cudaHostAlloc vs cudaHostRegister, to 112 GiB (~3 min)
       run pinned 240 python3 benchmarks/probe_pinned.py --time-limit 200 --json "$out/pinned.json" ;;
-    disagg)  # issue 23: TTFT / ITL through the router vs colocated, transfer GB/s
-      run disagg 300 python3 benchmarks/bench_disagg.py --out "$out/disagg.json" --layers 4 \
-        --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2 ;;
+    disagg)  # issue 23: TTFT / ITL through the router vs colocated, transfer GB/s per tier
+             # (GPU pages with room; the host pool with a decode GPU pool of 2.5 prompts)
+      run disagg 200 python3 benchmarks/bench_disagg.py --out "$out/disagg.json" --layers 4 \
+        --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2
+      run disagg_host 150 python3 benchmarks/bench_disagg.py --out "$out/disagg_host.json" \
+        --layers 4 --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2 \
+        --skip-colocated --decode-args "--num-gpu-blocks 160" ;;
     kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
