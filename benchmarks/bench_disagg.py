@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this")
     p.add_argument("--engine-args", default="", help="more `hisparse serve` flags, one string")
     p.add_argument("--decode-args", default="",
-                   help="flags for the decode instance only, e.g. '--num-gpu-blocks 160': a "
-                        "GPU pool too small for the prompts lands their rows in the host pool")
+                   help="flags for the decode instance only, e.g. '--mode always-host': every "
+                        "prompt row lands in its host pool")
     p.add_argument("--skip-colocated", action="store_true",
                    help="measure only the disaggregated pair (no colocated baseline)")
     p.add_argument("--out", default=None)

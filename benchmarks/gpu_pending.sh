@@ -59,18 +59,18 @@ for section in "$@"; do
       run glm 560 python3 -m hisparse.cli bench --model-shape glm-5-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency 8,max \
         --outputs 128 --host-pool-gib 64 --profile-kernels 5 --out "$out/glm" ;;
-    gemm)    # issue 25 item 2: scaled_mm (cuBLASLt block-wise) vs the Triton kernels, M to 512
-      run gemm 300 python3 benchmarks/bench_moe.py --batches 1,16,64,256,512 \
-        --out "$out/bench_moe.json" ;;
+    gemm)    # issue 25 item 2: the split-K FP8 linears vs the stream kernel and bf16 mm, M to
+             # 512, with the launch sweep that SPLITK_TABLE comes from (~75 s)
+      run gemm 150 python3 benchmarks/bench_gemm.py --chunks-sweep --out "$out/bench_gemm.json" ;;
     pinned)  # issue 25 item 4: cudaHostAlloc vs cudaHostRegister, to 112 GiB (~3 min)
       run pinned 240 python3 benchmarks/probe_pinned.py --time-limit 200 --json "$out/pinned.json" ;;
     disagg)  # issue 23: TTFT / ITL through the router vs colocated, transfer GB/s per tier
-             # (GPU pages with room; the host pool with a decode GPU pool of 2.5 prompts)
+             # (GPU pages with room; the host pool: an always-host decode lands every row there)
       run disagg 200 python3 benchmarks/bench_disagg.py --out "$out/disagg.json" --layers 4 \
         --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2
       run disagg_host 150 python3 benchmarks/bench_disagg.py --out "$out/disagg_host.json" \
         --layers 4 --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2 \
-        --skip-colocated --decode-args "--num-gpu-blocks 160" ;;
+        --skip-colocated --decode-args "--mode always-host" ;;
     kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
