@@ -503,3 +503,64 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
         prefill_proc.wait_for("STATUS", {"held": 0, "pools_full": True}, timeout=30)
     finally:
         prefill_proc.close()
+
+
+def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small_batch,
+                                                               colocated, monkeypatch):
+    """A stopped prefill, a decode pool too small for the recomputes beside the quarantined
+    blocks, and a request aborted with its READs in flight: the abort quarantines its blocks
+    at once; the others time out and recompute, and a request that cannot be scheduled beside
+    the quarantine fails after the load timeout with a clear error instead of waiting forever
+    (or stopping the engine). Pools full once the prefill resumes."""
+    prefill_proc = PrefillProcess(dsv32_path, small_batch)
+    try:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=1.5, num_gpu_blocks=16)
+        agent = d.disagg.agent
+        post = agent._post_reads
+
+        def stop_then_post(load):
+            if not agent.metrics.stalled and not any(ld.handles for ld in agent._loads.values()):
+                prefill_proc.signal(signal.SIGSTOP)
+            post(load)
+
+        monkeypatch.setattr(agent, "_post_reads", stop_then_post)
+        rids = [d.add_request(b, greedy(kv=kv)) for b, kv in zip(small_batch,
+                                                                  prefill_proc.params)]
+        outs = {}
+
+        def step():
+            for o in d.step():
+                if o.finished:
+                    outs[o.request_id] = o
+
+        deadline = time.monotonic() + 30
+        while (len(agent._loads) < 3 or not all(ld.handles for ld in agent._loads.values())) \
+                and time.monotonic() < deadline:
+            step()
+        d.abort(rids[2])
+        step()
+        assert agent.metrics.stalled == 1 and agent.metrics.failures == 0   # the abort
+        while d.has_unfinished_requests():
+            step()
+        m = d.disagg.metrics
+        assert m.stalled == 3 and m.failures == 2 and m.requests == 0
+        assert set(outs) == set(rids[:2])
+        # 16 GPU blocks: the 3 quarantined loads leave neither recompute room to run
+        for r in rids[:2]:
+            c = outs[r].outputs[0]
+            assert c.finish_reason == "error" and c.token_ids == [], (c.finish_reason, c.error)
+            assert "cannot be scheduled" in c.error and "quarantined" in c.error, c.error
+        assert d.stats()["kv_transfer_quarantined_blocks"] > 0
+        prefill_proc.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while d.stats()["kv_transfer_quarantined_blocks"] and time.monotonic() < deadline:
+            d.service_kv_transfer()
+            time.sleep(0.02)
+        assert_pools_full(d)
+        # the pools back, the same prompts run on the decode instance (the late READs landed
+        # in blocks nobody used)
+        assert tokens(d.generate(small_batch, greedy())) == colocated
+        assert_pools_full(d)
+    finally:
+        prefill_proc.close()
