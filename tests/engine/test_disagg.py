@@ -419,7 +419,8 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
     READs in flight: every request finishes the same way, in fresh blocks, while the blocks
     the READs target stay quarantined, out of the pools). Then the stopped prefill resumes:
     its late READs land in the quarantined blocks and nowhere else, the blocks come back and
-    the decode's pools are full; the prefill frees its prompts on the decode's notices."""
+    the decode's pools are full; the prefill frees its prompts on the decode's notices (with
+    ``fail``: the decode shuts down first, and nothing lands after)."""
     prefill_proc = PrefillProcess(dsv32_path, small_batch)
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
@@ -490,6 +491,16 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
             t.fill_(0xCD)
             t[:, targets[region]] = 0xAB
             others[region] = np.setdiff1d(np.arange(t.shape[1]), targets[region])
+        if policy == "fail":
+            # the decode shuts down with the READs in flight: its NIXL agent goes first, and
+            # nothing lands in its caches (held here) once the prefill resumes
+            d.shutdown()
+            prefill_proc.signal(signal.SIGCONT)
+            time.sleep(1.0)     # the resumed READs land within milliseconds (recompute case)
+            for region, t in regions.items():
+                assert bool((t[:, targets[region]] == 0xAB).all()), region
+                assert bool((t[:, others[region]] == 0xCD).all()), region
+            return
         prefill_proc.signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
         while d.stats()["kv_transfer_quarantined_blocks"] and time.monotonic() < deadline:
