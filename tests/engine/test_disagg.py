@@ -522,7 +522,8 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
     blocks, and a request aborted with its READs in flight: the abort quarantines its blocks
     at once; the others time out and recompute, and a request that cannot be scheduled beside
     the quarantine fails after the load timeout with a clear error instead of waiting forever
-    (or stopping the engine). Pools full once the prefill resumes."""
+    (or stopping the engine). The prefill is killed: its READs fail, the quarantined blocks
+    come back, the pools are full and serve the same prompts."""
     prefill_proc = PrefillProcess(dsv32_path, small_batch)
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
@@ -563,14 +564,12 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
             assert c.finish_reason == "error" and c.token_ids == [], (c.finish_reason, c.error)
             assert "cannot be scheduled" in c.error and "quarantined" in c.error, c.error
         assert d.stats()["kv_transfer_quarantined_blocks"] > 0
-        prefill_proc.signal(signal.SIGCONT)
+        prefill_proc.signal(signal.SIGKILL)     # the READs fail: the blocks come back
         deadline = time.monotonic() + 30
         while d.stats()["kv_transfer_quarantined_blocks"] and time.monotonic() < deadline:
             d.service_kv_transfer()
             time.sleep(0.02)
         assert_pools_full(d)
-        # the pools back, the same prompts run on the decode instance (the late READs landed
-        # in blocks nobody used)
         assert tokens(d.generate(small_batch, greedy())) == colocated
         assert_pools_full(d)
     finally:
