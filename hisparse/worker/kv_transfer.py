@@ -16,10 +16,11 @@ in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it dec
   compatibility hash; then its NIXL metadata is loaded), one READ per local memory type
   (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
   notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
-  NIXL error (a prefill instance that dies mid-READ) or its deadline: ``load_timeout_s``
-  after it started, or the prefill's hold of the blocks (``remote_hold_until`` less
-  :data:`HOLD_MARGIN_S`), whichever comes first, in any state (a dead, stalled or
-  unreachable prefill instance).
+  NIXL error (a prefill instance that dies mid-READ) or its deadline (a dead, stalled or
+  unreachable prefill instance): ``load_timeout_s`` after it started, in any state, or, once
+  its READs are posted, the prefill's hold of the blocks (``remote_hold_until`` less
+  :data:`HOLD_MARGIN_S`: READs are not posted past it, and READs ending after it are
+  refused).
 - Stuck READs: a load that fails or is aborted while a READ of it is in flight is
   *quarantined*: the request is reported failed at once (it recomputes in fresh blocks),
   but the blocks the READ targets stay out of the pools (:meth:`take_quarantined`; the KV
@@ -279,8 +280,9 @@ class KVTransferAgent:
         return jobs
 
     def poll_quarantine(self) -> list[LoadJob]:
-        """Quarantined jobs whose READs all ended (NIXL reports each ``DONE`` or ``ERR``: no
-        byte can land any more) and whose handles are released: their blocks may be reused."""
+        """Quarantined jobs whose READs all ended (NIXL reports each ``DONE``, or ``ERR``: the
+        peer died or dropped the connection) and whose handles are released: their blocks
+        may be reused."""
         if not self._quarantine:
             return []
         ended, left = [], []
@@ -453,9 +455,11 @@ class KVTransferAgent:
         return not kept
 
     def close(self) -> None:
-        """Shut the agent down. The NIXL agent is dropped last, before the caches it
-        registered are freed: destroying it destroys its UCX workers, after which no READ
-        still in flight (a stalled peer's) can write anything."""
+        """Shut the agent down (``engine.startup.stop``: before the caches are freed). The
+        NIXL agent is dropped last: destroying it destroys its UCX workers, and a READ still
+        in flight (a stalled peer's) was not seen landing after that (UCX over TCP; the
+        stall-fail case of test_prefill_stopped_or_killed_mid_read). Handles in flight are
+        released only because the agent goes: that alone would not stop them."""
         self._server.close()
         self._handshakes.shutdown(wait=False, cancel_futures=True)
         for load in [*self._loads.values(), *self._quarantine]:
