@@ -532,7 +532,7 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
     prefill_proc = PrefillProcess(dsv32_path, small_batch)
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
-        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=1.5, num_gpu_blocks=16)
+        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16)
         agent = d.disagg.agent
         post = agent._post_reads
 
