@@ -194,6 +194,7 @@ class EngineCore:
         # (:mod:`hisparse.worker.kv_transfer`) and what a failed load does.
         self.kv_transfer = None
         self.recompute_failed_loads = True
+        self._starved_since: float | None = None   # since when only quarantine blocks a step
 
     # ------------------------------------------------------------------ the loop
     def request_added(self) -> None:
@@ -216,7 +217,11 @@ class EngineCore:
         """Apply the remote-KV loads that ended: requests that finished with them (an error
         under ``--kv-load-failure fail``, or done with their first token) and the errors."""
         ended, errors = [], {}
-        for req_id, error in self.kv_transfer.poll():
+        results = self.kv_transfer.poll()
+        # a failed load whose READs still run: its blocks stay taken past the request's free
+        for job in self.kv_transfer.take_quarantined():
+            self.scheduler.kv.quarantine(job)
+        for req_id, error in results:
             req = self.scheduler.load_finished(req_id, error is None,
                                                self.recompute_failed_loads, self.eos_token_ids)
             if error is not None and error != "aborted":
@@ -233,6 +238,8 @@ class EngineCore:
         self.freezer.before_step()
         plan = self.scheduler.schedule(self._acks)
         self._acks = []
+        if plan is not None:
+            self._starved_since = None
         if self.num_speculative_tokens and plan is not None and plan.seqs:
             return self._spec_step(plan)
         launched = self._launch(plan) if plan is not None else None
@@ -254,9 +261,34 @@ class EngineCore:
                 pass
             elif self.scheduler.loading:   # remote KV on its way: poll again shortly
                 time.sleep(0.001)
+            elif self.scheduler.kv.quarantined_blocks:
+                return self._wait_for_quarantine()
             elif self.scheduler.has_unfinished:
                 raise RuntimeError("requests wait but nothing can be scheduled")
         return StepUpdate(), {}
+
+    def _wait_for_quarantine(self) -> tuple[StepUpdate, dict[str, str]]:
+        """Nothing runs and the waiting requests do not fit beside the blocks quarantined by
+        stuck READs (which come back when the READs end: ``Disaggregation.service``). After
+        the KV load timeout of such waiting, the head of the queue fails with a clear error
+        (a stalled prefill that never resumes would hold it forever)."""
+        now = time.monotonic()
+        if self._starved_since is None:
+            self._starved_since = now
+        if now - self._starved_since < self.kv_transfer.load_timeout_s:
+            time.sleep(0.001)
+            return StepUpdate(), {}
+        self._starved_since = None
+        req = self.scheduler.fail_first_waiting()
+        if req is None:
+            return StepUpdate(), {}
+        why = (f"cannot be scheduled: {self.scheduler.kv.quarantined_blocks} KV blocks are "
+               f"quarantined by NIXL READs of failed loads still in flight (a stalled "
+               f"prefill instance)")
+        logger.warning("request %s: %s", req.req_id, why)
+        update = StepUpdate()
+        update.failed.append(req)
+        return update, {req.req_id: why}
 
     def release(self) -> None:
         """Apply the step in flight (its results are dropped: call when no request is left)

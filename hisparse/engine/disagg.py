@@ -13,7 +13,9 @@
   for remote KV* state (the scheduler admits it with :meth:`KVCoordinator.admit_remote
   <hisparse.kv.coordinator.KVCoordinator.admit_remote>`; the engine core starts and polls its
   load). A failed load recomputes the prompt (``load_failure="recompute"``) or fails the
-  request (``"fail"``).
+  request (``"fail"``); a load that fails with its READs in flight (a stalled prefill) does
+  so at once, in fresh blocks, while the blocks those READs target stay quarantined until
+  they end (:mod:`hisparse.worker.kv_transfer`).
 
 Either role still serves ordinary (colocated) requests.
 """
@@ -165,9 +167,11 @@ class Disaggregation:
     def service(self) -> None:
         """Prefill side: release the prompts the decode side read, and those past their
         timeout (a dead or slow decode instance). Decode side: tell prefill instances about
-        failed loads."""
+        failed loads; give back the quarantined blocks of failed loads whose READs ended."""
         if self.role == "decode":
             self.agent.flush_notifications()
+            for job in self.agent.poll_quarantine():
+                self.scheduler.kv.release_quarantine(job)
         if not self.held:
             return
         for req_id in self.agent.poll_notifications():

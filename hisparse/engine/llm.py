@@ -444,6 +444,7 @@ class LLM:
         out["kv_transfer_role"] = self.disagg.role
         out["kv_transfer_held_now"] = len(self.disagg.held)
         out["kv_transfer_loading_now"] = len(self.scheduler.loading)
+        out["kv_transfer_quarantined_blocks"] = self.scheduler.kv.quarantined_blocks
         out["kv_transfer_remote_gpu_pages"] = self.scheduler.kv.stats.remote_gpu_pages
         out["kv_transfer_remote_host_pages"] = self.scheduler.kv.stats.remote_host_pages
         return out

@@ -66,8 +66,9 @@ class Scheduler:
 
     def abort(self, req_id: str) -> Request | None:
         """Drop a waiting or running request (status ABORTED); None if it is unknown. A request
-        whose KV is being pulled is ABORTED now but keeps its blocks until its load ends
-        (:meth:`load_finished`): the worker may still be writing them."""
+        whose KV is being pulled is ABORTED now and leaves when the worker reports its load
+        ended (:meth:`load_finished`; blocks a READ in flight may still write stay
+        quarantined)."""
         req = self._running_by_id.get(req_id)
         if req is not None:
             self._leave(req, RequestStatus.ABORTED, "abort")
@@ -105,6 +106,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preempted += 1
         return True
+
+    def fail_first_waiting(self) -> Request | None:
+        """Finish the head of the waiting queue with ``finish_reason="error"`` (it can never
+        be admitted as things are); None if nothing waits."""
+        if not self.waiting:
+            return None
+        req = self.waiting.popleft()
+        req.status, req.finish_reason = RequestStatus.FINISHED, "error"
+        return req
 
     @property
     def has_unfinished(self) -> bool:

@@ -78,6 +78,8 @@ class KVCoordinator:
         # Remote prefills whose rows landed: their GPU rows and keys are mirrored to host by the
         # next plan (the write is durable, and the pages clean, once that mirror is acked).
         self._landed: list[tuple[RequestKV, PendingWrite]] = []
+        # Blocks taken by :meth:`quarantine` now (a gauge): failed loads' READs may write them.
+        self.quarantined_blocks = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -326,6 +328,27 @@ class KVCoordinator:
             parts[2].append(req.indexer[page].astype(np.int64) * bs + off)
             parts[3].append(host_rows)
         return tuple(np.concatenate(p) for p in parts)
+
+    def quarantine(self, job: LoadJob) -> None:
+        """Keep the blocks a failed load's READs may still write (:meth:`LoadJob.read_targets
+        <hisparse.kv.transfer_plan.LoadJob.read_targets>`) out of the pools: one more
+        reference each, so the request's :meth:`free` leaves them taken, until
+        :meth:`release_quarantine` of the same job (its READs ended). Call before the free."""
+        for pool, blocks in zip(self._target_pools(), job.read_targets()):
+            for block in blocks.tolist():
+                pool.touch(block)
+            self.quarantined_blocks += len(blocks)
+
+    def release_quarantine(self, job: LoadJob) -> None:
+        """The READs of a job given to :meth:`quarantine` ended: its blocks go back to the pools
+        (their content is garbage: nothing was published from them)."""
+        for pool, blocks in zip(self._target_pools(), job.read_targets()):
+            for block in blocks.tolist():
+                pool.release(block)
+            self.quarantined_blocks -= len(blocks)
+
+    def _target_pools(self) -> tuple[BlockPool, BlockPool, BlockPool]:
+        return self.gpu_pool, self.host_pool, self.indexer_pool
 
     def hold(self, req_id: str) -> list[int]:
         """Keep the host blocks of a request's prompt pages past its :meth:`free` (a prefill

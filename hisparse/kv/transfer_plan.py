@@ -211,3 +211,9 @@ class LoadJob:
     @property
     def host_pages(self) -> np.ndarray:
         return np.flatnonzero(self.gpu_blocks < 0)
+
+    def read_targets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The blocks this load's READs write: (GPU arena blocks, host pool blocks, GPU indexer
+        blocks). A page landing on GPU has its host block allocated but not read into."""
+        return (self.gpu_blocks[self.gpu_pages], self.host_blocks[self.host_pages],
+                self.indexer_blocks)

@@ -43,6 +43,9 @@ def sparse_mla_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: t
         idx = indices[a:b].long()
         valid = (idx >= 0) & (idx < n)
         rows = kv[idx.clamp(0, max(n - 1, 0))].float()                   # [g, K, D]
+        # a -1 pad reads row 0, which may be garbage (a block another request has not written
+        # yet, NaN): zero it, as the kernels' masked loads do (0 * NaN would poison the sum)
+        rows = rows.masked_fill(~valid[..., None], 0.0)
         logits = torch.einsum("ghd,gkd->ghk", q[a:b].float(), rows) * sm_scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         l = torch.logsumexp(logits, dim=-1)                                # [g, H]

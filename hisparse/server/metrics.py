@@ -164,6 +164,9 @@ _KV_TRANSFER_COUNTERS = {
     "kv_transfer_prefix_hit_rows": ("hisparse_kv_transfer_prefix_hit_rows",
                                     "Remote prompt rows not pulled: prefix-cache hits here "
                                     "(decode)"),
+    "kv_transfer_stalled": ("hisparse_kv_transfer_stalled",
+                            "Failed or aborted remote KV loads whose NIXL READs were still in "
+                            "flight: their blocks were quarantined (decode)"),
     "kv_transfer_held": ("hisparse_kv_transfer_held",
                          "Prompts held for a remote decode (prefill)"),
     "kv_transfer_released": ("hisparse_kv_transfer_released",
@@ -187,3 +190,8 @@ def _kv_transfer_metrics(name: str, stats: dict, gauge):
                 stats.get("kv_transfer_held_now", 0))
     yield gauge("hisparse_kv_transfer_loading_requests", "Requests waiting for remote KV now",
                 stats.get("kv_transfer_loading_now", 0))
+    yield gauge("hisparse_kv_transfer_quarantined_blocks", "Blocks (GPU, host and indexer) "
+                "kept out of the pools now: a failed load's NIXL READs may still write them",
+                stats.get("kv_transfer_quarantined_blocks", 0))
+    yield gauge("hisparse_kv_transfer_quarantined_loads", "Failed remote KV loads whose NIXL "
+                "READs have not ended yet", stats.get("kv_transfer_quarantined_loads", 0))

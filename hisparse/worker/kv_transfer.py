@@ -16,10 +16,24 @@ in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it dec
   compatibility hash; then its NIXL metadata is loaded), one READ per local memory type
   (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
   notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
-  NIXL error (a prefill instance that dies mid-READ) or its timeout (a dead, stalled or
-  unreachable prefill instance, before its READs are posted); READs in flight are never
-  cancelled (a cancelled READ can still land): a load whose READs are posted ends when they
-  do, so a failed load's blocks are freed only once nothing writes them.
+  NIXL error (a prefill instance that dies mid-READ) or its deadline (a dead, stalled or
+  unreachable prefill instance): ``load_timeout_s`` after it started, in any state, or, once
+  its READs are posted, the prefill's hold of the blocks (``remote_hold_until`` less
+  :data:`HOLD_MARGIN_S`: READs are not posted past it, and READs ending after it are
+  refused).
+- Stuck READs: a load that fails or is aborted while a READ of it is in flight is
+  *quarantined*: the request is reported failed at once (it recomputes in fresh blocks),
+  but the blocks the READ targets stay out of the pools (:meth:`take_quarantined`; the KV
+  core holds them) until NIXL reports the READ ``DONE`` or ``ERR``
+  (:meth:`poll_quarantine`). Nothing else is safe with NIXL 1.5.1's UCX backend: releasing
+  a handle in ``PROC`` cancels nothing of an RMA READ (``ucp_request_cancel`` cancels tag
+  receives only; ``ucp_request_free`` lets the READ run on and free itself when it
+  completes), and ``remove_remote_agent`` neither ends it (every in-flight handle keeps a
+  reference to the connection) nor closes the endpoint by force (1.5.1 closes in flush
+  mode). So a stalled prefill that resumes writes into quarantined blocks only, and a
+  prefill that never resumes (nor dies) keeps its loads' blocks quarantined until this
+  agent closes: a bounded leak of the prompts it had handed off, shown by
+  ``hisparse_kv_transfer_quarantined_blocks``.
 """
 
 from __future__ import annotations
@@ -78,6 +92,8 @@ class TransferMetrics:
     rows_gpu: int = 0          # prompt rows landed in GPU pages (per layer) (decode)
     rows_host: int = 0         # prompt rows landed in the host pool (decode)
     prefix_hit_rows: int = 0   # prompt rows not pulled: prefix-cache hits here (decode)
+    stalled: int = 0           # failed or aborted loads whose READs were still in flight (decode)
+    quarantined_loads: int = 0  # ... of them whose READs have not ended yet (a gauge) (decode)
     held: int = 0              # prompts held for a remote decode (prefill)
     released: int = 0          # held prompts released on the decode's notification (prefill)
     expired: int = 0           # held prompts freed by the timeout (prefill)
@@ -92,10 +108,32 @@ class _Load:
     started: float
     deadline: float
     event: object = None                      # torch.cuda.Event on CUDA
-    state: str = "device"                     # device -> handshake -> reading
+    state: str = "device"                     # device -> handshake -> reading -> done
     handles: list = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None                  # set when cancelled
+
+    def expired(self, now: float) -> str | None:
+        """Why the load is past its deadline (None: it is not): ``load_timeout_s`` since it
+        started, or, once its READs are posted, the prefill's hold of the blocks less
+        :data:`HOLD_MARGIN_S` (before, the handshake's verdict comes first; READs are not
+        posted past the hold: :meth:`hold_expired`)."""
+        remote = self.job.remote
+        if now > self.deadline:
+            return (f"KV load timed out after {self.deadline - self.started:g} s in state "
+                    f"{self.state!r} (prefill instance {remote.engine_id!r} at "
+                    f"{remote.host}:{remote.port})")
+        return self.hold_expired() if self.state == "reading" else None
+
+    def hold_expired(self) -> str | None:
+        """Why rows read now may be stale: the prefill's hold of them ends within
+        :data:`HOLD_MARGIN_S` (None: they are held)."""
+        remote = self.job.remote
+        if remote.hold_until is None or time.time() <= remote.hold_until - HOLD_MARGIN_S:
+            return None
+        return (f"the hold of the prompt's blocks by prefill instance {remote.engine_id!r} at "
+                f"{remote.host}:{remote.port} ends before the READs from it (in state "
+                f"{self.state!r}; margin {HOLD_MARGIN_S:g} s): the rows may be overwritten")
 
 
 class KVTransferAgent:
@@ -139,6 +177,10 @@ class KVTransferAgent:
         self._done: list[tuple[str, str | None]] = []
         # (peer, its request id, deadline): failed loads whose peer is still to be told
         self._goodbyes: list[tuple[str, str, float]] = []
+        # failed loads whose READs may still write their blocks: the ones the KV core has
+        # not quarantined yet (take_quarantined), and all of them until the READs end
+        self._new_quarantine: list[LoadJob] = []
+        self._quarantine: list[_Load] = []
 
     def remote_layout(self) -> dict:
         """What a decode instance needs to address our held rows (``remote_layout``)."""
@@ -189,39 +231,69 @@ class KVTransferAgent:
 
     def poll(self) -> list[tuple[str, str | None]]:
         """Loads that ended since the last call: ``(request id, None)`` when every row landed,
-        ``(request id, why)`` when the load failed (its transfers are released)."""
+        ``(request id, why)`` when the load failed or was cancelled. A failed load whose READs
+        are still in flight is in :meth:`take_quarantined` too: take those first."""
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
             error = load.error
-            # The deadline does not end READs in flight: one that NIXL cancels or whose peer
-            # is disconnected can still land later (seen with UCX over TCP: a stalled prefill
-            # that resumes) in blocks the recompute or another request reuses. Such a load
-            # ends when its READs do (done, or failed: a dead peer).
-            if error is None and now > load.deadline and load.state != "reading":
-                error = (f"KV load timed out after {self.load_timeout_s:g} s in state "
-                         f"{load.state!r} (prefill instance {load.job.remote.engine_id!r} at "
-                         f"{load.job.remote.host}:{load.job.remote.port})")
             if error is None:
                 try:
                     error = self._advance(load)
                 except Exception as e:  # noqa: BLE001 - NIXL's own error, reported
                     error = f"NIXL transfer failed: {type(e).__name__}: {e}"
             if error is None and load.state != "done":
-                continue
-            if error is not None and load.handles and self._in_flight(load):
-                continue        # an aborted load's READs still write its blocks: wait
-            if error is not None and not self._release(load):
-                continue        # a READ that cannot be released yet still owns the blocks
+                error = load.expired(now)
+                if error is None:
+                    continue
             del self._loads[req_id]
             if error is not None:
-                self._notify_done(load)
-            if error is not None and load.error is None:    # not a cancellation
-                self.metrics.failures += 1
+                self._end_failed(load, error)
             self._done.append((req_id, error))
         if self._goodbyes:
             self._send_goodbyes(now)
         done, self._done = self._done, []
         return done
+
+    def _end_failed(self, load: _Load, error: str) -> None:
+        """A failed or cancelled load: release its READs, or quarantine it while one is still
+        in flight (or cannot be released); tell the prefill instance either way."""
+        if load.error is None:      # not a cancellation
+            self.metrics.failures += 1
+        if self._in_flight(load) or not self._release(load):
+            load.error = error
+            self._quarantine.append(load)
+            self._new_quarantine.append(load.job)
+            self.metrics.stalled += 1
+            self.metrics.quarantined_loads += 1
+            remote = load.job.remote
+            logger.warning("request %s: its NIXL READs from %r at %s:%s are still in flight; "
+                           "%d blocks quarantined until they end", load.job.req_id,
+                           remote.engine_id, remote.host, remote.port,
+                           sum(len(b) for b in load.job.read_targets()))
+        self._notify_done(load)
+
+    def take_quarantined(self) -> list[LoadJob]:
+        """The jobs of loads :meth:`poll` reported failed whose READs may still write their
+        blocks: the caller keeps those blocks out of its pools (KVCoordinator.quarantine)
+        before freeing the requests, until :meth:`poll_quarantine` returns the job."""
+        jobs, self._new_quarantine = self._new_quarantine, []
+        return jobs
+
+    def poll_quarantine(self) -> list[LoadJob]:
+        """Quarantined jobs whose READs all ended (NIXL reports each ``DONE``, or ``ERR``: the
+        peer died or dropped the connection) and whose handles are released: their blocks
+        may be reused."""
+        if not self._quarantine:
+            return []
+        ended, left = [], []
+        for load in self._quarantine:
+            if not self._in_flight(load) and self._release(load):
+                ended.append(load.job)
+            else:
+                left.append(load)
+        self._quarantine = left
+        self.metrics.quarantined_loads = len(left)
+        return ended
 
     def _advance(self, load: _Load) -> str | None:
         remote = load.job.remote
@@ -232,6 +304,9 @@ class KVTransferAgent:
         if load.state == "handshake":
             ready, error = self._peer(remote)
             if not ready:
+                return error
+            error = load.hold_expired()
+            if error is not None:
                 return error
             self._post_reads(load)
             load.state = "reading"
@@ -244,11 +319,9 @@ class KVTransferAgent:
             return (f"NIXL READ from {remote.engine_id!r} at {remote.host}:{remote.port} failed "
                     f"({bad}): the prefill instance died or dropped the connection mid-transfer")
         if all(s == "DONE" for s in states):
-            hold = remote.hold_until
-            if hold is not None and time.time() > hold - HOLD_MARGIN_S:
-                return (f"the NIXL READs from {remote.engine_id!r} ended after its hold of the "
-                        f"prompt's blocks expired (less {HOLD_MARGIN_S:g} s): the rows may have "
-                        f"been overwritten")
+            error = load.hold_expired()
+            if error is not None:
+                return error
             self._release(load)
             self.agent.send_notif(remote.engine_id, NOTIF_READ + remote.request_id.encode())
             self._landed(load)
@@ -370,8 +443,8 @@ class KVTransferAgent:
         m.prefix_hit_rows += job.first_page * bs
 
     def _release(self, load: _Load) -> bool:
-        """Release every transfer handle of ``load``; False if one is still active and could
-        not be cancelled (try again later)."""
+        """Release the transfer handles of ``load`` (call once none is in flight: a release
+        in ``PROC`` would not stop the READ); False if one could not be (try again later)."""
         kept = []
         for h in load.handles:
             try:
@@ -382,14 +455,22 @@ class KVTransferAgent:
         return not kept
 
     def close(self) -> None:
+        """Shut the agent down (``engine.startup.stop``: before the caches are freed). The
+        NIXL agent is dropped last: destroying it destroys its UCX workers, and a READ still
+        in flight (a stalled peer's) was not seen landing after that (UCX over TCP; the
+        stall-fail case of test_prefill_stopped_or_killed_mid_read). Handles in flight are
+        released only because the agent goes: that alone would not stop them."""
         self._server.close()
         self._handshakes.shutdown(wait=False, cancel_futures=True)
-        for load in self._loads.values():
+        for load in [*self._loads.values(), *self._quarantine]:
             self._release(load)
         self._loads.clear()
+        self._quarantine.clear()
+        self._new_quarantine.clear()
         for reg in self._registered:
             try:
                 self.agent.deregister_memory(reg)
             except Exception:  # noqa: BLE001 - shutting down
                 pass
         self._registered = []
+        self.agent = None

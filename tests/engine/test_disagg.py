@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 from workload import prompts, tokens
 
 from hisparse import LLM, SamplingParams
@@ -55,11 +57,12 @@ def prefill(p, batch):
     return [o.kv_transfer_params for o in outs], [o.outputs[0].token_ids for o in outs]
 
 
-def poison(llm):
-    """Random bytes in every tier: rows the transfer failed to land would change outputs."""
+def poison(llm, nan=False):
+    """Random values in every tier: rows the transfer failed to land would change outputs.
+    ``nan``: NaN instead, which also catches masked reads of rows nobody wrote (0 * NaN)."""
     c = llm.caches
     for t in (c.arena, c.indexer, c.host, c.host_indexer):
-        t.normal_()
+        t.fill_(float("nan")) if nan else t.normal_()
 
 
 def wait_released(p, n):
@@ -125,6 +128,10 @@ def test_failed_load_recomputes_or_fails_and_leaks_nothing(dsv32_path, small_bat
                                                             failure, policy):
     p = engine(dsv32_path, kv_role="prefill", kv_hold_timeout_s=0.5)
     d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=0.5)
+    # NaN: the recomputes get blocks freed by the failed loads in another order, and a -1 pad
+    # of the attention reads a block 0 nobody has written yet (the timeout-recompute flake:
+    # greedy outputs empty, "non-finite logits", with caches holding a previous test's NaN)
+    poison(d, nan=True)
     params, _ = prefill(p, small_batch)
     # the ports the loads are sent to stay held by this test (a port given back to the kernel
     # can go to another test process's listener at once, which would then answer)
@@ -166,18 +173,29 @@ def test_failed_load_recomputes_or_fails_and_leaks_nothing(dsv32_path, small_bat
 def test_reads_ending_after_the_prefills_hold_are_refused(dsv32_path, small_batch, colocated,
                                                           monkeypatch):
     """The prefill's params say until when it holds the blocks (``remote_hold_until``); rows
-    whose READs end later (here: every READ, the margin made larger than the hold) may have
-    been overwritten, so the load fails and the request recomputes; pools full on both sides."""
+    whose READs end later (here: every READ, the margin made larger than the hold once they
+    ended) may have been overwritten, so the load fails and the request recomputes; nothing
+    is quarantined (the READs ended); pools full on both sides."""
     from hisparse.worker import kv_transfer
 
     p = engine(dsv32_path, kv_role="prefill")
     d = engine(dsv32_path, kv_role="decode")
     params, _ = prefill(p, small_batch)
     assert all(kv["remote_hold_until"] > time.time() + 60 for kv in params)   # default 120 s
-    monkeypatch.setattr(kv_transfer, "HOLD_MARGIN_S", 1e6)
+    agent = d.disagg.agent
+    post = agent._post_reads
+
+    def post_and_finish(load):
+        post(load)
+        while any(agent.agent.check_xfer_state(h) != "DONE" for h in load.handles):
+            time.sleep(0.001)
+        monkeypatch.setattr(kv_transfer, "HOLD_MARGIN_S", 1e6)
+
+    monkeypatch.setattr(agent, "_post_reads", post_and_finish)
     outs = d.generate(small_batch, [greedy(kv=kv) for kv in params])
     assert tokens(outs) == colocated
-    assert d.disagg.metrics.failures == len(small_batch) and d.disagg.metrics.requests == 0
+    m = d.disagg.metrics
+    assert m.failures == len(small_batch) and m.requests == 0 and m.stalled == 0
     assert_pools_full(d)
     # a failed load tells the prefill, which frees the prompt's blocks at once
     deadline = time.monotonic() + 10
@@ -328,8 +346,9 @@ def test_wrong_peer_at_the_address_is_refused(dsv32_path, small_batch, colocated
 PROC_ENGINE = dict(device="cpu", dtype="float32", block_size=8, max_model_len=192,
                    max_num_seqs=8, num_gpu_blocks=60, hot_buffer_size=32, host_pool_gib=0.02,
                    max_num_batched_tokens=64,
-                   # longer than the stall (past the decode's 3 s load timeout): READs that end
-                   # after the hold are refused (test_reads_ending_after_the_prefills_hold_...)
+                   # longer than the stall: the decode's 2 s load timeout, not the hold, ends
+                   # the stalled loads, and the resumed prefill frees its prompts on the
+                   # decode's notices (not at its timeout)
                    kv_hold_timeout_s=30.0)
 
 
@@ -378,31 +397,51 @@ class PrefillProcess:
         self.proc.wait(10)
 
 
+def region_blocks(agent, caches):
+    """Each registered region of the decode's caches as uint8 ``[layers, blocks, bytes]``."""
+    out = {}
+    for region, t in (("arena", caches.arena), ("host", caches.host),
+                      ("indexer", caches.indexer)):
+        lay = agent.layouts[region]
+        out[region] = t.view(torch.uint8).reshape(lay.num_layers, lay.num_blocks, -1)
+    return out
+
+
+def read_targets(agent):
+    """region -> the blocks the quarantined loads' READs target."""
+    gpu, host, idx = (np.concatenate(parts) for parts in zip(
+        *(ld.job.read_targets() for ld in agent._quarantine)))
+    return {"arena": gpu, "host": host, "indexer": idx}
+
+
 @pytest.mark.parametrize("event,policy", [("kill", "recompute"), ("kill", "fail"),
-                                          ("stall", "recompute")])
+                                          ("stall", "recompute"), ("stall", "fail")])
 def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, monkeypatch,
                                             event, policy):
     """The prefill process is stopped just as the decode posts its READs; the test sees every
     READ in flight, then kills the prefill (the READs fail: every request finishes,
-    recomputed or with a clear error) or resumes it past the load timeout (a READ in flight
-    is never cancelled, since a cancelled READ can still land in blocks that are reused: the
-    loads wait and complete). The decode's pools are full after; a resumed prefill frees its
-    prompts on the decode's notifications."""
+    recomputed or with a clear error) or leaves it stopped (the loads time out with their
+    READs in flight: every request finishes the same way, in fresh blocks, while the blocks
+    the READs target stay quarantined, out of the pools). Then the stopped prefill resumes:
+    its late READs land in the quarantined blocks and nowhere else, the blocks come back and
+    the decode's pools are full; the prefill frees its prompts on the decode's notices (with
+    ``fail``: the decode shuts down first, and nothing lands after)."""
     prefill_proc = PrefillProcess(dsv32_path, small_batch)
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
-        d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=3.0)
+        # stalled: a small GPU pool, so the stuck READs target host blocks too
+        d = engine(dsv32_path, kv_role="decode", kv_load_failure=policy, kv_load_timeout_s=2.0,
+                   num_gpu_blocks=22 if event == "stall" else 60)
         poison(d)
         agent = d.disagg.agent
         post, poll = agent._post_reads, agent.poll
-        seen = {"posted": 0, "in_flight_polls": 0, "ended": [], "resumed": False}
+        seen = {"posted": 0, "in_flight_polls": 0, "ended": []}
 
         def stop_then_post(load):
             if not seen["posted"]:
                 prefill_proc.signal(signal.SIGSTOP)
             seen["posted"] += 1
             post(load)
-            seen["last_post"] = time.monotonic()
 
         def watch(*a):
             loads = list(agent._loads.values())
@@ -413,11 +452,6 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
                 seen["in_flight_polls"] += 1
                 if seen["in_flight_polls"] == 20 and event == "kill":
                     prefill_proc.signal(signal.SIGKILL)
-            if (event == "stall" and seen["in_flight_polls"] == 20 and not seen["resumed"]
-                    and time.monotonic() > seen["last_post"] + 3.5):    # past the deadline
-                assert not seen["ended"] and all(ld.state == "reading" for ld in loads)
-                prefill_proc.signal(signal.SIGCONT)
-                seen["resumed"] = True
             ended = poll(*a)
             seen["ended"] += ended
             return ended
@@ -427,20 +461,121 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
         outs = d.generate(small_batch, [greedy(kv=kv) for kv in prefill_proc.params])
         assert seen["in_flight_polls"] == 20
         assert len(seen["ended"]) == len(small_batch)
-        if event == "stall":        # the READs completed late: the KV is the prefill's
-            assert seen["resumed"] and all(err is None for _, err in seen["ended"])
-            assert d.disagg.metrics.requests == len(small_batch)
-        else:
-            assert all("died or dropped the connection" in err for _, err in seen["ended"])
-            assert d.disagg.metrics.failures == len(small_batch)
+        m = d.disagg.metrics
+        assert m.failures == len(small_batch) and m.requests == 0
+        want = "died or dropped the connection" if event == "kill" else "timed out after 2 s " \
+            "in state 'reading'"
+        assert all(want in err for _, err in seen["ended"]), seen["ended"]
         if policy == "recompute":
             assert tokens(outs) == colocated
         else:
             for o in outs:
                 c = o.outputs[0]
-                assert c.finish_reason == "error" and c.token_ids == [] and c.error
+                assert c.finish_reason == "error" and c.token_ids == [] and want in c.error
+        if event == "kill":
+            assert m.stalled == 0
+            assert_pools_full(d)
+            return
+        # still stopped: the READs are in flight and their blocks out of the pools
+        s, cfg = d.stats(), d.kv_config
+        targets = read_targets(agent)
+        n = sum(len(b) for b in targets.values())
+        assert m.stalled == m.quarantined_loads == len(small_batch)
+        assert all(len(b) for b in targets.values()), targets
+        assert s["kv_transfer_quarantined_blocks"] == n
+        assert (cfg.num_gpu_blocks - s["free_gpu_blocks"], cfg.num_host_blocks
+                - s["free_host_blocks"], cfg.num_indexer_blocks - s["free_indexer_blocks"]) == (
+            len(targets["arena"]), len(targets["host"]), len(targets["indexer"]))
+        d.service_kv_transfer()
+        assert d.stats()["kv_transfer_quarantined_blocks"] == n
+        # every block of the three regions gets a marker: the late READs' targets one, every
+        # other block another; only the targets may change once the prefill resumes
+        regions = region_blocks(agent, d.caches)
+        others = {}
+        for region, t in regions.items():
+            t.fill_(0xCD)
+            t[:, targets[region]] = 0xAB
+            others[region] = np.setdiff1d(np.arange(t.shape[1]), targets[region])
+        if policy == "fail":
+            # the decode shuts down with the READs in flight: its NIXL agent goes first, and
+            # nothing lands in its caches (held here) once the prefill resumes
+            d.shutdown()
+            prefill_proc.signal(signal.SIGCONT)
+            time.sleep(1.0)     # the resumed READs land within milliseconds (recompute case)
+            for region, t in regions.items():
+                assert bool((t[:, targets[region]] == 0xAB).all()), region
+                assert bool((t[:, others[region]] == 0xCD).all()), region
+            return
+        prefill_proc.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while d.stats()["kv_transfer_quarantined_blocks"] and time.monotonic() < deadline:
+            d.service_kv_transfer()
+            time.sleep(0.02)
+        assert d.stats()["kv_transfer_quarantined_blocks"] == 0 and m.quarantined_loads == 0
         assert_pools_full(d)
-        if event == "stall":
-            prefill_proc.wait_for("STATUS", {"held": 0, "pools_full": True}, timeout=30)
+        for region, t in regions.items():
+            assert bool((t[:, others[region]] == 0xCD).all()), region
+            assert bool((t[:, targets[region]] != 0xAB).any()), region    # the READs landed
+        prefill_proc.wait_for("STATUS", {"held": 0, "pools_full": True}, timeout=30)
+    finally:
+        prefill_proc.close()
+
+
+def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small_batch,
+                                                               colocated, monkeypatch):
+    """A stopped prefill, a decode pool too small for the recomputes beside the quarantined
+    blocks, and a request aborted with its READs in flight: the abort quarantines its blocks
+    at once; the others time out and recompute, and a request that cannot be scheduled beside
+    the quarantine fails after the load timeout with a clear error instead of waiting forever
+    (or stopping the engine). The prefill is killed: its READs fail, the quarantined blocks
+    come back, the pools are full and serve the same prompts."""
+    prefill_proc = PrefillProcess(dsv32_path, small_batch)
+    try:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16)
+        agent = d.disagg.agent
+        post = agent._post_reads
+
+        def stop_then_post(load):
+            if not agent.metrics.stalled and not any(ld.handles for ld in agent._loads.values()):
+                prefill_proc.signal(signal.SIGSTOP)
+            post(load)
+
+        monkeypatch.setattr(agent, "_post_reads", stop_then_post)
+        rids = [d.add_request(b, greedy(kv=kv)) for b, kv in zip(small_batch,
+                                                                  prefill_proc.params)]
+        outs = {}
+
+        def step():
+            for o in d.step():
+                if o.finished:
+                    outs[o.request_id] = o
+
+        deadline = time.monotonic() + 30
+        while (len(agent._loads) < 3 or not all(ld.handles for ld in agent._loads.values())) \
+                and time.monotonic() < deadline:
+            step()
+        d.abort(rids[2])
+        step()
+        assert agent.metrics.stalled == 1 and agent.metrics.failures == 0   # the abort
+        while d.has_unfinished_requests():
+            step()
+        m = d.disagg.metrics
+        assert m.stalled == 3 and m.failures == 2 and m.requests == 0
+        assert set(outs) == set(rids[:2])
+        # 16 GPU blocks: the 3 quarantined loads leave neither recompute room to run
+        for r in rids[:2]:
+            c = outs[r].outputs[0]
+            assert c.finish_reason == "error" and c.token_ids == [], (c.finish_reason, c.error)
+            assert "cannot be scheduled" in c.error and "quarantined" in c.error, c.error
+        assert d.stats()["kv_transfer_quarantined_blocks"] > 0
+        prefill_proc.signal(signal.SIGKILL)     # the READs fail: the blocks come back
+        deadline = time.monotonic() + 30
+        while d.stats()["kv_transfer_quarantined_blocks"] and time.monotonic() < deadline:
+            d.service_kv_transfer()
+            time.sleep(0.02)
+        assert_pools_full(d)
+        assert tokens(d.generate(small_batch, greedy())) == colocated
+        assert_pools_full(d)
     finally:
         prefill_proc.close()

@@ -145,3 +145,39 @@ def test_a_failed_load_drops_its_unplanned_restores():
     plan = kv.build_plan(2)
     assert len(plan.restores) == len(plan.indexer_restores) == 0
     assert_full(kv)
+
+
+@pytest.mark.parametrize("num_gpu_blocks,n", [(40, 30), (11, 60)])
+def test_quarantined_blocks_stay_out_of_the_pools_until_released(num_gpu_blocks, n):
+    """A failed load whose READs may still write: the blocks they target (landing GPU pages,
+    host blocks of host-landed pages, every indexer block) outlive the request's free and are
+    never handed out (admissions until the pools run dry get none of them) until released;
+    the rest of the request's blocks (host blocks of GPU-landed pages) free at once."""
+    kv = core(num_gpu_blocks)
+    job = kv.admit_remote("a", list(range(100, 100 + n)) + [5], n + 10, remote(n))
+    gpu, host, idx = job.read_targets()
+    assert len(gpu) + len(host) == len(job.gpu_blocks) and len(idx) == len(job.indexer_blocks)
+    kv.quarantine(job)
+    kv.free("a")
+    assert kv.quarantined_blocks == len(gpu) + len(host) + len(idx)
+    assert (kv.gpu_pool.num_free, kv.host_pool.num_free, kv.indexer_pool.num_free) == (
+        kv.cfg.num_gpu_blocks - len(gpu), kv.cfg.num_host_blocks - len(host),
+        kv.cfg.num_indexer_blocks - len(idx))
+    taken = {name: set() for name in ("gpu", "host", "indexer")}
+    for i in range(100):     # take every free block of every pool, 1-token-page requests
+        other = kv.admit(f"b{i}", [7 + i], BS)
+        if other is None:
+            break
+        assert kv.allocate_slots(other, 1)
+        kv.build_plan(i)
+        taken["gpu"].update(int(b) for b in other.resident[:1] if b >= 0)
+        taken["host"].update(int(b) for b in other.host[:1])
+        taken["indexer"].update(int(b) for b in other.indexer[:1])
+        kv.free(f"b{i}")    # freed, its mirror unacked: its blocks stay taken (draining)
+    assert taken["gpu"] and taken["host"] and taken["indexer"]
+    for name, blocks in (("gpu", gpu), ("host", host), ("indexer", idx)):
+        assert not taken[name] & set(blocks.tolist()), name
+    kv.apply_acks(range(100))
+    kv.release_quarantine(job)
+    assert kv.quarantined_blocks == 0
+    assert_full(kv)

@@ -46,6 +46,19 @@ def test_reference_matches_float64_dense():
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
 
 
+def test_padding_indices_read_nothing():
+    """A -1 pad must contribute nothing even when the row it clamps to holds NaN (a block of
+    another request not written yet): the engine's greedy outputs turned into non-finite
+    logits errors when a reused block 0 held garbage."""
+    q, kv, idx = make(4, 6, 50, 200, torch.float32, empty_rows=(2,))
+    idx[idx == 0] = 1
+    kv[0] = float("nan")
+    out, lse = sparse_mla_attention_reference(q, kv, idx, 0.07)
+    o64, _ = dense64(q, kv, idx, 0.07)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), o64, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype,T,H,K", [(torch.float32, 3, 20, 100), (torch.bfloat16, 2, 16, 70),
                                          (torch.float32, 1, 3, 300)])
 def test_triton_interpreter_matches_reference(triton_cpu, dtype, T, H, K):

@@ -150,6 +150,10 @@ def test_router_outputs_equal_colocated(cluster, model_dir):
     assert m[("hisparse_kv_transfer_bytes_total", "")] > 0
     # the streamed pass repeats the plain pass's prompts: the decode's prefix cache has them
     assert m[("hisparse_kv_transfer_prefix_hit_rows_total", "")] > 0
+    # no READ outlived its deadline: nothing quarantined (the stalled-prefill engine tests)
+    assert m[("hisparse_kv_transfer_stalled_total", "")] == 0
+    assert m[("hisparse_kv_transfer_quarantined_blocks", "")] == 0
+    assert m[("hisparse_kv_transfer_quarantined_loads", "")] == 0
     mr = metrics(router_url)
     for kind in ("prefill", "decode"):
         assert mr[("hisparse_router_requests_total", f"kind={kind},outcome=ok")] == (
