@@ -99,11 +99,11 @@ def _score_block_f8q(sb, qt, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_to
     valid = valid & (blk >= 0)
     slot = offs_s % PAGE
     vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
+    # e4m3 pointers (no bitcast between the load and the dot: the loads stay pipelined)
     if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
-        f8 = tl.load(vptrs, mask=valid[:, None], other=0)
+        f8 = tl.load(vptrs, mask=valid[:, None], other=0.0)     # [BLOCK_S, BLOCK_D]
     else:
-        f8 = tl.load(vptrs, mask=valid[:, None] & (offs_d < D)[None, :], other=0)
-    f8 = f8.to(tl.float8e4nv, bitcast=True)                      # [BLOCK_S, BLOCK_D]
+        f8 = tl.load(vptrs, mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
     sc = tl.load(ks_ptr + blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot, mask=valid,
                  other=0.0)                                      # [BLOCK_S]
     s = tl.dot(f8, qt)                                           # [BLOCK_S, G * BLOCK_H] fp32
@@ -147,8 +147,8 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     each key tile is loaded once and scored for all their heads (one dot with the ``[G *
     BLOCK_H, BLOCK_D]`` queries); this program's blocks are ``pid(1), pid(1) + NPROG, ...``
     below the group's longest length, and token ``g`` writes its columns ``< n_tok[g]`` only.
-    ``F8Q``: ``q_ptr`` holds e4m3 codes (uint8) and ``w_ptr`` the weights times the query
-    scales (:func:`quantize_queries`)."""
+    ``F8Q``: ``q_ptr`` (and ``k_ptr``) e4m3, ``w_ptr`` the weights times the query scales
+    (:func:`quantize_queries`)."""
     tok0 = tl.min(tok, 0)
     offs_m = tl.arange(0, G * BLOCK_H)
     tok_m = tok0 + offs_m // BLOCK_H
@@ -157,9 +157,9 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q_row = q_ptr + tok_m.to(tl.int64)[:, None] * stride_qt + h_m[:, None] * stride_qh
-    qv = tl.load(q_row + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0)
+    qv = tl.load(q_row + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
     if F8Q:
-        qv = tl.trans(qv.to(tl.float8e4nv, bitcast=True))           # [BLOCK_D, G * BLOCK_H]
+        qv = tl.trans(qv)                                        # [BLOCK_D, G * BLOCK_H] e4m3
     elif IEEE:
         qv = qv.to(tl.float32)
     w = tl.load(w_ptr + tok_m.to(tl.int64) * stride_wt + h_m, mask=mmask, other=0.0)
@@ -353,7 +353,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     if f8q:
         codes, scales, wq = quantize_queries(q, weights)
         if nt == 1:
-            q, weights = codes, wq
+            q, weights = codes.view(torch.float8_e4m3fn), wq
+            k_cache = k_cache.view(torch.float8_e4m3fn)
         else:   # per-tile scales do not factor out of the dot: dequantized queries (exact)
             from .quant import dequantize_index_queries_reference
             q = dequantize_index_queries_reference(codes, scales, q.dtype)
