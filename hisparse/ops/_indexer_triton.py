@@ -227,9 +227,9 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
 
 
 @triton.jit
-def _quant_queries_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, wq_ptr, HI, stride_qt, stride_qh,
-                          stride_wt, D: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                          BLOCK_H: tl.constexpr, FOLD: tl.constexpr):
+def _indexer_quant_q_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, wq_ptr, HI, stride_qt,
+                            stride_qh, stride_wt, D: tl.constexpr, TILE: tl.constexpr,
+                            NT: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr):
     """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: e4m3 codes ``[T, HI, D]`` and
     power-of-two scales ``[T, HI, NT]`` of each (head, tile) (the keys' rule, bit for bit);
     ``FOLD`` (one tile): ``wq = w * scale`` as well."""
@@ -269,7 +269,7 @@ def quantize_queries(q, weights):
     wq = torch.empty((T, HI), dtype=torch.float32, device=q.device) if nt == 1 else None
     if T:
         block_h = min(16, next_pow2(HI))
-        _quant_queries_kernel[(T, triton.cdiv(HI, block_h))](
+        _indexer_quant_q_kernel[(T, triton.cdiv(HI, block_h))](
             q, weights, codes, scales, scales if wq is None else wq, HI, q.stride(0),
             q.stride(1), weights.stride(0), D=D, TILE=tile, NT=nt, BLOCK_H=block_h,
             FOLD=nt == 1, num_warps=4)
