@@ -4,15 +4,17 @@ one (queries quantized to e4m3 by one small kernel, one e4m3 x e4m3 dot per key 
 timed call includes the quantization launch), plus a sweep of the new kernel's launch configs.
 
 Usage (repository root, CUDA):
-    PYTHONPATH=. python benchmarks/bench_score.py [--shapes 8x32768,24x32768,48x32768,8x131072]
-        [--group2 24x32768] [--no-sweep] [--out bench_score.json]
+    PYTHONPATH=. python benchmarks/bench_score.py
+        [--shapes 8x32768,24x32768,48x32768,8x131072,24x32768g2,32x32768g4] [--no-sweep]
+        [--out bench_score.json]
 
-Shapes ``TxCTX``: T requests (one decode token each, ``group 1``) of CTX positions, 64 heads,
-D 128, page 64, pages scattered over the cache (a random block table). ``--group2``: MTP pairs
-(T tokens, two per request, ``group 2``). Times are per call from CUDA graphs of 10 back-to-back
-calls (``bench_ops.timeit_graph``, as the engine replays them). ``frac`` = key bytes read (T /
-group x CTX x 132 B: e4m3 values + fp32 scale, each request's keys once) / time / 4.27 TB/s
-(the H200's measured read bandwidth).
+Shapes ``TxCTX[gG]``: T tokens of CTX positions, G consecutive tokens per request (MTP verify
+groups, scored with ``group=G``; default 1: one decode token per request), 64 heads, D 128,
+page 64, pages scattered over the cache (a random block table). The sweep runs every SWEEP
+config on the group-1 shapes and SWEEP_GROUPS on the others. Times are per call from CUDA
+graphs of 10 back-to-back calls (``bench_ops.timeit_graph``, as the engine replays them).
+``frac`` = key bytes read (T / G x CTX x 132 B: e4m3 values + fp32 scale, each request's keys
+once) / time / 4.27 TB/s (the H200's measured read bandwidth).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ HI, D, BS = 64, 128, 64
 SWEEP = [(128, 8, 4, 2), (128, 8, 4, 3), (128, 4, 4, 3), (128, 2, 4, 3), (128, 16, 4, 2),
          (64, 8, 4, 3), (64, 16, 4, 4), (256, 4, 8, 2), (256, 4, 8, 3), (128, 8, 8, 3),
          (256, 2, 8, 3), (64, 4, 4, 3)]
+SWEEP_GROUPS = [(128, 8, 4, 2), (64, 8, 8, 3), (64, 8, 4, 3), (128, 8, 8, 2)]
 
 
 def _case(T, ctx, group, seed):
@@ -69,10 +72,9 @@ def _row(T, ctx, group, sweep, seed):
     t_quant = timeit_graph(lambda: ix.quantize_queries(q, w))
     row = dict(T=T, ctx=ctx, group=group, key_bytes=nbytes, old_us=t_old * 1e6,
                old_frac=frac(t_old), new_us=t_new * 1e6, new_frac=frac(t_new),
-               quant_us=t_quant * 1e6, speedup=t_old / t_new, default=list(ix.CONFIG_CUDA_F8Q),
-               sweep=[])
+               quant_us=t_quant * 1e6, speedup=t_old / t_new, sweep=[])
     if sweep:
-        for cfg in SWEEP:
+        for cfg in SWEEP if group == 1 else SWEEP_GROUPS:
             try:
                 t = timeit_graph(run(True, cfg))
             except Exception as e:  # a config that does not fit (shared memory): skipped
@@ -88,20 +90,20 @@ def _row(T, ctx, group, sweep, seed):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="8x32768,24x32768,48x32768,8x131072")
-    ap.add_argument("--group2", default="24x32768", help="MTP-pair shapes ('' for none)")
+    ap.add_argument("--shapes",
+                    default="8x32768,24x32768,48x32768,8x131072,24x32768g2,32x32768g4")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    shapes = [(s, 1) for s in args.shapes.split(",") if s]
-    shapes += [(s, 2) for s in args.group2.split(",") if s]
     rows = []
-    for i, (s, group) in enumerate(shapes):
+    for i, s in enumerate(x for x in args.shapes.split(",") if x):
+        s, _, group = s.partition("g")
         T, ctx = (int(x) for x in s.split("x"))
-        rows.append(_row(T, ctx, group, not args.no_sweep, seed=i))
+        rows.append(_row(T, ctx, int(group or 1), not args.no_sweep, seed=i))
         torch.cuda.empty_cache()
     print(f"\nFP8 indexer scoring, 64 heads x D 128, page 64 (frac = key bytes / time / "
-          f"{HBM_TBS} TB/s; new = quantize q + e4m3 dot, default {ix.CONFIG_CUDA_F8Q})")
+          f"{HBM_TBS} TB/s; new = quantize q + e4m3 dot, defaults {ix.CONFIG_CUDA_F8Q} and "
+          f"{ix.CONFIG_CUDA_F8Q_WIDE} from group 4)")
     print(f"{'T x ctx (group)':>18} | {'MB keys':>7} | {'old us':>7} {'frac':>5} | "
           f"{'new us':>7} {'frac':>5} | {'x':>5} | {'q us':>5} | best config (us, frac)")
     for r in rows:
@@ -110,17 +112,14 @@ def main() -> None:
         print(f"{r['T']:>6} x {r['ctx']:>6} ({r['group']}) | {r['key_bytes'] / 1e6:7.1f} | "
               f"{r['old_us']:7.1f} {r['old_frac']:5.2f} | {r['new_us']:7.1f} {r['new_frac']:5.2f}"
               f" | {r['speedup']:5.2f} | {r['quant_us']:5.1f} | {best}")
-    if any(r["sweep"] for r in rows):
-        print("\nsweep (us per config, new path):")
-        for cfg_i, cfg in enumerate(SWEEP):
-            cells = []
-            for r in rows:
-                s = r["sweep"][cfg_i] if r["sweep"] else {}
-                cells.append(f"{s['us']:7.1f}" if "us" in s else f"{s.get('error', '-'):>7}")
-            print(f"  {str(cfg):>18}: " + " ".join(cells))
+    for r in rows:
+        if r["sweep"]:
+            cells = [f"{tuple(s['config'])} " + (f"{s['us']:.1f}" if "us" in s else s["error"])
+                     for s in r["sweep"]]
+            print(f"  sweep {r['T']}x{r['ctx']}g{r['group']} (us): " + ", ".join(cells))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(hbm_tbs=HBM_TBS, rows=rows, sweep_configs=SWEEP), f, indent=1)
+            json.dump(dict(hbm_tbs=HBM_TBS, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -281,9 +281,12 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (BLOCK_S, programs per SM, num_warps, num_stages): CUDA defaults per path, and the CPU one
+# (BLOCK_S, programs per SM, num_warps, num_stages): CUDA defaults per path, and the CPU one.
+# FP8 queries: the [BLOCK_S, G * 64] fp32 accumulator grows with the token group; from G = 4
+# on, 128 x 256 at 4 warps spills (ptxas, sm_90a): smaller tiles and 8 warps there.
 CONFIG_CUDA = (128, 8, 4, 2)
 CONFIG_CUDA_F8Q = (128, 8, 4, 2)
+CONFIG_CUDA_F8Q_WIDE = (64, 8, 8, 3)
 CONFIG_CPU = (64, 1, 4, 1)
 
 
@@ -363,7 +366,12 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
     block_d = max(32 if f8q else 16, next_pow2(D))      # e4m3 dots take K in steps of 32
     if config is None:
-        config = (CONFIG_CUDA_F8Q if f8q else CONFIG_CUDA) if q.is_cuda else CONFIG_CPU
+        if not q.is_cuda:
+            config = CONFIG_CPU
+        elif f8q:
+            config = CONFIG_CUDA_F8Q if group * block_h <= 128 else CONFIG_CUDA_F8Q_WIDE
+        else:
+            config = CONFIG_CUDA
     block_s, per_sm, nw, stages = config
     programs = triton.cdiv(T, group)
     nblk = triton.cdiv(W, block_s)
