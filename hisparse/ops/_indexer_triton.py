@@ -1,4 +1,5 @@
-"""Triton scoring kernel of the lightning indexer (imported lazily by indexer.py)."""
+"""Triton scoring kernels of the lightning indexer (imported lazily by indexer.py): the scoring
+kernel and, for FP8 keys, the query quantization that runs before it."""
 
 from __future__ import annotations
 
@@ -199,10 +200,12 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     pages (``stride_kr`` bytes apart), ``ks_ptr`` the same memory as fp32 (``stride_ksp`` words
     per page). Slot ``o`` of page ``blk`` has its ``D`` e4m3 values at byte ``o * D`` (16-B
     aligned rows: plain vector loads) and its ``NT`` scales at word ``PAGE * D / 4 + o * NT``.
-    One tile (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two
-    scale after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a
-    power of two commutes with fp32 rounding). Several tiles: each value is scaled by its
-    tile's scale before the dot (exact in bf16 as well)."""
+    ``F8Q`` (one tile, e4m3 queries): one e4m3 x e4m3 dot per key tile, keys on the M side,
+    the query scales in ``w``, the key's scale after the head sum. Otherwise one tile
+    (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two scale
+    after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a power
+    of two commutes with fp32 rounding); several tiles: each value is scaled by its tile's
+    scale before the dot (exact in bf16 as well)."""
     tok0 = tl.program_id(0) * G
     offs_g = tl.arange(0, G)
     tok = tok0 + offs_g
