@@ -430,7 +430,9 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
     from hisparse.ops.quant import (
         FP8KeyLayout,
         dequantize_index_keys_reference,
+        dequantize_index_queries_reference,
         quantize_index_keys_reference,
+        quantize_index_queries_reference,
     )
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     layout = FP8KeyLayout(D, bs)
@@ -455,9 +457,12 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
         k8 = layout.pages(rows8)
         deq = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
         del rows8
-        # same selection as the bf16 kernel over the dequantized keys (exact in bf16)
+        # same selection as the bf16 kernel over the dequantized keys and FP8 queries (both
+        # exact in bf16; FP8-key scoring quantizes the queries: ops.indexer)
+        qd = dequantize_index_queries_reference(*quantize_index_queries_reference(q),
+                                                torch.bfloat16)
         sel8 = torch.sort(indexer_topk(q, w, k8, bt, req, pos, bs, topk), 1).values
-        sel16 = torch.sort(indexer_topk(q, w, deq, bt, req, pos, bs, topk), 1).values
+        sel16 = torch.sort(indexer_topk(qd, w, deq, bt, req, pos, bs, topk), 1).values
         agree = (sel8 == sel16).float().mean().item()
         del deq
         t8 = timeit(lambda: indexer_keys(q, w, k8, bt, req, pos, bs), reps=10)
@@ -474,7 +479,7 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
         print(f"  FP8 page-split keys (132 B): scoring {t8 * 1e6:.0f} us = {t_score / t8:.2f}x "
               f"the bf16 keys' throughput ({T * ctx * 132 / t8 / 1e9:.0f} GB/s); "
               f"indexer+topk {t8_all * 1e6:.0f} us = {t_all / t8_all:.2f}x; same selection as "
-              f"bf16 over dequantized keys: {agree:.4f}", flush=True)
+              f"bf16 over dequantized keys and queries: {agree:.4f}", flush=True)
         del k8
 
 

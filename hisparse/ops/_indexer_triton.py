@@ -1,4 +1,5 @@
-"""Triton scoring kernel of the lightning indexer (imported lazily by indexer.py)."""
+"""Triton scoring kernels of the lightning indexer (imported lazily by indexer.py): the scoring
+kernel and, for FP8 keys, the query quantization that runs before it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreted, next_pow2
+from ._quant_triton import _e4m3_code, _pow2_scale
 
 
 @triton.jit
@@ -59,20 +61,78 @@ def _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
             s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
     s = tl.maximum(s, 0.0) * w[:, None]                          # [G * BLOCK_H, BLOCK_S]
     offs_m = tl.arange(0, G * BLOCK_H)
-    offs_g = tl.arange(0, G)
     for g in tl.static_range(G):    # masked reductions: no reshape of the dot's layout
         if G == 1:
             score = tl.sum(s, axis=0)                            # [BLOCK_S] fp32
         else:
             score = tl.sum(tl.where((offs_m // BLOCK_H == g)[:, None], s, 0.0), axis=0)
-        score = tl.where(score == 0.0, 0.0, score)               # -0.0 -> +0.0
-        bits = score.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)        # order-preserving int32
-        key = tl.where(score != score, 2147483647, key)          # NaN: above +inf
-        key = tl.where(valid, key, -2147483648)                  # unmapped page
-        n_g = tl.sum(tl.where(offs_g == g, n_tok, 0), 0)         # 0 unless scored here
-        tl.store(key_ptr + (tok0 + g).to(tl.int64) * stride_keyt + offs_s, key,
-                 mask=offs_s < n_g)
+        _store_keys(score, valid, offs_s, g, n_tok, key_ptr, tok0, stride_keyt, G)
+
+
+@triton.jit
+def _store_keys(score, valid, offs_s, g: tl.constexpr, n_tok, key_ptr, tok0, stride_keyt,
+                G: tl.constexpr):
+    """Token ``tok0 + g``'s orderable int32 keys of ``score [BLOCK_S]`` at columns ``offs_s``
+    below its length (``n_tok[g]``; 0 unless scored here); ``INT32_MIN`` where not ``valid``."""
+    score = tl.where(score == 0.0, 0.0, score)                   # -0.0 -> +0.0
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)            # order-preserving int32
+    key = tl.where(score != score, 2147483647, key)              # NaN: above +inf
+    key = tl.where(valid, key, -2147483648)                      # unmapped page
+    n_g = tl.sum(tl.where(tl.arange(0, G) == g, n_tok, 0), 0)
+    tl.store(key_ptr + (tok0 + g).to(tl.int64) * stride_keyt + offs_s, key, mask=offs_s < n_g)
+
+
+@triton.jit
+def _score_block_f8q(sb, qt, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                     stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr,
+                     BLOCK_H: tl.constexpr, EVEN_D: tl.constexpr):
+    """FP8 keys x FP8 queries (one scale tile): the keys of columns ``sb * BLOCK_S ..`` are
+    the M side of one e4m3 dot with every head of the ``G`` tokens (``qt [BLOCK_D, G *
+    BLOCK_H]``, e4m3), fp32 accumulation; ``relu``, the head weights (query scales folded in:
+    ``w``), the sum over each token's heads (a row reduction, inside a warp), times the key's
+    power-of-two scale."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    valid = offs_s < n
+    blk = tl.load(bt_ptr + r.to(tl.int64) * stride_btr + offs_s // PAGE, mask=valid, other=-1)
+    valid = valid & (blk >= 0)
+    slot = offs_s % PAGE
+    vptrs = k_ptr + (blk.to(tl.int64) * stride_kr + slot * D)[:, None] + offs_d[None, :]
+    # e4m3 pointers (no bitcast between the load and the dot: the loads stay pipelined)
+    if EVEN_D:      # a row mask only: nothing stops 16-B vector loads
+        f8 = tl.load(vptrs, mask=valid[:, None], other=0.0)     # [BLOCK_S, BLOCK_D]
+    else:
+        f8 = tl.load(vptrs, mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
+    sc = tl.load(ks_ptr + blk.to(tl.int64) * stride_ksp + (PAGE * D // 4) + slot, mask=valid,
+                 other=0.0)                                      # [BLOCK_S]
+    s = tl.dot(f8, qt)                                           # [BLOCK_S, G * BLOCK_H] fp32
+    s = tl.maximum(s, 0.0) * w[None, :]
+    offs_m = tl.arange(0, G * BLOCK_H)
+    for g in tl.static_range(G):
+        if G == 1:
+            score = tl.sum(s, axis=1)
+        else:
+            score = tl.sum(tl.where((offs_m // BLOCK_H == g)[None, :], s, 0.0), axis=1)
+        _store_keys(score * sc, valid, offs_s, g, n_tok, key_ptr, tok0, stride_keyt, G)
+
+
+@triton.jit
+def _score_one_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok, stride_kr,
+                     stride_ksp, stride_btr, stride_keyt, D, PAGE: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr,
+                     BLOCK_H: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                     TILE: tl.constexpr, NT: tl.constexpr, EVEN_D: tl.constexpr,
+                     F8Q: tl.constexpr):
+    if F8Q:
+        _score_block_f8q(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                         BLOCK_S, G, BLOCK_H, EVEN_D)
+    else:
+        _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                     stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                     BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
 
 
 @triton.jit
@@ -82,11 +142,14 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
                   G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                   FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                  EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+                  EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+                  F8Q: tl.constexpr):
     """Keys of the tokens ``tok [G]`` flagged in ``rows [G]``, all of block-table row ``r``:
-    each key tile is loaded once and scored for all their heads (one ``[G * BLOCK_H, BLOCK_D]``
-    dot); this program's blocks are ``pid(1), pid(1) + NPROG, ...`` below the group's longest
-    length, and token ``g`` writes its columns ``< n_tok[g]`` only."""
+    each key tile is loaded once and scored for all their heads (one dot with the ``[G *
+    BLOCK_H, BLOCK_D]`` queries); this program's blocks are ``pid(1), pid(1) + NPROG, ...``
+    below the group's longest length, and token ``g`` writes its columns ``< n_tok[g]`` only.
+    ``F8Q``: ``q_ptr`` (and ``k_ptr``) e4m3, ``w_ptr`` the weights times the query scales
+    (:func:`quantize_queries`)."""
     tok0 = tl.min(tok, 0)
     offs_m = tl.arange(0, G * BLOCK_H)
     tok_m = tok0 + offs_m // BLOCK_H
@@ -96,7 +159,9 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     dmask = offs_d < D
     q_row = q_ptr + tok_m.to(tl.int64)[:, None] * stride_qt + h_m[:, None] * stride_qh
     qv = tl.load(q_row + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
-    if IEEE:
+    if F8Q:
+        qv = tl.trans(qv)                                        # [BLOCK_D, G * BLOCK_H] e4m3
+    elif IEEE:
         qv = qv.to(tl.float32)
     w = tl.load(w_ptr + tok_m.to(tl.int64) * stride_wt + h_m, mask=mmask, other=0.0)
     n_tok = tl.where(rows, n_tok, 0)
@@ -104,15 +169,15 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
     nblk = (n + BLOCK_S - 1) // BLOCK_S
     if FOR_LOOP:
         for sb in tl.range(tl.program_id(1), nblk, NPROG, num_stages=STAGES):
-            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
-                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
-                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            _score_one_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                             stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                             BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D, F8Q)
     else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
         sb = tl.program_id(1)
         while sb < nblk:
-            _score_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
-                         stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
-                         BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D)
+            _score_one_block(sb, qv, w, k_ptr, ks_ptr, bt_ptr, key_ptr, tok0, r, n, n_tok,
+                             stride_kr, stride_ksp, stride_btr, stride_keyt, D, PAGE, BLOCK_D,
+                             BLOCK_S, G, BLOCK_H, IEEE, FP8, TILE, NT, EVEN_D, F8Q)
             sb += NPROG
 
 
@@ -124,7 +189,8 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
                          G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                         EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+                         EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+                         F8Q: tl.constexpr):
     """Program ``(i, j)``: tokens ``i * G .. i * G + G - 1``; those of the first one's request
     are scored together (MTP / prefill token groups share every key load), any other one alone.
     Length of token ``t``: ``min(pos + 1, W)`` (0 for padding), written to ``len_ptr[t]``.
@@ -134,10 +200,12 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     pages (``stride_kr`` bytes apart), ``ks_ptr`` the same memory as fp32 (``stride_ksp`` words
     per page). Slot ``o`` of page ``blk`` has its ``D`` e4m3 values at byte ``o * D`` (16-B
     aligned rows: plain vector loads) and its ``NT`` scales at word ``PAGE * D / 4 + o * NT``.
-    One tile (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two
-    scale after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a
-    power of two commutes with fp32 rounding). Several tiles: each value is scaled by its
-    tile's scale before the dot (exact in bf16 as well)."""
+    ``F8Q`` (one tile, e4m3 queries): one e4m3 x e4m3 dot per key tile, keys on the M side,
+    the query scales in ``w``, the key's scale after the head sum. Otherwise one tile
+    (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two scale
+    after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a power
+    of two commutes with fp32 rounding); several tiles: each value is scaled by its tile's
+    scale before the dot (exact in bf16 as well)."""
     tok0 = tl.program_id(0) * G
     offs_g = tl.arange(0, G)
     tok = tok0 + offs_g
@@ -150,14 +218,65 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r0, tok, n_tok,
                   (req == r0) & (req >= 0), T, stride_qt, stride_qh, stride_wt, stride_kr,
                   stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H, BLOCK_D,
-                  BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
+                  BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES, F8Q)
     for i in tl.static_range(1, G):
         ri = tl.load(req_ptr + tok0 + i, mask=tok0 + i < T, other=-1)
         if (ri != r0) & (ri >= 0):          # a token of another request: alone
             _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, ri, tok, n_tok,
                           offs_g == i, T, stride_qt, stride_qh, stride_wt, stride_kr,
                           stride_ksp, stride_btr, stride_keyt, HI, D, NPROG, G, PAGE, BLOCK_H,
-                          BLOCK_D, BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES)
+                          BLOCK_D, BLOCK_S, IEEE, FP8, TILE, NT, EVEN_D, FOR_LOOP, STAGES,
+                          F8Q)
+
+
+@triton.jit
+def _indexer_quant_q_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, wq_ptr, HI, stride_qt,
+                            stride_qh, stride_wt, D: tl.constexpr, TILE: tl.constexpr,
+                            NT: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr):
+    """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: e4m3 codes ``[T, HI, D]`` and
+    power-of-two scales ``[T, HI, NT]`` of each (head, tile) (the keys' rule, bit for bit);
+    ``FOLD`` (one tile): ``wq = w * scale`` as well."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, NT)
+    offs_j = tl.arange(0, TILE)
+    offs = (offs_i[:, None] * TILE + offs_j[None, :])[None, :, :]        # [1, NT, TILE]
+    hmask = offs_h < HI
+    h3 = offs_h[:, None, None]
+    x = tl.load(q_ptr + t * stride_qt + h3 * stride_qh + offs, mask=hmask[:, None, None],
+                other=0.0).to(tl.float32)                              # [BLOCK_H, NT, TILE]
+    scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=2))                # [BLOCK_H, NT]
+    code = _e4m3_code(x * inv[:, :, None])
+    tl.store(code_ptr + (t * HI + h3) * D + offs, code.to(tl.uint8), mask=hmask[:, None, None])
+    tl.store(scale_ptr + (t * HI + offs_h[:, None]) * NT + offs_i[None, :], scale,
+             mask=hmask[:, None])
+    if FOLD:
+        w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0)
+        tl.store(wq_ptr + t * HI + offs_h, w * tl.sum(scale, axis=1), mask=hmask)
+
+
+def quantize_queries(q, weights):
+    """``q [T, HI, D]`` -> (e4m3 codes ``[T, HI, D]`` uint8, scales ``[T, HI, NT]`` fp32,
+    ``weights * scale`` ``[T, HI]`` fp32 when one tile (``NT == 1``), else None): bit for bit
+    :func:`hisparse.ops.quant.quantize_index_queries_reference`. One launch, no host sync."""
+    from .quant import fp8_tile
+
+    T, HI, D = q.shape
+    tile = fp8_tile(D)
+    if tile & (tile - 1):
+        raise ValueError(f"indexer_keys: FP8 query tiles must be a power of two, got D={D}")
+    nt = D // tile
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    codes = torch.empty((T, HI, D), dtype=torch.uint8, device=q.device)
+    scales = torch.empty((T, HI, nt), dtype=torch.float32, device=q.device)
+    wq = torch.empty((T, HI), dtype=torch.float32, device=q.device) if nt == 1 else None
+    if T:
+        block_h = min(16, next_pow2(HI))
+        _indexer_quant_q_kernel[(T, triton.cdiv(HI, block_h))](
+            q, weights, codes, scales, scales if wq is None else wq, HI, q.stride(0),
+            q.stride(1), weights.stride(0), D=D, TILE=tile, NT=nt, BLOCK_H=block_h,
+            FOLD=nt == 1, num_warps=4)
+    return codes, scales, wq
 
 
 @functools.cache
@@ -165,8 +284,17 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# (BLOCK_S, programs per SM, num_warps, num_stages): CUDA defaults per path, and the CPU one.
+# FP8 queries: the [BLOCK_S, G * 64] fp32 accumulator grows with the token group; from G = 4
+# on, 128 x 256 at 4 warps spills (ptxas, sm_90a): smaller tiles and 8 warps there.
+CONFIG_CUDA = (128, 8, 4, 2)
+CONFIG_CUDA_F8Q = (128, 8, 4, 2)
+CONFIG_CUDA_F8Q_WIDE = (64, 8, 8, 3)
+CONFIG_CPU = (64, 1, 4, 1)
+
+
 def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None,
-                 out=None, lengths=None, group: int = 1):
+                 out=None, lengths=None, group: int = 1, fp8_query: bool = True):
     """Orderable int32 score keys ``[T, W]`` (``W = P * block_size``; :func:`hisparse.ops.topk.
     orderable_keys` of the fp32 score, ``INT32_MIN`` for an unmapped page) and each token's
     length ``[T]`` int32 (``min(pos + 1, W)``, 0 for padding). Only columns ``< length`` are
@@ -177,7 +305,13 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     (unit column stride, e.g. a workspace view) and ``[T]`` int32 buffers. ``group``: tokens per
     program (a power of two): consecutive tokens of one request (MTP verify, prefill chunks) read
     each key once for all of them. ``config``: ``(BLOCK_S, programs per SM (on CPU: per
-    token group), num_warps, num_stages)``."""
+    token group), num_warps, num_stages)``.
+
+    ``fp8_query`` (FP8 keys only): the queries are quantized to e4m3 like the keys
+    (:func:`quantize_queries`, one small launch) and scored against them: one scale tile (``D
+    <= 128``) runs one e4m3 x e4m3 dot per key tile with the query scales folded into the head
+    weights; several tiles score the dequantized queries on the upcast path. False: the
+    queries stay in their dtype against the upcast keys (the path before, a baseline)."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
     if out is None:
@@ -220,12 +354,27 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
         k_scale, stride_ksp = k_cache, 0
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
-    q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float()
+    f8q = fp8 and fp8_query
+    if f8q:
+        codes, scales, wq = quantize_queries(q, weights)
+        if nt == 1:
+            q, weights = codes.view(torch.float8_e4m3fn), wq
+            k_cache = k_cache.view(torch.float8_e4m3fn)
+        else:   # per-tile scales do not factor out of the dot: dequantized queries (exact)
+            from .quant import dequantize_index_queries_reference
+            q = dequantize_index_queries_reference(codes, scales, q.dtype)
+            f8q = False
+    q = q if q.stride(-1) == 1 else q.contiguous()
     block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
-    block_d = max(16, next_pow2(D))
+    block_d = max(32 if f8q else 16, next_pow2(D))      # e4m3 dots take K in steps of 32
     if config is None:
-        config = (128, 8, 4, 2) if q.is_cuda else (64, 1, 4, 1)
+        if not q.is_cuda:
+            config = CONFIG_CPU
+        elif f8q:
+            config = CONFIG_CUDA_F8Q if group * block_h <= 128 else CONFIG_CUDA_F8Q_WIDE
+        else:
+            config = CONFIG_CUDA
     block_s, per_sm, nw, stages = config
     programs = triton.cdiv(T, group)
     nblk = triton.cdiv(W, block_s)
@@ -241,6 +390,6 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
         block_table.stride(0), keys.stride(0),
         G=group, PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, IEEE=ieee,
         FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, FOR_LOOP=not interpreted(),
-        STAGES=stages, num_warps=nw,
+        STAGES=stages, F8Q=f8q, num_warps=nw,
     )
     return keys, lengths

@@ -37,19 +37,24 @@ def _e4m3_code(y):
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """``(scale, 1 / scale)`` of tiles with absolute maxima ``amax`` (fp32, any shape):
+    :func:`~hisparse.ops.quant.pow2_scale` bit for bit, and its exact inverse."""
+    s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-4)
+    sb = s.to(tl.int32, bitcast=True)
+    e = sb & 0x7F800000
+    sb = tl.where((sb & 0x7FFFFF) != 0, e + 0x800000, e)               # round up to 2^k
+    return sb.to(tl.float32, bitcast=True), ((254 << 23) - sb).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _store_fp8_tiles(x, dst_u8, dst_f32, base, slot, offs, offs_i, D_NOPE: tl.constexpr,
                      NT: tl.constexpr, SCALE_OFF: tl.constexpr):
     """Quantize ``x [NT, TILE]`` fp32 per tile (power-of-two scales, as
     :func:`~hisparse.ops.quant.pow2_scale`) and store its e4m3 codes at byte ``base + slot *
     D_NOPE + offs`` and its scales at ``base + SCALE_OFF + slot * 4 * NT``; returns the byte
     offset of the scales (the MLA row's rope follows them)."""
-    amax = tl.max(tl.abs(x), axis=1)                                   # [NT]
-    s = tl.maximum(tl.math.div_rn(amax, tl.full([NT], 448.0, tl.float32)), 1e-4)
-    sb = s.to(tl.int32, bitcast=True)
-    e = sb & 0x7F800000
-    sb = tl.where((sb & 0x7FFFFF) != 0, e + 0x800000, e)               # round up to 2^k
-    scale = sb.to(tl.float32, bitcast=True)
-    inv = ((254 << 23) - sb).to(tl.float32, bitcast=True)              # exact 2^-k
+    scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))                # [NT]
     code = _e4m3_code(x * inv[:, None])
     tl.store(dst_u8 + base + slot * D_NOPE + offs, code.to(tl.uint8))
     scale_at = base + SCALE_OFF + slot * (4 * NT)

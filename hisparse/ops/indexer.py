@@ -25,15 +25,41 @@ Because ``relu(c * x) = c * relu(x)`` for ``c > 0``, the caller folds *all* scal
 and passes ``q`` after the indexer's non-interleaved RoPE (the same for ``k_cache`` rows, which
 hold ``k_norm(wk(x))`` with RoPE applied). The result equals transformers' up to fp32 rounding
 (the scale is applied after the dot instead of before the ReLU).
+
+**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`): the queries
+are quantized the same way, per token, head and 128-value tile
+(:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above means their
+dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0 scales, then
+``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8 keys. With one
+tile per head (``D <= 128``) the kernel runs the e4m3 x e4m3 dot with fp32 accumulation and
+folds both power-of-two scales out of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c >
+0``); the reference computes the same scores from the dequantized values in fp32, so the two
+differ only by fp32 accumulation order. ``HISPARSE_FP8_INDEXER=0`` keeps the queries in their
+dtype against the upcast keys (the path before, a same-run baseline): kernel and reference
+both follow it. bf16 / fp32 keys: queries unquantized, always.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._common import want_triton
-from .quant import FP8KeyLayout, dequantize_index_keys_reference
+from .quant import (
+    FP8KeyLayout,
+    dequantize_index_keys_reference,
+    dequantize_index_queries_reference,
+    quantize_index_queries_reference,
+)
 from .topk import TopkScratch, topk_select
+
+FP8_QUERY_ENV = "HISPARSE_FP8_INDEXER"
+
+
+def fp8_query_enabled() -> bool:
+    """False when ``HISPARSE_FP8_INDEXER=0``: FP8 keys are scored with unquantized queries."""
+    return os.environ.get(FP8_QUERY_ENV, "1") != "0"
 
 
 class IndexerWorkspace:
@@ -100,6 +126,8 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
     pos_l = token_pos.tolist()
     if k_cache.dtype == torch.uint8:
         layout = _fp8_layout(k_cache, q.shape[-1], block_size)
+        if fp8_query_enabled():
+            q = dequantize_index_queries_reference(*quantize_index_queries_reference(q))
     for r, t0, t1 in _groups(req_l):
         ps = pos_l[t0:t1]
         S = min(max(ps) + 1, max_pos)
@@ -164,7 +192,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
             scratch = workspace.topk
         keys, lens = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
                                   token_pos[a:b], block_size, out=keys_buf, lengths=lens,
-                                  group=group)
+                                  group=group, fp8_query=fp8_query_enabled())
         topk_select(keys, lens, topk, out=out[a:b], scratch=scratch)
     return out
 
@@ -181,7 +209,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
         k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows), or
             FP8 keys as pages ``[num_idx_blocks, block_size * index_key_bytes(D)]`` uint8
             (:class:`hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values, then the fp32
-            scales; scored as their dequantized values, exact in bf16).
+            scales; scored as their dequantized values against the FP8-quantized queries,
+            module docstring).
         block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
@@ -194,11 +223,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores each token's
     positions ``0..pos`` in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE
-    fp32 for fp32 inputs; FP8 keys: one dot over the e4m3 values upcast to bf16, times the key's
-    scale) into order-preserving int32 keys (:func:`hisparse.ops.topk.orderable_keys`), then
-    :func:`hisparse.ops.topk.topk_select` (an exact radix select) ranks them: "score descending,
-    ties by lower position" with no host sync, and nothing past a token's position is touched
-    (the width ``P * block_size`` only bounds the buffers).
+    fp32 for fp32 inputs; FP8 keys: one e4m3 x e4m3 dot per key tile for all heads, the query
+    scales folded into the weights, times the key's scale) into order-preserving int32 keys
+    (:func:`hisparse.ops.topk.orderable_keys`), then :func:`hisparse.ops.topk.topk_select` (an
+    exact radix select) ranks them: "score descending, ties by lower position" with no host sync,
+    and nothing past a token's position is touched (the width ``P * block_size`` only bounds the
+    buffers).
     """
     if want_triton(q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,

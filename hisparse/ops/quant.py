@@ -221,6 +221,26 @@ def quantize_index_keys_reference(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scale.contiguous().view(torch.uint8)], dim=1)
 
 
+def quantize_index_queries_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries ``q [T, Hi, d]`` (any float dtype) -> (e4m3 codes ``[T, Hi, d]`` uint8,
+    fp32 scales ``[T, Hi, d // tile]``): the keys' rule per (token, head, tile) -- one scale per
+    head for ``d <= 128``, as DeepSeek-V3.2's ``act_quant`` of the indexer query (ue8m0 scales)
+    -- so FP8-key scoring is an FP8 x FP8 dot (:mod:`hisparse.ops.indexer`)."""
+    T, H, d = q.shape
+    codes, scale = _quantize_tiles(q.reshape(T * H, d), fp8_tile(d))
+    return codes.view(T, H, d), scale.view(T, H, -1)
+
+
+def dequantize_index_queries_reference(codes: torch.Tensor, scales: torch.Tensor,
+                                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_index_queries_reference`: ``e4m3 * scale`` ``[T, Hi, d]``
+    (exact in bf16)."""
+    T, H, d = codes.shape
+    nt = scales.shape[-1]
+    v = codes.contiguous().view(torch.float8_e4m3fn).float().view(T, H, nt, d // nt)
+    return (v * scales.float()[..., None]).view(T, H, d).to(dtype)
+
+
 def dequantize_index_keys_reference(keys: torch.Tensor, d: int,
                                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 keys ``[N, key_bytes]`` uint8 -> ``[N, d]`` ``dtype``."""

@@ -107,8 +107,9 @@ def _prefill_logits(llm, ids):
 
 
 def _fake_quant_attend(monkeypatch):
-    """bf16-format caches fed with quantize->dequantize of every row and key: the FP8 format's
-    definition, computed on the unquantized path."""
+    """bf16-format caches fed with quantize->dequantize of every row and key, and the indexer
+    queries quantize->dequantized the same way (FP8-key scoring quantizes them: ops.indexer):
+    the FP8 format's definition, computed on the unquantized path."""
     from hisparse.models.context import materialize
     from hisparse.ops import quant as Q
     from hisparse.worker.model_runner import PagedContext
@@ -123,6 +124,8 @@ def _fake_quant_attend(monkeypatch):
         if ik is not None:
             ik = Q.dequantize_index_keys_reference(Q.quantize_index_keys_reference(ik),
                                                    ik.shape[1], ik.dtype)
+            iq = Q.dequantize_index_queries_reference(*Q.quantize_index_queries_reference(iq),
+                                                      iq.dtype)
         return orig(self, layer, q, kv, iq, iw, ik, scale)
 
     monkeypatch.setattr(PagedContext, "attend", attend)

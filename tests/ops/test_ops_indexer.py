@@ -132,7 +132,8 @@ def test_triton_interpreter_ties(triton_cpu):
 @pytest.mark.parametrize("ctx", [3000, 8192, 32768])
 def test_gpu_production_shape(ctx, keys):
     """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
-    ``fp8``: page-split FP8 keys (the oracle scores their dequantized values)."""
+    ``fp8``: page-split FP8 keys (the oracle scores their dequantized values against the
+    dequantized FP8 queries)."""
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T
@@ -148,12 +149,17 @@ def test_gpu_production_shape(ctx, keys):
         from hisparse.ops.quant import (
             FP8KeyLayout,
             dequantize_index_keys_reference,
+            dequantize_index_queries_reference,
             quantize_index_keys_reference,
+            quantize_index_queries_reference,
         )
         rows8 = quantize_index_keys_reference(k)
         cache = FP8KeyLayout(D, bs).pages(rows8)
         k = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
         del rows8
+        qo = dequantize_index_queries_reference(*quantize_index_queries_reference(q))
+    else:
+        qo = q
     out = torch.full((T, topk), SENTINEL, dtype=torch.int32, device="cuda")
     got = indexer_topk(q, w, cache, bt, tr, tp, bs, topk, out=out)
     ref = indexer_topk_reference(q, w, cache, bt, tr, tp, bs, topk)
@@ -166,7 +172,7 @@ def test_gpu_production_shape(ctx, keys):
         S = pos[t] + 1
         s = torch.arange(S, device="cuda")
         rows = bt[r, s // bs].long() * bs + s % bs
-        sc = (w[t].double()[:, None] * (q[t].double() @ k[rows].double().T).clamp(min=0)).sum(0)
+        sc = (w[t].double()[:, None] * (qo[t].double() @ k[rows].double().T).clamp(min=0)).sum(0)
         sel = got[t][got[t] >= 0].long()
         assert sel.numel() == min(topk, S)
         assert len(set(sel.tolist())) == sel.numel()

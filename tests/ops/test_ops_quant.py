@@ -202,9 +202,10 @@ def test_fp8_attention_triton_interpreter(triton_cpu, T, H, K, d_nope, d_rope, d
 @pytest.mark.parametrize("D,dtype,bs", [(32, torch.float32, 8), (128, torch.bfloat16, 8),
                                         (256, torch.float32, 4), (128, torch.float32, 16)])
 def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
-    """Page-split FP8 keys: Triton (one dot per head group, scale after the dot; 2 tiles for
-    D = 256) == the reference over the same pages == the reference over dequantized keys.
-    Pages no table maps hold NaN bytes, the output starts poisoned."""
+    """Page-split FP8 keys: Triton (FP8 queries; one e4m3 dot per key tile, scales after the
+    dot; 2 tiles for D = 256: dequantized queries) == the reference over the same pages == the
+    reference over dequantized keys and dequantized FP8 queries. Pages no table maps hold NaN
+    bytes, the output starts poisoned."""
     g = torch.Generator().manual_seed(D + bs)
     lay = Q.FP8KeyLayout(D, bs)
     rows = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
@@ -223,7 +224,8 @@ def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
     assert torch.equal(got, want)
     assert (got[2] == -1).all() and not ((got[0] >= 3 * bs) & (got[0] < 4 * bs)).any()
     deq = Q.dequantize_index_keys_reference(rows, D)
-    assert torch.equal(ops.indexer_topk_reference(q, w, deq, bt, req, pos, bs, 8), want)
+    qd = Q.dequantize_index_queries_reference(*Q.quantize_index_queries_reference(q))
+    assert torch.equal(ops.indexer_topk_reference(qd, w, deq, bt, req, pos, bs, 8), want)
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -282,7 +284,10 @@ def test_gpu_fp8_indexer_production():
                        device="cuda")
     got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 2048)
     deq = Q.dequantize_index_keys_reference(rows, D, torch.bfloat16)
-    want = ops.indexer_topk(q, w, deq, bt, req, pos, bs, 2048)   # bf16 Triton path
-    # same scores (dequantized keys are exact in bf16): same selection up to fp32 ties
+    qd = Q.dequantize_index_queries_reference(*Q.quantize_index_queries_reference(q),
+                                              torch.bfloat16)
+    want = ops.indexer_topk(qd, w, deq, bt, req, pos, bs, 2048)   # bf16 Triton path
+    # same scores (dequantized keys and FP8 queries are exact in bf16): same selection up to
+    # fp32 ties
     agree = (torch.sort(got, 1).values == torch.sort(want, 1).values).float().mean().item()
     assert agree > 0.999, agree
