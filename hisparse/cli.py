@@ -175,13 +175,17 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     set_cpu_threads(args.device, args.threads)
     llm = LLM(args.model, **kwargs)
-    # Captured before the first request, as vLLM does: a graph captured on first use stalls
-    # every running request for its compile and capture (26 s at the first host-read switch
-    # of the stand-in on the H200).
-    t0 = time.perf_counter()
-    llm.capture_cuda_graphs()
-    logging.getLogger("hisparse.server").info("decode CUDA graphs ready in %.1f s",
-                                              time.perf_counter() - t0)
+    try:
+        # Captured before the first request, as vLLM does: a graph captured on first use
+        # stalls every running request for its compile and capture (26 s at the first
+        # host-read switch of the stand-in on the H200).
+        t0 = time.perf_counter()
+        llm.capture_cuda_graphs()
+        logging.getLogger("hisparse.server").info("decode CUDA graphs ready in %.1f s",
+                                                  time.perf_counter() - t0)
+    except BaseException:
+        llm.shutdown()
+        raise
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests,
                       log_interval=args.log_interval)
     try:

@@ -193,11 +193,14 @@ def _bench_mode(args, mode: str | None, prompts, vocab: int) -> dict:
     try:
         with ServerThread(create_app(engine, model_name="bench")) as srv:
             _warm_up(srv.url, "bench", args, vocab)
+            before = llm.stats()        # the counters below are the measured run's only
             res = asyncio.run(run_load(srv.url, "bench", prompts, args.output_len,
                                        args.request_rate, args.seed))
-        s = llm.stats()
+        after = llm.stats()
+        s = {k: after[k] - before[k] for k in ("hot_hits", "hot_misses", "spilled_pages",
+                                              "num_preempted")}
         lookups = s["hot_hits"] + s["hot_misses"]
-        res.update(peak_running=s["peak_running"], spilled_pages=s["spilled_pages"],
+        res.update(peak_running=after["peak_running"], spilled_pages=s["spilled_pages"],
                    num_preempted=s["num_preempted"],
                    hot_hit_rate=s["hot_hits"] / lookups if lookups else math.nan)
         return res

@@ -241,8 +241,12 @@ class LLM:
         """Capture every decode batch bucket now instead of on first use (keeps capture time out
         of measurements): the plain decode graphs, or with ``num_speculative_tokens`` the
         speculative steps' verify and draft graphs. No-op when decode is not captured (CPU,
-        eager, models whose forward syncs with the host)."""
+        eager, models whose forward syncs with the host) and with ``tensor_parallel_size > 1``
+        (the ranks capture on first use, in lockstep: a capture here would run rank 0's
+        collectives alone)."""
         self._check_open()
+        if self.tensor_parallel_size > 1:
+            return
         graphs = self.runner.graphs or getattr(self.runner, "spec_graphs", None)
         if graphs is not None and graphs.capture:
             variants = (False,) if self.kv_config.mode == Mode.GPU_ONLY else (False, True)

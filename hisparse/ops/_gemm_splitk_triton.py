@@ -428,6 +428,9 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     # one part of either kind: its program walks all of K (the same additions, no reduction)
     parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
     level = LEVELS.index(cfg.level) if parts > 1 else 2
+    if parts * M * N >= 2 ** 31:        # the kernels' partial-sum offsets are int32
+        raise ValueError(f"fp8_block_linear_splitk: {parts} parts x M={M} x N={N} partial sums "
+                         f"exceed the int32 offsets (< 2**31): use fewer rows per call")
     out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     dst = torch.empty(parts, M, N, device=x.device, dtype=torch.float32) if level < 2 else out
     grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), parts)

@@ -26,17 +26,19 @@ and passes ``q`` after the indexer's non-interleaved RoPE (the same for ``k_cach
 hold ``k_norm(wk(x))`` with RoPE applied). The result equals transformers' up to fp32 rounding
 (the scale is applied after the dot instead of before the ReLU).
 
-**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`): the queries
-are quantized the same way, per token, head and 128-value tile
-(:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above means their
-dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0 scales, then
-``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8 keys. With one
+**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`) with
+``HISPARSE_FP8_INDEXER=1``: the queries are quantized the same way, per token, head and
+128-value tile (:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above
+means their dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0
+scales, then ``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8
+keys. With one
 tile per head (``D <= 128``) the kernel runs the e4m3 x e4m3 dot with fp32 accumulation and
 folds both power-of-two scales out of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c >
 0``); the reference computes the same scores from the dequantized values in fp32, so the two
-differ only by fp32 accumulation order. ``HISPARSE_FP8_INDEXER=0`` keeps the queries in their
-dtype against the upcast keys (the path before, a same-run baseline): kernel and reference
-both follow it. bf16 / fp32 keys: queries unquantized, always.
+differ only by fp32 accumulation order. This FP8-query path is opt-in for now
+(``HISPARSE_FP8_INDEXER=1``, :func:`fp8_query_enabled`): by default the queries stay in their
+dtype against the upcast keys; kernel and reference both follow the switch. bf16 / fp32 keys:
+queries unquantized, always.
 """
 
 from __future__ import annotations
@@ -57,9 +59,13 @@ from .topk import TopkScratch, topk_select
 FP8_QUERY_ENV = "HISPARSE_FP8_INDEXER"
 
 
-def fp8_query_enabled() -> bool:
-    """False when ``HISPARSE_FP8_INDEXER=0``: FP8 keys are scored with unquantized queries."""
-    return os.environ.get(FP8_QUERY_ENV, "1") != "0"
+def fp8_query_enabled(head_dim: int) -> bool:
+    """Whether FP8 keys are scored against FP8 queries: only with ``HISPARSE_FP8_INDEXER=1``
+    (measured 2.3-2.7x the other path on the H200, but its GPU correctness tests have not run
+    yet: docs/GPU_TESTS.md) and when a query tile (``min(head_dim, 128)`` values) is a power
+    of two, as the kernel's tile is. Otherwise the queries stay unquantized."""
+    tile = min(head_dim, 128)
+    return os.environ.get(FP8_QUERY_ENV, "0") == "1" and tile & (tile - 1) == 0
 
 
 class IndexerWorkspace:
@@ -126,7 +132,7 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
     pos_l = token_pos.tolist()
     if k_cache.dtype == torch.uint8:
         layout = _fp8_layout(k_cache, q.shape[-1], block_size)
-        if fp8_query_enabled():
+        if fp8_query_enabled(q.shape[-1]):
             q = dequantize_index_queries_reference(*quantize_index_queries_reference(q))
     for r, t0, t1 in _groups(req_l):
         ps = pos_l[t0:t1]
@@ -192,7 +198,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
             scratch = workspace.topk
         keys, lens = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
                                   token_pos[a:b], block_size, out=keys_buf, lengths=lens,
-                                  group=group, fp8_query=fp8_query_enabled())
+                                  group=group, fp8_query=fp8_query_enabled(q.shape[-1]))
         topk_select(keys, lens, topk, out=out[a:b], scratch=scratch)
     return out
 

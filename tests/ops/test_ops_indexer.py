@@ -130,10 +130,11 @@ def test_triton_interpreter_ties(triton_cpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", ["bf16", "fp8"])
 @pytest.mark.parametrize("ctx", [3000, 8192, 32768])
-def test_gpu_production_shape(ctx, keys):
+def test_gpu_production_shape(ctx, keys, monkeypatch):
     """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
     ``fp8``: page-split FP8 keys (the oracle scores their dequantized values against the
     dequantized FP8 queries)."""
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T

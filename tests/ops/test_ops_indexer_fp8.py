@@ -20,6 +20,12 @@ SENTINEL = -7
 INT32_MIN = -(2 ** 31)
 
 
+@pytest.fixture(autouse=True)
+def _fp8_queries(monkeypatch):
+    """The FP8-query path is opt-in (``HISPARSE_FP8_INDEXER=1``): these tests are its."""
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")
+
+
 def _scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
     """Inverse of ``topk.orderable_keys``: int32 keys -> fp32 scores."""
     bits = torch.where(keys < 0, keys ^ 0x7FFFFFFF, keys)
@@ -160,9 +166,10 @@ def test_fp8_scoring_exact_on_integer_data(triton_cpu, group):
 
 
 def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
-    """``HISPARSE_FP8_INDEXER=0``: kernel and reference both score the unquantized queries
-    (the reference then equals itself over the dequantized keys); the default scores the FP8
-    queries (different scores on random data)."""
+    """Without ``HISPARSE_FP8_INDEXER=1`` (here ``=0``; unset is the default) kernel and
+    reference both score the unquantized queries (the reference then equals itself over the
+    dequantized keys); with it, the FP8 queries (different scores on random data). A head
+    size whose query tile is not a power of two (48) keeps the unquantized path too."""
     from hisparse.ops._indexer_triton import indexer_keys
 
     T, Hi, D, bs, P, R, topk = 3, 16, 64, 8, 4, 2, 8
@@ -177,6 +184,12 @@ def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
     assert torch.equal(ref, indexer_topk_reference(q, w, kd.float(), bt, req, pos, bs, topk))
     keys_old, _ = indexer_keys(q, w, pages, bt, req, pos, bs, fp8_query=False)
     assert not torch.equal(keys_old[0, :31], keys_f8q[0, :31])
+    monkeypatch.delenv("HISPARSE_FP8_INDEXER")
+    assert torch.equal(indexer_topk(q, w, pages, bt, req, pos, bs, topk), ref)
+    from hisparse.ops.indexer import fp8_query_enabled
+
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")
+    assert fp8_query_enabled(128) and fp8_query_enabled(64) and not fp8_query_enabled(48)
 
 
 # ---------------------------------------------------------------------------------- GPU

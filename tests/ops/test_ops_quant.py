@@ -206,6 +206,7 @@ def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
     dot; 2 tiles for D = 256: dequantized queries) == the reference over the same pages == the
     reference over dequantized keys and dequantized FP8 queries. Pages no table maps hold NaN
     bytes, the output starts poisoned."""
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (opt-in)
     g = torch.Generator().manual_seed(D + bs)
     lay = Q.FP8KeyLayout(D, bs)
     rows = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
@@ -271,7 +272,8 @@ def test_gpu_flashmla_fp8_matches_triton(T, H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_indexer_production():
+def test_gpu_fp8_indexer_production(monkeypatch):
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (opt-in)
     bs, P, R = 64, 1024, 2
     D = 128
     rows = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()
