@@ -605,7 +605,8 @@ def policy_resolve(b, backend, topk, band, req, flags, policy, prefetch, out=Non
     return resolve_rows(*args, out=out, **kw)
 
 
-@pytest.mark.parametrize("H", [48, 22])   # 22: band rows get evicted under pressure
+# 22: band rows get evicted under pressure; 48 (no pressure) only with the newest Triton
+@pytest.mark.parametrize("H", [pytest.param(48, marks=pytest.mark.newest_triton_only), 22])
 @pytest.mark.parametrize("policy,prefetch", [("lru", 0), ("score", 0), ("score", 5), ("lru", 3),
                                              ("score", 64)])
 def test_policy_kernel_matches_reference(triton_cpu, policy, prefetch, H):
