@@ -77,9 +77,10 @@ def test_splitk_matches_reference(triton_cpu, poisoned_empty, M, N, K, block, co
 
 def test_splitk_launch_choices_do_not_change_bits(triton_cpu, poisoned_empty):
     """For one plan, programs per chunk or per group (partial sums + the reduction launch) or
-    over all of K (registers), both in-kernel quantizers and the pipeline depth give identical
-    bits; another plan does not (the numerics' one parameter). Tile shapes are the GPU's
-    claim: here ``tl.dot`` is numpy's matmul, which may round by the tile's shape."""
+    over all of K (registers) and both in-kernel quantizers give identical bits; another plan
+    does not (the numerics' one parameter). Tile shapes and the pipeline depth are the GPU's
+    claim (its test): here ``tl.dot`` is numpy's matmul, which may round by the tile's shape,
+    and the interpreter does not pipeline."""
     from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
 
     N, K, block = 96, 480, (32, 32)
@@ -90,7 +91,7 @@ def test_splitk_launch_choices_do_not_change_bits(triton_cpu, poisoned_empty):
     runs = {(level, quant, st): fp8_block_linear_splitk(
         x, w, s, block, torch.float32, config=_cfg(32, level=level, stages=st), plan=plan,
         quant=quant) for level in ("chunk", "group", "all") for quant in ("gemm", "kernel")
-        for st in (1, 3)}
+        for st in (1,)}
     first = runs[("all", "gemm", 1)]
     for key, got in runs.items():
         assert torch.equal(got, first), key
