@@ -98,22 +98,6 @@ def test_triton_split_k(triton_cpu, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """``torch.empty`` of a float dtype comes back full of NaN: an element a kernel should
-    write and does not shows up."""
-    real = torch.empty
-
-    def empty(*size, **kw):
-        t = real(*size, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
-
-
 def _cfg(bt, bn=64, split=False, quant="gemm", warps=4, blocks=1):
     from hisparse.ops._gemm_triton import StreamConfig
 
