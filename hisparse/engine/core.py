@@ -303,7 +303,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def _launch(self, plan: StepPlan) -> _LaunchedStep:
-        if not plan.seqs:       # copy-only: mirrors of landed remote prompts
+        if not plan.seqs:       # copy-only: restores of landed remote prompts
             self._acks += self.runner.copy_only(plan)
             return _LaunchedStep(plan, [])
         requests = self.scheduler.running_requests(plan)

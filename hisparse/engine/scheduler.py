@@ -233,8 +233,8 @@ class Scheduler:
             budget -= n
             scheduled += 1
         self.peak_running = max(self.peak_running, len(self.running))
-        if scheduled == 0 and not kv.has_landed_mirrors:
-            return None     # (else a copy-only plan: landed rows must turn durable to free)
+        if scheduled == 0 and not kv.has_landed:
+            return None     # (else a copy-only plan: landed rows must be restored, durable)
         self.step_id += 1
         plan = kv.build_plan(self.step_id)
         by_id = self._running_by_id

@@ -75,9 +75,9 @@ class KVCoordinator:
         self._scheduled: list[tuple[RequestKV, int, int]] = []   # (request, start, num_tokens)
         self._restore_pages: list[tuple[int, int]] = []          # (host block, gpu block)
         self._indexer_restore_pages: list[tuple[int, int]] = []  # (host block, indexer block)
-        # Remote prefills whose rows landed: their GPU rows and keys are mirrored to host by the
-        # next plan (the write is durable, and the pages clean, once that mirror is acked).
-        self._landed: list[tuple[RequestKV, PendingWrite]] = []
+        # Remote prefills whose rows landed in the host pool: the next plan restores their GPU
+        # pages and keys (the rows are durable, and the pages published, from that plan on).
+        self._landed: list[RequestKV] = []
         # Blocks taken by :meth:`quarantine` now (a gauge): failed loads' READs may write them.
         self.quarantined_blocks = 0
 
@@ -211,12 +211,13 @@ class KVCoordinator:
         stays 0, no reclaim policy sees it) until :meth:`finish_remote`, or :meth:`free` on a
         failed load. ``token_ids`` is the engine's list: the prompt, then the first token.
 
-        Landing (DESIGN.md §7): every prompt page on GPU when they all fit above the watermark
-        (``hisparse`` mode); otherwise rows land in the host pool and the request reads its
-        history through its hot buffer from its first step, except a partial last page, which
-        lands on GPU (its decode rows are written there). Indexer keys always land in the GPU
-        indexer cache. Host blocks are taken for the full length (the host pool is the
-        authority); the landed GPU rows and keys are mirrored to host by the next plan.
+        Landing (DESIGN.md §7): the READs write the host pool (the authority; host blocks are
+        taken for the full length); then every prompt page lives on GPU when they all fit
+        above the watermark (``hisparse`` mode); otherwise the request reads its history from
+        the host pool through its hot buffer from its first step, except a partial last page,
+        which lives on GPU (its decode rows are written there). Indexer keys always live in the
+        GPU indexer cache. The pages on GPU and the keys are restored from host by the first
+        plan after :meth:`finish_remote`.
         Leading prompt pages found in this instance's prefix cache are not transferred: they
         are claimed as :meth:`admit` claims hits (restored to GPU when every page lands there,
         else read in place), their keys restored into the GPU indexer cache.
@@ -295,60 +296,64 @@ class KVCoordinator:
 
     def finish_remote(self, req_id: str) -> RequestKV:
         """The load of an :meth:`admit_remote` request completed: its prompt rows count as
-        computed; they turn durable (and their hashes are published) once the next plan's
-        mirror of the landed GPU rows and keys is acked (I1-I3)."""
+        computed. The next plan restores its GPU pages and keys from the landed host rows;
+        the rows turn durable (and their hashes are published) when that plan is built: from
+        then on no reader sees a GPU page before its restore (the runner restores before the
+        forward), and a request freed before it restores and publishes nothing."""
         req = self.get(req_id)
         if req.num_computed:
             raise ValueError(f"request {req_id!r} is not waiting for remote KV")
         req.num_computed = req.prompt_len
-        write = PendingWrite(req.prompt_len)
-        req.pending.append(write)
-        self._landed.append((req, write))
+        self._landed.append(req)
         return req
 
     @property
-    def has_landed_mirrors(self) -> bool:
-        """Landed remote prompts wait for a plan to mirror them (the scheduler then plans a
-        copy-only step if nothing else runs: their pages turn clean only by it)."""
+    def has_landed(self) -> bool:
+        """Landed remote prompts wait for a plan to restore them (the scheduler then plans a
+        copy-only step if nothing else runs: their pages turn durable only by it)."""
         return bool(self._landed)
 
-    def _landing_mirrors(self, landed) -> tuple[np.ndarray, ...]:
-        """(GPU rows, their host rows, indexer rows, their host rows) of landed prompts (the
-        requests' own tables: a request freed since it landed still holds its blocks)."""
+    def _landing_restores(self) -> tuple[np.ndarray, ...]:
+        """(host rows, GPU rows, host rows, indexer rows) that restore the landed prompts of
+        live requests; those rows turn durable and their full pages are published."""
         parts = [], [], [], []
         bs = self.block_size
-        for req, _ in landed:     # the rows pulled (prefix hits are durable already)
+        landed, self._landed = self._landed, []
+        for req in landed:     # the rows pulled (prefix hits are durable already)
+            if req.freed:
+                continue
             pos = np.arange(req.landed_start, req.prompt_len, dtype=np.int64)
             page, off = pos // bs, pos % bs
             gpu = req.resident[page].astype(np.int64)
             host_rows = req.host[page].astype(np.int64) * bs + off
             on_gpu = gpu >= 0
-            parts[0].append(gpu[on_gpu] * bs + off[on_gpu])
-            parts[1].append(host_rows[on_gpu])
-            parts[2].append(req.indexer[page].astype(np.int64) * bs + off)
-            parts[3].append(host_rows)
-        return tuple(np.concatenate(p) for p in parts)
+            parts[0].append(host_rows[on_gpu])
+            parts[1].append(gpu[on_gpu] * bs + off[on_gpu])
+            parts[2].append(host_rows)
+            parts[3].append(req.indexer[page].astype(np.int64) * bs + off)
+            req.num_durable = req.prompt_len
+            self.prefix.publish(req)
+            if req.host_read:
+                self.reclaim.unpin_clean_pages(req)
+        return tuple(np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts)
 
     def quarantine(self, job: LoadJob) -> None:
         """Keep the blocks a failed load's READs may still write (:meth:`LoadJob.read_targets
-        <hisparse.kv.transfer_plan.LoadJob.read_targets>`) out of the pools: one more
-        reference each, so the request's :meth:`free` leaves them taken, until
+        <hisparse.kv.transfer_plan.LoadJob.read_targets>`: host blocks) out of the pool: one
+        more reference each, so the request's :meth:`free` leaves them taken, until
         :meth:`release_quarantine` of the same job (its READs ended). Call before the free."""
-        for pool, blocks in zip(self._target_pools(), job.read_targets()):
-            for block in blocks.tolist():
-                pool.touch(block)
-            self.quarantined_blocks += len(blocks)
+        blocks = job.read_targets()
+        for block in blocks.tolist():
+            self.host_pool.touch(block)
+        self.quarantined_blocks += len(blocks)
 
     def release_quarantine(self, job: LoadJob) -> None:
-        """The READs of a job given to :meth:`quarantine` ended: its blocks go back to the pools
+        """The READs of a job given to :meth:`quarantine` ended: its blocks go back to the pool
         (their content is garbage: nothing was published from them)."""
-        for pool, blocks in zip(self._target_pools(), job.read_targets()):
-            for block in blocks.tolist():
-                pool.release(block)
-            self.quarantined_blocks -= len(blocks)
-
-    def _target_pools(self) -> tuple[BlockPool, BlockPool, BlockPool]:
-        return self.gpu_pool, self.host_pool, self.indexer_pool
+        blocks = job.read_targets()
+        for block in blocks.tolist():
+            self.host_pool.release(block)
+        self.quarantined_blocks -= len(blocks)
 
     def hold(self, req_id: str) -> list[int]:
         """Keep the host blocks of a request's prompt pages past its :meth:`free` (a prefill
@@ -439,24 +444,19 @@ class KVCoordinator:
                 req.pending.append(write)
                 write_reqs.append(req)
                 writes.append(write)
-        landed, self._landed = self._landed, []
-        for req, write in landed:
-            write_reqs.append(req)
-            writes.append(write)
         mirrors = indexer_mirrors = RowCopy()
         if writes:
             self.pending_by_step[step_id] = (write_reqs, writes)
             mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
-            if landed:
-                g, h, i, hi = self._landing_mirrors(landed)
-                mirrors = RowCopy(np.concatenate((g, mirrors.src_rows)),
-                                  np.concatenate((h, mirrors.dst_rows)), copy_id=step_id)
-                indexer_mirrors = RowCopy(np.concatenate((i, indexer_mirrors.src_rows)),
-                                          np.concatenate((hi, indexer_mirrors.dst_rows)),
-                                          copy_id=step_id)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
         self._restore_pages, self._indexer_restore_pages = [], []
+        if self._landed:
+            h, g, hi, i = self._landing_restores()
+            restores = RowCopy(np.concatenate((restores.src_rows, h)),
+                               np.concatenate((restores.dst_rows, g)))
+            indexer_restores = RowCopy(np.concatenate((indexer_restores.src_rows, hi)),
+                                       np.concatenate((indexer_restores.dst_rows, i)))
         # A switch to host-read mode writes the request's hot-table row and resets its state.
         self._changed["hot"].update(self.reclaim.hot_resets)
         hot_resets = np.asarray(self.reclaim.hot_resets, dtype=np.int32)

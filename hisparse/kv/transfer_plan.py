@@ -15,14 +15,15 @@ Protocol (vLLM's ``kv_transfer_params``, so a vLLM-style disaggregation proxy ca
 - a decode request carrying them is admitted in a *waiting for remote KV* state: the KV core
   allocates the destination blocks (:meth:`KVCoordinator.admit_remote
   <hisparse.kv.coordinator.KVCoordinator.admit_remote>`), the worker pulls with NIXL READs
-  (decode-initiated) and notifies the prefill instance, then the request decodes from its
-  first token.
+  (decode-initiated) into its host pool and notifies the prefill instance, the KV core
+  restores the GPU-resident pages from there (:class:`LoadJob`), then the request decodes
+  from its first token.
 
-Layouts: every registered region (GPU arena, GPU indexer cache, host pool, host indexer keys)
-is ``[num_layers, num_blocks, block_bytes]`` bytes at ``base + layer * layer_stride + block *
-block_bytes`` (:class:`RegionLayout`): MLA rows (656-B FP8 or bf16 rows, ``block_size`` per
-block), bf16 indexer keys and FP8 indexer key pages alike. A transfer moves the same blocks of
-every layer, one descriptor per (layer, run of blocks contiguous on both sides).
+Layouts: every registered region (host pool, host indexer keys) is ``[num_layers, num_blocks,
+block_bytes]`` bytes at ``base + layer * layer_stride + block * block_bytes``
+(:class:`RegionLayout`): MLA rows (656-B FP8 or bf16 rows, ``block_size`` per block), bf16
+indexer keys and FP8 indexer key pages alike. A transfer moves the same blocks of every layer,
+one descriptor per (layer, run of blocks contiguous on both sides).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import numpy as np
 
 KV_ROLES = ("prefill", "decode")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-# Region names: MLA rows and indexer keys, on GPU and on host.
-REGIONS = ("arena", "indexer", "host", "host_indexer")
+# Region names: the registered host regions, MLA rows and indexer keys.
+REGIONS = ("host", "host_indexer")
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class RemotePrefill:
             raise ValueError(f"kv_transfer_params.first_token must be >= 0, got {first}")
         layout = need("remote_layout", dict)
         regions = {}
-        for name in ("host", "host_indexer"):
+        for name in REGIONS:
             if name not in layout:
                 raise ValueError(f"kv_transfer_params.remote_layout lacks {name!r}")
             try:
@@ -189,13 +190,18 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class LoadJob:
-    """What the worker pulls for one decode request: the rows of prompt pages ``first_page +
-    i`` from the remote host block ``remote.host_blocks[first_page + i]`` into
-    ``gpu_blocks[i]`` (GPU arena page, or -1: rows land in ``host_blocks[i]`` of the host pool)
-    and the indexer keys into ``indexer_blocks[i]`` of the GPU indexer cache. All lists are
-    int32 over the pulled pages; the pages before ``first_page`` were prefix-cache hits of the
-    decode instance. The landed GPU rows and keys reach the host pool by the next plan's
-    mirrors."""
+    """What the worker pulls for one decode request: prompt page ``first_page + i`` from the
+    remote host block ``remote.host_blocks[first_page + i]`` into ``host_blocks[i]`` of the
+    host pool (its MLA rows) and of the host indexer keys (its keys). Every READ lands in host
+    memory, the authoritative tier: one local memory type, and no READ into GPU memory, which
+    UCX can only reach from a peer's host memory through bounce buffers (issue 23: 0.6 GB/s
+    into GPU pages against 1.26 GB/s into the host pool). The KV core then restores the pages
+    that live on GPU (``gpu_blocks[i] >= 0``; -1: the page is read from the host pool through
+    the hot buffer) and every page's keys (into ``indexer_blocks[i]``) with host-to-device
+    copies of the first plan after the load (:meth:`KVCoordinator.finish_remote
+    <hisparse.kv.coordinator.KVCoordinator.finish_remote>`). All lists are int32 over the
+    pulled pages; the pages before ``first_page`` were prefix-cache hits of the decode
+    instance."""
 
     req_id: str
     remote: RemotePrefill
@@ -208,12 +214,6 @@ class LoadJob:
     def gpu_pages(self) -> np.ndarray:
         return np.flatnonzero(self.gpu_blocks >= 0)
 
-    @property
-    def host_pages(self) -> np.ndarray:
-        return np.flatnonzero(self.gpu_blocks < 0)
-
-    def read_targets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The blocks this load's READs write: (GPU arena blocks, host pool blocks, GPU indexer
-        blocks). A page landing on GPU has its host block allocated but not read into."""
-        return (self.gpu_blocks[self.gpu_pages], self.host_blocks[self.host_pages],
-                self.indexer_blocks)
+    def read_targets(self) -> np.ndarray:
+        """The host blocks this load's READs write (rows and keys: they share block ids)."""
+        return self.host_blocks

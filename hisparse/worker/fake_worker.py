@@ -123,18 +123,15 @@ class FakeWorker:
             dst[:, torch.from_numpy(op.dst_rows)] = src[:, torch.from_numpy(op.src_rows)]
 
     def land(self, job, req_id: str) -> None:
-        """A remote prefill's rows arrive (what a NIXL load writes): the pulled positions'
-        rows into the job's GPU pages or host blocks, their keys into its indexer blocks."""
+        """A remote prefill's rows arrive (what a NIXL load writes): the pulled positions' rows
+        and keys into the job's host blocks (the KV core's next plan restores the GPU ones)."""
         bs, first = self.block_size, job.first_page * self.block_size
         pos = np.arange(first, job.remote.num_tokens, dtype=np.int64)
         i, off = pos // bs - job.first_page, pos % bs
         rows = self.expected(req_id, pos)
-        gpu = job.gpu_blocks[i].astype(np.int64)
-        on_gpu = torch.from_numpy(gpu >= 0)
-        self.arena[:, torch.from_numpy(gpu * bs + off)[on_gpu]] = rows[:, on_gpu]
         host = torch.from_numpy(job.host_blocks[i].astype(np.int64) * bs + off)
-        self.host[:, host[~on_gpu]] = rows[:, ~on_gpu]
-        self.indexer[:, torch.from_numpy(job.indexer_blocks[i].astype(np.int64) * bs + off)] = rows
+        self.host[:, host] = rows
+        self.host_indexer[:, host] = rows
 
     def expected(self, req_id: str, positions: np.ndarray) -> torch.Tensor:
         """The rows every layer must hold at ``positions`` of a request (``[layers, n]``)."""

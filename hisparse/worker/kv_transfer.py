@@ -1,10 +1,13 @@
 """KV transfer between a prefill and a decode instance over NIXL (issue 23; DESIGN.md §7).
 
-:class:`KVTransferAgent` registers this engine's four regions (GPU arena, GPU indexer cache,
-host pool, host indexer keys) with a NIXL agent (UCX backend; DRAM on CPU, VRAM on CUDA) whose
-handshake server (:mod:`hisparse.worker.kv_handshake`) tells peers who it is. The request
-protocol and the descriptor plans are
-in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it decides nothing.
+:class:`KVTransferAgent` registers this engine's host regions (host pool, host indexer keys:
+DRAM, pinned on CUDA) with a NIXL agent (UCX backend) whose handshake server
+(:mod:`hisparse.worker.kv_handshake`) tells peers who it is. Both sides read and write host
+memory only: a READ lands in the decode's host pool, and the KV core restores the GPU pages
+from there (:class:`~hisparse.kv.transfer_plan.LoadJob`). The request protocol and the
+descriptor plans are in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports,
+it decides nothing. UCX's transports are UCX's own settings (``UCX_TLS`` and the other
+``UCX_*`` variables of the server's environment; ``benchmarks/probe_nixl.py`` compares them).
 
 - Prefill side: the held prompt rows are read from its host pool (the authoritative, durable
   copy: write-through mirrors). :meth:`KVTransferAgent.poll_notifications` returns the request
@@ -13,8 +16,8 @@ in :mod:`hisparse.kv.transfer_plan`; this module moves bytes and reports, it dec
   per engine step, never blocking) walks each load through: wait for the device work queued
   before it (its blocks may have been written by a step still in flight), the handshake
   (the peer at ``remote_host:remote_port`` must be the engine the params name, with our
-  compatibility hash; then its NIXL metadata is loaded), one READ per local memory type
-  (descriptors per layer and run of contiguous blocks), then a ``read:<request id>``
+  compatibility hash; then its NIXL metadata is loaded), one READ (descriptors per layer,
+  region and run of blocks contiguous on both sides), then a ``read:<request id>``
   notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
   NIXL error (a prefill instance that dies mid-READ) or its deadline (a dead, stalled or
   unreachable prefill instance): ``load_timeout_s`` after it started, in any state, or, once
@@ -46,7 +49,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse.kv.transfer_plan import LoadJob, RegionLayout, RemotePrefill, transfer_descriptors
+from hisparse.kv.transfer_plan import (
+    REGIONS,
+    LoadJob,
+    RegionLayout,
+    RemotePrefill,
+    transfer_descriptors,
+)
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.kv_handshake import HandshakeServer, fetch_peer
 
@@ -89,8 +98,8 @@ class TransferMetrics:
     failures: int = 0          # loads failed: hash mismatch, NIXL error, timeout (decode)
     bytes: int = 0             # bytes read by completed loads (decode)
     seconds: float = 0.0       # summed start-to-done time of completed loads (decode)
-    rows_gpu: int = 0          # prompt rows landed in GPU pages (per layer) (decode)
-    rows_host: int = 0         # prompt rows landed in the host pool (decode)
+    rows_gpu: int = 0          # prompt rows landed for GPU pages (restored there) (decode)
+    rows_host: int = 0         # prompt rows landed for the host tier only (decode)
     prefix_hit_rows: int = 0   # prompt rows not pulled: prefix-cache hits here (decode)
     stalled: int = 0           # failed or aborted loads whose READs were still in flight (decode)
     quarantined_loads: int = 0  # ... of them whose READs have not ended yet (a gauge) (decode)
@@ -154,11 +163,9 @@ class KVTransferAgent:
         self.device = caches.device
         self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False,
                                                         backends=["UCX"]))
-        tensors = {"arena": (caches.arena, cfg.num_gpu_blocks + 1),
-                   "indexer": (caches.indexer, cfg.num_indexer_blocks + 1),
-                   "host": (caches.host, cfg.num_host_blocks if cfg.uses_host else 0),
-                   "host_indexer": (caches.host_indexer,
-                                    cfg.num_host_blocks if cfg.uses_host else 0)}
+        # (no host tier: nothing to register; the KV core refuses remote prefills then)
+        n = cfg.num_host_blocks if cfg.uses_host else 0
+        tensors = {"host": (caches.host, n), "host_indexer": (caches.host_indexer, n)}
         self.layouts: dict[str, RegionLayout] = {}
         self._registered = []
         for region, (t, blocks) in tensors.items():
@@ -184,7 +191,7 @@ class KVTransferAgent:
 
     def remote_layout(self) -> dict:
         """What a decode instance needs to address our held rows (``remote_layout``)."""
-        return {r: self.layouts[r].to_dict() for r in ("host", "host_indexer")}
+        return {r: self.layouts[r].to_dict() for r in REGIONS}
 
     # ------------------------------------------------------------------ prefill side
     def poll_notifications(self) -> list[str]:
@@ -407,28 +414,16 @@ class KVTransferAgent:
     def _post_reads(self, load: _Load) -> None:
         job, remote = load.job, load.job.remote
         rblocks = np.asarray(remote.host_blocks, dtype=np.int64)[job.first_page:]
-        g, h = job.gpu_pages, job.host_pages
-        pairs = [(self.layouts["arena"], remote.layout["host"], job.gpu_blocks[g], rblocks[g]),
-                 (self.layouts["host"], remote.layout["host"], job.host_blocks[h], rblocks[h]),
-                 (self.layouts["indexer"], remote.layout["host_indexer"], job.indexer_blocks,
-                  rblocks)]
-        by_mem: dict[str, tuple[list, list]] = {}
-        for local, rem, lb, rb in pairs:
-            if len(lb) == 0 or local.num_layers == 0:
-                continue
-            ld, rd = transfer_descriptors(local, rem, lb, rb)
-            lists = by_mem.setdefault(local.mem, ([], []))
-            lists[0].append(ld)
-            lists[1].append(rd)
-        for mem, (ld, rd) in by_mem.items():
-            local_descs = self.agent.get_xfer_descs(np.concatenate(ld), mem)
-            remote_descs = self.agent.get_xfer_descs(np.concatenate(rd), "DRAM")
-            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
-                                                remote.engine_id)
-            load.handles.append(handle)
-            load.nbytes += int(sum(int(d[:, 1].sum()) for d in ld))
-            if self.agent.transfer(handle) == "ERR":
-                raise RuntimeError(f"posting the {mem} READ failed")
+        ld, rd = zip(*(transfer_descriptors(self.layouts[r], remote.layout[r], job.host_blocks,
+                                            rblocks) for r in REGIONS))
+        local, remote_descs = np.concatenate(ld), np.concatenate(rd)
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
+                                            self.agent.get_xfer_descs(remote_descs, "DRAM"),
+                                            remote.engine_id)
+        load.handles.append(handle)
+        load.nbytes += int(local[:, 1].sum())
+        if self.agent.transfer(handle) == "ERR":
+            raise RuntimeError("posting the READ failed")
 
     def _landed(self, load: _Load) -> None:
         job, bs, m = load.job, self.block_size, self.metrics

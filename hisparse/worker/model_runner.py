@@ -308,7 +308,7 @@ class ModelRunner:
         return logits, self._poll_acks()
 
     def copy_only(self, plan: StepPlan) -> list[int]:
-        """A plan without sequences: its copies only (the mirrors of landed remote prompts);
+        """A plan without sequences: its copies only (the restores of landed remote prompts);
         returns the copy ids acknowledged since the last call."""
         self._before_forward(plan)
         self._mirror(plan)

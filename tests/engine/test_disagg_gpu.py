@@ -1,6 +1,7 @@
 """Disaggregation on CUDA (issue 23): both roles in one process on one GPU, NIXL over UCX
-moving host-pool (DRAM) rows into the decode's VRAM arena and indexer cache, and into its
-pinned host pool; FP8 and bf16 KV; CUDA-graph decode; greedy outputs equal a colocated run."""
+moving the prefill's pinned host-pool rows into the decode's pinned host pool, restored from
+there into its GPU arena and indexer cache; FP8 and bf16 KV; CUDA-graph decode; greedy outputs
+equal a colocated run."""
 
 import random
 
@@ -45,7 +46,8 @@ def test_prefill_to_decode_on_gpu(dense_path, kv_cache_dtype, decode_gpu_blocks)
     m = d.disagg.metrics
     assert m.requests == len(prompts) and m.failures == 0
     assert (m.rows_host > 0) == (decode_gpu_blocks == 60)
-    assert d.disagg.agent.layouts["arena"].mem == "VRAM"
+    assert {lay.mem for lay in d.disagg.agent.layouts.values()} == {"DRAM"}   # pinned host
+    assert m.rows_gpu > 0 and d.runner.h2d_bytes > 0          # restored from the host pool
     s = d.stats()
     assert s["free_gpu_blocks"] == decode_gpu_blocks
     assert s["free_host_blocks"] == d.kv_config.num_host_blocks

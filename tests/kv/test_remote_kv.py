@@ -1,5 +1,6 @@
-"""The KV core's side of disaggregation: where a remote prompt lands, the mirrors that make it
-durable (I1-I3), holding a prefill's blocks, and no leaks (I2)."""
+"""The KV core's side of disaggregation: where a remote prompt lands (the host pool), the
+restores that bring its GPU pages and keys back and make it durable (I1-I3), holding a
+prefill's blocks, and no leaks (I2)."""
 
 import numpy as np
 import pytest
@@ -33,41 +34,55 @@ def assert_full(kv):
 
 @pytest.mark.parametrize("num_gpu_blocks,n,gpu_landing", [(40, 30, True), (11, 60, False),
                                                            (40, 32, True), (11, 64, False)])
-def test_landing_then_mirrors_make_the_prompt_durable(num_gpu_blocks, n, gpu_landing):
+def test_landing_then_restores_make_the_prompt_durable(num_gpu_blocks, n, gpu_landing):
     kv = core(num_gpu_blocks)
     ids = list(range(100, 100 + n)) + [5]
     job = kv.admit_remote("a", ids, n + 10, remote(n))
     pages = -(-n // BS)
     assert len(job.gpu_blocks) == len(job.host_blocks) == len(job.indexer_blocks) == pages
+    np.testing.assert_array_equal(job.read_targets(), job.host_blocks)   # READs: host only
     if gpu_landing:
         assert (job.gpu_blocks >= 0).all()
-    else:   # rows land in host blocks; only a partial last page (decode writes it) on GPU
+    else:   # rows stay in host blocks; only a partial last page (decode writes it) on GPU
         assert list(job.gpu_pages) == ([pages - 1] if n % BS else [])
     req = kv.get("a")
-    assert req.num_computed == 0 and kv.build_plan(0).mirrors.src_rows.size == 0
+    plan = kv.build_plan(0)
+    assert req.num_computed == 0 and len(plan.restores) == len(plan.indexer_restores) == 0
     kv.finish_remote("a")
+    assert req.num_durable == 0 and not kv.host_pool.hash_to_block    # not before the plan
     assert kv.allocate_slots(req, 1)
     plan = kv.build_plan(1)
     assert req.host_read == (not gpu_landing)
-    # the landed GPU rows and every landed key go to their host rows, plus the decode token
+    # the landed host rows of GPU pages go to their GPU rows, every landed key to the indexer
     pos = np.arange(n)
     host_rows = job.host_blocks[pos // BS].astype(np.int64) * BS + pos % BS
     on_gpu = job.gpu_blocks[pos // BS] >= 0
-    m, im = plan.mirrors, plan.indexer_mirrors
-    assert m.copy_id == im.copy_id == 1
-    np.testing.assert_array_equal(m.dst_rows[:on_gpu.sum()], host_rows[on_gpu])
+    r, ir = plan.restores, plan.indexer_restores
+    np.testing.assert_array_equal(r.src_rows, host_rows[on_gpu])
     np.testing.assert_array_equal(
-        m.src_rows[:on_gpu.sum()],
-        (job.gpu_blocks[pos // BS].astype(np.int64) * BS + pos % BS)[on_gpu])
-    np.testing.assert_array_equal(im.dst_rows[:n], host_rows)
+        r.dst_rows, (job.gpu_blocks[pos // BS].astype(np.int64) * BS + pos % BS)[on_gpu])
+    np.testing.assert_array_equal(ir.src_rows, host_rows)
     np.testing.assert_array_equal(
-        im.src_rows[:n], job.indexer_blocks[pos // BS].astype(np.int64) * BS + pos % BS)
-    assert len(m) == on_gpu.sum() + 1 and len(im) == n + 1
-    assert req.num_durable == 0 and not kv.host_pool.hash_to_block    # I3: not before ack
+        ir.dst_rows, job.indexer_blocks[pos // BS].astype(np.int64) * BS + pos % BS)
+    assert len(plan.mirrors) == len(plan.indexer_mirrors) == 1         # the decode token only
+    # durable from the restoring plan on: the prompt's full pages are published
+    assert req.num_durable == n and len(kv.host_pool.hash_to_block) == n // BS
+    assert len(kv.build_plan(2).restores) == 0                          # restored once
     kv.apply_acks([1])
     assert req.num_durable == n + 1
-    assert len(kv.host_pool.hash_to_block) == (n + 1) // BS          # full pages published
+    assert len(kv.host_pool.hash_to_block) == (n + 1) // BS
     kv.free("a")
+    assert_full(kv)
+
+
+def test_a_load_freed_before_its_restoring_plan_restores_and_publishes_nothing():
+    kv = core()
+    kv.admit_remote("a", list(range(20)) + [5], 30, remote(20))
+    kv.finish_remote("a")
+    kv.free("a")                      # e.g. preempted before any plan
+    plan = kv.build_plan(1)
+    assert len(plan.restores) == len(plan.indexer_restores) == 0
+    assert not kv.host_pool.hash_to_block and not kv.has_landed
     assert_full(kv)
 
 
@@ -126,7 +141,8 @@ def test_prefix_hits_are_not_pulled(num_gpu_blocks):
     kv.finish_remote("b")
     assert kv.allocate_slots(r, 1)
     plan = kv.build_plan(3)
-    assert len(plan.indexer_mirrors) == 4 + 1            # pulled keys + the decode token's
+    assert len(plan.indexer_restores) == len(plan.restores) == 4   # the pulled partial page
+    assert len(plan.indexer_mirrors) == 1                # the decode token's
     kv.apply_acks([3])
     assert r.num_durable == 37
     kv.free("b")
@@ -149,34 +165,29 @@ def test_a_failed_load_drops_its_unplanned_restores():
 
 @pytest.mark.parametrize("num_gpu_blocks,n", [(40, 30), (11, 60)])
 def test_quarantined_blocks_stay_out_of_the_pools_until_released(num_gpu_blocks, n):
-    """A failed load whose READs may still write: the blocks they target (landing GPU pages,
-    host blocks of host-landed pages, every indexer block) outlive the request's free and are
-    never handed out (admissions until the pools run dry get none of them) until released;
-    the rest of the request's blocks (host blocks of GPU-landed pages) free at once."""
+    """A failed load whose READs may still write: the blocks they target (the host blocks of
+    every pulled page) outlive the request's free and are never handed out (admissions until
+    the pools run dry get none of them) until released; the request's GPU and indexer blocks
+    (no READ writes them) free at once."""
     kv = core(num_gpu_blocks)
     job = kv.admit_remote("a", list(range(100, 100 + n)) + [5], n + 10, remote(n))
-    gpu, host, idx = job.read_targets()
-    assert len(gpu) + len(host) == len(job.gpu_blocks) and len(idx) == len(job.indexer_blocks)
+    host = job.read_targets()
+    assert len(host) == len(job.host_blocks) == -(-n // BS)
     kv.quarantine(job)
     kv.free("a")
-    assert kv.quarantined_blocks == len(gpu) + len(host) + len(idx)
+    assert kv.quarantined_blocks == len(host)
     assert (kv.gpu_pool.num_free, kv.host_pool.num_free, kv.indexer_pool.num_free) == (
-        kv.cfg.num_gpu_blocks - len(gpu), kv.cfg.num_host_blocks - len(host),
-        kv.cfg.num_indexer_blocks - len(idx))
-    taken = {name: set() for name in ("gpu", "host", "indexer")}
-    for i in range(100):     # take every free block of every pool, 1-token-page requests
+        kv.cfg.num_gpu_blocks, kv.cfg.num_host_blocks - len(host), kv.cfg.num_indexer_blocks)
+    taken = set()
+    for i in range(100):     # take blocks until a pool runs dry, 1-token-page requests
         other = kv.admit(f"b{i}", [7 + i], BS)
         if other is None:
             break
         assert kv.allocate_slots(other, 1)
         kv.build_plan(i)
-        taken["gpu"].update(int(b) for b in other.resident[:1] if b >= 0)
-        taken["host"].update(int(b) for b in other.host[:1])
-        taken["indexer"].update(int(b) for b in other.indexer[:1])
+        taken.update(int(b) for b in other.host[:1])
         kv.free(f"b{i}")    # freed, its mirror unacked: its blocks stay taken (draining)
-    assert taken["gpu"] and taken["host"] and taken["indexer"]
-    for name, blocks in (("gpu", gpu), ("host", host), ("indexer", idx)):
-        assert not taken[name] & set(blocks.tolist()), name
+    assert taken and not taken & set(host.tolist())
     kv.apply_acks(range(100))
     kv.release_quarantine(job)
     assert kv.quarantined_blocks == 0
