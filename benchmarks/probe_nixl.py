@@ -17,7 +17,12 @@ prompt:
 - ``per-layer``: the ``plan`` descriptors split into one request per layer, posted together;
 - ``bulk``: one descriptor of the whole rows region (every layer: the transport's ceiling);
 - ``plan@2ms``: ``plan`` with completion checked every 2 ms (an engine step's cadence) instead
-  of in a tight loop.
+  of in a tight loop;
+- ``copy``: the same bytes copied inside the reader (DRAM: a memcpy; VRAM: a pinned
+  host-to-device copy), the local ceiling.
+
+``--proto-info`` adds the protocol UCX chose for the reader's ``ucp_get`` (``UCX_PROTO_INFO``),
+e.g. ``zero-copy cma/memory`` (one-sided, same host) or ``multi-frag copy-in tcp/lo``.
 
 Shapes: ``standin`` (the 4-layer stand-in of bench_disagg) and ``v32`` (a DeepSeek-V3.2 TP-8
 rank: 61 layers); FP8 rows (656 B) and keys (132 B), 64-token blocks. Each line is the median of
@@ -137,11 +142,52 @@ def _time(agent, lists, mem, repeat, every_s=0.0) -> float:
     return statistics.median(times[1:])
 
 
-def reader(conn, env, opts, layers, blocks, mem, repeat, out) -> None:
+def _local_copy(rows, keys, repeat) -> float:
+    """Median seconds of copying ``rows`` and ``keys`` from same-shaped local sources (pinned
+    host ones for VRAM)."""
+    import torch
+
+    srcs = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in (rows, keys)]
+    times = []
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        for dst, src in zip((rows, keys), srcs):
+            dst.copy_(src, non_blocking=True)
+        if rows.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _proto_lines(text: str) -> str:
+    """The ``ucp_get`` protocol tables of a ``UCX_PROTO_INFO`` log, one line."""
+    out, on, rows = [], False, 0
+    for line in text.splitlines():
+        if "ucp_get" in line:
+            out.append(line.split("|")[1].strip())
+            on, rows = True, 0
+        elif on and line.count("|") >= 4 and "Range" not in line:
+            out.append(" ".join(c.strip() for c in line.split("|")[1:4]))
+            rows += 1
+        elif on and "+--" in line and rows:
+            on = False
+    return "; ".join(dict.fromkeys(out)) or "(no ucp_get table printed)"
+
+
+def reader(conn, env, opts, layers, blocks, mem, repeat, out, proto_info=False) -> None:
+    import tempfile
+
     import numpy as np
 
     from hisparse.kv.transfer_plan import RegionLayout, transfer_descriptors
 
+    log, saved = None, None
+    if proto_info:          # UCX prints its tables to stdout: catch them in a file
+        env = dict(env, UCX_PROTO_INFO="y")
+        log = tempfile.TemporaryFile(mode="w+")
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(log.fileno(), 1)
     agent = _agent("probe-dst", env, opts)
     meta, rrows, rkeys, checksum = conn.recv()
     rrows, rkeys = RegionLayout.from_dict(rrows), RegionLayout.from_dict(rkeys)
@@ -177,16 +223,26 @@ def reader(conn, env, opts, layers, blocks, mem, repeat, out) -> None:
         except Exception as e:  # noqa: BLE001 - a variant's transport may refuse: report it
             row = {"case": name, "error": f"{type(e).__name__}: {e}"[:200]}
         out.append(row)
-    # the scattered READ left every block in place: the bytes match the source's
-    got = int(rows.sum()) + int(keys.sum()) if mem != "vram" else None
-    if got is not None and got != checksum:
+    # the last READs (bulk rows, plan@2ms keys) put every block in place: the source's bytes
+    got = int(rows.sum()) + int(keys.sum())
+    if got != checksum:
         out.append({"case": "check", "error": f"checksum {got} != {checksum}"})
+    nbytes = int(contiguous[0][:, 1].sum())
+    s = _local_copy(rows, keys, repeat)
+    out.append({"case": "copy", "descs": 0, "requests": 0, "mb": nbytes / 1e6, "ms": s * 1e3,
+                "gb_s": nbytes / s / 1e9})
+    if log is not None:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        log.seek(0)
+        out.append({"case": "proto", "info": _proto_lines(log.read())})
     for r in regs:
         agent.deregister_memory(r)
     conn.send(out)
 
 
-def run_variant(name, shape, src_mem, dst_mem, repeat, timeout_s) -> list[dict]:
+def run_variant(name, shape, src_mem, dst_mem, repeat, timeout_s,
+                proto_info=False) -> list[dict]:
     env, opts = VARIANTS[name]
     layers = SHAPES[shape]
     blocks = 4096 // BLOCK
@@ -194,7 +250,8 @@ def run_variant(name, shape, src_mem, dst_mem, repeat, timeout_s) -> list[dict]:
     a, b = ctx.Pipe()
     c, d = ctx.Pipe()
     src = ctx.Process(target=source, args=(a, env, opts, layers, blocks, src_mem))
-    dst = ctx.Process(target=reader, args=(c, env, opts, layers, blocks, dst_mem, repeat, []))
+    dst = ctx.Process(target=reader, args=(c, env, opts, layers, blocks, dst_mem, repeat, [],
+                                           proto_info))
     src.start()
     dst.start()
     try:
@@ -223,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--dst", choices=("dram", "pinned", "vram"), default="dram")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per variant")
+    p.add_argument("--proto-info", action="store_true",
+                   help="report the protocol UCX chose for the reader's GETs")
     p.add_argument("--json", default=None)
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     a = p.parse_args(argv)
@@ -239,10 +298,12 @@ def main(argv=None) -> int:
           f"{'ms':>8} {'GB/s':>7}", flush=True)
     for shape in a.shapes.split(","):
         for n in names:
-            for r in run_variant(n, shape, a.src, a.dst, a.repeat, a.timeout):
+            for r in run_variant(n, shape, a.src, a.dst, a.repeat, a.timeout, a.proto_info):
                 results.append(r)
                 if "error" in r:
                     print(f"{n:14} {shape:8} {r['case']:10} ERROR {r['error']}", flush=True)
+                elif "info" in r:
+                    print(f"{n:14} {shape:8} {r['case']:10} {r['info']}", flush=True)
                 else:
                     print(f"{n:14} {shape:8} {r['case']:10} {r['descs']:6d} {r['requests']:4d} "
                           f"{r['mb']:7.1f} {r['ms']:8.2f} {r['gb_s']:7.2f}", flush=True)

@@ -12,18 +12,20 @@ it decides nothing. UCX's transports are UCX's own settings (``UCX_TLS`` and the
 - Prefill side: the held prompt rows are read from its host pool (the authoritative, durable
   copy: write-through mirrors). :meth:`KVTransferAgent.poll_notifications` returns the request
   ids the decode side finished reading.
-- Decode side: :meth:`KVTransferAgent.start_load` takes a :class:`LoadJob`; :meth:`poll` (once
-  per engine step, never blocking) walks each load through: wait for the device work queued
-  before it (its blocks may have been written by a step still in flight), the handshake
-  (the peer at ``remote_host:remote_port`` must be the engine the params name, with our
-  compatibility hash; then its NIXL metadata is loaded), one READ (descriptors per layer,
+- Decode side: :meth:`KVTransferAgent.start_load` takes a :class:`LoadJob` and, like
+  :meth:`poll` (once per engine step), walks it as far as it goes without blocking: the
+  handshake (the peer at ``remote_host:remote_port`` must be the engine the params name, with
+  our compatibility hash; then its NIXL metadata is loaded), one READ (descriptors per layer,
   region and run of blocks contiguous on both sides), then a ``read:<request id>``
-  notification to the prefill instance. A load fails on a hash mismatch, a wrong peer, a
-  NIXL error (a prefill instance that dies mid-READ) or its deadline (a dead, stalled or
-  unreachable prefill instance): ``load_timeout_s`` after it started, in any state, or, once
-  its READs are posted, the prefill's hold of the blocks (``remote_hold_until`` less
-  :data:`HOLD_MARGIN_S`: READs are not posted past it, and READs ending after it are
-  refused).
+  notification to the prefill instance. A READ is posted at once, with no wait for device
+  work in flight: it writes only host blocks just taken from the pool, which no queued copy
+  touches (a freed request's blocks return to the pool only once its mirrors are
+  acknowledged; restores and host reads are of live requests' blocks). A load fails on a
+  hash mismatch, a wrong peer, a NIXL error (a prefill instance that dies mid-READ) or its
+  deadline (a dead, stalled or unreachable prefill instance): ``load_timeout_s`` after it
+  started, in any state, or, once its READs are posted, the prefill's hold of the blocks
+  (``remote_hold_until`` less :data:`HOLD_MARGIN_S`: READs are not posted past it, and READs
+  ending after it are refused).
 - Stuck READs: a load that fails or is aborted while a READ of it is in flight is
   *quarantined*: the request is reported failed at once (it recomputes in fresh blocks),
   but the blocks the READ targets stay out of the pools (:meth:`take_quarantined`; the KV
@@ -116,8 +118,7 @@ class _Load:
     job: LoadJob
     started: float
     deadline: float
-    event: object = None                      # torch.cuda.Event on CUDA
-    state: str = "device"                     # device -> handshake -> reading -> done
+    state: str = "handshake"                  # handshake -> reading -> done
     handles: list = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None                  # set when cancelled
@@ -160,7 +161,6 @@ class KVTransferAgent:
         cfg = caches.cfg
         self.name, self.host, self.compat = name, host, compat
         self.load_timeout_s = load_timeout_s
-        self.device = caches.device
         self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False,
                                                         backends=["UCX"]))
         # (no host tier: nothing to register; the KV core refuses remote prefills then)
@@ -209,8 +209,8 @@ class KVTransferAgent:
         return len(self._loads)
 
     def start_load(self, job: LoadJob) -> None:
-        """Begin pulling ``job`` (never blocks). A compatibility-hash mismatch fails it at
-        once: no byte is read."""
+        """Begin pulling ``job`` (never blocks; :meth:`poll` reports its end). A
+        compatibility-hash mismatch fails it at once: no byte is read."""
         now = time.monotonic()
         load = _Load(job, now, now + self.load_timeout_s)
         remote = job.remote
@@ -220,15 +220,13 @@ class KVTransferAgent:
                                            f"block size, KV format or layer count differ)"))
             self.metrics.failures += 1
             return
-        if self.device.type == "cuda":
-            load.event = torch.cuda.Event()
-            load.event.record()
         key = (remote.engine_id, remote.host, remote.port)
         peer = self._remotes.get(key)
         if peer is None or (peer is not READY and peer.done() and peer.exception()):
             self._remotes[key] = self._handshakes.submit(fetch_peer, remote.host, remote.port,
                                                          self.load_timeout_s)
         self._loads[job.req_id] = load
+        self._service(job.req_id, load, now)    # a known peer: the READ is posted now
 
     def cancel(self, req_id: str) -> None:
         """Stop a load (the request was aborted); :meth:`poll` reports it failed."""
@@ -242,24 +240,29 @@ class KVTransferAgent:
         are still in flight is in :meth:`take_quarantined` too: take those first."""
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
-            error = load.error
-            if error is None:
-                try:
-                    error = self._advance(load)
-                except Exception as e:  # noqa: BLE001 - NIXL's own error, reported
-                    error = f"NIXL transfer failed: {type(e).__name__}: {e}"
-            if error is None and load.state != "done":
-                error = load.expired(now)
-                if error is None:
-                    continue
-            del self._loads[req_id]
-            if error is not None:
-                self._end_failed(load, error)
-            self._done.append((req_id, error))
+            self._service(req_id, load, now)
         if self._goodbyes:
             self._send_goodbyes(now)
         done, self._done = self._done, []
         return done
+
+    def _service(self, req_id: str, load: _Load, now: float) -> None:
+        """Advance one load; one that ended (landed, failed or cancelled) goes to the next
+        :meth:`poll`'s answer."""
+        error = load.error
+        if error is None:
+            try:
+                error = self._advance(load)
+            except Exception as e:  # noqa: BLE001 - NIXL's own error, reported
+                error = f"NIXL transfer failed: {type(e).__name__}: {e}"
+        if error is None and load.state != "done":
+            error = load.expired(now)
+            if error is None:
+                return
+        del self._loads[req_id]
+        if error is not None:
+            self._end_failed(load, error)
+        self._done.append((req_id, error))
 
     def _end_failed(self, load: _Load, error: str) -> None:
         """A failed or cancelled load: release its READs, or quarantine it while one is still
@@ -276,7 +279,7 @@ class KVTransferAgent:
             logger.warning("request %s: its NIXL READs from %r at %s:%s are still in flight; "
                            "%d blocks quarantined until they end", load.job.req_id,
                            remote.engine_id, remote.host, remote.port,
-                           sum(len(b) for b in load.job.read_targets()))
+                           len(load.job.read_targets()))
         self._notify_done(load)
 
     def take_quarantined(self) -> list[LoadJob]:
@@ -304,10 +307,6 @@ class KVTransferAgent:
 
     def _advance(self, load: _Load) -> str | None:
         remote = load.job.remote
-        if load.state == "device":
-            if load.event is not None and not load.event.query():
-                return None
-            load.state = "handshake"
         if load.state == "handshake":
             ready, error = self._peer(remote)
             if not ready:

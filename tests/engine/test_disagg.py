@@ -519,16 +519,23 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
 
 def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small_batch,
                                                                colocated, monkeypatch):
-    """A stopped prefill, a decode pool too small for the recomputes beside the quarantined
-    blocks, and a request aborted with its READs in flight: the abort quarantines its blocks
-    at once; the others time out and recompute, and a request that cannot be scheduled beside
-    the quarantine fails after the load timeout with a clear error instead of waiting forever
-    (or stopping the engine). The prefill is killed: its READs fail, the quarantined blocks
-    come back, the pools are full and serve the same prompts."""
+    """A stopped prefill, a decode host pool too small for the recomputes beside the
+    quarantined blocks (it holds the three loads' blocks and no more), and a request aborted
+    with its READs in flight: the abort quarantines its blocks at once; the others time out
+    and recompute, and a request that cannot be scheduled beside the quarantine fails after
+    the load timeout with a clear error instead of waiting forever (or stopping the engine).
+    The prefill is killed: its READs fail, the quarantined blocks come back, the pools are
+    full and serve the same prompts."""
+    sizing = engine(dsv32_path)
+    bs = sizing.kv_config.block_size
+    pages = [-(-(len(b["prompt_token_ids"]) + N_OUT) // bs) for b in small_batch]
+    block_bytes = bs * sizing.caches.geo.bytes_per_token
     prefill_proc = PrefillProcess(dsv32_path, small_batch)
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
-        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16)
+        d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16,
+                   host_pool_gib=(sum(pages) + 0.5) * block_bytes / 2**30)
+        assert d.kv_config.num_host_blocks == sum(pages)
         agent = d.disagg.agent
         post = agent._post_reads
 
@@ -559,7 +566,7 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
         m = d.disagg.metrics
         assert m.stalled == 3 and m.failures == 2 and m.requests == 0
         assert set(outs) == set(rids[:2])
-        # 16 GPU blocks: the 3 quarantined loads leave neither recompute room to run
+        # the 3 quarantined loads' prompt pages leave neither recompute host room to run
         for r in rids[:2]:
             c = outs[r].outputs[0]
             assert c.finish_reason == "error" and c.token_ids == [], (c.finish_reason, c.error)
