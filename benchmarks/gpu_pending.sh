@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests rank glm gemm pinned disagg kernels serve
+#   SECTION: tests rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -71,6 +71,18 @@ for section in "$@"; do
       run disagg_host 150 python3 benchmarks/bench_disagg.py --out "$out/disagg_host.json" \
         --layers 4 --num-prompts 24 --input-len 4096 --output-len 64 --request-rate 2 \
         --skip-colocated --decode-args "--mode always-host" ;;
+    nixl)    # issue 23: raw NIXL READ rates between two processes of this host (~3 min):
+             # pinned host -> pinned host (what a decode's loads do) by UCX transport and agent
+             # option, 4-layer stand-in and V3.2 rank; pinned host -> VRAM (the old GPU-tier
+             # landing); each with the protocol UCX chose for the GETs
+      run nixl_host 170 python3 benchmarks/probe_nixl.py --src pinned --dst pinned \
+        --variants default,tcp,cma,threads4 --shapes standin,v32 --repeat 3 --proto-info \
+        --json "$out/nixl_host.json"
+      run nixl_vram 70 python3 benchmarks/probe_nixl.py --src pinned --dst vram \
+        --variants default,cuda --shapes standin --repeat 3 --proto-info \
+        --json "$out/nixl_vram.json"
+      grep -hv "NIXL INFO" "$out/nixl_host.log" "$out/nixl_vram.log" >"$out/nixl_table.txt"
+      cat "$out/nixl_table.txt" ;;
     kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
