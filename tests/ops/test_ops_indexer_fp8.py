@@ -15,6 +15,7 @@ import torch
 
 from hisparse.ops import IndexerWorkspace, indexer_topk, indexer_topk_reference
 from hisparse.ops import quant as Q
+from hisparse.ops.rotation import indexer_rotation
 
 SENTINEL = -7
 INT32_MIN = -(2 ** 31)
@@ -35,9 +36,11 @@ def _scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
 def _case(T, Hi, D, bs, P, R, seed, device="cpu", integer=False, qdtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     nblk = R * P + 3
-    if integer:
-        q = torch.randint(-2, 3, (T, Hi, D), generator=g).float()
-        k = torch.randint(-2, 3, (nblk * bs, D), generator=g).float()
+    if integer:     # small integers in the rotated basis (FP8 keys and queries are rotated):
+        # for D = 4 ** m the rotation is exact both ways (H @ H = D * I, D ** -0.5 a power of 2)
+        assert D in (16, 64, 256)
+        q = indexer_rotation(torch.randint(-2, 3, (T, Hi, D), generator=g).float())
+        k = indexer_rotation(torch.randint(-2, 3, (nblk * bs, D), generator=g).float())
         w = torch.tensor([0.25, 0.5, -0.5, 1.0])[torch.randint(0, 4, (T, Hi), generator=g)]
     else:   # per-head and per-key magnitudes spread over 2**-4 .. 2**4: real scale tiles
         q = torch.randn(T, Hi, D, generator=g) * 2.0 ** torch.randint(-4, 5, (T, Hi, 1),
@@ -144,11 +147,11 @@ def test_fp8_scoring_matches_oracle(triton_cpu, group, Hi):
 
 @pytest.mark.parametrize("group", [1, 4])
 def test_fp8_scoring_exact_on_integer_data(triton_cpu, group):
-    """Small-integer queries and keys (their FP8 quantization is exact) and power-of-two
-    weights: every score is exact in fp32, so the kernel + radix select equal the reference bit
-    for bit, with heavy ties, mixed requests, padding and lengths below and above top-k, through
-    a poisoned workspace."""
-    T, Hi, D, bs, P, R, topk = 7, 16, 32, 8, 6, 3, 12
+    """Queries and keys whose rotations are small integers (so their rotation and FP8
+    quantization are exact) and power-of-two weights: every score is exact in fp32, so the
+    kernel + radix select equal the reference bit for bit, with heavy ties, mixed requests,
+    padding and lengths below and above top-k, through a poisoned workspace."""
+    T, Hi, D, bs, P, R, topk = 7, 16, 64, 8, 6, 3, 12
     q, w, pages, bt, _ = _case(T, Hi, D, bs, P, R, seed=10 + group, integer=True,
                                qdtype=torch.float32)
     bt[1, 2] = -1
@@ -167,9 +170,10 @@ def test_fp8_scoring_exact_on_integer_data(triton_cpu, group):
 
 def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
     """Without ``HISPARSE_FP8_INDEXER=1`` (here ``=0``; unset is the default) kernel and
-    reference both score the unquantized queries (the reference then equals itself over the
-    dequantized keys); with it, the FP8 queries (different scores on random data). A head
-    size whose query tile is not a power of two (48) keeps the unquantized path too."""
+    reference both score the rotated, unquantized queries (the reference then equals itself
+    over the dequantized keys and the rotated queries); with it, the FP8 queries (different
+    scores on random data). A head size whose query tile is not a power of two (48) keeps the
+    unquantized path too."""
     from hisparse.ops._indexer_triton import indexer_keys
 
     T, Hi, D, bs, P, R, topk = 3, 16, 64, 8, 4, 2, 8
@@ -181,7 +185,8 @@ def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
     got = indexer_topk(q, w, pages, bt, req, pos, bs, topk)
     ref = indexer_topk_reference(q, w, pages, bt, req, pos, bs, topk)
     assert torch.equal(got, ref)
-    assert torch.equal(ref, indexer_topk_reference(q, w, kd.float(), bt, req, pos, bs, topk))
+    assert torch.equal(ref, indexer_topk_reference(indexer_rotation(q), w, kd.float(), bt, req,
+                                                   pos, bs, topk))
     keys_old, _ = indexer_keys(q, w, pages, bt, req, pos, bs, fp8_query=False)
     assert not torch.equal(keys_old[0, :31], keys_f8q[0, :31])
     monkeypatch.delenv("HISPARSE_FP8_INDEXER")

@@ -7,6 +7,7 @@ import torch
 
 from hisparse import ops
 from hisparse.ops import quant as Q
+from hisparse.ops.rotation import indexer_rotation
 
 
 def _flashmla_style_quantize(x: torch.Tensor, d_nope: int) -> torch.Tensor:
@@ -59,11 +60,18 @@ def test_quantize_reference_matches_flashmla_formula_and_round_trips(d_nope, d_r
 
 
 def test_index_key_round_trip():
+    """An FP8 key stores the rotated key (ops.rotation): dequantized, it is ``indexer_rotation(k)``
+    within e4m3's error, and rotating it back gives ``k`` within that error's norm (the rotation
+    is orthogonal) plus the bf16 rounding of the rotated key."""
     k = _rows(16, 128, seed=3)
     b = Q.quantize_index_keys_reference(k)
     assert b.shape == (16, 132)
     back = Q.dequantize_index_keys_reference(b, 128)
-    assert ((back - k.float()).abs() <= k.float().abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
+    rk = indexer_rotation(k).float()
+    assert ((back - rk).abs() <= rk.abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
+    err = (indexer_rotation(back) - k.float()).norm(dim=-1)
+    assert (err <= (back - rk).norm(dim=-1) * 1.001 + k.float().norm(dim=-1) * 2 ** -8
+            + 1e-30).all()
 
 
 @pytest.mark.parametrize("D,bs", [(128, 64), (128, 4), (32, 8), (256, 4), (128, 1)])
