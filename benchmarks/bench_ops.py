@@ -427,12 +427,11 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
     bf16 keys (256 B) vs page-split FP8 keys (132 B, quant.FP8KeyLayout) on the same values;
     ``sweep``: every config of INDEXER_SWEEP for both key formats."""
     from hisparse.ops._indexer_triton import indexer_keys
+    from hisparse.ops.indexer import fp8_key_queries_reference
     from hisparse.ops.quant import (
         FP8KeyLayout,
         dequantize_index_keys_reference,
-        dequantize_index_queries_reference,
         quantize_index_keys_reference,
-        quantize_index_queries_reference,
     )
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     layout = FP8KeyLayout(D, bs)
@@ -457,10 +456,10 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
         k8 = layout.pages(rows8)
         deq = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
         del rows8
-        # same selection as the bf16 kernel over the dequantized keys and FP8 queries (both
-        # exact in bf16; FP8-key scoring quantizes the queries: ops.indexer)
-        qd = dequantize_index_queries_reference(*quantize_index_queries_reference(q),
-                                                torch.bfloat16)
+        # same selection as the bf16 kernel over the dequantized (rotated) keys and the queries
+        # as FP8-key scoring takes them (rotated; FP8 with HISPARSE_FP8_INDEXER=1; exact in
+        # bf16: ops.indexer)
+        qd = fp8_key_queries_reference(q).to(torch.bfloat16)
         sel8 = torch.sort(indexer_topk(q, w, k8, bt, req, pos, bs, topk), 1).values
         sel16 = torch.sort(indexer_topk(qd, w, deq, bt, req, pos, bs, topk), 1).values
         agree = (sel8 == sel16).float().mean().item()
