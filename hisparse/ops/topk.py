@@ -11,9 +11,16 @@ anything), so the work of a row is proportional to its own length, not to ``W``.
 ``torch.sort(descending=True, stable=True)`` order: ``-0.0`` equals ``+0.0``, every NaN ranks
 above ``+inf`` (all NaN equal: ties by column), ``-inf`` below every finite score. ``INT32_MIN``
 is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalized).
+
+``HISPARSE_TOPK_SORT=single`` makes the Triton path rank the selection with the former single
+program per row (one ``tl.sort`` of the whole selection, ~30 us whatever the batch); the default
+``split`` sorts it in chunks of ``sort_chunk`` slots across several programs per row and merges
+them by rank (:mod:`hisparse.ops._topk_triton`). Both are exact and give the same result.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +29,18 @@ from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
+SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else one program)
+SORT_ENV = "HISPARSE_TOPK_SORT"
+SORT_MODES = ("split", "single")
+
+
+def sort_mode() -> str:
+    """The Triton path's ranking of the selection: ``HISPARSE_TOPK_SORT`` (``split`` by
+    default, ``single``: the former one program per row)."""
+    mode = os.environ.get(SORT_ENV, "") or "split"
+    if mode not in SORT_MODES:
+        raise ValueError(f"{SORT_ENV} must be one of {SORT_MODES}, got {mode!r}")
+    return mode
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
@@ -57,7 +76,9 @@ class TopkScratch:
     counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
     each call) and the histograms of each (row, split) program (``split_hist [rows +
     SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
-    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``)."""
+    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
+    split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
+    read by each call)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
@@ -66,16 +87,18 @@ class TopkScratch:
                                 device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
+        self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
 
-    ROW_BYTES = 4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+    ROW_BYTES = (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+                 + 8 * SORT_COLS)
 
-    def data_ptrs(self) -> tuple[int, int]:
-        return self.hist.data_ptr(), self.split_hist.data_ptr()
+    def data_ptrs(self) -> tuple[int, int, int]:
+        return self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr()
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
                 out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
-                splits: int | None = None) -> torch.Tensor:
+                splits: int | None = None, sort_chunk: int | None = None) -> torch.Tensor:
     """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
 
     Args:
@@ -88,11 +111,16 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             capture; without one each call allocates its own.
         splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
             the scratch; default: enough to fill the GPU).
+        sort_chunk: split sort, selection slots per program (a power of two, 16..4096, a speed
+            hint: any value is exact; default 256). Ignored (one program per row) when
+            ``HISPARSE_TOPK_SORT=single`` or ``k > SORT_COLS``.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
-    threshold is resolved), a compaction of the selected columns into ``out`` and one in-program
-    sort of the ``k`` selected (key, column) pairs; no host sync, fixed launch shapes.
+    threshold is resolved), a compaction of the selected columns into ``out`` and a sort of the
+    selected (key, column) pairs: chunks sorted by several programs per row, then each entry
+    written at its rank (the entries above it in every chunk); no host sync, fixed launch
+    shapes.
     """
     T = keys.shape[0]
     if k < 1:
@@ -115,6 +143,7 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             raise ValueError(f"topk_select: scratch ({scratch.rows} rows, "
                              f"{scratch.hist.device}) is too small for {T} rows on "
                              f"{keys.device}; size it for the largest call up front")
-        return topk_select_triton(keys, lengths, k, out, scratch, splits)
+        return topk_select_triton(keys, lengths, k, out, scratch, splits, sort_chunk,
+                                  sort_mode() == "split" and k <= SORT_COLS)
     out.copy_(topk_select_reference(keys, lengths, k))
     return out

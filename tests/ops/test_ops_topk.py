@@ -102,6 +102,38 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
     assert torch.equal((got >= 0).sum(1), n_valid.clamp(max=k).int())
 
 
+# (k, distinct, row lengths, sort chunk): the split sort over several chunks per row, k not a
+# multiple of the chunk, a selection filling part of a chunk, heavy ties, k > every length
+SORT_CASES = [
+    (64, 2, [300, 1, 63, 64, 65, 0, 200], 16),
+    (50, 1 << 20, [300, 49, 50, 51, 17, 2, 299], 16),
+    (96, 5, [40, 1, 3, 7, 95, 0, 11], 32),      # k above every length: -1 tails in every chunk
+    (40, 3, [300, 120, 41, 5, 250, 39, 1], 64),  # one chunk holding all of k
+]
+
+
+@pytest.mark.parametrize("k,distinct,lengths,chunk", SORT_CASES)
+@pytest.mark.parametrize("mode", ["split", "single"])
+def test_triton_sort_modes_match_reference(triton_cpu, monkeypatch, k, distinct, lengths, chunk,
+                                           mode):
+    monkeypatch.setenv("HISPARSE_TOPK_SORT", mode)
+    W = 300
+    keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + chunk)
+    out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=2,
+                      sort_chunk=chunk)
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
+def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
+    keys, lens = make_keys(2, 40, 5, [40, 20], seed=1)
+    with pytest.raises(ValueError, match="sort_chunk"):
+        topk_select(keys, lens, 8, sort_chunk=24)
+    monkeypatch.setenv("HISPARSE_TOPK_SORT", "bitonic")
+    with pytest.raises(ValueError, match="HISPARSE_TOPK_SORT"):
+        topk_select(keys, lens, 8)
+
+
 def test_triton_all_equal_and_all_invalid(triton_cpu):
     """Every key equal (the threshold is resolved only at the last digit: ties by column) and
     rows of invalid keys only; the scratch is reused across calls (zeroed by each)."""
