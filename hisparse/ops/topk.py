@@ -12,15 +12,17 @@ anything), so the work of a row is proportional to its own length, not to ``W``.
 above ``+inf`` (all NaN equal: ties by column), ``-inf`` below every finite score. ``INT32_MIN``
 is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalized).
 
-``HISPARSE_TOPK_SORT=single`` makes the Triton path rank the selection with the former single
-program per row (one ``tl.sort`` of the whole selection, ~30 us whatever the batch); the default
-``split`` sorts it in chunks of ``sort_chunk`` slots across several programs per row and merges
-them by rank (:mod:`hisparse.ops._topk_triton`). Both are exact and give the same result.
+``HISPARSE_TOPK`` picks the Triton path's launches (:mod:`hisparse.ops._topk_triton`), all exact
+and equal: ``fused`` (default) one kernel per call, the row's programs meeting between phases;
+``phased`` the same phases one launch each; ``legacy`` the former path (four histogram launches,
+a collect, then one program per row sorting the whole selection: ~30 us whatever the batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -29,18 +31,34 @@ from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
-SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else one program)
-SORT_ENV = "HISPARSE_TOPK_SORT"
-SORT_MODES = ("split", "single")
+SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
+TOPK_ENV = "HISPARSE_TOPK"
+TOPK_MODES = ("fused", "phased", "legacy")
 
 
-def sort_mode() -> str:
-    """The Triton path's ranking of the selection: ``HISPARSE_TOPK_SORT`` (``split`` by
-    default, ``single``: the former one program per row)."""
-    mode = os.environ.get(SORT_ENV, "") or "split"
-    if mode not in SORT_MODES:
-        raise ValueError(f"{SORT_ENV} must be one of {SORT_MODES}, got {mode!r}")
+def topk_mode() -> str:
+    """The Triton path's launches: ``HISPARSE_TOPK`` (module docstring; ``fused`` by
+    default)."""
+    mode = os.environ.get(TOPK_ENV, "") or "fused"
+    if mode not in TOPK_MODES:
+        raise ValueError(f"{TOPK_ENV} must be one of {TOPK_MODES}, got {mode!r}")
     return mode
+
+
+@dataclass(frozen=True)
+class TopkLaunch:
+    """Launch parameters of the Triton top-k (speed hints: every value is exact).
+    ``splits``: programs per row (``None``: about ``per_sm`` programs per SM over all rows);
+    ``block``: columns per histogram / collect step; ``sort_chunk``: selection slots per
+    chunk of the split sort (a power of two)."""
+
+    splits: int | None = None
+    block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
+    warps: int = 4
+    sort_chunk: int = 256
+    per_sm: int = 2
+
+
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
@@ -98,7 +116,7 @@ class TopkScratch:
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
                 out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
-                splits: int | None = None, sort_chunk: int | None = None) -> torch.Tensor:
+                splits: int | None = None, launch: TopkLaunch | None = None) -> torch.Tensor:
     """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
 
     Args:
@@ -110,17 +128,16 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         scratch: the Triton path's :class:`TopkScratch` (``rows >= T``); required for CUDA-graph
             capture; without one each call allocates its own.
         splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
-            the scratch; default: enough to fill the GPU).
-        sort_chunk: split sort, selection slots per program (a power of two, 16..4096, a speed
-            hint: any value is exact; default 256). Ignored (one program per row) when
-            ``HISPARSE_TOPK_SORT=single`` or ``k > SORT_COLS``.
+            the scratch; default: enough to fill the GPU); replaces ``launch.splits``.
+        launch: the Triton path's :class:`TopkLaunch` (speed hints; default ``TopkLaunch()``).
+            ``k > SORT_COLS`` runs the ``legacy`` ranking.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
     threshold is resolved), a compaction of the selected columns into ``out`` and a sort of the
     selected (key, column) pairs: chunks sorted by several programs per row, then each entry
-    written at its rank (the entries above it in every chunk); no host sync, fixed launch
-    shapes.
+    written at its rank (the entries above it in every chunk); one launch (``HISPARSE_TOPK``),
+    no host sync, fixed launch shapes.
     """
     T = keys.shape[0]
     if k < 1:
@@ -143,7 +160,11 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             raise ValueError(f"topk_select: scratch ({scratch.rows} rows, "
                              f"{scratch.hist.device}) is too small for {T} rows on "
                              f"{keys.device}; size it for the largest call up front")
-        return topk_select_triton(keys, lengths, k, out, scratch, splits, sort_chunk,
-                                  sort_mode() == "split" and k <= SORT_COLS)
+        cfg = launch or TopkLaunch()
+        if splits is not None:
+            cfg = dataclasses.replace(cfg, splits=splits)
+        if cfg.block is None:
+            cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
+        return topk_select_triton(keys, lengths, k, out, scratch, topk_mode(), cfg)
     out.copy_(topk_select_reference(keys, lengths, k))
     return out

@@ -7,6 +7,7 @@ import torch
 from hisparse.ops.topk import (
     INT32_MAX,
     INT32_MIN,
+    TopkLaunch,
     TopkScratch,
     orderable_keys,
     topk_select,
@@ -103,34 +104,34 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
 
 
 # (k, distinct, row lengths, sort chunk): the split sort over several chunks per row, k not a
-# multiple of the chunk, a selection filling part of a chunk, heavy ties, k > every length
+# multiple of the chunk, selections filling part of a chunk or none, heavy ties, k above a row's
+# length (-1 tails), many distinct values
 SORT_CASES = [
-    (64, 2, [300, 1, 63, 64, 65, 0, 200], 16),
-    (50, 1 << 20, [300, 49, 50, 51, 17, 2, 299], 16),
-    (96, 5, [40, 1, 3, 7, 95, 0, 11], 32),      # k above every length: -1 tails in every chunk
-    (40, 3, [300, 120, 41, 5, 250, 39, 1], 64),  # one chunk holding all of k
+    (50, 2, [300, 1, 49, 51, 0], 16),
+    (40, 1 << 20, [200, 39, 40, 7, 41], 16),
 ]
 
 
-@pytest.mark.parametrize("k,distinct,lengths,chunk", SORT_CASES)
-@pytest.mark.parametrize("mode", ["split", "single"])
-def test_triton_sort_modes_match_reference(triton_cpu, monkeypatch, k, distinct, lengths, chunk,
-                                           mode):
-    monkeypatch.setenv("HISPARSE_TOPK_SORT", mode)
+# the interpreter runs "fused" as one launch per phase ("phased"): the GPU tests cover both
+@pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
+                         + [("legacy", SORT_CASES[0])])
+def test_triton_sort_modes_match_reference(triton_cpu, monkeypatch, mode, case):
+    k, distinct, lengths, chunk = case
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
     W = 300
     keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + chunk)
     out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
     got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=2,
-                      sort_chunk=chunk)
+                      launch=TopkLaunch(sort_chunk=chunk, block=64))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
 
 
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
     keys, lens = make_keys(2, 40, 5, [40, 20], seed=1)
     with pytest.raises(ValueError, match="sort_chunk"):
-        topk_select(keys, lens, 8, sort_chunk=24)
-    monkeypatch.setenv("HISPARSE_TOPK_SORT", "bitonic")
-    with pytest.raises(ValueError, match="HISPARSE_TOPK_SORT"):
+        topk_select(keys, lens, 8, launch=TopkLaunch(sort_chunk=24))
+    monkeypatch.setenv("HISPARSE_TOPK", "bitonic")
+    with pytest.raises(ValueError, match="HISPARSE_TOPK"):
         topk_select(keys, lens, 8)
 
 
