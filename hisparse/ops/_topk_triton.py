@@ -152,7 +152,7 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
     gt = (ok & (pref > prefix)).to(tl.int32)
     tie = (ok & (pref == prefix)).to(tl.int32)
     n_gt = tl.sum(gt, 0)
-    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0)
+    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0, sem="relaxed")
     tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
     rank = tie_base + tl.cumsum(tie, 0) - 1
     tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
@@ -195,7 +195,7 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stri
             acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
             start += BLOCK
     offs_b = tl.arange(0, NB)
-    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0)
+    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0, sem="relaxed")
     tl.store(split_ptr + (row * SPLITS + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
 
 

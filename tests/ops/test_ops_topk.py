@@ -192,10 +192,70 @@ def test_gpu_matches_reference(W, T, distinct, k):
     assert torch.equal(got, want)
 
 
+def _gpu_rows(T, W, k, seed, distinct):
+    """Keys built on the GPU (fast at the real shapes): ``distinct`` values per row (ties when
+    few), 2 % invalid, past-length columns poisoned with INT32_MAX, and row lengths covering
+    empty, 1, k - 1, k, k + 1, the full width and random ones."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    vals = torch.randn(T, distinct, generator=g, device="cuda")
+    sc = vals.gather(1, torch.randint(0, distinct, (T, W), generator=g, device="cuda"))
+    keys = orderable_keys(sc)
+    keys[torch.rand(T, W, generator=g, device="cuda") < 0.02] = INT32_MIN
+    lens = torch.randint(1, W + 1, (T,), generator=g, device="cuda").int()
+    fixed = torch.tensor([W, 0, 1, k - 1, k, k + 1], dtype=torch.int32, device="cuda")
+    n = min(T, fixed.numel())
+    lens[:n] = fixed[:n].clamp(max=W)
+    keys[torch.arange(W, device="cuda")[None, :] >= lens[:, None]] = INT32_MAX
+    return keys, lens
+
+
+# k: the selection (2048), the score policy's 2 x index_topk, odd sizes, and one beyond the
+# sort scratch (the legacy ranking); rows: few (split rows, a fused launch's row barriers) to
+# more than two per SM (one program per row)
 @pytest.mark.gpu
-def test_gpu_cuda_graph_buckets():
+@pytest.mark.parametrize("mode", ["fused", "phased", "legacy"])
+@pytest.mark.parametrize("T,W,k", [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048),
+                                   (64, 32768, 2049), (300, 4096, 3000), (8, 131072, 4097)])
+@pytest.mark.parametrize("distinct", [3, 1 << 24])
+def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
+    keys, lens = _gpu_rows(T, W, k, seed=T + k + distinct, distinct=distinct)
+    scratch = TopkScratch(T, "cuda")
+    want = topk_select_reference(keys, lens, k)
+    for _ in range(2):                          # the scratch reused: zeroed by each call
+        out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+        got = topk_select(keys, lens, k, out=out, scratch=scratch)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
+                                    TopkLaunch(splits=16, warps=8), TopkLaunch(block=256),
+                                    TopkLaunch(per_sm=4)])
+def test_gpu_launch_hints_are_exact(launch):
+    T, W, k = 24, 32768, 2048
+    keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
+    got = topk_select(keys, lens, k, scratch=TopkScratch(T, "cuda"), launch=launch)
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant():
+    """A row's selection does not depend on the other rows of the call (nor on how many)."""
+    W, k = 32768, 2048
+    keys, lens = _gpu_rows(64, W, k, seed=3, distinct=1000)
+    scratch = TopkScratch(64, "cuda")
+    full = topk_select(keys, lens, k, scratch=scratch).clone()
+    for b in (1, 8, 24):
+        assert torch.equal(topk_select(keys[:b], lens[:b], k, scratch=scratch), full[:b]), b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "phased"])
+def test_gpu_cuda_graph_buckets(monkeypatch, mode):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections."""
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
     W, k = 32768, 2048
     buckets = [8, 16, 32, 64]
     scratch = TopkScratch(max(buckets), "cuda")
