@@ -45,6 +45,7 @@ if TYPE_CHECKING:   # the annotation only: topk imports this module, never the r
 COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
 STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) |
 BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase arrivals ]
+LEGACY_SPLITS = 16                          # the former path's most programs per row
 
 
 @triton.jit
@@ -203,7 +204,7 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stri
 def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
                    stride_k, stride_s, stride_o, LEVELS: tl.constexpr, NB: tl.constexpr,
                    BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, MAXS: tl.constexpr):
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
@@ -211,11 +212,9 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, 
     s_row = split_ptr + (row * SPLITS).to(tl.int64) * stride_s
     dig = (prefix & (NB - 1)).to(tl.int32)
     lv = tl.maximum(level - 1, 0)
-    tie_base = level * 0
-    s2 = sp * 0
-    while s2 < sp:
-        tie_base += tl.load(s_row + s2 * stride_s + lv * NB + dig, cache_modifier=".cg")
-        s2 += 1
+    s2 = tl.arange(0, MAXS)
+    tie_base = tl.sum(tl.load(s_row + s2 * stride_s + lv * NB + dig, mask=s2 < sp, other=0,
+                              cache_modifier=".cg"), 0)
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
     o_row = out_ptr + row.to(tl.int64) * stride_o
@@ -295,7 +294,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
-                        CPAD: tl.constexpr):
+                        CPAD: tl.constexpr, MAXS: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge) of program ``(row, split)`` = ``(pid // SPLITS, pid % SPLITS)``, a row
     barrier between two phases of one launch."""
@@ -312,7 +311,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
         elif phase == LEVELS:
             _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
                            stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP,
-                           STAGES)
+                           STAGES, MAXS)
         elif phase == LEVELS + 1:
             _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
                               stride_k, stride_o, stride_q, NB, CH, C)
@@ -348,7 +347,7 @@ def _num_sms(index: int) -> int:
 
 
 def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots: int,
-                   fused: bool) -> int:
+                   mode: str, fused: bool) -> int:
     """Programs per row within the scratch's ``slots`` split histograms (a fused launch:
     also at most ``per_sm`` programs per SM when rows are split, so all are resident)."""
     splits = cfg.splits
@@ -357,7 +356,8 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
             splits = triton.cdiv(cfg.per_sm * _num_sms(device.index or 0), T)
         else:   # the interpreter's cost is per program and per block
             splits = 1
-        splits = max(1, min(splits, MAX_SPLITS, triton.cdiv(max(W, 1), cfg.block), slots // T))
+        most = LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS
+        splits = max(1, min(splits, most, triton.cdiv(max(W, 1), cfg.block), slots // T))
     if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
                          f"<= {slots} (the scratch's split histograms), got {splits}")
@@ -386,7 +386,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
     fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
-    splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], fused)
+    splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
     hist = scratch.hist[:T]
     hist.zero_()
     sh = scratch.split_hist
@@ -394,7 +394,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
             sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, CH=ch,
-                  LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C), num_warps=cfg.warps)
+                  LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C), MAXS=MAX_SPLITS,
+                  num_warps=cfg.warps)
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (T * splits,)
     if fused:
