@@ -362,8 +362,12 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
                          f"<= {slots} (the scratch's split histograms), got {splits}")
     if fused and device.type == "cuda" and splits > 1:
-        cap = max(1, cfg.per_sm) * _num_sms(device.index or 0)
-        splits = max(1, min(splits, cap // T))
+        cap = cfg.per_sm * _num_sms(device.index or 0)
+        if cfg.splits is None:
+            splits = max(1, min(splits, cap // T))
+        elif T * splits > cap:
+            raise ValueError(f"topk_select: a fused launch splits rows only while rows x splits "
+                             f"<= per_sm x SMs = {cap} (all resident), got {T} x {splits}")
     return splits
 
 
@@ -378,6 +382,9 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if ch < 16 or ch > sq.shape[1] or ch & (ch - 1):
         raise ValueError(f"topk_select: sort_chunk must be a power of two in 16..{sq.shape[1]}, "
                          f"got {ch}")
+    if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
+                         f"got {cfg.per_sm} and {cfg.warps}")
     if cfg.block < 16 or cfg.block & (cfg.block - 1):
         raise ValueError(f"topk_select: block must be a power of two >= 16, got {cfg.block}")
     ch = min(ch, max(16, next_pow2(k)))

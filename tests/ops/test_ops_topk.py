@@ -230,7 +230,7 @@ def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
-                                    TopkLaunch(splits=16, warps=8), TopkLaunch(block=256),
+                                    TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
                                     TopkLaunch(per_sm=4)])
 def test_gpu_launch_hints_are_exact(launch):
     T, W, k = 24, 32768, 2048
