@@ -221,7 +221,8 @@ def main():
     ap.add_argument("--contexts", default="32768,131072", help="scoring contexts")
     ap.add_argument("--topk-shapes", default=",".join(f"{c}x{t}x{k}" for c, t, k in SHAPES),
                     help="top-k shapes ctx x rows x k")
-    ap.add_argument("--sweep-shapes", default="32768x8x2048,32768x24x2048,32768x64x2048",
+    ap.add_argument("--sweep-shapes",
+                    default="32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048",
                     help="top-k sweep shapes (--only topk-sweep)")
     ap.add_argument("--score-rows", default="8,64", help="scoring tokens")
     ap.add_argument("--table-width", type=int, default=163840,
