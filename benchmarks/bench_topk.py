@@ -91,6 +91,7 @@ def _topk_case(ctx, T, table_width, k):
     for mode in MODES:
         t[mode] = _timed_select(keys[:, :ctx], lens, k, out, scratch, mode)
         assert torch.equal(out, want), (ctx, T, k, mode)       # the last replay's result
+    assert scratch.stalls.item() == 0, "a fused launch's row barrier gave up waiting"
     packed, packed_w = pack(keys[:, :ctx], lens), pack(keys, lens)
     t["torch"] = timeit_graph(lambda: old_topk(packed, k))
     t["torch_table"] = timeit_graph(lambda: old_topk(packed_w, k))
@@ -140,7 +141,7 @@ def sweep_topk(res, shapes):
         ts = []
         for cfg in SWEEP:
             ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg))
-            assert torch.equal(out, want), (ctx, T, k, cfg)
+            assert torch.equal(out, want) and scratch.stalls.item() == 0, (ctx, T, k, cfg)
             res.append(dict(bench="topk_sweep", ctx=ctx, rows=T, k=k,
                             config=dataclasses.asdict(cfg), us=ts[-1] * 1e6))
         best = min(ts)

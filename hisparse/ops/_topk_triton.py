@@ -46,6 +46,7 @@ COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot c
 STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) |
 BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase arrivals ]
 LEGACY_SPLITS = 16                          # the former path's most programs per row
+SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 
 
 @triton.jit
@@ -161,16 +162,23 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
 
 
 @triton.jit
-def _barrier(h_row, idx, SPLITS, BAR: tl.constexpr):
+def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexpr):
     """Wait until the row's ``SPLITS`` programs have all finished phase ``idx`` (fused launch
     only: one arrival counter per phase in the row's hist state, zeroed by each call). Safe
     because a row's programs are adjacent in launch order and the launch is sized to be
-    resident at once (``_launch_config``)."""
+    resident at once (``_launch_config``). A wait is bounded (``SPIN`` polls, about a second):
+    one that runs out is counted in ``stall_ptr`` (``TopkScratch.stalls``, never expected)
+    rather than wedging the GPU."""
     tl.debug_barrier()                      # every thread's writes of the phase precede ...
     p = h_row + BAR + idx
     tl.atomic_add(p, 1, sem="release")      # ... the program's arrival
-    while tl.atomic_add(p, 0, sem="acquire") < SPLITS:
-        pass
+    arrived = tl.atomic_add(p, 0, sem="acquire")
+    n = tl.full([], 0, tl.int32)
+    while (arrived < SPLITS) & (n < SPIN):
+        arrived = tl.atomic_add(p, 0, sem="acquire")
+        n += 1
+    if arrived < SPLITS:
+        tl.atomic_add(stall_ptr, 1, sem="relaxed")
 
 
 @triton.jit
@@ -288,13 +296,13 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 
 
 @triton.jit
-def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, W, K,
-                        SPLITS, stride_k, stride_h, stride_s, stride_o, stride_q,
+def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
+                        W, K, SPLITS, stride_k, stride_h, stride_s, stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
-                        CPAD: tl.constexpr, MAXS: tl.constexpr):
+                        CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge) of program ``(row, split)`` = ``(pid // SPLITS, pid % SPLITS)``, a row
     barrier between two phases of one launch."""
@@ -304,7 +312,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
     h_row = hist_ptr + row * stride_h
     for phase in tl.static_range(FIRST, LAST + 1):
         if phase > FIRST:
-            _barrier(h_row, phase - 1, SPLITS, BAR)
+            _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
         if phase < LEVELS:
             _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stride_k,
                         stride_s, phase, NB, BLOCK, STATE, FOR_LOOP, STAGES)
@@ -397,12 +405,12 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     hist = scratch.hist[:T]
     hist.zero_()
     sh = scratch.split_hist
-    args = (keys, lengths, hist, sh, out, sq, W, k, splits, keys.stride(0), hist.stride(0),
-            sh.stride(0), out.stride(0), sq.stride(0))
+    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, W, k, splits, keys.stride(0),
+            hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, CH=ch,
                   LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C), MAXS=MAX_SPLITS,
-                  num_warps=cfg.warps)
+                  SPIN=SPIN_POLLS, num_warps=cfg.warps)
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (T * splits,)
     if fused:

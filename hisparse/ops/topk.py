@@ -96,7 +96,8 @@ class TopkScratch:
     SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
     them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
     split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
-    read by each call)."""
+    read by each call); ``stalls [1]`` counts a fused launch's row barriers that gave up
+    waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
@@ -106,12 +107,14 @@ class TopkScratch:
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
         self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
+        self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
     ROW_BYTES = (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
                  + 8 * SORT_COLS)
 
-    def data_ptrs(self) -> tuple[int, int, int]:
-        return self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr()
+    def data_ptrs(self) -> tuple[int, ...]:
+        return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
+                self.stalls.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,

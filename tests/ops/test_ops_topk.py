@@ -226,6 +226,7 @@ def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
         out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
         got = topk_select(keys, lens, k, out=out, scratch=scratch)
         assert torch.equal(got, want)
+    assert scratch.stalls.item() == 0           # no row barrier gave up waiting
 
 
 @pytest.mark.gpu
@@ -280,3 +281,4 @@ def test_gpu_cuda_graph_buckets(monkeypatch, mode):
         outs[b].fill_(SENTINEL)
         graphs[b].replay()
         assert torch.equal(outs[b], topk_select_reference(kb, lb, k)), (i, b)
+    assert scratch.stalls.item() == 0
