@@ -408,16 +408,18 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, W, k, splits, keys.stride(0),
             hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
-                  BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, CH=ch,
-                  LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C), MAXS=MAX_SPLITS,
+                  BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, num_warps=cfg.warps)
+    sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (T * splits,)
     if fused:
-        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, **common)
+        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, **common, **sort)
     else:
+        unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
         for phase in range(last + 1):
-            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, **common)
+            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, **common,
+                                      **(sort if phase > RADIX_LEVELS else unused))
     if mode == "legacy":
         kpad = max(16, next_pow2(k))
         _sort_kernel[(T,)](keys, hist, out, k, keys.stride(0), hist.stride(0), out.stride(0),

@@ -212,10 +212,13 @@ def _gpu_rows(T, W, k, seed, distinct):
 # k: the selection (2048), the score policy's 2 x index_topk, odd sizes, and one beyond the
 # sort scratch (the legacy ranking); rows: few (split rows, a fused launch's row barriers) to
 # more than two per SM (one program per row)
+GPU_SHAPES = [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048), (64, 32768, 2049),
+              (300, 4096, 3000), (8, 131072, 4097)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fused", "phased", "legacy"])
-@pytest.mark.parametrize("T,W,k", [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048),
-                                   (64, 32768, 2049), (300, 4096, 3000), (8, 131072, 4097)])
+@pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
+                         + [(m, *s) for m in ("phased", "legacy") for s in GPU_SHAPES[:2]])
 @pytest.mark.parametrize("distinct", [3, 1 << 24])
 def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
     monkeypatch.setenv("HISPARSE_TOPK", mode)
