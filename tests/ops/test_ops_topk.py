@@ -109,6 +109,7 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
 SORT_CASES = [
     (50, 2, [300, 1, 49, 51, 0], 16),
     (40, 1 << 20, [200, 39, 40, 7, 41], 16),
+    (1, 2, [0, 1, 300], 16),
 ]
 
 
