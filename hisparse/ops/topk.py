@@ -48,17 +48,17 @@ def topk_mode() -> str:
 @dataclass(frozen=True)
 class TopkLaunch:
     """Launch parameters of the Triton top-k (speed hints: every value is exact).
-    ``splits``: programs per row (``None``: about ``per_sm`` programs per SM over all rows);
-    ``block``: columns per histogram / collect step; ``sort_chunk``: selection slots per
-    chunk of the split sort (a power of two)."""
+    ``splits``: programs per row (``None``: about ``per_sm`` programs per SM over all rows; a
+    fused launch splits rows only within ``per_sm`` programs per SM, so that all of them are
+    resident); ``block``: columns per histogram / collect step (a power of two); ``warps``:
+    per program; ``sort_chunk``: selection slots per chunk of the split sort (a power of
+    two)."""
 
     splits: int | None = None
     block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
     warps: int = 4
     sort_chunk: int = 256
     per_sm: int = 2
-
-
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
