@@ -173,14 +173,17 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
 
 def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                 gate_up_scale, down_scale, block, pow2_scale: bool = False,
-                shared=None, quantize=None, skip_empty: bool = False) -> torch.Tensor:
+                shared=None, quantize=None, skip_empty: bool = False, x_quant=None,
+                h_in_tile: bool = False) -> torch.Tensor:
     """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
     ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
     ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
     experts, CUDA): quantize each GEMM's activations once with it instead of in every tile
     (the same math: ``_gemm_triton._act_tile_fp8``). ``shared``: a
     :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
-    ``skip_empty``: programs of unused tiles exit at once."""
+    ``skip_empty``: programs of unused tiles exit at once. ``x_quant``: ``quantize(x)``
+    computed already (by the router GEMM). ``h_in_tile`` (CUDA): the down GEMM quantizes the
+    intermediate in its tiles even with ``quantize`` (its K is only ``I``)."""
     T, D = x.shape
     k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape
@@ -189,7 +192,8 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     fp8 = gate_up_scale is not None
     max_tiles = tile_expert.numel()
     x = x.contiguous()
-    quant_a = fp8 and x.is_cuda and quantize is None
+    quant_x = fp8 and x.is_cuda and quantize is None and x_quant is None   # in the GEMM tiles
+    quant_h = fp8 and x.is_cuda and (quantize is None or h_in_tile)
     # fp32 experts use IEEE fp32 dots; so does the CPU interpreter for bf16 (its bf16 tl.dot is
     # wrong in triton 3.9, see _indexer_triton)
     ieee = not fp8 and (x.dtype == torch.float32 or not x.is_cuda)
@@ -212,8 +216,8 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     # ---- gate_up + silu * up into the padded layout
     h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
     quant = (quantize if x.is_cuda else None) or quantize_fp8_act
-    if fp8 and not quant_a:
-        xq, xs = quant(x, bk, pow2_scale)
+    if fp8 and not quant_x:
+        xq, xs = x_quant or quant(x, bk, pow2_scale)
         xq = xq.contiguous()
     else:
         xq, xs = x, x
@@ -226,10 +230,10 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
         gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        FP8=fp8, QUANT_A=quant_x, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
         SKIP_EMPTY=skip_empty, **opts)
     # ---- down, weighted, per assignment
-    if fp8 and not quant_a:
+    if fp8 and not quant_h:
         hq, hs = quant(h, bk, pow2_scale)
         hq = hq.contiguous()
     else:
@@ -247,6 +251,6 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        FP8=fp8, QUANT_A=quant_h, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
         SKIP_EMPTY=skip_empty, **opts)
     return out
