@@ -532,8 +532,52 @@ def bench_align(device: str, batches, configs) -> list[dict]:
     return rows
 
 
+def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dict]:
+    """The router GEMM (with the FP8 quantization of ``x``) + routing alone (one rank: 256
+    experts of 7168, top 8 of 8 groups, + the shared expert) per T under each candidate
+    launch, us per call."""
+    from hisparse.ops.moe_layer import RoutingConfig, route_quantized
+
+    E, D, k, G = (16, 128, 4, 4) if smoke else (256, 7168, 8, 8)
+    rc = RoutingConfig(top_k=k, n_group=G, topk_group=G // 2, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+    w = (torch.randn(E, D, device=device) * D ** -0.5).bfloat16().float()
+    b = torch.randn(E, device=device) * 0.05
+    rows = []
+    for T in batches:
+        x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+        row = {"T": T}
+        for c in configs:
+            row[_router_str(c)] = time_fn(functools.partial(
+                route_quantized, x, w, b, rc, 1, 32 if smoke else 128, False, c),
+                device=device) * 1e6
+        rows.append(row)
+    return rows
+
+
+def _router_str(c) -> str:
+    return (f"s{c.k_split}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
+            f"/t{c.route_tokens}w{c.route_warps}")
+
+
 def _align_str(c) -> str:
     return f"e{c.experts}/c{c.chunk}/w{c.num_warps}"
+
+
+def print_router(rows: list[dict], configs) -> None:
+    from hisparse.ops.moe_layer import ROUTER_CONFIG
+
+    names = [_router_str(c) for c in configs]
+    print(f"\nrouter GEMM (+ x quant) + routing alone, us per call; launch = K split / experts "
+          f"per program / K step / GEMM warps / routing tokens + warps per program (default: "
+          f"{_router_str(ROUTER_CONFIG)})")
+    for i, n in enumerate(names):
+        print(f"  [{i}] {n}")
+    print(f"{'T':>4} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(names))) + " | best")
+    for r in rows:
+        best = min(range(len(names)), key=lambda i: r[names[i]])
+        print(f"{r['T']:>4} | " + " ".join(f"{r[n]:7.1f}" for n in names)
+              + f" | [{best}] {names[best]}")
 
 
 def print_align(rows: list[dict], configs) -> None:
@@ -555,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE: without the unfused layer (HISPARSE_FUSED_MOE=0)")
     p.add_argument("--align-sweep", action="store_true",
                    help="the alignment alone, one-program vs parallel under candidate launches")
+    p.add_argument("--router-sweep", action="store_true",
+                   help="the router GEMM + routing alone under candidate launches")
     p.add_argument("--moe-weights", default="fp8,bf16", help="MoE expert weights: fp8, bf16")
     p.add_argument("--sweep", action="store_true",
                    help="stream-kernel launch / chunk sweep (with --skip-gemm --skip-moe alone)")
@@ -602,6 +648,18 @@ def main(argv: list[str] | None = None) -> int:
             configs = configs[:2]
         out["align"] = bench_align(device, moe_batches, configs)
         print_align(out["align"], configs)
+    if a.router_sweep:
+        from hisparse.ops.moe_layer import ROUTER_CONFIG, RouterConfig
+
+        one = dict(route_tokens=1, route_warps=1)
+        configs = [ROUTER_CONFIG, RouterConfig(**one), RouterConfig(route_tokens=2, route_warps=2),
+                   RouterConfig(block_e=64, **one), RouterConfig(block_e=16, **one),
+                   RouterConfig(block_k=128, **one), RouterConfig(gemm_warps=2, **one),
+                   RouterConfig(k_split=256, **one), RouterConfig(k_split=256, block_e=64, **one)]
+        if a.smoke:
+            configs = [RouterConfig(k_split=64, block_k=32, block_e=8), RouterConfig(**one)]
+        out["router"] = bench_router(device, moe_batches, configs, a.smoke)
+        print_router(out["router"], configs)
     if a.sweep:
         ops = [o for o in a.sweep_ops.split(",") if o]
         bad = [o for o in ops if o not in linears]

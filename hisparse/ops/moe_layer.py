@@ -57,11 +57,30 @@ ALIGN_MODES = ("experts", "single")
 QUANT_ENV = "HISPARSE_MOE_QUANT"
 QUANT_MODES = ("fused", "router", "kernel")
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
-# sizes): the alignment is one program and the router GEMM re-reads its weight per 16 tokens,
-# both fine here, both worse than the unfused path for prefill-sized steps.
+# sizes): every alignment program histograms all assignments and the router GEMM re-reads its
+# weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
 MOE_LAYER_MAX_TOKENS = 512
-ROUTER_K_SPLIT = 512      # K per router partial: the split count depends on D only
 _ROUTER_BLOCK_T = 16      # fixed token tile: a row's MMA shape does not depend on T
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Launches of the router GEMM and the routing kernel, the same for every ``T`` (so a
+    row's bits do not depend on its batch). ``k_split``: K per fp32 partial (the split count
+    depends on ``D`` only; a power of two, a multiple of ``block_k`` and of the FP8 block);
+    ``block_e`` experts per GEMM program, ``block_k`` its K step, ``gemm_warps``;
+    ``route_tokens`` per routing program and ``route_warps`` (one warp per token: its
+    top-k reductions stay in the warp). ``k_split`` and ``block_k`` change the logits'
+    summation order (a few fp32 ulps), the rest never changes a bit."""
+    k_split: int = 512
+    block_e: int = 32
+    block_k: int = 64
+    gemm_warps: int = 4
+    route_tokens: int = 4
+    route_warps: int = 4
+
+
+ROUTER_CONFIG = RouterConfig()
 FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whatever T
 
 
@@ -152,28 +171,33 @@ def combine_reference(y: Tensor, T: int, dtype: torch.dtype) -> Tensor:
 
 # ----------------------------------------------------------------------------- dispatch
 def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
-          n_shared: int = 0, use_triton: bool | None = None) -> tuple[Tensor, Tensor]:
+          n_shared: int = 0, use_triton: bool | None = None, config: RouterConfig | None = None
+          ) -> tuple[Tensor, Tensor]:
     """:func:`route_reference` in two kernels (router GEMM, routing). ``x [T, D]`` (the normed
-    hidden, any float dtype), ``weight [E, D]`` (fp32), ``bias [E]`` fp32 or None."""
-    ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None)
+    hidden, any float dtype), ``weight [E, D]`` (fp32), ``bias [E]`` fp32 or None; launches
+    ``config`` (:data:`ROUTER_CONFIG` when None)."""
+    ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None,
+                       config or ROUTER_CONFIG)
     return ids, w
 
 
 def route_quantized(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
-                    n_shared: int, block_k: int, pow2_scale: bool
+                    n_shared: int, block_k: int, pow2_scale: bool,
+                    config: RouterConfig | None = None
                     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """:func:`route` on Triton whose router GEMM also quantizes ``x`` per ``1 x block_k``:
     ``(ids, weights, (xq float8_e4m3fn [T, D], scales fp32 [T, cdiv(D, block_k)]))``, the
     values of :func:`quantize_act` (bitwise on CUDA; the interpreter's fp8 cast is not
-    torch's). ``block_k`` must divide ``ROUTER_K_SPLIT``."""
-    if ROUTER_K_SPLIT % block_k:
-        raise ValueError(f"route_quantized: block_k={block_k} must divide "
-                         f"ROUTER_K_SPLIT={ROUTER_K_SPLIT}")
-    ids, w, q = _route(x, weight, bias, cfg, n_shared, True, (block_k, pow2_scale))
+    torch's). ``block_k`` must divide ``config.k_split`` (:data:`ROUTER_CONFIG` when None)."""
+    c = config or ROUTER_CONFIG
+    if c.k_split % block_k:
+        raise ValueError(f"route_quantized: block_k={block_k} must divide the router's "
+                         f"k_split={c.k_split}")
+    ids, w, q = _route(x, weight, bias, cfg, n_shared, True, (block_k, pow2_scale), c)
     return ids, w, q
 
 
-def _route(x, weight, bias, cfg, n_shared, use_triton, quant):
+def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
     T, D = x.shape
     E = weight.shape[0]
     G = cfg.n_group
@@ -189,7 +213,11 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant):
         return (*route_reference(x, weight, bias, cfg, n_shared), q)
     from ._moe_layer_triton import _moe_route_kernel, _moe_router_gemm_kernel
 
-    splits = cdiv(D, ROUTER_K_SPLIT)
+    if (c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k
+            or c.block_e & (c.block_e - 1) or c.route_tokens & (c.route_tokens - 1)):
+        raise ValueError(f"{c}: k_split, block_k, block_e and route_tokens must be powers of "
+                         f"two, k_split a multiple of block_k")
+    splits = cdiv(D, c.k_split)
     part = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)
     x, weight = x.contiguous(), weight.contiguous()
     if quant:
@@ -198,26 +226,26 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant):
         xq = torch.empty(T, D, device=x.device, dtype=torch.float8_e4m3fn)
         xs = torch.empty(T, kb, device=x.device, dtype=torch.float32)
     else:
-        qbk, pow2, kb, xq, xs = ROUTER_K_SPLIT, False, 1, part, part
-    block_e = 32
-    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, block_e), splits)](
+        qbk, pow2, kb, xq, xs = c.k_split, False, 1, part, part
+    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, c.block_e), splits)](
         x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
         xq.stride(0), xs.stride(0),
-        K_SPLIT=ROUTER_K_SPLIT, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=block_e, BLOCK_K=64,
+        K_SPLIT=c.k_split, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
         PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
-        QUANT=quant is not None, QBK=qbk, POW2=pow2)
+        QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)
     epg = E // G
-    block_t = 4 if x.is_cuda else 16   # the interpreter's cost is per program
+    block_t = c.route_tokens if x.is_cuda else 16   # the interpreter's cost is per program
     _moe_route_kernel[(cdiv(T, block_t),)](
         part, bias if bias is not None else part, ids, w, T, part.stride(0),
         float(cfg.routed_scaling_factor), E,
         E=E, SPLITS=splits, G=G, GP=next_pow2(G), EPG=epg, EPGP=next_pow2(epg),
         TOPK_GROUP=cfg.topk_group, TOPK=cfg.top_k, KP=max(2, next_pow2(k_out)),
         N_SHARED=n_shared, NORM=bool(cfg.norm_topk_prob), HAS_BIAS=bias is not None,
-        LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t)
+        LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t,
+        num_warps=c.route_warps)
     return ids, w, ((xq, xs) if quant else None)
 
 

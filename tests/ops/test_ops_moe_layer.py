@@ -9,6 +9,7 @@ from hisparse.ops.gemm import quantize_fp8_weight
 from hisparse.ops.moe import fused_moe_reference, moe_align_reference
 from hisparse.ops.moe_layer import (
     AlignConfig,
+    RouterConfig,
     RoutingConfig,
     SharedExpert,
     align,
@@ -92,6 +93,27 @@ def test_route_rejects_bad_groups():
     w, b = _router(12, 16, seed=0)
     with pytest.raises(ValueError, match="n_group=5"):
         route(torch.randn(2, 16), w, b, RoutingConfig(2, 5, 1, True, 1.0))
+
+
+def test_route_config_is_checked(triton_cpu):
+    w, b = _router(16, 64, seed=0)
+    cfg = RoutingConfig(2, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match="k_split=96"):
+        route(torch.randn(2, 64), w, b, cfg, config=RouterConfig(k_split=96))
+    with pytest.raises(ValueError, match="k_split=64"):
+        route(torch.randn(2, 64), w, b, cfg, config=RouterConfig(k_split=64, block_k=128))
+
+
+@pytest.mark.parametrize("c", [RouterConfig(k_split=64, block_k=32, block_e=8, route_tokens=2),
+                               RouterConfig(k_split=128, block_k=16, block_e=16)])
+def test_route_under_other_launches(triton_cpu, c):
+    T, E, D = 7, 16, 200
+    w, b = _router(E, D, seed=1)
+    x = torch.randn(T, D).bfloat16()
+    ids, wt = route(x, w, b, CFG, 1, config=c)
+    want_ids, want_w = route_reference(x, w, b, CFG, 1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
 
 
 def _distinct_ids(T, k, E, seed, shared=0):
@@ -296,10 +318,13 @@ def test_gpu_route_matches_reference(T):
     w = torch.randint(-1, 2, (E, D), generator=g, device="cuda").float() / 1024
     b = torch.randint(-8, 9, (E,), generator=g, device="cuda").float() / 1024
     x = torch.randint(-3, 4, (T, D), generator=g, device="cuda").to(torch.bfloat16)
-    ids, wt = route(x, w, b, RANK, 1)
     want_ids, want_w = route_reference(x, w, b, RANK, 1)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+    # every launch (the benchmark's candidates): exact logits, so the same choice
+    for c in (None, RouterConfig(route_tokens=1, route_warps=1), RouterConfig(block_e=64),
+              RouterConfig(k_split=256, block_k=128, gemm_warps=8), RouterConfig(block_e=16)):
+        ids, wt = route(x, w, b, RANK, 1, config=c)
+        assert torch.equal(ids, want_ids), c
+        torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu
