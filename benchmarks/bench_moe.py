@@ -560,6 +560,53 @@ def _router_str(c) -> str:
             f"/t{c.route_tokens}w{c.route_warps}")
 
 
+TILE_N_CANDIDATES = ((64, 128), (32, 128), (128, 128), (64, 64), (32, 64))
+
+
+def bench_tiles(device: str, batches, smoke: bool) -> list[dict]:
+    """The fused FP8 layer (default glue) per T under each grouped-GEMM N tile pair of
+    :data:`TILE_N_CANDIDATES` (gate-up, down; bit-neutral), us per call."""
+    from hisparse.models.dsa import DSAMoE
+    from hisparse.ops.moe_layer import moe_layer
+
+    cfg = moe_config(smoke, True)
+    with torch.device(device):
+        moe = DSAMoE(cfg)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02 / 32)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
+                        .clamp_(-448, 448))
+            elif not name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    ex = moe.experts
+    rows = []
+    for T in batches:
+        x = torch.randn(T, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+        row = {"T": T}
+        for tn in TILE_N_CANDIDATES[:2] if smoke else TILE_N_CANDIDATES:
+            row[f"{tn[0]}/{tn[1]}"] = time_fn(functools.partial(
+                moe_layer, x, moe.gate.weight, moe.gate.e_score_correction_bias,
+                moe.gate.routing, ex.gate_up_proj, ex.down_proj,
+                gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv,
+                block=ex.block, pow2_scale=ex.pow2_scale, shared=moe._fusable_shared(),
+                tile_n=tn), device=device) * 1e6
+        rows.append(row)
+    return rows
+
+
+def print_tiles(rows: list[dict]) -> None:
+    names = [k for k in rows[0] if k != "T"]
+    print("\nfused FP8 layer under grouped-GEMM N tiles (gate-up/down), us per call "
+          f"(default {names[0]})")
+    print(f"{'T':>4} | " + " ".join(f"{n:>8}" for n in names) + " | best")
+    for r in rows:
+        best = min(names, key=lambda n: r[n])
+        print(f"{r['T']:>4} | " + " ".join(f"{r[n]:8.1f}" for n in names) + f" | {best}")
+
+
 def _align_str(c) -> str:
     return f"e{c.experts}/c{c.chunk}/w{c.num_warps}"
 
@@ -599,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE: without the unfused layer (HISPARSE_FUSED_MOE=0)")
     p.add_argument("--align-sweep", action="store_true",
                    help="the alignment alone, one-program vs parallel under candidate launches")
+    p.add_argument("--tile-sweep", action="store_true",
+                   help="the fused FP8 layer under the grouped GEMMs' N tile candidates")
     p.add_argument("--router-sweep", action="store_true",
                    help="the router GEMM + routing alone under candidate launches")
     p.add_argument("--moe-weights", default="fp8,bf16", help="MoE expert weights: fp8, bf16")
@@ -648,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
             configs = configs[:2]
         out["align"] = bench_align(device, moe_batches, configs)
         print_align(out["align"], configs)
+    if a.tile_sweep:
+        out["tiles"] = bench_tiles(device, moe_batches, a.smoke)
+        print_tiles(out["tiles"])
     if a.router_sweep:
         from hisparse.ops.moe_layer import ROUTER_CONFIG, RouterConfig
 

@@ -174,7 +174,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
 def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                 gate_up_scale, down_scale, block, pow2_scale: bool = False,
                 shared=None, quantize=None, skip_empty: bool = False, x_quant=None,
-                h_in_tile: bool = False) -> torch.Tensor:
+                h_in_tile: bool = False, tile_n: tuple[int, int] | None = None
+                ) -> torch.Tensor:
     """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
     ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
     ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
@@ -183,7 +184,9 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
     ``skip_empty``: programs of unused tiles exit at once. ``x_quant``: ``quantize(x)``
     computed already (by the router GEMM). ``h_in_tile`` (CUDA): the down GEMM quantizes the
-    intermediate in its tiles even with ``quantize`` (its K is only ``I``)."""
+    intermediate in its tiles even with ``quantize`` (its K is only ``I``). ``tile_n``: the
+    gate-up and down GEMMs' N tile caps (default 64, 128; each output element's K order is
+    the same under any, so they never change a bit)."""
     T, D = x.shape
     k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape
@@ -221,7 +224,8 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         xq = xq.contiguous()
     else:
         xq, xs = x, x
-    bn1 = _block_n(I, bn, 64)
+    cap1, cap2 = tile_n or (64, 128)
+    bn1 = _block_n(I, bn, cap1)
     kb1 = triton.cdiv(D, bk)
     kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
@@ -241,7 +245,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     # per-assignment outputs in x.dtype (half the memory of fp32 for large prefill batches);
     # the caller sums the k contributions of a token in fp32, in slot order
     out = torch.empty(A, D, device=x.device, dtype=x.dtype)
-    bn2 = _block_n(D, bn, 128)
+    bn2 = _block_n(D, bn, cap2)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
     kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)

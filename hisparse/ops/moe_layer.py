@@ -367,12 +367,14 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
               gate_up: Tensor, down: Tensor, *, gate_up_scale: Tensor | None = None,
               down_scale: Tensor | None = None, block: tuple[int, int] | None = None,
               pow2_scale: bool = False, shared: SharedExpert | None = None,
-              prequant: bool = True) -> Tensor:
+              prequant: bool = True, tile_n: tuple[int, int] | None = None) -> Tensor:
     """Routed experts (+ the shared one) of ``x [T, D]`` -> ``[T, D]`` in ``x.dtype``, on Triton
     (the kernels of the module doc); experts as :func:`hisparse.ops.moe.fused_moe` takes them.
     ``prequant`` (FP8): quantize ``x`` and the intermediate once each (where
     :func:`quant_mode` says) instead of in every GEMM tile (the grouped GEMMs' programs of one
-    tile each redo it ``I / 64`` resp. ``D / 128`` times); the same bits either way."""
+    tile each redo it ``I / 64`` resp. ``D / 128`` times); the same bits either way.
+    ``tile_n``: the grouped GEMMs' N tile caps (:func:`hisparse.ops._moe_triton.grouped_moe`;
+    bit-neutral)."""
     from ._moe_triton import grouped_moe
 
     T = x.shape[0]
@@ -395,5 +397,5 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
     y = grouped_moe(x, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
                     down_scale, block, pow2_scale, shared=shared,
                     quantize=quantize_act if prequant else None, skip_empty=True,
-                    x_quant=x_quant, h_in_tile=qmode == "fused")
+                    x_quant=x_quant, h_in_tile=qmode == "fused", tile_n=tile_n)
     return combine(y, T, x.dtype, use_triton=True)

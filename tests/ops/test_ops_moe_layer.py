@@ -417,6 +417,9 @@ def test_gpu_layer_glue_modes_agree_bitwise(rank_layer, monkeypatch, T):
             monkeypatch.setenv("HISPARSE_MOE_ALIGN", a)
             monkeypatch.setenv("HISPARSE_MOE_QUANT", q)
             assert torch.equal(moe_layer(x, *args[:2], RANK, *args[2:], **kw), base), (a, q)
+    for tile_n in ((32, 128), (128, 64), (64, 32)):   # the benchmark's candidates
+        got = moe_layer(x, *args[:2], RANK, *args[2:], tile_n=tile_n, **kw)
+        assert torch.equal(got, base), tile_n
 
 
 @pytest.mark.gpu
