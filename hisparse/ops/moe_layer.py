@@ -319,10 +319,12 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
         raise ValueError(f"AlignConfig: experts={c.experts} and chunk={c.chunk} must be powers "
                          f"of two (chunk >= 16)")
     programs = cdiv(num_experts, c.experts)
+    # the interpreter's cost grows with the block: no wider than the assignments there
+    chunk = c.chunk if ids.is_cuda else max(16, min(c.chunk, next_pow2(T * k)))
     _moe_align_experts_kernel[(programs,)](
         ids, sorted_ids, tile_expert, T * k, sorted_ids.numel(), max_tiles,
         cdiv(T, block_m), cdiv(sorted_ids.numel(), programs), cdiv(max_tiles, programs),
-        E=num_experts, EP=next_pow2(num_experts + 1), EB=c.experts, CHUNK=c.chunk,
+        E=num_experts, EP=next_pow2(num_experts + 1), EB=c.experts, CHUNK=chunk,
         BLOCK_M=block_m, TB=32, FILL=256, num_warps=c.num_warps)
     return sorted_ids, tile_expert
 

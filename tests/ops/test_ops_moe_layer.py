@@ -132,7 +132,7 @@ def _poisoned_out(T, k, E, bm, device="cpu"):
 
 @pytest.mark.parametrize("T,k,E,shared,bm,cfg", [
     (1, 2, 8, 1, 16, AlignConfig(2, 16)), (37, 3, 8, 1, 16, AlignConfig(4, 32)),
-    (20, 4, 64, 0, 32, AlignConfig(8, 64)), (40, 8, 256, 1, 16, AlignConfig(8, 128)),
+    (20, 4, 64, 0, 32, AlignConfig(8, 64)), (40, 8, 256, 1, 16, AlignConfig(32, 128)),
     (0, 3, 8, 1, 16, AlignConfig())])
 @pytest.mark.parametrize("mode", ["experts", "single"])
 def test_align_matches_reference(triton_cpu, T, k, E, shared, bm, cfg, mode):
