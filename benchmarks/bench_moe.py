@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         from hisparse.ops.moe_layer import AlignConfig
 
         configs = [AlignConfig(8, 1024), AlignConfig(4, 512), AlignConfig(8, 512),
-                   AlignConfig(16, 1024), AlignConfig(32, 1024), AlignConfig(8, 1024, 8)]
+                   AlignConfig(16, 1024), AlignConfig(8, 1024, 8)]
         if a.smoke:
             configs = configs[:2]
         out["align"] = bench_align(device, moe_batches, configs)
@@ -706,8 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         one = dict(route_tokens=1, route_warps=1)
         configs = [ROUTER_CONFIG, RouterConfig(**one), RouterConfig(route_tokens=2, route_warps=2),
                    RouterConfig(block_e=64, **one), RouterConfig(block_e=16, **one),
-                   RouterConfig(block_k=128, **one), RouterConfig(gemm_warps=2, **one),
-                   RouterConfig(k_split=256, **one), RouterConfig(k_split=256, block_e=64, **one)]
+                   RouterConfig(k_split=256, **one)]
         if a.smoke:
             configs = [RouterConfig(k_split=64, block_k=32, block_e=8), RouterConfig(**one)]
         out["router"] = bench_router(device, moe_batches, configs, a.smoke)
