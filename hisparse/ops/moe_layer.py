@@ -386,6 +386,8 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
     qmode = quant_mode() if fp8 else "kernel"
     if not (prequant and x.is_cuda):   # in the tiles, or the interpreter (torch's fp8 cast)
         qmode = "kernel"
+    elif qmode != "kernel" and ROUTER_CONFIG.k_split % block[1]:
+        qmode = "kernel"               # the router's K split must hold whole FP8 blocks
     x_quant = None
     if qmode == "kernel":
         ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
