@@ -372,6 +372,7 @@ LAYER_VARIANTS = {
     "old": {"HISPARSE_MOE_ALIGN": "single", "HISPARSE_MOE_QUANT": "kernel"},
     "new": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "fused"},
     "new_h_kernel": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "router"},
+    "new_h_epilogue": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "gate_up"},
 }
 
 
@@ -481,11 +482,12 @@ def print_moe(rows: list[dict]) -> None:
     print("\nMoE layer (one TP-8 rank): us per call (CUDA-graph replay); frac = touched bytes "
           "(experts + shared + router) at the read bandwidth / time (target >= 0.8); old = "
           "one-program align + 2 quant kernels, new = parallel align, x quant in the router "
-          "GEMM, h quant in the down tiles; h-kern = new with h quantized by its kernel; "
-          "in-tile = x and h quantized in every GEMM tile")
+          "GEMM, h quant in the down tiles; h-kern / h-epi = new with h quantized by its "
+          "kernel / in the gate-up epilogue (N tile 128); in-tile = x and h quantized in every "
+          "GEMM tile")
     print(f"{'w':>4} {'T':>4} {'exp':>4} | {'routed':>7} | {'unfused':>7} {'frac':>4} | "
           f"{'old':>7} {'frac':>4} | {'new':>7} {'frac':>4} {'n/o':>5} | {'h-kern':>7} "
-          f"{'in-tile':>7} | kernels unf/old/new")
+          f"{'h-epi':>7} {'in-tile':>7} | kernels unf/old/new")
     for r in rows:
         def us(v, r=r):
             t = r.get(f"layer_{v}_us")
@@ -500,7 +502,7 @@ def print_moe(rows: list[dict]) -> None:
               f"{r['routed_us']:7.1f} | {us('unfused')} {frac('unfused')} | {us('old')} "
               f"{frac('old')} | {us('new')} {frac('new')} "
               f"{r['layer_new_us'] / r['layer_old_us']:5.2f} | {us('new_h_kernel')} "
-              f"{us('in_tile_quant')} | {nk}")
+              f"{us('new_h_epilogue')} {us('in_tile_quant')} | {nk}")
     jobs = [j for j, _ in KERNEL_JOBS] + ["other"]
     print("\nper kernel job, GPU us per call (profiled eager calls), old -> new")
     print(f"{'w':>4} {'T':>4} | " + " | ".join(f"{j:>13}" for j in jobs) + " | glue old -> new")

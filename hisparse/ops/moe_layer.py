@@ -26,8 +26,9 @@ batch it runs in):
 4. / 6. activation quantization (FP8 experts): ``x`` and the intermediate ``silu(g) * u``
    per ``1 x bk`` with the GEMM tiles' math (the same bits wherever it runs): ``x`` in the
    router GEMM, the intermediate in the down GEMM's tiles (its K is only ``I``);
-   ``HISPARSE_MOE_QUANT=router`` quantizes the intermediate in its own kernel,
-   ``=kernel`` both (the baseline);
+   ``HISPARSE_MOE_QUANT=gate_up`` quantizes the intermediate in the gate-up GEMM's epilogue
+   (N tile = the FP8 block), ``=router`` in its own kernel, ``=kernel`` both in their own
+   kernels (the baseline);
 5. / 7. the grouped GEMMs of :mod:`hisparse.ops.moe`, the shared expert served as expert ``E``
    from its own tensors (SGLang's "shared experts fusion", without copying weights); programs
    of unused tiles (the layout is sized for any routing) exit at once;
@@ -55,7 +56,7 @@ FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
 ALIGN_ENV = "HISPARSE_MOE_ALIGN"
 ALIGN_MODES = ("experts", "single")
 QUANT_ENV = "HISPARSE_MOE_QUANT"
-QUANT_MODES = ("fused", "router", "kernel")
+QUANT_MODES = ("fused", "gate_up", "router", "kernel")
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
 # weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
@@ -273,8 +274,10 @@ def align_mode() -> str:
 def quant_mode() -> str:
     """``HISPARSE_MOE_QUANT`` (FP8 experts, CUDA): where the layer quantizes its activations:
     ``fused`` (default: ``x`` in the router GEMM's programs, the intermediate in the down
-    GEMM's tiles), ``router`` (``x`` in the router GEMM, the intermediate by its own kernel) or
-    ``kernel`` (two quantization kernels: the baseline). The same bits in every mode."""
+    GEMM's tiles), ``gate_up`` (the intermediate in the gate-up GEMM's epilogue, whose N tile
+    becomes the FP8 block), ``router`` (``x`` in the router GEMM, the intermediate by its own
+    kernel) or ``kernel`` (two quantization kernels: the baseline). The same bits in every
+    mode."""
     mode = os.environ.get(QUANT_ENV, "fused")
     if mode not in QUANT_MODES:
         raise ValueError(f"{QUANT_ENV}={mode!r}: want one of {QUANT_MODES}")
@@ -388,6 +391,8 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
         qmode = "kernel"
     elif qmode != "kernel" and ROUTER_CONFIG.k_split % block[1]:
         qmode = "kernel"               # the router's K split must hold whole FP8 blocks
+    elif qmode == "gate_up" and (down.shape[2] % block[1] or tile_n):
+        qmode = "fused"                # the epilogue needs whole blocks and its own N tile
     x_quant = None
     if qmode == "kernel":
         ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
@@ -401,5 +406,6 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
     y = grouped_moe(x, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
                     down_scale, block, pow2_scale, shared=shared,
                     quantize=quantize_act if prequant else None, skip_empty=True,
-                    x_quant=x_quant, h_in_tile=qmode == "fused", tile_n=tile_n)
+                    x_quant=x_quant, tile_n=tile_n,
+                    h_quant={"fused": "tile", "gate_up": "epilogue"}.get(qmode))
     return combine(y, T, x.dtype, use_triton=True)

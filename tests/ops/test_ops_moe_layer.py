@@ -2,6 +2,8 @@
 combine) against its references: Triton under the CPU interpreter at small sizes, CUDA at one
 TP-8 rank's shapes."""
 
+import functools
+
 import pytest
 import torch
 
@@ -278,6 +280,32 @@ def test_quant_mode_is_checked(triton_cpu, monkeypatch):
                   down_scale=dn_s, block=block)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_intermediate_quantized_in_the_gate_up_epilogue(triton_cpu, pow2):
+    """The gate-up epilogue's FP8 intermediate gives the down GEMM's in-tile bits (the same
+    quantization of the same rounded values; under one interpreter both casts agree)."""
+    from hisparse.ops._moe_triton import grouped_moe
+
+    T, E, I, D, block = 6, 8, 64, 64, (32, 32)
+    gu, dn = _experts(E, I, D, seed=8)
+    gu_q, gu_s, dn_q, dn_s = _quantized(gu, dn, block)
+    x = torch.randn(T, D)
+    ids = _distinct_ids(T, 2, E, seed=9)
+    w = torch.rand(T, 2) + 0.1
+    s_ids, t_e = align(ids, E, 16, use_triton=False)
+    run = functools.partial(grouped_moe, x, s_ids, t_e, 16, w, gu_q, dn_q, gu_s, dn_s, block,
+                            pow2, skip_empty=True)
+    got = run(h_quant="epilogue")
+    assert torch.equal(got, run(h_quant="tile"))
+    want = fused_moe_reference(x, ids.long(), w, gu_q, dn_q, gate_up_scale=gu_s,
+                               down_scale=dn_s, block=block, quantize_input=True,
+                               pow2_scale=pow2)
+    assert got.shape == (T * 2, D) and got.isfinite().all()
+    assert (got.view(T, 2, D).sum(1) - want).abs().max() < 0.5 * want.abs().max()
+    with pytest.raises(ValueError, match="gate-up N tile"):
+        run(h_quant="epilogue", tile_n=(64, 128))
+
+
 def test_shared_expert_of_another_shape_is_refused(triton_cpu):
     gu, dn = _experts(8, 32, 64, seed=0)
     r_gu, r_dn, sh = _split(gu, dn)
@@ -413,7 +441,7 @@ def test_gpu_layer_glue_modes_agree_bitwise(rank_layer, monkeypatch, T):
     base = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
     assert torch.equal(moe_layer(x, *args[:2], RANK, *args[2:], prequant=False, **kw), base)
     for a in ("experts", "single"):
-        for q in ("fused", "router", "kernel"):
+        for q in ("fused", "gate_up", "router", "kernel"):
             monkeypatch.setenv("HISPARSE_MOE_ALIGN", a)
             monkeypatch.setenv("HISPARSE_MOE_QUANT", q)
             assert torch.equal(moe_layer(x, *args[:2], RANK, *args[2:], **kw), base), (a, q)
