@@ -249,6 +249,9 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     else:
         xq, xs = x, x
     bn1 = _block_n(I, bn, cap1)
+    if epilogue and bn1 != bk:
+        raise ValueError(f"grouped_moe: h_quant='epilogue' needs a gate-up N tile of the FP8 "
+                         f"block {bk}; the weights' {bn}-row scale blocks allow {bn1}")
     kb1 = triton.cdiv(D, bk)
     kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
