@@ -26,18 +26,19 @@ and passes ``q`` after the indexer's non-interleaved RoPE (the same for ``k_cach
 hold ``k_norm(wk(x))`` with RoPE applied). The result equals transformers' up to fp32 rounding
 (the scale is applied after the dot instead of before the ReLU).
 
-**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`): the queries are quantized the same way, per token, head and
-128-value tile (:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above
-means their dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0
-scales, then ``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8
-keys. With one tile per head (``D <= 128``) the kernel runs the e4m3 x e4m3 dot with fp32 accumulation and
-folds both power-of-two scales out of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c >
-0``); the reference computes the same scores from the dequantized values in fp32, so the two
-differ only by accumulation (Hopper's FP8 MMA sums less precisely than fp32: near-ties may
-swap). ``HISPARSE_FP8_INDEXER=0`` (:func:`fp8_query_enabled`) keeps the queries in their dtype
-against the upcast keys (2.3-2.7x slower on the H200); kernel and reference both follow the
-switch, which must not change after CUDA graphs are captured. bf16 / fp32 keys: queries
-unquantized, always.
+**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`): the queries are
+quantized the same way, per token, head and 128-value tile
+(:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above means their
+dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0 scales, then
+``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8 keys. With one tile
+per head (``D <= 128``) the kernel runs the e4m3 x e4m3 dot with fp32 accumulation and folds
+both power-of-two scales out of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c > 0``); the
+reference computes the same scores from the dequantized values in fp32, so the two differ only
+by accumulation (Hopper's FP8 MMA sums less precisely than fp32: near-ties may swap).
+``HISPARSE_FP8_INDEXER=0`` (:func:`fp8_query_enabled`) keeps the queries in their dtype against
+the upcast keys (2.3-2.7x slower on the H200); kernel and reference both follow the switch,
+which must not change after CUDA graphs are captured. bf16 / fp32 keys: queries unquantized,
+always.
 """
 
 from __future__ import annotations
