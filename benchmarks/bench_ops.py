@@ -311,12 +311,13 @@ def _raw_flashmla(q, kv, idx, scale, fp8_cache=None):
 
 
 def bench_attention(res, sweep, tokens=(64,), heads=(16, 64, 128)):
-    """Sparse MLA attention, T tokens (``tokens``, default 64) x H heads x top-k 2048, every
-    figure a throughput ratio against the RAW FlashMLA kernel on the same inputs, every call
-    timed inside a CUDA graph (:func:`timeit_graph`: what a captured decode step pays) (bf16: ``flash_mla_sparse_fwd``; FP8:
-    ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)`` over 656-B rows). Heads are
-    padded to 64 once at allocation for the raw calls (FlashMLA needs 64 or 128); the hisparse
-    FlashMLA backend gets the unpadded q (at 16 heads it pads per call: that cost is real)."""
+    """Sparse MLA attention, T tokens (``tokens``, default 64) x H heads x top-k 2048, every figure
+    a throughput ratio against the RAW FlashMLA kernel on the same inputs, every call timed inside a
+    CUDA graph (:func:`timeit_graph`: what a captured decode step pays) (bf16:
+    ``flash_mla_sparse_fwd``; FP8: ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``
+    over 656-B rows). Heads are padded to 64 once at allocation for the raw calls (FlashMLA needs 64
+    or 128); the hisparse FlashMLA backend gets the unpadded q (at 16 heads it pads per call: that
+    cost is real)."""
     from hisparse.ops import quantize_mla_rows_reference, sparse_mla_attention_fp8
     from hisparse.ops._attention_triton import (
         sparse_mla_attention_fp8_triton,

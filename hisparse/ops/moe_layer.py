@@ -1,8 +1,8 @@
 """The whole MoE layer of DeepSeek-V3.2 / GLM-5 fused: router, shared expert, routed experts.
 
-Seven kernels per layer on CUDA (six with ``HISPARSE_MOE_QUANT=fused``, eight with
-``=kernel``), none of them a general sort or a host sync (CUDA-graph capturable; every row computed independently of the
-batch it runs in):
+Seven kernels per layer on CUDA (six with ``HISPARSE_MOE_QUANT=fused``, eight with ``=kernel``),
+none of them a general sort or a host sync (CUDA-graph capturable; every row computed independently
+of the batch it runs in):
 
 1. router GEMM (:func:`route`): logits ``x @ gate^T`` as fp32 partials over a K split fixed by
    ``D`` (16-token tiles whatever ``T``). The checkpoints keep the gate in fp32 and transformers
