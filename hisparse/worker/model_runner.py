@@ -91,22 +91,18 @@ def _write(new, dst: Tensor, rows: Tensor, write_tensor) -> None:
 class PagedContext:
     """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches.
 
-    Per layer (:meth:`attend`): write the new rows and keys, select (indexer layers:
-    :meth:`select_topk`), map the selected positions to flat arena rows (:meth:`_rows`), attend.
-    What varies is composed, not branched on in each step: the cache format
-    (:mod:`hisparse.worker.kv_format`: how rows are written and attended) is chosen once here;
-    per forward, :meth:`begin` fixes the row source (resident rows, or in host-read forwards
-    the resolver's rows through the hot buffers, whose band prefetches run on
-    :class:`HotPrefetcher`'s side stream) and the staged tokens (:class:`StagedTokens`: they
-    attend through the staging area).
+    Per layer (:meth:`attend`): write the new rows and keys, select (:meth:`select_topk`), map
+    the selections to flat arena rows (:meth:`_rows`), attend. The variants compose: the cache
+    format (:mod:`hisparse.worker.kv_format`) is chosen here, once; per forward, :meth:`begin`
+    fixes the row source (resident rows, or, host-read, the resolver's, whose band prefetches
+    run on :class:`HotPrefetcher`) and the :class:`StagedTokens`.
 
-    State of the current forward, ``T`` tokens: ``token_slot [T]`` int32 request slots (``-1``
-    padding), ``positions [T]`` int64, ``kv_rows`` / ``idx_rows`` ``[T]`` int64 the flat rows
-    its new MLA rows / indexer keys go to (the sinks for padding), ``topk [T, index_topk]``
-    int32 the positions the last indexer layer selected (``-1`` none), ``band [T, n]`` int32
-    next-ranked positions for the hot policy (or ``None``), ``tables`` the int32 block tables
-    (``resident`` / ``host`` / ``indexer`` ``[R, P]``, ``-1`` none; ``hot`` ``[R, H //
-    block_size]``).
+    Forward state (``T`` tokens): ``token_slot [T]`` int32 (``-1`` padding), ``positions [T]``
+    int64, ``kv_rows`` / ``idx_rows [T]`` int64 where the new rows / keys go (the sinks for
+    padding), ``topk [T, index_topk]`` int32 the last indexer layer's positions and ``band
+    [T, n]`` int32 its next-ranked ones (or ``None``), all ``-1`` for none; ``tables``: int32
+    block tables ``resident`` / ``host`` / ``indexer`` ``[R, P]`` and ``hot`` ``[R, H //
+    block_size]``, ``-1`` none.
     """
 
     def __init__(self, caches: KVCaches, index_topk: int, kv_lora_rank: int) -> None:
