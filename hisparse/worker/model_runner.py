@@ -110,7 +110,7 @@ class PagedContext:
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
         self.block_size = caches.cfg.block_size
-        self.fmt = kv_format(caches.geo, kv_lora_rank, caches.device)
+        self.kv_format = kv_format(caches.geo, kv_lora_rank, caches.device)
         self.prefetcher = HotPrefetcher(caches.device)
         # indexer tokens scored per program (ops.indexer_topk's ``group``): a speed hint for
         # runs of consecutive tokens of one request (speculative verify steps), never a result
@@ -154,7 +154,7 @@ class PagedContext:
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
                index_weights: Tensor | None, index_k_new: Tensor | None,
                sm_scale: float) -> Tensor:
-        c, fmt = self.caches, self.fmt
+        c, fmt = self.caches, self.kv_format
         arena = c.arena_layer(layer_idx)
         _write(kv_new, arena, self.kv_rows, fmt.write_rows)
         if index_q is not None:
@@ -177,7 +177,7 @@ class PagedContext:
         ones over the staging area, in token groups whose selected-row union fits it
         (:mod:`hisparse.ops.stage`). Per-token attention is independent, so this is exact.
         No shared scheduler metadata: the calls differ in shape."""
-        c, st, fmt = self.caches, self.staged, self.fmt
+        c, st, fmt = self.caches, self.staged, self.kv_format
         arena = c.arena_layer(layer)
         out = q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], self.kv_lora_rank)
         if st.rest.numel():
