@@ -130,11 +130,11 @@ def test_triton_interpreter_ties(triton_cpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", ["bf16", "fp8"])
 @pytest.mark.parametrize("ctx", [3000, 8192, 32768])
-def test_gpu_production_shape(ctx, keys, monkeypatch):
+def test_gpu_production_shape(ctx, keys, monkeypatch, selection_overlap):
     """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
     ``fp8``: page-split FP8 keys (the oracle scores their dequantized, rotated values against
     the rotated, dequantized FP8 queries)."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path (default)
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T
@@ -181,7 +181,10 @@ def test_gpu_production_shape(ctx, keys, monkeypatch):
             mask = torch.ones(S, dtype=torch.bool, device="cuda")
             mask[sel] = False
             assert sc[mask].max() <= thr + 1e-3 * sc.abs().max()
-    assert (got == ref).float().mean() > 0.95
+    # rank order is not compared: with FP8 queries the kernel's FP8 MMA and the reference's
+    # fp32 sums round near-ties differently (the oracle bound above holds for every token)
+    overlap = selection_overlap(got, ref)
+    assert overlap > (0.99 if keys == "bf16" else 0.97), overlap
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -214,7 +214,7 @@ def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
     dot; 2 tiles for D = 256: dequantized queries) == the reference over the same pages == the
     reference over dequantized keys and dequantized FP8 queries. Pages no table maps hold NaN
     bytes, the output starts poisoned."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (opt-in)
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (default)
     g = torch.Generator().manual_seed(D + bs)
     lay = Q.FP8KeyLayout(D, bs)
     rows = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
@@ -280,8 +280,8 @@ def test_gpu_flashmla_fp8_matches_triton(T, H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_indexer_production(monkeypatch):
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (opt-in)
+def test_gpu_fp8_indexer_production(monkeypatch, selection_overlap):
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (default)
     bs, P, R = 64, 1024, 2
     D = 128
     rows = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()
@@ -297,7 +297,7 @@ def test_gpu_fp8_indexer_production(monkeypatch):
     qd = Q.dequantize_index_queries_reference(*Q.quantize_index_queries_reference(q),
                                               torch.bfloat16)
     want = ops.indexer_topk(qd, w, deq, bt, req, pos, bs, 2048)   # bf16 Triton path
-    # same scores (dequantized keys and FP8 queries are exact in bf16): same selection up to
-    # fp32 ties
-    agree = (torch.sort(got, 1).values == torch.sort(want, 1).values).float().mean().item()
-    assert agree > 0.999, agree
+    # same products (dequantized keys and FP8 queries are exact in bf16), summed by the FP8 MMA
+    # on one side and fp32 FMAs on the other: the same sets up to near-ties
+    agree = selection_overlap(got, want)
+    assert agree > 0.98, agree
