@@ -228,7 +228,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
             FP8 keys as pages ``[num_idx_blocks, block_size * index_key_bytes(D)]`` uint8
             (:class:`hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values, then the fp32
             scales, of the rotated keys; scored as their dequantized values against the rotated
-            queries, FP8-quantized with ``HISPARSE_FP8_INDEXER=1``: module docstring).
+            queries, FP8-quantized unless ``HISPARSE_FP8_INDEXER=0``: module docstring).
         block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.
