@@ -327,8 +327,9 @@ def _with_env(name: str, value: str, fn):
     return call
 
 
-def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
-    """``(kernel, launches, GPU us)`` of one eager call of ``fn``, slowest first (CUDA)."""
+def layer_kernels(fn, device: str, calls: int = 3) -> list[tuple[str, int, float]]:
+    """``(kernel, launches, GPU us)`` per eager call of ``fn`` (the mean of ``calls``), slowest
+    first (CUDA)."""
     if device != "cuda":
         return []
     from torch.profiler import ProfilerActivity, profile
@@ -336,7 +337,8 @@ def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     agg: dict[str, list] = {}
     for ev in prof.events():
@@ -346,17 +348,50 @@ def layer_kernels(fn, device: str) -> list[tuple[str, int, float]]:
         a = agg.setdefault(ev.name, [0, 0.0])
         a[0] += 1
         a[1] += ev.device_time_total
-    return sorted(((k[:60], n, us) for k, (n, us) in agg.items()), key=lambda r: -r[2])
+    return sorted(((k[:60], round(n / calls), us / calls) for k, (n, us) in agg.items()),
+                  key=lambda r: -r[2])
 
 
-def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "bf16")
-              ) -> list[dict]:
+# the fused layer's kernels by job (the columns of the per-kernel table)
+KERNEL_JOBS = (("align", ("_moe_align",)), ("router", ("_moe_router_gemm",)),
+               ("route", ("_moe_route",)), ("quant", ("_moe_quant_act",)),
+               ("gate_up", ("_moe_gate_up",)), ("down", ("_moe_down",)),
+               ("sum", ("_moe_token_sum",)))
+
+
+def kernel_jobs(kernels: list[tuple[str, int, float]]) -> dict[str, float]:
+    """GPU us per job of :data:`KERNEL_JOBS` (``other``: anything else)."""
+    out = {job: 0.0 for job, _ in KERNEL_JOBS} | {"other": 0.0}
+    for name, _, us in kernels:
+        job = next((j for j, keys in KERNEL_JOBS if any(k in name for k in keys)), "other")
+        out[job] += us
+    return out
+
+
+# the fused layer's glue placements (moe_layer's env switches): the baseline first
+LAYER_VARIANTS = {
+    "old": {"HISPARSE_MOE_ALIGN": "single", "HISPARSE_MOE_QUANT": "kernel"},
+    "new": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "fused"},
+    "new_h_kernel": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "router"},
+    "new_h_epilogue": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "gate_up"},
+}
+
+
+def _with_envs(envs: dict[str, str], fn):
+    for name, value in envs.items():
+        fn = _with_env(name, value, fn)
+    return fn
+
+
+def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "bf16"),
+              unfused: bool = True) -> list[dict]:
     """Per T: the routed experts alone (``fused_moe``, uniform routing) and the whole layer
     (``DSAMoE``: router + routed + shared) unfused (``HISPARSE_FUSED_MOE=0``: torch router,
-    sort-based alignment, the shared expert as its own MLP: the baseline) and fused (the seven
-    kernels of :mod:`hisparse.ops.moe_layer`; FP8 also without the one-pass activation
-    quantization), each against the bytes it must read: touched experts (+ the shared expert
-    and the fp32 router weight for the layer) at the measured HBM bandwidths (copy; read).
+    sort-based alignment, the shared expert as its own MLP) and fused under each glue placement
+    of :data:`LAYER_VARIANTS` (``old``: the one-program alignment and two quantization kernels;
+    FP8 also with the activations quantized in every GEMM tile), each against the bytes it must
+    read: touched experts (+ the shared expert and the fp32 router weight for the layer) at the
+    measured HBM bandwidths (copy; read), with per-kernel GPU time from profiled eager calls.
     The router and shared weights are re-read by every call of a replay and may hit L2 there:
     at most ~13 MB of a layer's ~500 MB, within the noise of the ratio."""
     from hisparse.models.dsa import DSAMoE
@@ -405,11 +440,13 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
             idx, _ = moe.gate(x)
             touched_layer = int(torch.unique(idx).numel())
             layer_bytes = touched_layer * per_expert + shared + router
-            unfused = _with_env(FUSED_MOE_ENV, "0", functools.partial(moe, x))
-            fused = _with_env(FUSED_MOE_ENV, "1", functools.partial(moe, x))
-            variants = {"unfused": unfused, "fused": fused}
+            fused = functools.partial(_with_env, FUSED_MOE_ENV, "1")
+            variants = {"unfused": _with_env(FUSED_MOE_ENV, "0", functools.partial(moe, x))} \
+                if unfused else {}
+            variants |= {v: fused(_with_envs(envs, functools.partial(moe, x)))
+                         for v, envs in LAYER_VARIANTS.items()}
             if fp8:
-                variants["fused_in_tile_quant"] = functools.partial(
+                variants["in_tile_quant"] = functools.partial(
                     moe_layer, x, moe.gate.weight, moe.gate.e_score_correction_bias,
                     moe.gate.routing, ex.gate_up_proj, ex.down_proj,
                     gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv,
@@ -425,13 +462,16 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
                 "layer_experts_touched": touched_layer, "layer_bytes": layer_bytes,
                 "layer_ideal_us": layer_bytes / hbm * 1e6,
                 "layer_ideal_read_us": layer_bytes / read * 1e6,
+                "variants": list(variants),
             }
             for name, fn in variants.items():
                 t = time_fn(fn, device=device)
                 row[f"layer_{name}_us"] = t * 1e6
                 row[f"layer_{name}_ratio"] = t / (layer_bytes / hbm)
                 row[f"layer_{name}_frac_read_bw"] = (layer_bytes / read) / t
-                row[f"layer_{name}_kernels"] = layer_kernels(fn, device)
+                ks = layer_kernels(fn, device) if name in ("unfused", "old", "new") else []
+                row[f"layer_{name}_kernels"] = ks
+                row[f"layer_{name}_jobs"] = kernel_jobs(ks)
             rows.append(row)
         moe = ex = None
         if device == "cuda":
@@ -440,35 +480,179 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
 
 
 def print_moe(rows: list[dict]) -> None:
-    print("\nMoE layer (one TP-8 rank): time vs touched-weight bytes at HBM bandwidth; ratio = "
-          "time / (bytes at the copy bandwidth), target <= 1.25; frac = (bytes at the read "
-          "bandwidth) / time, target >= 0.8")
-    print(f"{'w':>5} {'T':>4} {'touched':>7} | {'routed us':>9} {'ratio':>6} | "
-          f"{'unfused us':>10} {'ratio':>6} {'frac':>5} | {'fused us':>9} {'ratio':>6} "
-          f"{'frac':>5} | {'in-tile quant':>13} | kernels unfused -> fused")
+    print("\nMoE layer (one TP-8 rank): us per call (CUDA-graph replay); frac = touched bytes "
+          "(experts + shared + router) at the read bandwidth / time (target >= 0.8); old = "
+          "one-program align + 2 quant kernels, new = parallel align, x quant in the router "
+          "GEMM, h quant in the down tiles; h-kern / h-epi = new with h quantized by its "
+          "kernel / in the gate-up epilogue (N tile 128); in-tile = x and h quantized in every "
+          "GEMM tile")
+    print(f"{'w':>4} {'T':>4} {'exp':>4} | {'routed':>7} | {'unfused':>7} {'frac':>4} | "
+          f"{'old':>7} {'frac':>4} | {'new':>7} {'frac':>4} {'n/o':>5} | {'h-kern':>7} "
+          f"{'h-epi':>7} {'in-tile':>7} | kernels unf/old/new")
     for r in rows:
-        tile = r.get("layer_fused_in_tile_quant_us")
-        nk = [sum(n for _, n, _ in r[f"layer_{v}_kernels"]) for v in ("unfused", "fused")]
-        print(f"{r['weights']:>5} {r['T']:>4} {r['layer_experts_touched']:>7} | "
-              f"{r['routed_us']:9.1f} {r['routed_ratio']:6.2f} | "
-              f"{r['layer_unfused_us']:10.1f} {r['layer_unfused_ratio']:6.2f} "
-              f"{r['layer_unfused_frac_read_bw']:5.2f} | {r['layer_fused_us']:9.1f} "
-              f"{r['layer_fused_ratio']:6.2f} {r['layer_fused_frac_read_bw']:5.2f} | "
-              + (f"{tile:13.1f}" if tile is not None else f"{'':>13}")
-              + f" | {nk[0]} -> {nk[1]}")
+        def us(v, r=r):
+            t = r.get(f"layer_{v}_us")
+            return f"{t:7.1f}" if t is not None else f"{'-':>7}"
+
+        def frac(v, r=r):
+            f = r.get(f"layer_{v}_frac_read_bw")
+            return f"{f:4.2f}" if f is not None else f"{'-':>4}"
+        nk = "/".join(str(sum(n for _, n, _ in r.get(f"layer_{v}_kernels", []))) or "-"
+                      for v in ("unfused", "old", "new"))
+        print(f"{r['weights']:>4} {r['T']:>4} {r['layer_experts_touched']:>4} | "
+              f"{r['routed_us']:7.1f} | {us('unfused')} {frac('unfused')} | {us('old')} "
+              f"{frac('old')} | {us('new')} {frac('new')} "
+              f"{r['layer_new_us'] / r['layer_old_us']:5.2f} | {us('new_h_kernel')} "
+              f"{us('new_h_epilogue')} {us('in_tile_quant')} | {nk}")
+    jobs = [j for j, _ in KERNEL_JOBS] + ["other"]
+    print("\nper kernel job, GPU us per call (profiled eager calls), old -> new")
+    print(f"{'w':>4} {'T':>4} | " + " | ".join(f"{j:>13}" for j in jobs) + " | glue old -> new")
     for r in rows:
-        for v in ("unfused", "fused"):
-            ks = r[f"layer_{v}_kernels"]
-            if ks:
-                print(f"  {r['weights']} T={r['T']} {v}: {sum(n for _, n, _ in ks)} kernels, "
-                      f"{sum(us for _, _, us in ks):.1f} us: "
-                      + "; ".join(f"{name} x{n} {us:.1f}" for name, n, us in ks))
+        o, n = r["layer_old_jobs"], r["layer_new_jobs"]
+        glue = [j for j in jobs if j not in ("gate_up", "down")]
+        print(f"{r['weights']:>4} {r['T']:>4} | "
+              + " | ".join(f"{o[j]:6.1f}->{n[j]:5.1f}" for j in jobs)
+              + f" | {sum(o[j] for j in glue):6.1f} -> {sum(n[j] for j in glue):5.1f}")
+
+
+def bench_align(device: str, batches, configs) -> list[dict]:
+    """The alignment alone (one rank's routing: 256 experts, top 8, + the shared one) per T:
+    the one-program kernel and the parallel one under each candidate launch, us per call."""
+    from hisparse.ops.moe_layer import FUSED_BLOCK_M, align
+
+    E, k = 256, 8
+    rows = []
+    for T in batches:
+        g = torch.Generator(device="cpu").manual_seed(T)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        ids = torch.cat([ids, torch.full((T, 1), E)], 1).to(torch.int32).to(device)
+        row = {"T": T, "single": time_fn(functools.partial(
+            align, ids, E + 1, FUSED_BLOCK_M, True, "single"), device=device) * 1e6}
+        for c in configs:
+            row[_align_str(c)] = time_fn(functools.partial(
+                align, ids, E + 1, FUSED_BLOCK_M, True, "experts", c), device=device) * 1e6
+        rows.append(row)
+    return rows
+
+
+def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dict]:
+    """The router GEMM (with the FP8 quantization of ``x``) + routing alone (one rank: 256
+    experts of 7168, top 8 of 8 groups, + the shared expert) per T under each candidate
+    launch, us per call."""
+    from hisparse.ops.moe_layer import RoutingConfig, route_quantized
+
+    E, D, k, G = (16, 128, 4, 4) if smoke else (256, 7168, 8, 8)
+    rc = RoutingConfig(top_k=k, n_group=G, topk_group=G // 2, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+    w = (torch.randn(E, D, device=device) * D ** -0.5).bfloat16().float()
+    b = torch.randn(E, device=device) * 0.05
+    rows = []
+    for T in batches:
+        x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+        row = {"T": T}
+        for c in configs:
+            row[_router_str(c)] = time_fn(functools.partial(
+                route_quantized, x, w, b, rc, 1, 32 if smoke else 128, False, c),
+                device=device) * 1e6
+        rows.append(row)
+    return rows
+
+
+def _router_str(c) -> str:
+    return (f"s{c.k_split}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
+            f"/t{c.route_tokens}w{c.route_warps}")
+
+
+TILE_N_CANDIDATES = ((64, 128), (32, 128), (128, 128), (64, 64), (32, 64))
+
+
+def bench_tiles(device: str, batches, smoke: bool) -> list[dict]:
+    """The fused FP8 layer (default glue) per T under each grouped-GEMM N tile pair of
+    :data:`TILE_N_CANDIDATES` (gate-up, down; bit-neutral), us per call."""
+    from hisparse.models.dsa import DSAMoE
+    from hisparse.ops.moe_layer import moe_layer
+
+    cfg = moe_config(smoke, True)
+    with torch.device(device):
+        moe = DSAMoE(cfg)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02 / 32)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
+                        .clamp_(-448, 448))
+            elif not name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    ex = moe.experts
+    rows = []
+    for T in batches:
+        x = torch.randn(T, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+        row = {"T": T}
+        for tn in TILE_N_CANDIDATES[:2] if smoke else TILE_N_CANDIDATES:
+            row[f"{tn[0]}/{tn[1]}"] = time_fn(functools.partial(
+                moe_layer, x, moe.gate.weight, moe.gate.e_score_correction_bias,
+                moe.gate.routing, ex.gate_up_proj, ex.down_proj,
+                gate_up_scale=ex.gate_up_proj_scale_inv, down_scale=ex.down_proj_scale_inv,
+                block=ex.block, pow2_scale=ex.pow2_scale, shared=moe._fusable_shared(),
+                tile_n=tn), device=device) * 1e6
+        rows.append(row)
+    return rows
+
+
+def print_tiles(rows: list[dict]) -> None:
+    names = [k for k in rows[0] if k != "T"]
+    print("\nfused FP8 layer under grouped-GEMM N tiles (gate-up/down), us per call "
+          f"(default {names[0]})")
+    print(f"{'T':>4} | " + " ".join(f"{n:>8}" for n in names) + " | best")
+    for r in rows:
+        best = min(names, key=lambda n: r[n])
+        print(f"{r['T']:>4} | " + " ".join(f"{r[n]:8.1f}" for n in names) + f" | {best}")
+
+
+def _align_str(c) -> str:
+    return f"e{c.experts}/c{c.chunk}/w{c.num_warps}"
+
+
+def print_router(rows: list[dict], configs) -> None:
+    from hisparse.ops.moe_layer import ROUTER_CONFIG
+
+    names = [_router_str(c) for c in configs]
+    print(f"\nrouter GEMM (+ x quant) + routing alone, us per call; launch = K split / experts "
+          f"per program / K step / GEMM warps / routing tokens + warps per program (default: "
+          f"{_router_str(ROUTER_CONFIG)})")
+    for i, n in enumerate(names):
+        print(f"  [{i}] {n}")
+    print(f"{'T':>4} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(names))) + " | best")
+    for r in rows:
+        best = min(range(len(names)), key=lambda i: r[names[i]])
+        print(f"{r['T']:>4} | " + " ".join(f"{r[n]:7.1f}" for n in names)
+              + f" | [{best}] {names[best]}")
+
+
+def print_align(rows: list[dict], configs) -> None:
+    from hisparse.ops.moe_layer import ALIGN_CONFIG
+
+    names = ["single"] + [_align_str(c) for c in configs]
+    print(f"\nalign alone, us per call (default: {_align_str(ALIGN_CONFIG)})")
+    print(f"{'T':>4} | " + " ".join(f"{n:>13}" for n in names) + " | best")
+    for r in rows:
+        best = min(names[1:], key=lambda n: r[n])
+        print(f"{r['T']:>4} | " + " ".join(f"{r[n]:13.1f}" for n in names) + f" | {best}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,16,64,256,512", help="GEMM rows M")
-    p.add_argument("--moe-batches", default="16,24,64,128,256", help="MoE tokens T")
+    p.add_argument("--moe-batches", default="8,16,24,48,64,128,256", help="MoE tokens T")
+    p.add_argument("--skip-unfused", action="store_true",
+                   help="MoE: without the unfused layer (HISPARSE_FUSED_MOE=0)")
+    p.add_argument("--align-sweep", action="store_true",
+                   help="the alignment alone, one-program vs parallel under candidate launches")
+    p.add_argument("--tile-sweep", action="store_true",
+                   help="the fused FP8 layer under the grouped GEMMs' N tile candidates")
+    p.add_argument("--router-sweep", action="store_true",
+                   help="the router GEMM + routing alone under candidate launches")
     p.add_argument("--moe-weights", default="fp8,bf16", help="MoE expert weights: fp8, bf16")
     p.add_argument("--sweep", action="store_true",
                    help="stream-kernel launch / chunk sweep (with --skip-gemm --skip-moe alone)")
@@ -504,8 +688,32 @@ def main(argv: list[str] | None = None) -> int:
         weights = [w for w in a.moe_weights.split(",") if w]
         if not weights or set(weights) - {"fp8", "bf16"}:
             raise SystemExit(f"--moe-weights: fp8 and/or bf16, got {a.moe_weights!r}")
-        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke, weights)
+        out["moe"] = bench_moe(peaks, device, moe_batches, a.smoke, weights,
+                               unfused=not a.skip_unfused)
         print_moe(out["moe"])
+    if a.align_sweep:
+        from hisparse.ops.moe_layer import AlignConfig
+
+        configs = [AlignConfig(8, 1024), AlignConfig(4, 512), AlignConfig(8, 512),
+                   AlignConfig(16, 1024), AlignConfig(8, 1024, 8)]
+        if a.smoke:
+            configs = configs[:2]
+        out["align"] = bench_align(device, moe_batches, configs)
+        print_align(out["align"], configs)
+    if a.tile_sweep:
+        out["tiles"] = bench_tiles(device, moe_batches, a.smoke)
+        print_tiles(out["tiles"])
+    if a.router_sweep:
+        from hisparse.ops.moe_layer import ROUTER_CONFIG, RouterConfig
+
+        one = dict(route_tokens=1, route_warps=1)
+        configs = [ROUTER_CONFIG, RouterConfig(**one), RouterConfig(route_tokens=2, route_warps=2),
+                   RouterConfig(block_e=64, **one), RouterConfig(block_e=16, **one),
+                   RouterConfig(k_split=256, **one)]
+        if a.smoke:
+            configs = [RouterConfig(k_split=64, block_k=32, block_e=8), RouterConfig(**one)]
+        out["router"] = bench_router(device, moe_batches, configs, a.smoke)
+        print_router(out["router"], configs)
     if a.sweep:
         ops = [o for o in a.sweep_ops.split(",") if o]
         bad = [o for o in ops if o not in linears]

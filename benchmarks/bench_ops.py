@@ -310,32 +310,33 @@ def _raw_flashmla(q, kv, idx, scale, fp8_cache=None):
     return bf16, fp8, meta
 
 
-def bench_attention(res, sweep):
-    """Sparse MLA attention, T=64 tokens x H heads x top-k 2048, every figure a throughput ratio
-    against the RAW FlashMLA kernel on the same inputs, every call timed inside a CUDA graph
-    (:func:`timeit_graph`: what a captured decode step pays) (bf16: ``flash_mla_sparse_fwd``; FP8:
-    ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)`` over 656-B rows). Heads are
-    padded to 64 once at allocation for the raw calls (FlashMLA needs 64 or 128); the hisparse
-    FlashMLA backend gets the unpadded q (at 16 heads it pads per call: that cost is real)."""
+def bench_attention(res, sweep, tokens=(64,), heads=(16, 64, 128)):
+    """Sparse MLA attention, T tokens (``tokens``, default 64) x H heads x top-k 2048, every figure
+    a throughput ratio against the RAW FlashMLA kernel on the same inputs, every call timed inside a
+    CUDA graph (:func:`timeit_graph`: what a captured decode step pays) (bf16:
+    ``flash_mla_sparse_fwd``; FP8: ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``
+    over 656-B rows). Heads are padded to 64 once at allocation for the raw calls (FlashMLA needs 64
+    or 128); the hisparse FlashMLA backend gets the unpadded q (at 16 heads it pads per call: that
+    cost is real)."""
     from hisparse.ops import quantize_mla_rows_reference, sparse_mla_attention_fp8
     from hisparse.ops._attention_triton import (
         sparse_mla_attention_fp8_triton,
         sparse_mla_attention_triton,
     )
-    T, K = 64, 2048
+    K = 2048
     N = 64 * 4096
     kv = torch.randn(N, 576, device="cuda").to(torch.bfloat16)
     kv8 = quantize_mla_rows_reference(kv, 512)                     # [N, 656] uint8
-    idx = torch.randint(0, N, (T, K), dtype=torch.int32, device="cuda")
     scale = 576 ** -0.5
     have_fm = flashmla_available()
     rows = []
-    for H in (16, 64, 128):
+    for T, H in [(T, H) for T in tokens for H in heads]:
+        idx = torch.randint(0, N, (T, K), dtype=torch.int32, device="cuda")
         hp = max(64, H)
         qp = torch.randn(T, hp, 576, device="cuda").to(torch.bfloat16)   # padded at allocation
         q = qp[:, :H].contiguous() if hp != H else qp
         flops = T * H * K * (576 + 512) * 2
-        line = {"H": H}
+        line = {"T": T, "H": H}
         raw = {}
         if have_fm:
             try:
@@ -404,7 +405,7 @@ def bench_attention(res, sweep):
             if isinstance(v, tuple):
                 t, r = v
                 parts.append(f"{k_} {t * 1e6:.1f}us" + (f" ({r:.2f}x raw)" if r else ""))
-            elif k_ != "H":
+            elif k_ not in ("T", "H"):
                 parts.append(f"{k_} {v:.3g}")
         print(f"attention T={T} H={H} K={K}: " + " | ".join(parts), flush=True)
     return rows
@@ -427,12 +428,11 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
     bf16 keys (256 B) vs page-split FP8 keys (132 B, quant.FP8KeyLayout) on the same values;
     ``sweep``: every config of INDEXER_SWEEP for both key formats."""
     from hisparse.ops._indexer_triton import indexer_keys
+    from hisparse.ops.indexer import fp8_key_queries_reference
     from hisparse.ops.quant import (
         FP8KeyLayout,
         dequantize_index_keys_reference,
-        dequantize_index_queries_reference,
         quantize_index_keys_reference,
-        quantize_index_queries_reference,
     )
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     layout = FP8KeyLayout(D, bs)
@@ -457,10 +457,10 @@ def bench_indexer(res, sweep, contexts=(8192, 32768, 131072)):
         k8 = layout.pages(rows8)
         deq = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
         del rows8
-        # same selection as the bf16 kernel over the dequantized keys and FP8 queries (both
-        # exact in bf16; FP8-key scoring quantizes the queries: ops.indexer)
-        qd = dequantize_index_queries_reference(*quantize_index_queries_reference(q),
-                                                torch.bfloat16)
+        # same selection as the bf16 kernel over the dequantized (rotated) keys and the queries
+        # as FP8-key scoring takes them (rotated; FP8 with HISPARSE_FP8_INDEXER=1; exact in
+        # bf16: ops.indexer)
+        qd = fp8_key_queries_reference(q).to(torch.bfloat16)
         sel8 = torch.sort(indexer_topk(q, w, k8, bt, req, pos, bs, topk), 1).values
         sel16 = torch.sort(indexer_topk(qd, w, deq, bt, req, pos, bs, topk), 1).values
         agree = (sel8 == sel16).float().mean().item()
@@ -491,6 +491,10 @@ def main():
                     help="pinned host pool the gather rows spread over (>= 16 for issue 11)")
     ap.add_argument("--sweep", action="store_true", help="also try alternative kernel configs")
     ap.add_argument("--only", default="gather,resolver,attention,indexer")
+    ap.add_argument("--attn-tokens", default="64",
+                    help="tokens (decode rows) of the attention benchmark (comma-separated)")
+    ap.add_argument("--attn-heads", default="16,64,128",
+                    help="heads of the attention benchmark (16: one TP-8 rank of V3.2)")
     ap.add_argument("--indexer-ctx", default="8192,32768,131072",
                     help="contexts of the indexer benchmark (comma-separated)")
     args = ap.parse_args()
@@ -513,7 +517,8 @@ def main():
     if "resolver" in only:
         bench_resolver(res)
     if "attention" in only:
-        bench_attention(res, args.sweep)
+        bench_attention(res, args.sweep, [int(t) for t in args.attn_tokens.split(",")],
+                        [int(h) for h in args.attn_heads.split(",")])
     if "indexer" in only:
         bench_indexer(res, args.sweep, [int(c) for c in args.indexer_ctx.split(",")])
     print_summary(res)

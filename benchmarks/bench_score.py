@@ -1,7 +1,9 @@
-"""FP8-KV indexer scoring on the GPU (issue 24 item 2): the old path (bf16 queries against keys
-upcast from e4m3, ``fp8_query=False``, what ``HISPARSE_FP8_INDEXER=0`` runs) against the new
-one (queries quantized to e4m3 by one small kernel, one e4m3 x e4m3 dot per key tile; the
-timed call includes the quantization launch), plus a sweep of the new kernel's launch configs.
+"""FP8-KV indexer scoring on the GPU (issue 24 item 2): the old path (bf16 queries, rotated by
+one small kernel, against keys upcast from e4m3, ``fp8_query=False``, what
+``HISPARSE_FP8_INDEXER=0`` runs) against the new one (queries rotated and quantized to e4m3 by
+one small kernel, one e4m3 x e4m3 dot per key tile); the timed calls include those launches
+(``rot us`` / ``q us``: each alone; ops.rotation), plus a sweep of the new kernel's launch
+configs.
 
 Usage (repository root, CUDA):
     PYTHONPATH=. python benchmarks/bench_score.py
@@ -69,9 +71,10 @@ def _row(T, ctx, group, sweep, seed):
     t_old = timeit_graph(run(False))
     t_new = timeit_graph(run(True))
     t_quant = timeit_graph(lambda: ix.quantize_queries(q, w))
+    t_rot = timeit_graph(lambda: ix.rotate_queries(q))
     row = dict(T=T, ctx=ctx, group=group, key_bytes=nbytes, old_us=t_old * 1e6,
                old_frac=frac(t_old), new_us=t_new * 1e6, new_frac=frac(t_new),
-               quant_us=t_quant * 1e6, speedup=t_old / t_new, sweep=[])
+               quant_us=t_quant * 1e6, rot_us=t_rot * 1e6, speedup=t_old / t_new, sweep=[])
     if sweep:
         for cfg in SWEEP if group == 1 else SWEEP_GROUPS:
             try:
@@ -104,13 +107,14 @@ def main() -> None:
           f"{HBM_TBS} TB/s; new = quantize q + e4m3 dot, defaults {ix.CONFIG_CUDA_F8Q} and "
           f"{ix.CONFIG_CUDA_F8Q_WIDE} from group 4)")
     print(f"{'T x ctx (group)':>18} | {'MB keys':>7} | {'old us':>7} {'frac':>5} | "
-          f"{'new us':>7} {'frac':>5} | {'x':>5} | {'q us':>5} | best config (us, frac)")
+          f"{'new us':>7} {'frac':>5} | {'x':>5} | {'q us':>5} {'rot us':>6} | "
+          "best config (us, frac)")
     for r in rows:
         b = r.get("best")
         best = f"{tuple(b['config'])} {b['us']:.1f} {b['frac']:.2f}" if b else "-"
         print(f"{r['T']:>6} x {r['ctx']:>6} ({r['group']}) | {r['key_bytes'] / 1e6:7.1f} | "
               f"{r['old_us']:7.1f} {r['old_frac']:5.2f} | {r['new_us']:7.1f} {r['new_frac']:5.2f}"
-              f" | {r['speedup']:5.2f} | {r['quant_us']:5.1f} | {best}")
+              f" | {r['speedup']:5.2f} | {r['quant_us']:5.1f} {r['rot_us']:6.1f} | {best}")
     for r in rows:
         if r["sweep"]:
             cells = [f"{tuple(s['config'])} " + (f"{s['us']:.1f}" if "us" in s else s["error"])

@@ -1,15 +1,18 @@
 """Indexer top-k and scoring on the GPU (issue 24), per call and per step of 61 indexer layers.
 
 Usage (repository root, CUDA):
-    PYTHONPATH=. python benchmarks/bench_topk.py [--contexts 32768,131072] [--rows 8,16,32,64]
-        [--score-rows 8,64] [--table-width 163840] [--out bench_topk.json]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,scoring,sweep]
+        [--topk-shapes 32768x8x2048,...] [--sweep-shapes 32768x8x2048,...]
+        [--contexts 32768,131072] [--score-rows 8,64] [--table-width 163840] [--out FILE]
 
-Top-k: the old path (``torch.topk`` sorted over int64 ``(key << 32) | ~col`` keys, as
-``indexer_topk`` ran it before: over the whole table width) against ``ops.topk.topk_select`` on
-the same int32 keys (work follows each row's length), ``k = 2048``, every row ``ctx`` long; both
-checked equal. ``old@table``: the old path over ``--table-width`` columns (``max_model_len``: the
-width it really ran over), the new kernel reading the same rows. Times are per call from CUDA
-graphs of 10 back-to-back calls (as the engine replays them).
+Top-k (``--only topk``): per shape ``ctx x rows x k`` (every row ``ctx`` long), the old path
+(``torch.topk`` sorted over int64 ``(key << 32) | ~col`` keys, as ``indexer_topk`` ran it before
+the radix select: ``torch`` over the row's length, ``torch@W`` over ``--table-width`` columns,
+the width it really ran over) against ``ops.topk.topk_select`` under each ``HISPARSE_TOPK``
+mode (``legacy``: the former radix select's launches; ``phased``; ``fused``), all checked equal
+to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints at a few shapes
+(pick the default from it). Times are per call from CUDA graphs of 10 back-to-back calls (as the
+engine replays them).
 
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
 64 heads, D 128, page 64, one token per request (``group 1``) and MTP pairs (``group 2``: two
@@ -20,6 +23,7 @@ read per request) against the H200's 4.8 TB/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +37,7 @@ from bench_ops import timeit_graph  # noqa: E402  (the same graph-replay timer)
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
+    TopkLaunch,
     TopkScratch,
     orderable_keys,
     topk_select,
@@ -56,39 +61,92 @@ def pack(keys, lengths):
     return torch.where(valid, packed, torch.full_like(packed, -(2**63)))
 
 
-def _topk_case(ctx, T, table_width, k):
+MODES = ("legacy", "phased", "fused")
+
+
+def _timed_select(keys, lens, k, out, scratch, mode, launch=None):
+    """Graph-replay time of ``topk_select`` under ``HISPARSE_TOPK=mode`` (read at capture)."""
+    os.environ["HISPARSE_TOPK"] = mode
+    try:
+        return timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch,
+                                                launch=launch))
+    finally:
+        os.environ.pop("HISPARSE_TOPK", None)
+
+
+def _topk_inputs(ctx, T, W):
     g = torch.Generator(device="cuda").manual_seed(ctx + T)
-    W = max(ctx, table_width)
     keys = orderable_keys(torch.randn((T, W), generator=g, device="cuda"))
     lens = torch.full((T,), ctx, dtype=torch.int32, device="cuda")
+    return keys, lens
+
+
+def _topk_case(ctx, T, table_width, k):
+    W = max(ctx, table_width)
+    keys, lens = _topk_inputs(ctx, T, W)
     scratch = TopkScratch(T, "cuda")
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-    got = topk_select(keys[:, :ctx], lens, k, out=out, scratch=scratch)
-    assert torch.equal(got, topk_select_reference(keys[:, :ctx], lens, k)), (ctx, T)
-    packed = pack(keys[:, :ctx], lens)
-    packed_w = pack(keys, lens)
-    t = dict(
-        old=timeit_graph(lambda: old_topk(packed, k)),
-        new=timeit_graph(lambda: topk_select(keys[:, :ctx], lens, k, out=out, scratch=scratch)),
-        old_table=timeit_graph(lambda: old_topk(packed_w, k)),
-        new_table=timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch)))
+    want = topk_select_reference(keys[:, :ctx], lens, k)
+    t = {}
+    for mode in MODES:
+        t[mode] = _timed_select(keys[:, :ctx], lens, k, out, scratch, mode)
+        assert torch.equal(out, want), (ctx, T, k, mode)       # the last replay's result
+    assert scratch.stalls.item() == 0, "a fused launch's row barrier gave up waiting"
+    packed, packed_w = pack(keys[:, :ctx], lens), pack(keys, lens)
+    t["torch"] = timeit_graph(lambda: old_topk(packed, k))
+    t["torch_table"] = timeit_graph(lambda: old_topk(packed_w, k))
     return W, t
 
 
-def bench_topk(res, contexts, rows_list, table_width, k=2048):
-    print(f"\ntop-k k={k}: us per call (x{LAYERS} layers = ms per step)")
-    print(f"  {'ctx':>7} {'rows':>4} | {'old':>8} {'new':>8} {'new/old':>7} | "
-          f"{'old@table':>9} {'new/old@table':>13} | step ms old@table -> new")
-    for ctx in contexts:
-        for T in rows_list:
-            W, t = _topk_case(ctx, T, table_width, k)
-            res.append(dict(bench="topk", ctx=ctx, rows=T, k=k, table_width=W,
-                            **{f"{n}_us": v * 1e6 for n, v in t.items()}))
-            print(f"  {ctx:>7} {T:>4} | {t['old'] * 1e6:8.1f} {t['new'] * 1e6:8.1f} "
-                  f"{t['new'] / t['old']:7.3f} | {t['old_table'] * 1e6:9.1f} "
-                  f"{t['new_table'] / t['old_table']:13.3f} | "
-                  f"{t['old_table'] * LAYERS * 1e3:.2f} -> {t['new_table'] * LAYERS * 1e3:.2f}",
-                  flush=True)
+SHAPES = ((32768, 8, 2048), (32768, 24, 2048), (32768, 48, 2048), (32768, 64, 2048),
+          (131072, 8, 2048), (32768, 24, 4096))
+
+
+def bench_topk(res, shapes, table_width):
+    print(f"\ntop-k: us per call (graph replay), x{LAYERS} layers = ms per step. torch: "
+          f"torch.topk over the row's length; torch@W: over the table width (the issue's "
+          f"baseline); legacy: the former radix select (HISPARSE_TOPK=legacy); phased / fused: "
+          f"the new phases, one launch each / one launch; bw: row bytes / fused time / "
+          f"{HBM_GBS / 1000:.1f} TB/s")
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'torch':>7} {'torch@W':>7} {'legacy':>7} "
+          f"{'phased':>7} {'fused':>7} | {'f/torch@W':>9} {'f/legacy':>8} {'bw':>5} | "
+          f"step ms legacy -> fused")
+    for ctx, T, k in shapes:
+        W, t = _topk_case(ctx, T, table_width, k)
+        bw = T * ctx * 4 / t["fused"] / 1e9 / HBM_GBS
+        res.append(dict(bench="topk", ctx=ctx, rows=T, k=k, table_width=W, hbm_fraction=bw,
+                        **{f"{n}_us": v * 1e6 for n, v in t.items()}))
+        print(f"  {ctx:>6} {T:>4} {k:>4} | {t['torch'] * 1e6:7.1f} {t['torch_table'] * 1e6:7.1f} "
+              f"{t['legacy'] * 1e6:7.1f} {t['phased'] * 1e6:7.1f} {t['fused'] * 1e6:7.1f} | "
+              f"{t['fused'] / t['torch_table']:9.3f} {t['fused'] / t['legacy']:8.3f} {bw:5.3f} | "
+              f"{t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}", flush=True)
+
+
+SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
+         TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
+         TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048))
+
+
+def sweep_topk(res, shapes):
+    """The fused launch's hints (``TopkLaunch``) at a few shapes, us per call; the default
+    first (``*``: the fastest of a shape)."""
+    print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block), us")
+    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}" for c in SWEEP]
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
+    for ctx, T, k in shapes:
+        keys, lens = _topk_inputs(ctx, T, ctx)
+        scratch = TopkScratch(T, "cuda")
+        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+        want = topk_select_reference(keys, lens, k)
+        ts = []
+        for cfg in SWEEP:
+            ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg))
+            assert torch.equal(out, want) and scratch.stalls.item() == 0, (ctx, T, k, cfg)
+            res.append(dict(bench="topk_sweep", ctx=ctx, rows=T, k=k,
+                            config=dataclasses.asdict(cfg), us=ts[-1] * 1e6))
+        best = min(ts)
+        print(f"  {ctx:>6} {T:>4} {k:>4} | " + " ".join(
+            f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
 
 
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
@@ -155,26 +213,37 @@ def bench_scoring(res, contexts, rows_list, bs=64, Hi=64, D=128):
                           f"{gbs:7.0f} {gbs / HBM_GBS:6.2f}", flush=True)
 
 
+def _shapes(text):
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--rows", default="8,16,32,64", help="top-k rows (requests)")
+    ap.add_argument("--contexts", default="32768,131072", help="scoring contexts")
+    ap.add_argument("--topk-shapes", default=",".join(f"{c}x{t}x{k}" for c, t, k in SHAPES),
+                    help="top-k shapes ctx x rows x k")
+    ap.add_argument("--sweep-shapes",
+                    default="32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048",
+                    help="top-k sweep shapes (--only topk-sweep)")
     ap.add_argument("--score-rows", default="8,64", help="scoring tokens")
     ap.add_argument("--table-width", type=int, default=163840,
                     help="the old path's width (max_model_len); 0: each context's own")
-    ap.add_argument("--only", default="topk,scoring", help="topk, scoring, sweep (scoring "
-                    "configs at the first context and the last --score-rows)")
+    ap.add_argument("--only", default="topk,scoring", help="topk, topk-sweep (the fused "
+                    "top-k's launch hints), scoring, sweep (scoring configs at the first "
+                    "context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows = [int(r) for r in args.rows.split(",")]
+    only = args.only.split(",")
     res = []
-    if "topk" in args.only:
-        bench_topk(res, contexts, rows, args.table_width)
-    if "scoring" in args.only:
+    if "topk" in only:
+        bench_topk(res, _shapes(args.topk_shapes), args.table_width)
+    if "topk-sweep" in only:
+        sweep_topk(res, _shapes(args.sweep_shapes))
+    if "scoring" in only:
         bench_scoring(res, contexts, [int(r) for r in args.score_rows.split(",")])
-    if "sweep" in args.only:
+    if "sweep" in only:
         sweep_scoring(res, contexts[0], int(args.score_rows.split(",")[-1]))
     if args.out:
         with open(args.out, "w") as f:

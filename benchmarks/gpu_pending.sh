@@ -99,6 +99,10 @@ for section in "$@"; do
         --splits 16,1 --out "$out/bench_resolver.json"
       run scoring 40 python3 benchmarks/bench_topk.py --only sweep --contexts 32768 \
         --score-rows 24 --out "$out/scoring_sweep.json"
+      # the top-k: torch.topk vs HISPARSE_TOPK=legacy vs phased vs fused, and the fused
+      # launch's hints (TopkLaunch) at four shapes
+      run topk 120 python3 benchmarks/bench_topk.py --only topk,topk-sweep \
+        --out "$out/bench_topk.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     serve)   # issue 22 item 6: hisparse serve per mode on the stand-in, bench-serve at 32k / 512
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)

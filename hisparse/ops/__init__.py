@@ -51,11 +51,11 @@ from .resolve import (
     resolve_rows_reference,
 )
 from .stage import stage_groups, stage_rows, stage_rows_reference, staging_union_size
-from .topk import TopkScratch, orderable_keys, topk_select, topk_select_reference
+from .topk import TopkLaunch, TopkScratch, orderable_keys, topk_select, topk_select_reference
 
 __all__ = [
     "indexer_topk", "indexer_topk_reference", "IndexerWorkspace",
-    "topk_select", "topk_select_reference", "TopkScratch", "orderable_keys",
+    "topk_select", "topk_select_reference", "TopkScratch", "TopkLaunch", "orderable_keys",
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace", "prefetch_copy",
     "prefetch_copy_reference",
     "sparse_mla_attention", "sparse_mla_attention_reference", "flashmla_available",

@@ -80,7 +80,7 @@ def fp8_tile(d: int) -> int:
 # cooperate on one row's histograms.
 RADIX_BINS = 256
 RADIX_LEVELS = 4
-MAX_SPLITS = 16
+MAX_SPLITS = 64          # a power of two
 
 
 # Hot-buffer resolver (resolve).

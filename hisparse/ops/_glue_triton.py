@@ -14,22 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from ._quant_triton import _bf16_bits, _store_fp8_tiles
+from ._quant_triton import _TL_DTYPE, _bf16_bits, _hadamard, _rnd, _store_fp8_tiles
 from .quant import fp8_tile
-
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _rnd(x, DT: tl.constexpr):
-    """Round fp32 ``x`` to the model dtype ``DT`` and back (what storing a torch op's result
-    does); bf16 by integer round-to-nearest-even (the interpreter's cast truncates)."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.int32, bitcast=True)
-        y = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    else:
-        y = x.to(DT).to(tl.float32)
-    return y
 
 
 @triton.jit
@@ -185,9 +171,10 @@ def _index_keys_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr,
                        stride_k, stride_cs, stride_page, Di, eps,
                        NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
                        INTERLEAVED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                       DT: tl.constexpr):
+                       DT: tl.constexpr, LOG_D: tl.constexpr, ROT_SCALE: tl.constexpr):
     """``k [T, Di]`` -> key of flat row ``rows[t]``: LayerNorm, RoPE on the first ``2*H2``
-    dims; float rows ``[N, Di]`` or FP8 page-split pages (``PAGE`` keys per page)."""
+    dims; float rows ``[N, Di]`` or FP8 page-split pages (``PAGE`` keys per page) of the rotated
+    key (:mod:`hisparse.ops.rotation`, in DT; ``LOG_D``, ``ROT_SCALE``: its size and scale)."""
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + t).to(tl.int64)
     src = k_ptr + t * stride_k
@@ -207,6 +194,8 @@ def _index_keys_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr,
     sn = tl.load(sin_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
     y = tl.where(inr, _rope_pair(a, b, cs, sn, i < H2, DT), y)
     if FP8:
+        y = tl.reshape(_hadamard(tl.reshape(y, (1, NT * TILE)), 1, NT * TILE, LOG_D, ROT_SCALE,
+                                 DT), (NT, TILE))
         _store_fp8_tiles(y, dst_ptr, dst_f32, (row // PAGE) * stride_page, row % PAGE, i,
                          offs_i, NT * TILE, NT, PAGE * NT * TILE)
     else:
@@ -227,6 +216,7 @@ def write_index_keys_triton(k, ln_weight, ln_bias, eps, cos, sin, rope_dim: int,
                              cos.stride(0), dst.stride(0), d, float(eps), NT=nt, TILE=tile,
                              H2=rope_dim // 2, INTERLEAVED=interleaved,
                              PAGE=block_size if fp8 else 1, FP8=fp8, DT=_TL_DTYPE[k.dtype],
+                             LOG_D=max(0, d.bit_length() - 1), ROT_SCALE=d ** -0.5,
                              num_warps=1 if d <= 256 else 4)
 
 

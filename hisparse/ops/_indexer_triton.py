@@ -1,5 +1,5 @@
 """Triton scoring kernels of the lightning indexer (imported lazily by indexer.py): the scoring
-kernel and, for FP8 keys, the query quantization that runs before it."""
+kernel and, for FP8 keys, the query rotation (and quantization) that runs before it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreted, next_pow2
-from ._quant_triton import _e4m3_code, _pow2_scale
+from ._quant_triton import _TL_DTYPE, _e4m3_code, _hadamard, _pow2_scale
 
 
 @triton.jit
@@ -230,12 +230,16 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
 
 
 @triton.jit
-def _indexer_quant_q_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, wq_ptr, HI, stride_qt,
+def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, HI, stride_qt,
                             stride_qh, stride_wt, D: tl.constexpr, TILE: tl.constexpr,
-                            NT: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr):
-    """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: e4m3 codes ``[T, HI, D]`` and
-    power-of-two scales ``[T, HI, NT]`` of each (head, tile) (the keys' rule, bit for bit);
-    ``FOLD`` (one tile): ``wq = w * scale`` as well."""
+                            NT: tl.constexpr, BLOCK_H: tl.constexpr, LOG_D: tl.constexpr,
+                            ROT_SCALE: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
+                            FOLD: tl.constexpr):
+    """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: each head rotated (the indexer
+    rotation in ``DT``, bit for bit :func:`hisparse.ops.rotation.indexer_rotation`), then, with
+    ``QUANT``, its e4m3 codes ``[T, HI, D]`` and power-of-two scales ``[T, HI, NT]`` per (head,
+    tile) (the keys' rule, bit for bit) and, ``FOLD`` (one tile), ``wq = w * scale``; without,
+    the rotated values ``[T, HI, D]`` in ``DT``."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, NT)
@@ -245,38 +249,61 @@ def _indexer_quant_q_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, wq_ptr, HI, strid
     h3 = offs_h[:, None, None]
     x = tl.load(q_ptr + t * stride_qt + h3 * stride_qh + offs, mask=hmask[:, None, None],
                 other=0.0).to(tl.float32)                              # [BLOCK_H, NT, TILE]
-    scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=2))                # [BLOCK_H, NT]
-    code = _e4m3_code(x * inv[:, :, None])
-    tl.store(code_ptr + (t * HI + h3) * D + offs, code.to(tl.uint8), mask=hmask[:, None, None])
-    tl.store(scale_ptr + (t * HI + offs_h[:, None]) * NT + offs_i[None, :], scale,
-             mask=hmask[:, None])
-    if FOLD:
-        w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0)
-        tl.store(wq_ptr + t * HI + offs_h, w * tl.sum(scale, axis=1), mask=hmask)
+    x = tl.reshape(_hadamard(tl.reshape(x, (BLOCK_H, D)), BLOCK_H, D, LOG_D, ROT_SCALE, DT),
+                   (BLOCK_H, NT, TILE))
+    if QUANT:
+        scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=2))            # [BLOCK_H, NT]
+        code = _e4m3_code(x * inv[:, :, None])
+        tl.store(out_ptr + (t * HI + h3) * D + offs, code.to(tl.uint8),
+                 mask=hmask[:, None, None])
+        tl.store(scale_ptr + (t * HI + offs_h[:, None]) * NT + offs_i[None, :], scale,
+                 mask=hmask[:, None])
+        if FOLD:
+            w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0)
+            tl.store(wq_ptr + t * HI + offs_h, w * tl.sum(scale, axis=1), mask=hmask)
+    else:
+        tl.store(out_ptr + (t * HI + h3) * D + offs, x.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None, None])
+
+
+def _queries(q, weights, quant: bool):
+    from .quant import fp8_tile
+    from .rotation import check_rotation_dim
+
+    T, HI, D = q.shape
+    check_rotation_dim(D)
+    tile = fp8_tile(D)
+    nt = D // tile
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if quant:
+        out = torch.empty((T, HI, D), dtype=torch.uint8, device=q.device)
+        scales = torch.empty((T, HI, nt), dtype=torch.float32, device=q.device)
+        wq = torch.empty((T, HI), dtype=torch.float32, device=q.device) if nt == 1 else None
+    else:
+        out, scales, wq = torch.empty_like(q), None, None
+    if T:
+        block_h = min(16, next_pow2(HI))
+        _indexer_queries_kernel[(T, triton.cdiv(HI, block_h))](
+            q, q if weights is None else weights, out, out if scales is None else scales,
+            out if wq is None else wq, HI, q.stride(0), q.stride(1),
+            0 if weights is None else weights.stride(0), D=D, TILE=tile, NT=nt,
+            BLOCK_H=block_h, LOG_D=D.bit_length() - 1, ROT_SCALE=D ** -0.5,
+            DT=_TL_DTYPE[q.dtype], QUANT=quant, FOLD=quant and nt == 1, num_warps=4)
+    return out, scales, wq
 
 
 def quantize_queries(q, weights):
     """``q [T, HI, D]`` -> (e4m3 codes ``[T, HI, D]`` uint8, scales ``[T, HI, NT]`` fp32,
-    ``weights * scale`` ``[T, HI]`` fp32 when one tile (``NT == 1``), else None): bit for bit
-    :func:`hisparse.ops.quant.quantize_index_queries_reference`. One launch, no host sync."""
-    from .quant import fp8_tile
+    ``weights * scale`` ``[T, HI]`` fp32 when one tile (``NT == 1``), else None) of the rotated
+    queries: bit for bit :func:`hisparse.ops.quant.quantize_index_queries_reference`. One
+    launch, no host sync."""
+    return _queries(q, weights, True)
 
-    T, HI, D = q.shape
-    tile = fp8_tile(D)
-    if tile & (tile - 1):
-        raise ValueError(f"indexer_keys: FP8 query tiles must be a power of two, got D={D}")
-    nt = D // tile
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    codes = torch.empty((T, HI, D), dtype=torch.uint8, device=q.device)
-    scales = torch.empty((T, HI, nt), dtype=torch.float32, device=q.device)
-    wq = torch.empty((T, HI), dtype=torch.float32, device=q.device) if nt == 1 else None
-    if T:
-        block_h = min(16, next_pow2(HI))
-        _indexer_quant_q_kernel[(T, triton.cdiv(HI, block_h))](
-            q, weights, codes, scales, scales if wq is None else wq, HI, q.stride(0),
-            q.stride(1), weights.stride(0), D=D, TILE=tile, NT=nt, BLOCK_H=block_h,
-            FOLD=nt == 1, num_warps=4)
-    return codes, scales, wq
+
+def rotate_queries(q):
+    """``q [T, HI, D]`` -> ``indexer_rotation(q)`` (same dtype; bit for bit the reference): the
+    unquantized queries scored against FP8 keys. One launch, no host sync."""
+    return _queries(q, None, False)[0]
 
 
 @functools.cache
@@ -307,11 +334,13 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     each key once for all of them. ``config``: ``(BLOCK_S, programs per SM (on CPU: per
     token group), num_warps, num_stages)``.
 
-    ``fp8_query`` (FP8 keys only): the queries are quantized to e4m3 like the keys
-    (:func:`quantize_queries`, one small launch) and scored against them: one scale tile (``D
-    <= 128``) runs one e4m3 x e4m3 dot per key tile with the query scales folded into the head
-    weights; several tiles score the dequantized queries on the upcast path. False: the
-    queries stay in their dtype against the upcast keys (the path before, a baseline)."""
+    FP8 keys hold rotated keys (:mod:`hisparse.ops.rotation`): the queries are rotated first
+    (one small launch, fused with their quantization). ``fp8_query`` (FP8 keys only): the
+    rotated queries are quantized to e4m3 like the keys (:func:`quantize_queries`) and scored
+    against them: one scale tile (``D <= 128``) runs one e4m3 x e4m3 dot per key tile with the
+    query scales folded into the head weights; several tiles score the dequantized queries on
+    the upcast path. False: the rotated queries stay in their dtype against the upcast keys
+    (:func:`rotate_queries`; the path before, a baseline)."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
     if out is None:
@@ -365,6 +394,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
             from .quant import dequantize_index_queries_reference
             q = dequantize_index_queries_reference(codes, scales, q.dtype)
             f8q = False
+    elif fp8:       # FP8 keys are stored rotated: so are the queries scored against them
+        q = rotate_queries(q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_h = max(16 // group, next_pow2(HI))           # G * BLOCK_H >= 16 rows for tl.dot
     block_d = max(32 if f8q else 16, next_pow2(D))      # e4m3 dots take K in steps of 32

@@ -2,12 +2,18 @@
 
 - ``_moe_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]`` (16-token
   tiles whatever ``T``, split count fixed by ``K``: a row's partials do not depend on the batch);
+  with ``QUANT`` the programs of the first expert block also quantize their ``x`` tile to FP8
+  per ``1 x QBK`` (what ``_moe_quant_act_kernel`` computes, bit for bit: one kernel less);
 - ``_moe_route_kernel``: per token (a few per program): the partials summed in split order, sigmoid,
   correction bias, group-limited top-k (ties to the lower index), normalisation and scaling;
   appends the always-selected shared expert column;
-- ``_moe_align_kernel``: one program: assignments into per-expert ``BLOCK_M``-row tiles, in token
-  order within an expert, without a sort (per-expert counts and ranks from one-hot prefix sums
-  over token chunks);
+- ``_moe_align_experts_kernel``: assignments into per-expert ``BLOCK_M``-row tiles, in token
+  order within an expert, without a sort, one program per ``EB`` experts: each program
+  histograms every assignment (the tile prefix over all experts: no grid-wide sync), then
+  ranks its own experts' assignments by one-hot prefix sums over assignment chunks and writes
+  their slots, tiles and padding, and its share of the unused tail;
+- ``_moe_align_kernel``: the same layout from one program (``HISPARSE_MOE_ALIGN=single``: the
+  baseline);
 - ``_moe_quant_act_kernel``: activations to FP8 per ``1 x bk`` (the grouped GEMMs' in-tile math);
 - ``_moe_token_sum_kernel``: each token's ``K`` assignment rows summed in fp32 in slot order.
 """
@@ -18,18 +24,31 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._gemm_triton import _act_tile_fp8
+from ._gemm_triton import _act_tile_fp8, _quant_rows
 
 
 @triton.jit
-def _moe_router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, K, stride_x, stride_w, stride_ps,
+def _moe_router_gemm_kernel(x_ptr, w_ptr, part_ptr, q_ptr, s_ptr, T, E, K, KB,
+                        stride_x, stride_w, stride_ps, stride_q, stride_s,
                         K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                        QBK: tl.constexpr, POW2: tl.constexpr):
     pt = tl.program_id(0)
     pe = tl.program_id(1)
     ps = tl.program_id(2)
     rows = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
+    if QUANT:  # x's FP8 blocks of this split, once per token tile (expert block 0)
+        if pe == 0:
+            for kq in tl.static_range(K_SPLIT // QBK):
+                kb = ps * (K_SPLIT // QBK) + kq
+                offs_q = kb * QBK + tl.arange(0, QBK)
+                qm = rmask[:, None] & (offs_q < K)[None, :]
+                xa = tl.load(x_ptr + rows[:, None] * stride_x + offs_q[None, :], mask=qm,
+                             other=0.0)
+                q, sa = _quant_rows(xa.to(tl.float32), POW2)
+                tl.store(q_ptr + rows[:, None] * stride_q + offs_q[None, :], q, mask=qm)
+                tl.store(s_ptr + rows * stride_s + kb, sa, mask=rmask & (rows * 0 + kb < KB))
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = offs_e < E
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
@@ -109,6 +128,64 @@ def _moe_route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_ps, scaling,
     offs = t[:, None] * (TOPK + N_SHARED) + j[None, :]
     tl.store(ids_ptr + offs, ids, mask=out)
     tl.store(w_ptr + offs, wts, mask=out)
+
+
+@triton.jit
+def _moe_align_experts_kernel(ids_ptr, sorted_ptr, te_ptr, A, num_slots, max_tiles,
+                              expert_tiles, slot_span, tile_span,
+                              E: tl.constexpr, EP: tl.constexpr, EB: tl.constexpr,
+                              CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, TB: tl.constexpr,
+                              FILL: tl.constexpr):
+    pid = tl.program_id(0)
+    a = tl.arange(0, CHUNK)
+    ex = tl.arange(0, EP)
+    # every expert's count (each program: the tile prefix needs all experts before its own)
+    counts = tl.zeros((EP,), dtype=tl.int32)
+    for a0 in range(0, A, CHUNK):
+        m = a0 + a < A
+        counts += tl.histogram(tl.load(ids_ptr + a0 + a, mask=m, other=0), EP, mask=m)
+    counts = tl.where(ex < E, counts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_start = tl.cumsum(tiles, axis=0) - tiles
+    used = tl.sum(tiles, axis=0)
+    own = pid * EB + tl.arange(0, EB)
+    omask = own < E
+    pick = ex[None, :] == own[:, None]                                  # [EB, EP]
+    o_count = tl.sum(tl.where(pick, counts[None, :], 0), axis=1)
+    o_tile0 = tl.sum(tl.where(pick, tile_start[None, :], 0), axis=1)
+    o_tiles = (o_count + BLOCK_M - 1) // BLOCK_M
+    o_slot0 = o_tile0 * BLOCK_M
+    # the own experts' tiles, and the unused slots of their last tiles
+    tb = tl.arange(0, TB)
+    for i0 in range(0, expert_tiles, TB):
+        i = i0 + tb
+        tl.store(te_ptr + o_tile0[:, None] + i[None, :], own[:, None] + 0 * i[None, :],
+                 mask=omask[:, None] & (i[None, :] < o_tiles[:, None]))
+    pad = o_count[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + o_slot0[:, None] + pad, tl.full((EB, BLOCK_M), -1, tl.int32),
+             mask=omask[:, None] & (pad < (o_tiles * BLOCK_M)[:, None]))
+    # this program's share of the slots and tiles past the last used tile
+    f = tl.arange(0, FILL)
+    for s0 in range(0, slot_span, FILL):
+        s = pid * slot_span + s0 + f
+        tl.store(sorted_ptr + s, tl.full((FILL,), -1, tl.int32),
+                 mask=(s0 + f < slot_span) & (s >= used * BLOCK_M) & (s < num_slots))
+    for s0 in range(0, tile_span, FILL):
+        s = pid * tile_span + s0 + f
+        tl.store(te_ptr + s, tl.full((FILL,), -1, tl.int32),
+                 mask=(s0 + f < tile_span) & (s >= used) & (s < max_tiles))
+    # an assignment's slot = its expert's first slot + #earlier assignments on that expert
+    # (assignment ids t * k + j grow with the token: token order within an expert)
+    carry = tl.zeros((EB,), dtype=tl.int32)
+    for a0 in range(0, A, CHUNK):
+        m = a0 + a < A
+        e = tl.load(ids_ptr + a0 + a, mask=m, other=-1)
+        hit = (e[:, None] == own[None, :]) & omask[None, :]            # [CHUNK, EB]
+        h = hit.to(tl.int32)
+        before = tl.cumsum(h, axis=0) - h + (carry + o_slot0)[None, :]
+        slot = tl.sum(tl.where(hit, before, 0), axis=1)
+        tl.store(sorted_ptr + slot, a0 + a, mask=tl.sum(h, axis=1) > 0)
+        carry += tl.sum(h, axis=0)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_triton import _fp8_tile_dot, pick, tuned
+from ._gemm_triton import _fp8_tile_dot, _quant_rows, pick, tuned
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import moe_align, moe_block_m
 
@@ -35,15 +35,17 @@ def _plain_tile_dot(acc, x_ptr, w_ptr, rows, rmask, offs_n, nmask, kb, K,
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
+def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr, hs_ptr,
                         sg_ptr, su_ptr, sgs_ptr, sus_ptr,
                         I, K, KB, NBI, E_SHARED,
                         stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                        stride_hs,
                         TOPK: tl.constexpr, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                         FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
                         POW2: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        SKIP_EMPTY: tl.constexpr):
+                        SKIP_EMPTY: tl.constexpr, QUANT_H: tl.constexpr,
+                        H_DTYPE: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     if SKIP_EMPTY:  # tiles past the last used one: exit instead of looping over masked loads
@@ -91,9 +93,15 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
                                     stride_x, stride_wn, BLOCK_K, IEEE)
             acc_u = _plain_tile_dot(acc_u, x_ptr, wu, tok, rmask, offs_n, nmask, kb, K,
                                     stride_x, stride_wn, BLOCK_K, IEEE)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + slots[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (offs_n < I)[None, :])
+    h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(H_DTYPE)
+    if QUANT_H:  # the down GEMM's FP8 activation block (BLOCK_N == its K block), as rounded
+        q, sh = _quant_rows(h.to(tl.float32), POW2)
+        tl.store(h_ptr + slots[:, None] * stride_h + offs_n[None, :], q,
+                 mask=rmask[:, None] & (offs_n < I)[None, :])
+        tl.store(hs_ptr + slots * stride_hs + nb, sh, mask=rmask)
+    else:
+        tl.store(h_ptr + slots[:, None] * stride_h + offs_n[None, :], h,
+                 mask=rmask[:, None] & (offs_n < I)[None, :])
 
 
 @triton.jit
@@ -146,7 +154,8 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
 
 
 _gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
-                                                     "POW2", "HAS_SHARED", "SKIP_EMPTY"])
+                                             "POW2", "HAS_SHARED", "SKIP_EMPTY", "QUANT_H"])
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A", "POW2",
                                        "HAS_SHARED", "SKIP_EMPTY"])
 
@@ -173,14 +182,22 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
 
 def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                 gate_up_scale, down_scale, block, pow2_scale: bool = False,
-                shared=None, quantize=None, skip_empty: bool = False) -> torch.Tensor:
+                shared=None, quantize=None, skip_empty: bool = False, x_quant=None,
+                h_quant: str | None = None, tile_n: tuple[int, int] | None = None
+                ) -> torch.Tensor:
     """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
     ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
     ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
     experts, CUDA): quantize each GEMM's activations once with it instead of in every tile
     (the same math: ``_gemm_triton._act_tile_fp8``). ``shared``: a
     :class:`hisparse.ops.moe_layer.SharedExpert` served as expert id ``gate_up.shape[0]``.
-    ``skip_empty``: programs of unused tiles exit at once."""
+    ``skip_empty``: programs of unused tiles exit at once. ``x_quant``: ``quantize(x)``
+    computed already (by the router GEMM). ``h_quant`` (FP8) places the intermediate's
+    quantization: None as ``quantize`` says (its kernel, or the down GEMM's tiles when None),
+    ``"tile"`` the down GEMM's tiles (its K is only ``I``), ``"epilogue"`` the gate-up GEMM's
+    epilogue (its N tile becomes the FP8 block; ``I`` a multiple of it); the same bits in
+    each. ``tile_n``: the gate-up and down GEMMs' N tile caps (default 64, 128; each output
+    element's K order is the same under any, so they never change a bit)."""
     T, D = x.shape
     k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape
@@ -189,7 +206,12 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     fp8 = gate_up_scale is not None
     max_tiles = tile_expert.numel()
     x = x.contiguous()
-    quant_a = fp8 and x.is_cuda and quantize is None
+    quant_x = fp8 and x.is_cuda and quantize is None and x_quant is None   # in the GEMM tiles
+    if h_quant not in (None, "tile", "epilogue") or (h_quant and not fp8):
+        raise ValueError(f"grouped_moe: h_quant={h_quant!r} (FP8 experts: None, 'tile', "
+                         f"'epilogue')")
+    quant_h = h_quant == "tile" or (fp8 and x.is_cuda and quantize is None and not h_quant)
+    epilogue = h_quant == "epilogue"
     # fp32 experts use IEEE fp32 dots; so does the CPU interpreter for bf16 (its bf16 tl.dot is
     # wrong in triton 3.9, see _indexer_triton)
     ieee = not fp8 and (x.dtype == torch.float32 or not x.is_cuda)
@@ -209,27 +231,41 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
                          else (x, x, x))
     else:
         sg, su, sd, sgs, sus, sds = gate_up, gate_up, down, gus, gus, dns
-    # ---- gate_up + silu * up into the padded layout
-    h = torch.empty(max_tiles * block_m, I, device=x.device, dtype=x.dtype)
+    cap1, cap2 = tile_n or (64, 128)
+    if epilogue:
+        if I % bk or (tile_n and cap1 != bk):
+            raise ValueError(f"grouped_moe: h_quant='epilogue' needs I={I} a multiple of the "
+                             f"FP8 block {bk} and the gate-up N tile = {bk}, got {tile_n}")
+        cap1 = bk
+    # ---- gate_up + silu * up into the padded layout (FP8 with its scales: epilogue)
+    slots = max_tiles * block_m
+    h = torch.empty(slots, I, device=x.device,
+                    dtype=torch.float8_e4m3fn if epilogue else x.dtype)
+    h_s = torch.empty(slots, I // bk, device=x.device) if epilogue else h
     quant = (quantize if x.is_cuda else None) or quantize_fp8_act
-    if fp8 and not quant_a:
-        xq, xs = quant(x, bk, pow2_scale)
+    if fp8 and not quant_x:
+        xq, xs = x_quant or quant(x, bk, pow2_scale)
         xq = xq.contiguous()
     else:
         xq, xs = x, x
-    bn1 = _block_n(I, bn, 64)
+    bn1 = _block_n(I, bn, cap1)
+    if epilogue and bn1 != bk:
+        raise ValueError(f"grouped_moe: h_quant='epilogue' needs a gate-up N tile of the FP8 "
+                         f"block {bk}; the weights' {bn}-row scale blocks allow {bn1}")
     kb1 = triton.cdiv(D, bk)
     kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
-        xq, xs, gate_up, gus, sorted_ids, tile_expert, h, sg, su, sgs, sus,
+        xq, xs, gate_up, gus, sorted_ids, tile_expert, h, h_s, sg, su, sgs, sus,
         I, D, kb1, nbi, E,
         xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0),
+        gus.stride(0), gus.stride(1) if fp8 else 0, h.stride(0), h_s.stride(0),
         TOPK=k, KB_TOTAL=kb1, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
-        SKIP_EMPTY=skip_empty, **opts)
+        FP8=fp8, QUANT_A=quant_x, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        SKIP_EMPTY=skip_empty, QUANT_H=epilogue, H_DTYPE=_TL_DTYPES[x.dtype], **opts)
     # ---- down, weighted, per assignment
-    if fp8 and not quant_a:
+    if epilogue:
+        hq, hs = h, h_s
+    elif fp8 and not quant_h:
         hq, hs = quant(h, bk, pow2_scale)
         hq = hq.contiguous()
     else:
@@ -237,7 +273,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     # per-assignment outputs in x.dtype (half the memory of fp32 for large prefill batches);
     # the caller sums the k contributions of a token in fp32, in slot order
     out = torch.empty(A, D, device=x.device, dtype=x.dtype)
-    bn2 = _block_n(D, bn, 128)
+    bn2 = _block_n(D, bn, cap2)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
     kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)
@@ -247,6 +283,6 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         hq.stride(0), hs.stride(0), down.stride(0), down.stride(1),
         dns.stride(0), dns.stride(1) if fp8 else 0, out.stride(0),
         KB_TOTAL=kb2, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn or 1,
-        FP8=fp8, QUANT_A=quant_a, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
+        FP8=fp8, QUANT_A=quant_h, IEEE=ieee, POW2=pow2_scale, HAS_SHARED=shared is not None,
         SKIP_EMPTY=skip_empty, **opts)
     return out

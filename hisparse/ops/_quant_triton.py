@@ -6,6 +6,8 @@ values and the scales into the value and scale planes of its page (page-split in
 :class:`~hisparse.ops.quant.FP8KeyLayout`). The e4m3 and bf16 encodings
 are done with integer bit operations (round to nearest even), so the kernel is bit-exact against
 the PyTorch reference on the GPU and under the CPU interpreter (whose fp8 casts are not).
+Indexer keys are rotated first (:mod:`hisparse.ops.rotation`; ``_hadamard`` is its butterfly,
+shared with the fused key write and the indexer's query kernel).
 """
 
 from __future__ import annotations
@@ -15,6 +17,33 @@ import triton
 import triton.language as tl
 
 from ._common import fp8_tile
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """Round fp32 ``x`` to the model dtype ``DT`` and back (what storing a torch op's result
+    does); bf16 by integer round-to-nearest-even (the interpreter's cast truncates)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        y = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _hadamard(x, M: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, SCALE: tl.constexpr,
+              DT: tl.constexpr):
+    """:func:`hisparse.ops.rotation.indexer_rotation` of the rows of ``x [M, D]`` fp32
+    (``D = 2 ** LOG_D``, ``SCALE = D ** -0.5``): the same butterfly, stages ``h = 1, 2, ..``,
+    then the scale, then the rounding to ``DT`` (bit for bit the reference)."""
+    for s in tl.static_range(LOG_D):
+        x4 = tl.permute(tl.reshape(x, (M, D // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
+        a, b = tl.split(x4)                                   # [M, D / 2h, h] each
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, D))
+    return _rnd(x * SCALE, DT)
 
 
 @triton.jit
@@ -73,10 +102,14 @@ def _bf16_bits(x):
 @triton.jit
 def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, stride_page,
                         D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
-                        NT: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr):
+                        NT: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr,
+                        ROTATE: tl.constexpr, LOG_D: tl.constexpr, ROT_SCALE: tl.constexpr,
+                        DT: tl.constexpr):
     """Flat row ``r`` lives in page ``r // PAGE`` (``stride_page`` bytes apart), slot
     ``o = r % PAGE``: values at byte ``o * D_NOPE`` of the page, scales at ``SCALE_OFF + o * 4 *
-    NT``, rope (``D_ROPE > 0``, MLA rows: ``PAGE == 1``) right after the scales."""
+    NT``, rope (``D_ROPE > 0``, MLA rows: ``PAGE == 1``) right after the scales. ``ROTATE``
+    (indexer keys): the ``D_NOPE`` values are rotated (in ``DT``, the input's dtype) before
+    quantization."""
     t = tl.program_id(0)
     row = tl.load(rows_ptr + t).to(tl.int64)
     page = row // PAGE
@@ -86,6 +119,9 @@ def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, st
     offs_j = tl.arange(0, TILE)
     offs = offs_i[:, None] * TILE + offs_j[None, :]
     x = tl.load(x_base + offs).to(tl.float32)                         # [NT, TILE]
+    if ROTATE:
+        x = tl.reshape(_hadamard(tl.reshape(x, (1, NT * TILE)), 1, NT * TILE, LOG_D, ROT_SCALE,
+                                 DT), (NT, TILE))
     scale_at = _store_fp8_tiles(x, dst_u8, dst_f32, page * stride_page, slot, offs, offs_i,
                                 D_NOPE, NT, SCALE_OFF)
     if D_ROPE > 0:
@@ -95,7 +131,7 @@ def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, st
 
 
 def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int,
-            page: int = 1) -> None:
+            page: int = 1, rotate: bool = False) -> None:
     T, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -107,7 +143,8 @@ def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int,
     _quant_write_kernel[(T,)](
         x, rows, dst, dst.view(torch.float32), dst.view(torch.int16), x.stride(0), dst.stride(0),
         D_NOPE=d_nope, D_ROPE=d_rope, TILE=tile, NT=d_nope // tile, PAGE=page,
-        SCALE_OFF=page * d_nope, num_warps=4)
+        SCALE_OFF=page * d_nope, ROTATE=rotate, LOG_D=d_nope.bit_length() - 1,
+        ROT_SCALE=d_nope ** -0.5, DT=_TL_DTYPE[x.dtype], num_warps=4)
 
 
 def quantize_write_mla_triton(kv, dst, rows, d_nope: int) -> None:
@@ -116,5 +153,6 @@ def quantize_write_mla_triton(kv, dst, rows, d_nope: int) -> None:
 
 
 def quantize_write_keys_triton(k, dst, rows, block_size: int) -> None:
-    """Page-split keys ``dst [blocks, block_size * key_bytes]`` (quant.FP8KeyLayout)."""
-    _launch(k, dst, rows, k.shape[1], page=block_size)
+    """Page-split keys ``dst [blocks, block_size * key_bytes]`` (quant.FP8KeyLayout) of the
+    rotated keys (``k``'s head size a power of two: checked by the layout)."""
+    _launch(k, dst, rows, k.shape[1], page=block_size, rotate=True)

@@ -1,23 +1,31 @@
 """Triton exact top-k (imported lazily by topk.py): a radix select over 8-bit digits.
 
 Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of the row's first
-``lengths[t]`` columns, the same chunks in every kernel):
+``lengths[t]`` columns, the same chunks in every phase), ``_topk_select_kernel`` runs these
+phases: all in one launch (``fused``, the default on CUDA: the row's programs wait for each
+other between phases on an arrival counter), or one launch per phase (``phased``; always under
+the interpreter, which runs programs one after the other):
 
-1. ``_hist_kernel`` at levels 0..3: the histogram of digit ``level`` (bits ``31-8l..24-8l`` of
-   the key with its sign bit flipped, i.e. unsigned order) over the valid columns whose higher
-   digits equal the threshold prefix found so far, added into the row's global histogram
-   (atomics) and stored in the program's (row, split) slot. Each program first advances the
-   threshold state by one level (the previous level's 256-bin global histogram and the state
-   the previous kernel stored; program 0 of the row stores the new one) and reads no key once
-   the row is resolved (at most ``k`` valid columns, or every column of the threshold bucket
-   taken).
-2. ``_collect_kernel``: with the final state (``cgt`` columns strictly above the prefix ``P`` at
-   the resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
+0-3. Histogram of digit ``level`` (bits ``31-8l..24-8l`` of the key with its sign bit flipped,
+   i.e. unsigned order) over the valid columns whose higher digits equal the threshold prefix
+   found so far, added into the row's global histogram (atomics) and stored in the program's
+   (row, split) slot. Each program first advances the threshold state by one level (the
+   previous level's 256-bin global histogram and the state stored in the phase before;
+   program 0 of the row stores the new one) and reads no key once the row is resolved (at most
+   ``k`` valid columns, or every column of the threshold bucket taken).
+4. Collect: with the final state (``cgt`` columns strictly above the prefix ``P`` at the
+   resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
    writes the columns above ``P`` into slots ``0..cgt-1`` of ``out`` (one atomic per block for
    the slot range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column
    order (earlier splits' tie counts come from their stored histograms).
-3. ``_sort_kernel``: one program per row sorts its ``min(k, valid)`` selected (key, column)
-   pairs packed in int64 (``tl.sort``) and rewrites ``out`` in rank order, ``-1`` padded.
+5. Chunk sort: the ``min(k, valid)`` selected (key, column) pairs packed in int64 ``(key << 32)
+   | (2^32 - 1 - col)`` (distinct: ties by lower column), in chunks of ``CH`` slots, each
+   sorted by one program (``tl.sort``) into the scratch.
+6. Merge: each entry goes to its rank, the sum over the row's sorted chunks of the entries
+   above it (a binary search in each), ``-1`` padding. Per program one sort of ``CH`` and
+   ``log2(CH) + 1`` gathers, where the former ranking (``legacy``: phases 0-4, then
+   ``_sort_kernel``) has one program per row sort all ``k`` (a bitonic network of
+   ``log2(k)^2 / 2`` stages over the padded width: ~30 us on the H200 whatever the batch).
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ import triton.language as tl
 from ._common import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, interpreted, next_pow2
 
 if TYPE_CHECKING:   # the annotation only: topk imports this module, never the reverse
-    from .topk import TopkScratch
+    from .topk import TopkLaunch, TopkScratch
 
 COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
-STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) ]
+STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) |
+BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase arrivals ]
+LEGACY_SPLITS = 16                          # the former path's most programs per row
+SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 
 
 @triton.jit
@@ -76,7 +87,7 @@ def _state_after(h_row, K, L: tl.constexpr, NB: tl.constexpr, STATE: tl.constexp
     ones from the state the previous kernel stored (``h_row[STATE + 8 * L ...]``)."""
     offs = tl.arange(0, NB)
     if L == 0:
-        h = tl.load(h_row + offs)
+        h = tl.load(h_row + offs, cache_modifier=".cg")
         total = tl.sum(h, 0)
         done = (total <= K).to(tl.int32)
         level = total * 0
@@ -85,12 +96,12 @@ def _state_after(h_row, K, L: tl.constexpr, NB: tl.constexpr, STATE: tl.constexp
         need = level + K
     else:
         st = h_row + STATE + 8 * L
-        level = tl.load(st)
-        pre = tl.load(st + 1)
-        cgt = tl.load(st + 2)
-        need = tl.load(st + 3)
-        done = tl.load(st + 4)
-        h = tl.load(h_row + L * NB + offs)
+        level = tl.load(st, cache_modifier=".cg")
+        pre = tl.load(st + 1, cache_modifier=".cg")
+        cgt = tl.load(st + 2, cache_modifier=".cg")
+        need = tl.load(st + 3, cache_modifier=".cg")
+        done = tl.load(st + 4, cache_modifier=".cg")
+        h = tl.load(h_row + L * NB + offs, cache_modifier=".cg")
     # the prefix has up to 32 bits: carried as int64, stored as its low 32 bits
     pre = pre.to(tl.int64) & 4294967295
     level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done, NB)
@@ -143,7 +154,7 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
     gt = (ok & (pref > prefix)).to(tl.int32)
     tie = (ok & (pref == prefix)).to(tl.int32)
     n_gt = tl.sum(gt, 0)
-    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0)
+    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0, sem="relaxed")
     tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
     rank = tie_base + tl.cumsum(tie, 0) - 1
     tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
@@ -151,14 +162,29 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
 
 
 @triton.jit
-def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
-                 stride_k, stride_h, stride_s,
-                 LEVEL: tl.constexpr, NB: tl.constexpr,
-                 BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
-                 STAGES: tl.constexpr):
-    row = tl.program_id(0)
-    sp = tl.program_id(1)
-    h_row = hist_ptr + row * stride_h
+def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexpr):
+    """Wait until the row's ``SPLITS`` programs have all finished phase ``idx`` (fused launch
+    only: one arrival counter per phase in the row's hist state, zeroed by each call). Safe
+    because a row's programs are adjacent in launch order and the launch is sized to be
+    resident at once (``_launch_config``). A wait is bounded (``SPIN`` polls, about a second):
+    one that runs out is counted in ``stall_ptr`` (``TopkScratch.stalls``, never expected)
+    rather than wedging the GPU."""
+    tl.debug_barrier()                      # every thread's writes of the phase precede ...
+    p = h_row + BAR + idx
+    tl.atomic_add(p, 1, sem="release")      # ... the program's arrival
+    arrived = tl.atomic_add(p, 0, sem="acquire")
+    n = tl.full([], 0, tl.int32)
+    while (arrived < SPLITS) & (n < SPIN):
+        arrived = tl.atomic_add(p, 0, sem="acquire")
+        n += 1
+    if arrived < SPLITS:
+        tl.atomic_add(stall_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stride_k, stride_s,
+                LEVEL: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     prefix = tl.full([], -1, tl.int64)
     if LEVEL > 0:
@@ -178,19 +204,15 @@ def _hist_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, W, K, SPLITS,
             acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
             start += BLOCK
     offs_b = tl.arange(0, NB)
-    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0)
+    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0, sem="relaxed")
     tl.store(split_ptr + (row * SPLITS + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
 
 
 @triton.jit
-def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLITS,
-                    stride_k, stride_h, stride_s, stride_o,
-                    LEVELS: tl.constexpr, NB: tl.constexpr,
-                    BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
-                    STAGES: tl.constexpr):
-    row = tl.program_id(0)
-    sp = tl.program_id(1)
-    h_row = hist_ptr + row * stride_h
+def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
+                   stride_k, stride_s, stride_o, LEVELS: tl.constexpr, NB: tl.constexpr,
+                   BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                   STAGES: tl.constexpr, MAXS: tl.constexpr):
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
@@ -198,11 +220,9 @@ def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLIT
     s_row = split_ptr + (row * SPLITS).to(tl.int64) * stride_s
     dig = (prefix & (NB - 1)).to(tl.int32)
     lv = tl.maximum(level - 1, 0)
-    tie_base = level * 0
-    s2 = sp * 0
-    while s2 < sp:
-        tie_base += tl.load(s_row + s2 * stride_s + lv * NB + dig)
-        s2 += 1
+    s2 = tl.arange(0, MAXS)
+    tie_base = tl.sum(tl.load(s_row + s2 * stride_s + lv * NB + dig, mask=s2 < sp, other=0,
+                              cache_modifier=".cg"), 0)
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
     o_row = out_ptr + row.to(tl.int64) * stride_o
@@ -220,8 +240,99 @@ def _collect_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K, SPLIT
 
 
 @triton.jit
+def _selected(h_row, K, NB: tl.constexpr):
+    """``min(k, valid)``: the row's selection size (the level-0 histogram's total)."""
+    total = tl.sum(tl.load(h_row + tl.arange(0, NB), cache_modifier=".cg"), 0)
+    return tl.minimum(total, K)
+
+
+@triton.jit
+def _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_k,
+                      stride_o, stride_q, NB: tl.constexpr, CH: tl.constexpr, C: tl.constexpr):
+    """Chunks ``sp, sp + SPLITS, ..`` of ``CH`` selection slots each, sorted as packed ``(key
+    << 32) | (2^32 - 1 - col)`` (descending, ``INT64_MIN`` past the selection) into the row's
+    sort scratch."""
+    n_sel = _selected(h_row, K, NB)
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    q_row = sorted_ptr + row.to(tl.int64) * stride_q
+    c = sp
+    while c < C:
+        j = c * CH + tl.arange(0, CH)
+        m = j < n_sel
+        col = tl.load(o_row + j, mask=m, other=0, cache_modifier=".cg")
+        key = tl.load(keys_ptr + row.to(tl.int64) * stride_k + col, mask=m, other=0)
+        packed = (key.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))  # ties: lower col
+        packed = tl.where(m, packed, -9223372036854775808)
+        tl.store(q_row + j, tl.sort(packed, descending=True))
+        c += SPLITS
+
+
+@triton.jit
+def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
+                 NB: tl.constexpr, CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
+                 CPAD: tl.constexpr):
+    """The rank of each entry of chunk ``c`` is the number of entries above it in every sorted
+    chunk (its own included: packed keys are distinct), by a branchless binary search in each;
+    each entry's column goes to its rank, ``-1`` into the chunk's slots past the selection."""
+    n_sel = _selected(h_row, K, NB)
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    q_row = sorted_ptr + row.to(tl.int64) * stride_q
+    i = tl.arange(0, CH)
+    cc = tl.arange(0, CPAD)[None, :]
+    c = sp
+    while c < C:
+        x = tl.load(q_row + c * CH + i, cache_modifier=".cg")
+        pos = tl.zeros([CH, CPAD], dtype=tl.int32)
+        for b in tl.static_range(LOG_CH + 1):
+            probe = pos + (CH >> b)
+            y = tl.load(q_row + cc * CH + probe - 1, mask=(probe <= CH) & (cc < C),
+                        other=-9223372036854775808, cache_modifier=".cg")
+            pos = tl.where(y > x[:, None], probe, pos)
+        rank = tl.sum(pos, 1)
+        j = c * CH + i
+        tl.store(o_row + rank, (4294967295 - (x & 4294967295)).to(tl.int32), mask=j < n_sel)
+        tl.store(o_row + j, tl.full([CH], -1, tl.int32), mask=(j >= n_sel) & (j < K))
+        c += SPLITS
+
+
+@triton.jit
+def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
+                        W, K, SPLITS, stride_k, stride_h, stride_s, stride_o, stride_q,
+                        FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
+                        NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
+                        BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+                        CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
+                        CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr):
+    """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
+    sort, merge) of program ``(row, split)`` = ``(pid // SPLITS, pid % SPLITS)``, a row
+    barrier between two phases of one launch."""
+    pid = tl.program_id(0)
+    row = pid // SPLITS
+    sp = pid % SPLITS
+    h_row = hist_ptr + row * stride_h
+    for phase in tl.static_range(FIRST, LAST + 1):
+        if phase > FIRST:
+            _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
+        if phase < LEVELS:
+            _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stride_k,
+                        stride_s, phase, NB, BLOCK, STATE, FOR_LOOP, STAGES)
+        elif phase == LEVELS:
+            _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
+                           stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP,
+                           STAGES, MAXS)
+        elif phase == LEVELS + 1:
+            _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
+                              stride_k, stride_o, stride_q, NB, CH, C)
+        else:
+            _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
+                         NB, CH, LOG_CH, C, CPAD)
+
+
+@triton.jit
 def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
                  NB: tl.constexpr, KPAD: tl.constexpr):
+    """The former ranking (``HISPARSE_TOPK=legacy``): one program per row sorts its whole
+    selection."""
     row = tl.program_id(0)
     total = tl.sum(tl.load(hist_ptr + row * stride_h + tl.arange(0, NB)), 0)
     n_sel = tl.minimum(total, K)
@@ -243,43 +354,74 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_config(T: int, W: int, device: torch.device, splits: int | None, slots: int):
-    """(splits, BLOCK, num_warps): about two programs per SM over all rows on CUDA, within the
-    scratch's ``slots`` split histograms."""
-    # the interpreter's cost is per program and per block: one of each per row there
-    block, nw = (1024, 4) if device.type == "cuda" else (256, 4)
+def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots: int,
+                   mode: str, fused: bool) -> int:
+    """Programs per row within the scratch's ``slots`` split histograms (a fused launch:
+    also at most ``per_sm`` programs per SM when rows are split, so all are resident)."""
+    splits = cfg.splits
     if splits is None:
         if device.type == "cuda":
-            splits = triton.cdiv(2 * _num_sms(device.index or 0), T)
-        else:
+            splits = triton.cdiv(cfg.per_sm * _num_sms(device.index or 0), T)
+        else:   # the interpreter's cost is per program and per block
             splits = 1
-        splits = max(1, min(splits, MAX_SPLITS, triton.cdiv(max(W, 1), block), slots // T))
+        most = LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS
+        splits = max(1, min(splits, most, triton.cdiv(max(W, 1), cfg.block), slots // T))
     if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
                          f"<= {slots} (the scratch's split histograms), got {splits}")
-    return splits, block, nw
+    if fused and device.type == "cuda" and splits > 1:
+        cap = cfg.per_sm * _num_sms(device.index or 0)
+        if cfg.splits is None:
+            splits = max(1, min(splits, cap // T))
+        elif T * splits > cap:
+            raise ValueError(f"topk_select: a fused launch splits rows only while rows x splits "
+                             f"<= per_sm x SMs = {cap} (all resident), got {T} x {splits}")
+    return splits
 
 
 def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
-                       scratch: TopkScratch, splits: int | None = None) -> torch.Tensor:
+                       scratch: TopkScratch, mode: str, cfg: TopkLaunch) -> torch.Tensor:
+    """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring)."""
     T, W = keys.shape
     if keys.stride(1) != 1:
         raise ValueError("topk_select: keys must have unit column stride")
+    ch = cfg.sort_chunk
+    sq = scratch.sorted
+    if ch < 16 or ch > sq.shape[1] or ch & (ch - 1):
+        raise ValueError(f"topk_select: sort_chunk must be a power of two in 16..{sq.shape[1]}, "
+                         f"got {ch}")
+    if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
+                         f"got {cfg.per_sm} and {cfg.warps}")
+    if cfg.block < 16 or cfg.block & (cfg.block - 1):
+        raise ValueError(f"topk_select: block must be a power of two >= 16, got {cfg.block}")
+    ch = min(ch, max(16, next_pow2(k)))
+    C = triton.cdiv(k, ch)
+    if mode != "legacy" and C * ch > sq.shape[1]:
+        mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
+    fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
-    splits, block, nw = _launch_config(T, W, keys.device, splits, scratch.split_hist.shape[0])
+    splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
     hist = scratch.hist[:T]
     hist.zero_()
     sh = scratch.split_hist
-    grid = (T, splits)
-    common = dict(NB=RADIX_BINS, BLOCK=block, STATE=STATE_OFFSET,
-                  FOR_LOOP=not interpreted(), STAGES=2, num_warps=nw)
-    for level in range(RADIX_LEVELS):
-        _hist_kernel[grid](keys, lengths, hist, sh, W, k, splits,
-                           keys.stride(0), hist.stride(0), sh.stride(0), LEVEL=level, **common)
-    _collect_kernel[grid](keys, lengths, hist, sh, out, W, k, splits,
-                          keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
-                          LEVELS=RADIX_LEVELS, **common)
-    kpad = max(16, next_pow2(k))
-    _sort_kernel[(T,)](keys, hist, out, k, keys.stride(0), hist.stride(0), out.stride(0),
-                       NB=RADIX_BINS, KPAD=kpad, num_warps=8 if kpad >= 2048 else 4)
+    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, W, k, splits, keys.stride(0),
+            hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
+    common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
+                  BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
+                  SPIN=SPIN_POLLS, num_warps=cfg.warps)
+    sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
+    last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
+    grid = (T * splits,)
+    if fused:
+        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, **common, **sort)
+    else:
+        unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
+        for phase in range(last + 1):
+            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, **common,
+                                      **(sort if phase > RADIX_LEVELS else unused))
+    if mode == "legacy":
+        kpad = max(16, next_pow2(k))
+        _sort_kernel[(T,)](keys, hist, out, k, keys.stride(0), hist.stride(0), out.stride(0),
+                           NB=RADIX_BINS, KPAD=kpad, num_warps=8 if kpad >= 2048 else 4)
     return out

@@ -21,6 +21,7 @@ is the optional backend.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -239,12 +240,29 @@ def _triton_supported(q, d_v) -> bool:
     return q.shape[-1] == 576 and d_v == 512
 
 
+BACKEND_ENV = "HISPARSE_ATTENTION"
+BACKENDS = ("auto", "triton", "flashmla", "reference")
+
+
+def _auto_override(q) -> str:
+    """``HISPARSE_ATTENTION`` (CUDA calls with ``backend="auto"``, what the engine passes):
+    ``triton`` or ``flashmla`` forces that backend (e.g. FlashMLA at 16 heads, padded to 64
+    per call), ``auto`` (default) keeps the automatic choice. Read per call like the other
+    ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs."""
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: want one of {BACKENDS}")
+    return choice if q.is_cuda else "auto"
+
+
 def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
               reference, flashmla, triton_ok=None):
-    """Pick the backend ("auto": FlashMLA when importable and ``flashmla_ok``, else Triton where
-    it applies (``triton_ok(q, d_v)``, default any shape), else the reference) and run one row
-    format's implementation of it. ``triton`` names the function in ``_attention_triton``
-    (imported only when used: Triton is optional)."""
+    """Pick the backend ("auto": ``HISPARSE_ATTENTION`` if set, else FlashMLA when importable
+    and ``flashmla_ok``, else Triton where it applies (``triton_ok(q, d_v)``, default any
+    shape), else the reference) and run one row format's implementation of it. ``triton`` names
+    the function in ``_attention_triton`` (imported only when used: Triton is optional)."""
+    if backend == "auto":
+        backend = _auto_override(q)
     if backend == "auto":
         if q.is_cuda and flashmla_available() and flashmla_ok(q, kv, indices, d_v):
             backend = "flashmla"

@@ -26,19 +26,23 @@ and passes ``q`` after the indexer's non-interleaved RoPE (the same for ``k_cach
 hold ``k_norm(wk(x))`` with RoPE applied). The result equals transformers' up to fp32 rounding
 (the scale is applied after the dot instead of before the ReLU).
 
-**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`) with
-``HISPARSE_FP8_INDEXER=1``: the queries are quantized the same way, per token, head and
-128-value tile (:func:`hisparse.ops.quant.quantize_index_queries_reference`), and ``q`` above
-means their dequantized values: DeepSeek-V3.2's own indexer (``act_quant`` of q with ue8m0
-scales, then ``fp8_index``; DeepGEMM's ``fp8_mqa_logits``) scores FP8 queries against FP8
-keys. With one
-tile per head (``D <= 128``) the kernel runs the e4m3 x e4m3 dot with fp32 accumulation and
-folds both power-of-two scales out of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c >
-0``); the reference computes the same scores from the dequantized values in fp32, so the two
-differ only by fp32 accumulation order. This FP8-query path is opt-in for now
-(``HISPARSE_FP8_INDEXER=1``, :func:`fp8_query_enabled`): by default the queries stay in their
-dtype against the upcast keys; kernel and reference both follow the switch. bf16 / fp32 keys:
-queries unquantized, always.
+**FP8 keys** (page-split e4m3 + power-of-two scales, :mod:`hisparse.ops.quant`) hold the
+*rotated* keys, ``indexer_rotation(k)`` (:mod:`hisparse.ops.rotation`, as DeepSeek-V3.2's and
+SGLang's indexers store them), so the queries scored against them are rotated too (``(H q) .
+(H k) = q . k`` up to rounding, and the FP8 rounding is the references'), then quantized the
+same way as the keys, per token, head and 128-value tile
+(:func:`hisparse.ops.quant.quantize_index_queries_reference`): ``q`` above means their
+dequantized values (:func:`fp8_key_queries_reference`). That is DeepSeek-V3.2's own indexer
+(``rotate_activation``, ``act_quant`` of q with ue8m0 scales, then ``fp8_index``; DeepGEMM's
+``fp8_mqa_logits``): FP8 queries against FP8 keys. With one tile per head (``D <= 128``) the
+kernel runs the e4m3 x e4m3 dot with fp32 accumulation and folds both power-of-two scales out
+of the ReLU (exact: ``relu(c * x) = c * relu(x)``, ``c > 0``); the reference computes the same
+scores from the dequantized values in fp32, so the two differ only by accumulation (Hopper's
+FP8 MMA sums less precisely than fp32: near-ties may swap). ``HISPARSE_FP8_INDEXER=0``
+(:func:`fp8_query_enabled`) keeps the rotated queries in their dtype against the upcast keys
+(2.3-2.7x slower on the H200); kernel and reference both follow the switch, which must not
+change after CUDA graphs are captured. bf16 / fp32 keys: queries unrotated and unquantized,
+always.
 """
 
 from __future__ import annotations
@@ -54,18 +58,18 @@ from .quant import (
     dequantize_index_queries_reference,
     quantize_index_queries_reference,
 )
+from .rotation import indexer_rotation
 from .topk import TopkScratch, topk_select
 
 FP8_QUERY_ENV = "HISPARSE_FP8_INDEXER"
 
 
 def fp8_query_enabled(head_dim: int) -> bool:
-    """Whether FP8 keys are scored against FP8 queries: only with ``HISPARSE_FP8_INDEXER=1``
-    (measured 2.3-2.7x the other path on the H200, but its GPU correctness tests have not run
-    yet: docs/GPU_TESTS.md) and when a query tile (``min(head_dim, 128)`` values) is a power
-    of two, as the kernel's tile is. Otherwise the queries stay unquantized."""
+    """Whether FP8 keys are scored against FP8 queries: yes unless ``HISPARSE_FP8_INDEXER=0``,
+    and only when a query tile (``min(head_dim, 128)`` values) is a power of two, as the
+    kernel's tile is. Otherwise the queries stay unquantized."""
     tile = min(head_dim, 128)
-    return os.environ.get(FP8_QUERY_ENV, "0") == "1" and tile & (tile - 1) == 0
+    return os.environ.get(FP8_QUERY_ENV, "1") != "0" and tile & (tile - 1) == 0
 
 
 class IndexerWorkspace:
@@ -119,6 +123,15 @@ def _fp8_layout(k_cache: torch.Tensor, d: int, block_size: int):
     return layout
 
 
+def fp8_key_queries_reference(q: torch.Tensor) -> torch.Tensor:
+    """The queries ``q [T, Hi, D]`` that scoring against FP8 keys uses (the keys hold
+    ``indexer_rotation(k)``): ``indexer_rotation(q)`` in ``q.dtype``, then (unless
+    ``HISPARSE_FP8_INDEXER=0``) its e4m3 quantization, dequantized (exact in bf16; fp32)."""
+    if fp8_query_enabled(q.shape[-1]):
+        return dequantize_index_queries_reference(*quantize_index_queries_reference(q))
+    return indexer_rotation(q)
+
+
 def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                            block_table: torch.Tensor, token_req: torch.Tensor,
                            token_pos: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
@@ -132,8 +145,7 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
     pos_l = token_pos.tolist()
     if k_cache.dtype == torch.uint8:
         layout = _fp8_layout(k_cache, q.shape[-1], block_size)
-        if fp8_query_enabled(q.shape[-1]):
-            q = dequantize_index_queries_reference(*quantize_index_queries_reference(q))
+        q = fp8_key_queries_reference(q)
     for r, t0, t1 in _groups(req_l):
         ps = pos_l[t0:t1]
         S = min(max(ps) + 1, max_pos)
@@ -215,8 +227,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
         k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows), or
             FP8 keys as pages ``[num_idx_blocks, block_size * index_key_bytes(D)]`` uint8
             (:class:`hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values, then the fp32
-            scales; scored as their dequantized values against the FP8-quantized queries,
-            module docstring).
+            scales, of the rotated keys; scored as their dequantized values against the rotated
+            queries, FP8-quantized unless ``HISPARSE_FP8_INDEXER=0``: module docstring).
         block_table: ``[R, P]`` int32 indexer block of each logical page, ``-1`` none.
         token_req: ``[T]`` int32 row of ``block_table`` of each token, ``-1`` padding.
         token_pos: ``[T]`` int32 position of each token; it sees positions ``0..pos``.

@@ -1,15 +1,16 @@
 """The whole MoE layer of DeepSeek-V3.2 / GLM-5 fused: router, shared expert, routed experts.
 
-Eight kernels per layer on CUDA (FP8 experts; six for plain ones), none of them a general sort
-or a host sync (CUDA-graph capturable; every row computed independently of the batch it runs
-in):
+Seven kernels per layer on CUDA (six with ``HISPARSE_MOE_QUANT=fused``, eight with ``=kernel``),
+none of them a general sort or a host sync (CUDA-graph capturable; every row computed independently
+of the batch it runs in):
 
 1. router GEMM (:func:`route`): logits ``x @ gate^T`` as fp32 partials over a K split fixed by
    ``D`` (16-token tiles whatever ``T``). The checkpoints keep the gate in fp32 and transformers
    computes it in fp32 (``_keep_in_fp32_modules_strict``); DeepSeek stores the gate weight in
    bf16, so with bf16 activations every product is exact in fp32. The kernel reads the fp32
    weight and multiplies on the tensor cores in 3xTF32 (exact products for bf16-valued
-   operands, about fp32 otherwise), accumulating in fp32: the reference up to summation order;
+   operands, about fp32 otherwise), accumulating in fp32: the reference up to summation order.
+   FP8 experts: its programs of the first expert block also quantize ``x`` (step 4);
 2. routing (:func:`route`): per token, the partials summed in split order, ``sigmoid``, plus
    ``e_score_correction_bias`` for the choice, group-limited top-k (group score = sum of its two
    best; the ``topk_group`` best groups; the ``top_k`` best experts in them), weights = the
@@ -17,9 +18,18 @@ in):
    ``routed_scaling_factor``. Ties go to the lower index (:func:`route_reference`: stable sort);
    the shared experts are appended as columns ``E, E+1, ...`` of weight 1;
 3. alignment (:func:`align`): assignments into per-expert tiles in token order (the layout of
-   :func:`hisparse.ops.moe.moe_align`), from per-expert counts and one-hot prefix sums;
+   :func:`hisparse.ops.moe.moe_align`), one program per 8 experts, each from a histogram of
+   every assignment (the tile prefix) and one-hot prefix sums over its own experts
+   (``HISPARSE_MOE_ALIGN=single``: the one-program kernel, the baseline). The layout is a
+   function of the routing alone (deterministic), and a row's GEMM result does not depend on
+   its place in a tile (each output element is its own K-ordered dot product);
 4. / 6. activation quantization (FP8 experts): ``x`` and the intermediate ``silu(g) * u``
-   per ``1 x bk``, once each, not in every program of the GEMMs that read them (the same math);
+   per ``1 x bk`` with the GEMM tiles' math (the same bits wherever it runs): ``x`` in the
+   router GEMM, the intermediate by its own kernel (default, ``HISPARSE_MOE_QUANT=router``);
+   ``=fused`` quantizes the intermediate in the down GEMM's tiles (its K is only ``I``; one
+   kernel fewer, but inside the real rank's step the down GEMM then took 1.7x as long: 7.0 vs
+   4.1 ms a step at 24 tokens on the H200), ``=gate_up`` in the gate-up GEMM's epilogue (N
+   tile = the FP8 block), ``=kernel`` both in their own kernels (the baseline);
 5. / 7. the grouped GEMMs of :mod:`hisparse.ops.moe`, the shared expert served as expert ``E``
    from its own tensors (SGLang's "shared experts fusion", without copying weights); programs
    of unused tiles (the layout is sized for any routing) exit at once;
@@ -44,12 +54,35 @@ from .block_fp8 import quantize_fp8_act
 from .moe_tiles import moe_align_reference, moe_max_tiles
 
 FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
+ALIGN_ENV = "HISPARSE_MOE_ALIGN"
+ALIGN_MODES = ("experts", "single")
+QUANT_ENV = "HISPARSE_MOE_QUANT"
+QUANT_MODES = ("fused", "gate_up", "router", "kernel")
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
-# sizes): the alignment is one program and the router GEMM re-reads its weight per 16 tokens,
-# both fine here, both worse than the unfused path for prefill-sized steps.
+# sizes): every alignment program histograms all assignments and the router GEMM re-reads its
+# weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
 MOE_LAYER_MAX_TOKENS = 512
-ROUTER_K_SPLIT = 512      # K per router partial: the split count depends on D only
 _ROUTER_BLOCK_T = 16      # fixed token tile: a row's MMA shape does not depend on T
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Launches of the router GEMM and the routing kernel, the same for every ``T`` (so a
+    row's bits do not depend on its batch). ``k_split``: K per fp32 partial (the split count
+    depends on ``D`` only; a power of two, a multiple of ``block_k`` and of the FP8 block);
+    ``block_e`` experts per GEMM program, ``block_k`` its K step, ``gemm_warps``;
+    ``route_tokens`` per routing program and ``route_warps`` (one warp per token: its
+    top-k reductions stay in the warp). ``k_split`` and ``block_k`` change the logits'
+    summation order (a few fp32 ulps), the rest never changes a bit."""
+    k_split: int = 512
+    block_e: int = 32
+    block_k: int = 64
+    gemm_warps: int = 4
+    route_tokens: int = 4
+    route_warps: int = 4
+
+
+ROUTER_CONFIG = RouterConfig()
 FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whatever T
 
 
@@ -140,9 +173,33 @@ def combine_reference(y: Tensor, T: int, dtype: torch.dtype) -> Tensor:
 
 # ----------------------------------------------------------------------------- dispatch
 def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
-          n_shared: int = 0, use_triton: bool | None = None) -> tuple[Tensor, Tensor]:
+          n_shared: int = 0, use_triton: bool | None = None, config: RouterConfig | None = None
+          ) -> tuple[Tensor, Tensor]:
     """:func:`route_reference` in two kernels (router GEMM, routing). ``x [T, D]`` (the normed
-    hidden, any float dtype), ``weight [E, D]`` (fp32), ``bias [E]`` fp32 or None."""
+    hidden, any float dtype), ``weight [E, D]`` (fp32), ``bias [E]`` fp32 or None; launches
+    ``config`` (:data:`ROUTER_CONFIG` when None)."""
+    ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None,
+                       config or ROUTER_CONFIG)
+    return ids, w
+
+
+def route_quantized(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
+                    n_shared: int, block_k: int, pow2_scale: bool,
+                    config: RouterConfig | None = None
+                    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """:func:`route` on Triton whose router GEMM also quantizes ``x`` per ``1 x block_k``:
+    ``(ids, weights, (xq float8_e4m3fn [T, D], scales fp32 [T, cdiv(D, block_k)]))``, the
+    values of :func:`quantize_act` (bitwise on CUDA; the interpreter's fp8 cast is not
+    torch's). ``block_k`` must divide ``config.k_split`` (:data:`ROUTER_CONFIG` when None)."""
+    c = config or ROUTER_CONFIG
+    if c.k_split % block_k:
+        raise ValueError(f"route_quantized: block_k={block_k} must divide the router's "
+                         f"k_split={c.k_split}")
+    ids, w, q = _route(x, weight, bias, cfg, n_shared, True, (block_k, pow2_scale), c)
+    return ids, w, q
+
+
+def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
     T, D = x.shape
     E = weight.shape[0]
     G = cfg.n_group
@@ -154,50 +211,124 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
     if use_triton is None:
         use_triton = want_triton(x)
     if not use_triton or T == 0:
-        return route_reference(x, weight, bias, cfg, n_shared)
+        q = quantize_act(x, quant[0], quant[1], use_triton=False) if quant else None
+        return (*route_reference(x, weight, bias, cfg, n_shared), q)
     from ._moe_layer_triton import _moe_route_kernel, _moe_router_gemm_kernel
 
-    splits = cdiv(D, ROUTER_K_SPLIT)
+    if (c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k
+            or c.block_e & (c.block_e - 1) or c.route_tokens & (c.route_tokens - 1)):
+        raise ValueError(f"{c}: k_split, block_k, block_e and route_tokens must be powers of "
+                         f"two, k_split a multiple of block_k")
+    splits = cdiv(D, c.k_split)
     part = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)
     x, weight = x.contiguous(), weight.contiguous()
-    block_e = 32
-    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, block_e), splits)](
-        x, weight, part, T, E, D, x.stride(0), weight.stride(0), part.stride(0),
-        K_SPLIT=ROUTER_K_SPLIT, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=block_e, BLOCK_K=64,
-        PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3")
+    if quant:
+        qbk, pow2 = quant
+        kb = cdiv(D, qbk)
+        xq = torch.empty(T, D, device=x.device, dtype=torch.float8_e4m3fn)
+        xs = torch.empty(T, kb, device=x.device, dtype=torch.float32)
+    else:
+        qbk, pow2, kb, xq, xs = c.k_split, False, 1, part, part
+    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, c.block_e), splits)](
+        x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
+        xq.stride(0), xs.stride(0),
+        K_SPLIT=c.k_split, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
+        PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
+        QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)
     epg = E // G
-    block_t = 4 if x.is_cuda else 16   # the interpreter's cost is per program
+    block_t = c.route_tokens if x.is_cuda else 16   # the interpreter's cost is per program
     _moe_route_kernel[(cdiv(T, block_t),)](
         part, bias if bias is not None else part, ids, w, T, part.stride(0),
         float(cfg.routed_scaling_factor), E,
         E=E, SPLITS=splits, G=G, GP=next_pow2(G), EPG=epg, EPGP=next_pow2(epg),
         TOPK_GROUP=cfg.topk_group, TOPK=cfg.top_k, KP=max(2, next_pow2(k_out)),
         N_SHARED=n_shared, NORM=bool(cfg.norm_topk_prob), HAS_BIAS=bias is not None,
-        LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t)
-    return ids, w
+        LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t,
+        num_warps=c.route_warps)
+    return ids, w, ((xq, xs) if quant else None)
 
 
-def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None = None
-          ) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class AlignConfig:
+    """Launch of the parallel alignment (any choice gives the same layout, bit for bit):
+    ``experts`` per program (a power of two), assignments per ``chunk``, ``num_warps``."""
+    experts: int = 8
+    chunk: int = 1024
+    num_warps: int = 4
+
+
+ALIGN_CONFIG = AlignConfig()
+
+
+def align_mode() -> str:
+    """``HISPARSE_MOE_ALIGN``: ``experts`` (default: one program per few experts) or
+    ``single`` (the one-program kernel: the baseline)."""
+    mode = os.environ.get(ALIGN_ENV, "experts")
+    if mode not in ALIGN_MODES:
+        raise ValueError(f"{ALIGN_ENV}={mode!r}: want one of {ALIGN_MODES}")
+    return mode
+
+
+def quant_mode() -> str:
+    """``HISPARSE_MOE_QUANT`` (FP8 experts, CUDA): where the layer quantizes its activations:
+    ``router`` (default: ``x`` in the router GEMM's programs, the intermediate by its own
+    kernel), ``fused`` (the intermediate in the down GEMM's tiles), ``gate_up`` (the
+    intermediate in the gate-up GEMM's epilogue, whose N tile becomes the FP8 block) or
+    ``kernel`` (two quantization kernels: the baseline). The same bits in every mode."""
+    mode = os.environ.get(QUANT_ENV, "router")
+    if mode not in QUANT_MODES:
+        raise ValueError(f"{QUANT_ENV}={mode!r}: want one of {QUANT_MODES}")
+    return mode
+
+
+def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None = None,
+          mode: str | None = None, config: AlignConfig | None = None,
+          out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """:func:`hisparse.ops.moe.moe_align`'s layout for routing whose ``k`` ids per token are
-    distinct (as :func:`route` makes them), in one kernel without a sort."""
+    distinct (as :func:`route` makes them), in one kernel without a sort: ``mode``
+    (:func:`align_mode` when None) ``experts`` runs ``cdiv(num_experts, config.experts)``
+    programs, ``single`` one. Every element is written (no host sync, shapes fixed by ``T, k``),
+    into ``out`` when given (int32 of the returned shapes)."""
     if use_triton is None:
         use_triton = want_triton(ids)
     if not use_triton:
         s, e = moe_align_reference(ids.cpu(), num_experts, block_m)
         return s.to(ids.device), e.to(ids.device)
-    from ._moe_layer_triton import _moe_align_kernel
+    from ._moe_layer_triton import _moe_align_experts_kernel, _moe_align_kernel
 
     T, k = ids.shape
     max_tiles = moe_max_tiles(T * k, num_experts, block_m)
-    sorted_ids = torch.empty(max_tiles * block_m, device=ids.device, dtype=torch.int32)
-    tile_expert = torch.empty(max_tiles, device=ids.device, dtype=torch.int32)
-    _moe_align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, T, sorted_ids.numel(),
-                        max_tiles, K=k, E=num_experts, EP=next_pow2(num_experts), BLOCK_T=16,
-                        BLOCK_M=block_m, FILL=1024, num_warps=8)
+    if out is None:
+        out = (torch.empty(max_tiles * block_m, device=ids.device, dtype=torch.int32),
+               torch.empty(max_tiles, device=ids.device, dtype=torch.int32))
+    sorted_ids, tile_expert = out
+    if (sorted_ids.shape != (max_tiles * block_m,) or tile_expert.shape != (max_tiles,)
+            or sorted_ids.dtype != torch.int32 or tile_expert.dtype != torch.int32
+            or not sorted_ids.is_contiguous() or not tile_expert.is_contiguous()):
+        raise ValueError(f"align out: want contiguous int32 [{max_tiles * block_m}] and "
+                         f"[{max_tiles}], got {tuple(sorted_ids.shape)} {sorted_ids.dtype} and "
+                         f"{tuple(tile_expert.shape)} {tile_expert.dtype}")
+    ids = ids.contiguous()
+    if (mode or align_mode()) == "single":
+        _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, T, sorted_ids.numel(),
+                                max_tiles, K=k, E=num_experts, EP=next_pow2(num_experts),
+                                BLOCK_T=16, BLOCK_M=block_m, FILL=1024, num_warps=8)
+        return sorted_ids, tile_expert
+    c = config or ALIGN_CONFIG
+    if c.experts < 1 or c.experts & (c.experts - 1) or c.chunk < 16 or c.chunk & (c.chunk - 1):
+        raise ValueError(f"AlignConfig: experts={c.experts} and chunk={c.chunk} must be powers "
+                         f"of two (chunk >= 16)")
+    programs = cdiv(num_experts, c.experts)
+    # the interpreter's cost grows with the block: no wider than the assignments there
+    chunk = c.chunk if ids.is_cuda else max(16, min(c.chunk, next_pow2(T * k)))
+    _moe_align_experts_kernel[(programs,)](
+        ids, sorted_ids, tile_expert, T * k, sorted_ids.numel(), max_tiles,
+        cdiv(T, block_m), cdiv(sorted_ids.numel(), programs), cdiv(max_tiles, programs),
+        E=num_experts, EP=next_pow2(num_experts + 1), EB=c.experts, CHUNK=chunk,
+        BLOCK_M=block_m, TB=32, FILL=256, num_warps=c.num_warps)
     return sorted_ids, tile_expert
 
 
@@ -241,23 +372,40 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
               gate_up: Tensor, down: Tensor, *, gate_up_scale: Tensor | None = None,
               down_scale: Tensor | None = None, block: tuple[int, int] | None = None,
               pow2_scale: bool = False, shared: SharedExpert | None = None,
-              prequant: bool = True) -> Tensor:
+              prequant: bool = True, tile_n: tuple[int, int] | None = None) -> Tensor:
     """Routed experts (+ the shared one) of ``x [T, D]`` -> ``[T, D]`` in ``x.dtype``, on Triton
     (the kernels of the module doc); experts as :func:`hisparse.ops.moe.fused_moe` takes them.
-    ``prequant`` (FP8): quantize ``x`` and the intermediate once each instead of in every GEMM
-    tile (the grouped GEMMs' programs of one tile each redo it ``I / 64`` resp. ``D / 128``
-    times)."""
+    ``prequant`` (FP8): quantize ``x`` and the intermediate once each (where
+    :func:`quant_mode` says) instead of in every GEMM tile (the grouped GEMMs' programs of one
+    tile each redo it ``I / 64`` resp. ``D / 128`` times); the same bits either way.
+    ``tile_n``: the grouped GEMMs' N tile caps (:func:`hisparse.ops._moe_triton.grouped_moe`;
+    bit-neutral)."""
     from ._moe_triton import grouped_moe
 
     T = x.shape[0]
     E = gate_up.shape[0]
     n_shared = int(shared is not None)
-    ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
+    fp8 = gate_up_scale is not None
+    qmode = quant_mode() if fp8 else "kernel"
+    if not (prequant and x.is_cuda):   # in the tiles, or the interpreter (torch's fp8 cast)
+        qmode = "kernel"
+    elif qmode != "kernel" and ROUTER_CONFIG.k_split % block[1]:
+        qmode = "kernel"               # the router's K split must hold whole FP8 blocks
+    elif qmode == "gate_up" and (down.shape[2] % block[1] or tile_n):
+        qmode = "fused"                # the epilogue needs whole blocks and its own N tile
+    x_quant = None
+    if qmode == "kernel":
+        ids, w = route(x, router_weight, router_bias, cfg, n_shared, use_triton=True)
+    else:
+        ids, w, x_quant = route_quantized(x, router_weight, router_bias, cfg, n_shared,
+                                          block[1], pow2_scale)
     # one tile height for every batch size: a row's GEMM (and so its bits) must not depend on
     # T (moe_block_m grows with tokens per expert; 16 is what it picks for 256 experts here)
     block_m = FUSED_BLOCK_M
     sorted_ids, tile_expert = align(ids, E + n_shared, block_m, use_triton=True)
     y = grouped_moe(x, sorted_ids, tile_expert, block_m, w, gate_up, down, gate_up_scale,
                     down_scale, block, pow2_scale, shared=shared,
-                    quantize=quantize_act if prequant else None, skip_empty=True)
+                    quantize=quantize_act if prequant else None, skip_empty=True,
+                    x_quant=x_quant, tile_n=tile_n,
+                    h_quant={"fused": "tile", "gate_up": "epilogue"}.get(qmode))
     return combine(y, T, x.dtype, use_triton=True)

@@ -12,7 +12,11 @@ value = ``e4m3 * s_i``; the rope part is stored in bf16 unquantized. This equals
 exactly with ``frexp`` (no log2 rounding at exact powers of two).
 
 **Indexer key**: ``d x float8_e4m3fn`` plus one fp32 scale per tile (128 + 4 = 132 B), same scale
-rule (DeepSeek-V3.2's indexer uses ue8m0, i.e. power-of-two, scales). One key in *row format*
+rule (DeepSeek-V3.2's indexer uses ue8m0, i.e. power-of-two, scales), of the *rotated* key: an
+FP8 key stores ``indexer_rotation(k)`` (:mod:`hisparse.ops.rotation`, the Walsh-Hadamard
+transform DeepSeek-V3.2 and SGLang apply before ``act_quant``; ``d`` a power of two), so its
+dequantized values live in the rotated basis and the indexer rotates the queries scored against
+them (:mod:`hisparse.ops.indexer`). One key in *row format*
 (:func:`quantize_index_keys_reference`) is ``[ d x e4m3 | scales ]``; the caches keep keys
 *page-split* (:class:`FP8KeyLayout`, as vLLM / DeepGEMM's indexer cache): a page of
 ``block_size`` keys stores its ``[block_size, d]`` e4m3 values first, then its
@@ -37,6 +41,7 @@ import torch
 
 from ._common import TILE as TILE  # the format's tile, public here
 from ._common import fp8_tile, want_triton
+from .rotation import check_rotation_dim, indexer_rotation
 
 FP8_MAX = 448.0
 SCALE_MIN = 1e-4          # FlashMLA clamps amax / 448 to this before rounding up
@@ -78,6 +83,7 @@ class FP8KeyLayout:
 
     def __post_init__(self) -> None:
         fp8_tile(self.head_dim)
+        check_rotation_dim(self.head_dim)       # keys are stored rotated
         if self.block_size < 1 or (self.block_size * self.head_dim) % 4:
             raise ValueError(f"FP8 key pages: block_size ({self.block_size}) x head_dim "
                              f"({self.head_dim}) must be a positive multiple of 4 (the scale "
@@ -214,27 +220,30 @@ def dequantize_mla_rows_reference(rows: torch.Tensor, d_nope: int, d_rope: int,
 
 
 def quantize_index_keys_reference(k: torch.Tensor) -> torch.Tensor:
-    """``k [T, d]`` -> FP8 keys ``[T, index_key_bytes(d)]`` uint8."""
+    """``k [T, d]`` (any float dtype; ``d`` a power of two) -> FP8 keys ``[T,
+    index_key_bytes(d)]`` uint8 of ``indexer_rotation(k)`` (rotated in ``k.dtype``, then
+    quantized)."""
     T, d = k.shape
     tile = fp8_tile(d)
-    q, scale = _quantize_tiles(k, tile)
+    q, scale = _quantize_tiles(indexer_rotation(k), tile)
     return torch.cat([q, scale.contiguous().view(torch.uint8)], dim=1)
 
 
 def quantize_index_queries_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer queries ``q [T, Hi, d]`` (any float dtype) -> (e4m3 codes ``[T, Hi, d]`` uint8,
-    fp32 scales ``[T, Hi, d // tile]``): the keys' rule per (token, head, tile) -- one scale per
-    head for ``d <= 128``, as DeepSeek-V3.2's ``act_quant`` of the indexer query (ue8m0 scales)
-    -- so FP8-key scoring is an FP8 x FP8 dot (:mod:`hisparse.ops.indexer`)."""
+    fp32 scales ``[T, Hi, d // tile]``) of ``indexer_rotation(q)``: the keys' rule per (token,
+    head, tile) -- one scale per head for ``d <= 128``, as DeepSeek-V3.2's ``act_quant`` of the
+    rotated indexer query (ue8m0 scales) -- so FP8-key scoring is an FP8 x FP8 dot
+    (:mod:`hisparse.ops.indexer`)."""
     T, H, d = q.shape
-    codes, scale = _quantize_tiles(q.reshape(T * H, d), fp8_tile(d))
+    codes, scale = _quantize_tiles(indexer_rotation(q.reshape(T * H, d)), fp8_tile(d))
     return codes.view(T, H, d), scale.view(T, H, -1)
 
 
 def dequantize_index_queries_reference(codes: torch.Tensor, scales: torch.Tensor,
                                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_index_queries_reference`: ``e4m3 * scale`` ``[T, Hi, d]``
-    (exact in bf16)."""
+    """Inverse of :func:`quantize_index_queries_reference` up to the rotation: ``e4m3 * scale``
+    ``[T, Hi, d]`` (the rotated query's approximation, exact in bf16)."""
     T, H, d = codes.shape
     nt = scales.shape[-1]
     v = codes.contiguous().view(torch.float8_e4m3fn).float().view(T, H, nt, d // nt)
@@ -243,7 +252,8 @@ def dequantize_index_queries_reference(codes: torch.Tensor, scales: torch.Tensor
 
 def dequantize_index_keys_reference(keys: torch.Tensor, d: int,
                                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 keys ``[N, key_bytes]`` uint8 -> ``[N, d]`` ``dtype``."""
+    """FP8 keys ``[N, key_bytes]`` uint8 -> ``[N, d]`` ``dtype``: the stored, rotated keys'
+    values (``indexer_rotation`` undoes the rotation: it is its own inverse)."""
     N = keys.shape[0]
     tile = fp8_tile(d)
     nt = d // tile
@@ -286,7 +296,8 @@ def quantize_write_mla_rows(kv: torch.Tensor, dst: torch.Tensor, rows: torch.Ten
 
 
 def quantize_write_index_keys(k: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-    """Key of flat row ``rows[t]`` = ``quantize(k[t])``: ``k [T, d]`` float, ``dst`` one layer's
+    """Key of flat row ``rows[t]`` = ``quantize(indexer_rotation(k[t]))``
+    (:func:`quantize_index_keys_reference`): ``k [T, d]`` float, ``dst`` one layer's
     page-split keys ``[num_blocks, block_size * index_key_bytes(d)]`` uint8
     (:class:`FP8KeyLayout`; ``[rows, 132]`` is block size 1), ``rows [T]`` flat row ids."""
     T, d = k.shape

@@ -11,9 +11,18 @@ anything), so the work of a row is proportional to its own length, not to ``W``.
 ``torch.sort(descending=True, stable=True)`` order: ``-0.0`` equals ``+0.0``, every NaN ranks
 above ``+inf`` (all NaN equal: ties by column), ``-inf`` below every finite score. ``INT32_MIN``
 is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalized).
+
+``HISPARSE_TOPK`` picks the Triton path's launches (:mod:`hisparse.ops._topk_triton`), all exact
+and equal: ``fused`` (default) one kernel per call, the row's programs meeting between phases;
+``phased`` the same phases one launch each; ``legacy`` the former path (four histogram launches,
+a collect, then one program per row sorting the whole selection: ~30 us whatever the batch).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +31,34 @@ from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
+SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
+TOPK_ENV = "HISPARSE_TOPK"
+TOPK_MODES = ("fused", "phased", "legacy")
+
+
+def topk_mode() -> str:
+    """The Triton path's launches: ``HISPARSE_TOPK`` (module docstring; ``fused`` by
+    default)."""
+    mode = os.environ.get(TOPK_ENV, "") or "fused"
+    if mode not in TOPK_MODES:
+        raise ValueError(f"{TOPK_ENV} must be one of {TOPK_MODES}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class TopkLaunch:
+    """Launch parameters of the Triton top-k (speed hints: every value is exact).
+    ``splits``: programs per row (``None``: about ``per_sm`` programs per SM over all rows; a
+    fused launch splits rows only within ``per_sm`` programs per SM, so that all of them are
+    resident); ``block``: columns per histogram / collect step (a power of two); ``warps``:
+    per program; ``sort_chunk``: selection slots per chunk of the split sort (a power of
+    two)."""
+
+    splits: int | None = None
+    block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
+    warps: int = 4
+    sort_chunk: int = 256
+    per_sm: int = 2
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
@@ -57,7 +94,10 @@ class TopkScratch:
     counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
     each call) and the histograms of each (row, split) program (``split_hist [rows +
     SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
-    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``)."""
+    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
+    split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
+    read by each call); ``stalls [1]`` counts a fused launch's row barriers that gave up
+    waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
@@ -66,16 +106,20 @@ class TopkScratch:
                                 device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
+        self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
+        self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    ROW_BYTES = 4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+    ROW_BYTES = (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+                 + 8 * SORT_COLS)
 
-    def data_ptrs(self) -> tuple[int, int]:
-        return self.hist.data_ptr(), self.split_hist.data_ptr()
+    def data_ptrs(self) -> tuple[int, ...]:
+        return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
+                self.stalls.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
                 out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
-                splits: int | None = None) -> torch.Tensor:
+                splits: int | None = None, launch: TopkLaunch | None = None) -> torch.Tensor:
     """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
 
     Args:
@@ -87,12 +131,16 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         scratch: the Triton path's :class:`TopkScratch` (``rows >= T``); required for CUDA-graph
             capture; without one each call allocates its own.
         splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
-            the scratch; default: enough to fill the GPU).
+            the scratch; default: enough to fill the GPU); replaces ``launch.splits``.
+        launch: the Triton path's :class:`TopkLaunch` (speed hints; default ``TopkLaunch()``).
+            ``k > SORT_COLS`` runs the ``legacy`` ranking.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
-    threshold is resolved), a compaction of the selected columns into ``out`` and one in-program
-    sort of the ``k`` selected (key, column) pairs; no host sync, fixed launch shapes.
+    threshold is resolved), a compaction of the selected columns into ``out`` and a sort of the
+    selected (key, column) pairs: chunks sorted by several programs per row, then each entry
+    written at its rank (the entries above it in every chunk); one launch (``HISPARSE_TOPK``),
+    no host sync, fixed launch shapes.
     """
     T = keys.shape[0]
     if k < 1:
@@ -115,6 +163,11 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             raise ValueError(f"topk_select: scratch ({scratch.rows} rows, "
                              f"{scratch.hist.device}) is too small for {T} rows on "
                              f"{keys.device}; size it for the largest call up front")
-        return topk_select_triton(keys, lengths, k, out, scratch, splits)
+        cfg = launch or TopkLaunch()
+        if splits is not None:
+            cfg = dataclasses.replace(cfg, splits=splits)
+        if cfg.block is None:
+            cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
+        return topk_select_triton(keys, lengths, k, out, scratch, topk_mode(), cfg)
     out.copy_(topk_select_reference(keys, lengths, k))
     return out

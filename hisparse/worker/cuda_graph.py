@@ -340,12 +340,10 @@ class SpecGraphs:
         self.ctx.finish()
 
     def _chain_body(self, batch: int, host_read: bool) -> None:
-        c, ctx = self.runner.caches, self.ctx
+        ctx = self.ctx
         pos = self.draft_pos[:batch]
         ctx.begin(host_read, self.runner.inputs.tables, self.draft_slots[:batch], pos)
-        # a draft-only token is never stored: its MLA row and indexer key go to the sinks
-        ctx.kv_rows = torch.full_like(ctx.kv_rows, c.sink_row)
-        ctx.idx_rows = torch.full_like(ctx.idx_rows, c.indexer_sink_row)
+        ctx.write_to_sinks()    # a draft-only token is never stored
         h = self.model.mtp_forward(self.draft_tokens[:batch], self.draft_hidden[:batch], pos,
                                    ctx, rope_positions=self.rope_pos[:batch])
         self.draft_logits[:batch].copy_(self.model.mtp_logits(h))

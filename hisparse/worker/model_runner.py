@@ -12,15 +12,16 @@ eager step computes) and set ``context_cls`` to a :class:`PagedContext` subclass
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
-from hisparse.ops.attention import flashmla_sched_meta
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
+from hisparse.worker.kv_format import kv_format
 from hisparse.worker.step_state import StepState
 
 
@@ -58,14 +59,58 @@ class HotPrefetcher:
             self.pending = False
 
 
+@dataclass(frozen=True)
+class StagedTokens:
+    """The tokens of one forward that attend through the staging area (prefill chunks whose
+    history has host-only pages, issue 14; eager forwards only), fixed at :meth:`PagedContext.
+    begin` for every layer: ``index`` int64 ``[S]`` their flat token indices, ``slots`` int32
+    ``[S]`` their request slots, ``rest`` int64 ``[T - S]`` the indices of the other tokens."""
+
+    index: Tensor
+    slots: Tensor
+    rest: Tensor
+
+    @classmethod
+    def of(cls, index: Tensor, token_slot: Tensor) -> StagedTokens:
+        keep = torch.ones(token_slot.shape[0], dtype=torch.bool, device=token_slot.device)
+        keep[index] = False
+        return cls(index, token_slot[index], keep.nonzero().squeeze(1))
+
+
+def _write(new, dst: Tensor, rows: Tensor, write_tensor) -> None:
+    """This forward's new MLA rows or indexer keys into ``dst`` (one layer) at flat rows ``rows``
+    int64 ``[T]``: a :class:`~hisparse.models.context.NewRows` / ``NewKeys`` writes itself (fused
+    norm + RoPE (+ FP8) + write, either format); a tensor goes through the format's
+    ``write_tensor(new, dst, rows)``."""
+    if isinstance(new, Tensor):
+        write_tensor(new, dst, rows)
+    else:
+        new.write(dst, rows)
+
+
 class PagedContext:
-    """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches."""
+    """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches.
+
+    Per layer (:meth:`attend`): write the new rows and keys, select (:meth:`select_topk`), map
+    the selections to flat arena rows (:meth:`_rows`), attend. The variants compose: the cache
+    format (:mod:`hisparse.worker.kv_format`) is chosen here, once; per forward, :meth:`begin`
+    fixes the row source (resident rows, or, host-read, the resolver's, whose band prefetches
+    run on :class:`HotPrefetcher`) and the :class:`StagedTokens`.
+
+    Forward state (``T`` tokens): ``token_slot [T]`` int32 (``-1`` padding), ``positions [T]``
+    int64, ``kv_rows`` / ``idx_rows [T]`` int64 where the new rows / keys go (the sinks for
+    padding), ``topk [T, index_topk]`` int32 the last indexer layer's positions and ``band
+    [T, n]`` int32 its next-ranked ones (or ``None``), all ``-1`` for none; ``tables``: int32
+    block tables ``resident`` / ``host`` / ``indexer`` ``[R, P]`` and ``hot`` ``[R, H //
+    block_size]``, ``-1`` none.
+    """
 
     def __init__(self, caches: KVCaches, index_topk: int, kv_lora_rank: int) -> None:
         self.caches = caches
         self.index_topk = index_topk
         self.kv_lora_rank = kv_lora_rank
         self.block_size = caches.cfg.block_size
+        self.kv_format = kv_format(caches.geo, kv_lora_rank, caches.device)
         self.prefetcher = HotPrefetcher(caches.device)
         # indexer tokens scored per program (ops.indexer_topk's ``group``): a speed hint for
         # runs of consecutive tokens of one request (speculative verify steps), never a result
@@ -79,7 +124,8 @@ class PagedContext:
         chunks, eager steps only): they attend through the staging area."""
         self.finish()       # a previous forward's prefetches land before this one resolves
         c, block_size = self.caches, self.block_size
-        self.staged = staged if staged is not None and staged.numel() else None
+        self.staged = (StagedTokens.of(staged, token_slot)
+                       if staged is not None and staged.numel() else None)
         self.tables = tables
         self.token_slot = token_slot
         self.positions = positions
@@ -94,81 +140,58 @@ class PagedContext:
                                     c.indexer_sink_row)
         self.host_read = host_read
         self.topk: Tensor | None = None
+        self.band: Tensor | None = None
         # FlashMLA FP8 decode: one scheduler metadata per forward, shared by every layer
-        self.flashmla_meta = None
-        self.band: Tensor | None = None    # next-ranked positions for the hot policy
-        self.attn_backend = "auto" if c.device.type == "cuda" else "reference"
+        self.sched_meta = None
+
+    def write_to_sinks(self) -> None:
+        """After :meth:`begin`: this forward's tokens are never stored (chained draft tokens),
+        their MLA rows and indexer keys go to the sink rows."""
+        c = self.caches
+        self.kv_rows = torch.full_like(self.kv_rows, c.sink_row)
+        self.idx_rows = torch.full_like(self.idx_rows, c.indexer_sink_row)
 
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
                index_weights: Tensor | None, index_k_new: Tensor | None,
                sm_scale: float) -> Tensor:
-        c = self.caches
+        c, fmt = self.caches, self.kv_format
         arena = c.arena_layer(layer_idx)
-        self._write(arena, kv_new, self.kv_rows, ops.quantize_write_mla_rows, self.kv_lora_rank)
+        _write(kv_new, arena, self.kv_rows, fmt.write_rows)
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
-            self._write(keys, index_k_new, self.idx_rows, ops.quantize_write_index_keys)
+            _write(index_k_new, keys, self.idx_rows, fmt.write_keys)
             self.topk = self.select_topk(layer_idx, index_q, index_weights, keys)
         if self.topk is None:
             raise RuntimeError("layer 0 must own an indexer")
         rows = self._rows(layer_idx)
         if self.staged is not None:
             return self._attend_staged(layer_idx, q_latent, rows, sm_scale)
-        return self._attention(q_latent, arena, rows, sm_scale).to(q_latent.dtype)
-
-    def _write(self, dst: Tensor, new, rows: Tensor, quantize_write, *args) -> None:
-        """Write this forward's new rows (MLA rows or indexer keys) into ``dst`` at ``rows``:
-        ``new`` not a tensor (``NewRows`` / ``NewKeys``): its fused norm + RoPE (+ FP8) + write;
-        FP8 caches: ``quantize_write(new, dst, rows, *args)`` (one launch, rows move as bytes);
-        bf16: a plain indexed copy."""
-        if not isinstance(new, Tensor):
-            new.write(dst, rows)
-        elif self.caches.geo.fp8:
-            quantize_write(new, dst, rows, *args)
-        else:
-            dst.index_copy_(0, rows, new.to(dst.dtype))
-
-    def _attention(self, q: Tensor, kv: Tensor, rows: Tensor, sm_scale: float,
-                   meta: bool = True) -> Tensor:
-        """Sparse MLA attention of ``q`` over ``rows`` of ``kv`` (FP8 rows: queries stay in the
-        compute dtype, the kernels dequantize; ``meta``: share the forward's FlashMLA
-        scheduler metadata, built at the first call)."""
-        c = self.caches
-        if c.geo.fp8:
-            if meta and self.flashmla_meta is None and c.device.type == "cuda":
-                self.flashmla_meta = flashmla_sched_meta()
-            out, _ = ops.sparse_mla_attention_fp8(q.to(c.geo.dtype), kv, rows, sm_scale,
-                                                  d_v=self.kv_lora_rank,
-                                                  backend=self.attn_backend,
-                                                  sched_meta=self.flashmla_meta if meta else None)
-        else:
-            out, _ = ops.sparse_mla_attention(q.to(kv.dtype), kv, rows, sm_scale,
-                                              d_v=self.kv_lora_rank, backend=self.attn_backend)
-        return out
+        if self.sched_meta is None:
+            self.sched_meta = fmt.sched_meta()
+        return fmt.attention(q_latent, arena, rows, sm_scale,
+                             self.sched_meta).to(q_latent.dtype)
 
     def _attend_staged(self, layer: int, q_latent: Tensor, rows: Tensor,
                        sm_scale: float) -> Tensor:
         """Eager step with staged tokens: the others attend over the arena as usual; the staged
         ones over the staging area, in token groups whose selected-row union fits it
-        (:mod:`hisparse.ops.stage`). Per-token attention is independent, so this is exact."""
-        c, st = self.caches, self.staged
-        T = q_latent.shape[0]
-        out = q_latent.new_empty(T, q_latent.shape[1], self.kv_lora_rank)
-        mask = torch.ones(T, dtype=torch.bool, device=q_latent.device)
-        mask[st] = False
-        rest = mask.nonzero().squeeze(1)
-        if rest.numel():
-            out[rest] = self._attention(q_latent[rest], c.arena_layer(layer), rows[rest],
-                                        sm_scale, meta=False).to(out.dtype)
-        topk, slots = self.topk[st], self.token_slot[st]
+        (:mod:`hisparse.ops.stage`). Per-token attention is independent, so this is exact.
+        No shared scheduler metadata: the calls differ in shape."""
+        c, st, fmt = self.caches, self.staged, self.kv_format
+        arena = c.arena_layer(layer)
+        out = q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], self.kv_lora_rank)
+        if st.rest.numel():
+            out[st.rest] = fmt.attention(q_latent[st.rest], arena, rows[st.rest],
+                                         sm_scale).to(out.dtype)
+        topk = self.topk[st.index]
         resident, host = self.tables["resident"], self.tables["host"]
-        cap = c.staging.shape[0]
-        for a, b in ops.stage_groups(topk, slots, resident.shape[1], self.block_size, cap):
-            srows = ops.stage_rows(topk[a:b], slots[a:b], resident, host, c.arena_layer(layer),
+        for a, b in ops.stage_groups(topk, st.slots, resident.shape[1], self.block_size,
+                                     c.staging.shape[0]):
+            srows = ops.stage_rows(topk[a:b], st.slots[a:b], resident, host, arena,
                                    c.host_layer(layer), c.staging, self.block_size,
                                    counter=c.staged_counter)
-            out[st[a:b]] = self._attention(q_latent[st[a:b]], c.staging, srows, sm_scale,
-                                           meta=False).to(out.dtype)
+            out[st.index[a:b]] = fmt.attention(q_latent[st.index[a:b]], c.staging, srows,
+                                               sm_scale).to(out.dtype)
         return out.to(q_latent.dtype)
 
     def finish(self) -> None:
@@ -178,8 +201,8 @@ class PagedContext:
 
     def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
                     keys: Tensor) -> Tensor:
-        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (override point; must
-        stay CUDA-graph safe: fixed shapes, no host sync)."""
+        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none; override
+        point: must stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`."""
         k = self.index_topk
         ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
                                   self.token_slot, self.positions_i32, self.block_size,
@@ -191,23 +214,29 @@ class PagedContext:
         return ranked[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
-        """Flat arena rows of the selected positions: resident rows, else hot-buffer rows."""
-        c, block_size, topk, band = self.caches, self.block_size, self.topk, self.band
+        """Flat arena rows ``[T, index_topk]`` int32 of :attr:`topk` (``-1`` none): resident
+        rows, else (host-read forwards) the resolver's resident or hot-buffer rows."""
         if not self.host_read:  # every page of every request in the batch is resident
-            return ops.resident_rows(topk, self.tables["resident"], self.token_slot, block_size)
+            return ops.resident_rows(self.topk, self.tables["resident"], self.token_slot,
+                                     self.block_size)
+        return self._resolve(layer)
+
+    def _resolve(self, layer: int) -> Tensor:
+        """The resolver over the hot buffers (misses copied in from the host pool); with a band
+        and prefetch on, its plan's copies of band rows for the next step are launched off the
+        critical path."""
+        c, topk, band, tables = self.caches, self.topk, self.band, self.tables
         arena, host = c.resolve_view(c.arena_layer(layer)), c.resolve_view(c.host_layer(layer))
         prefetch = c.hot_prefetch if band is not None else 0
         plan = None
         if prefetch:    # at most min(T, R) request groups in one call
-            plan = c.workspace.prefetch_plan(
-                layer, min(topk.shape[0], self.tables["resident"].shape[0]))
-        rows = ops.resolve_rows(topk, self.token_slot, self.tables["resident"],
-                                self.tables["host"], self.tables["hot"], c.hot_keys[layer],
-                                c.hot_lru[layer], arena, host, block_size, c.counters,
-                                workspace=c.workspace.resolve, band=band, policy=c.hot_policy,
-                                prefetch=prefetch, hot_flags=c.hot_flags[layer],
-                                prefetch_plan=plan)
-        if plan is not None:    # band rows for the next step, off the critical path
+            plan = c.workspace.prefetch_plan(layer, min(topk.shape[0], tables["resident"].shape[0]))
+        rows = ops.resolve_rows(topk, self.token_slot, tables["resident"], tables["host"],
+                                tables["hot"], c.hot_keys[layer], c.hot_lru[layer], arena, host,
+                                self.block_size, c.counters, workspace=c.workspace.resolve,
+                                band=band, policy=c.hot_policy, prefetch=prefetch,
+                                hot_flags=c.hot_flags[layer], prefetch_plan=plan)
+        if plan is not None:
             self.prefetcher.launch(plan, arena, host)
         return rows
 
@@ -438,7 +467,7 @@ class ModelRunner:
     def _spec_draft_eager(self, next_ids: list[int], draft_rows: list[int], num_drafts: int,
                           sample_draft, T: int, hidden: Tensor, host_read: bool,
                           staged: Tensor | None) -> None:
-        inputs, c, model = self.inputs, self.caches, self.model
+        inputs, model = self.inputs, self.model
         dev = hidden.device
         slots, pos_t = inputs.slots[:T], inputs.positions[:T]
         ids = torch.tensor(next_ids, dtype=torch.long, device=dev)
@@ -456,8 +485,7 @@ class ModelRunner:
         tok = sample_draft(model.mtp_logits(h), 0)
         for j in range(1, num_drafts):
             self.ctx.begin(host_read, inputs.tables, d_slots, d_pos, d_staged)
-            self.ctx.kv_rows = torch.full_like(self.ctx.kv_rows, c.sink_row)
-            self.ctx.idx_rows = torch.full_like(self.ctx.idx_rows, c.indexer_sink_row)
+            self.ctx.write_to_sinks()
             h = model.mtp_forward(tok, h, d_pos, self.ctx, rope_positions=d_pos + j)
             tok = sample_draft(model.mtp_logits(h), j)
 

@@ -107,13 +107,13 @@ def _prefill_logits(llm, ids):
 
 
 def _fake_quant_attend(monkeypatch):
-    """bf16-format caches fed with quantize->dequantize of every row and key, and, with
-    ``HISPARSE_FP8_INDEXER=1``, the indexer queries quantize->dequantized the same way (FP8-key
-    scoring quantizes them then: ops.indexer): the FP8 format's definition, computed on the
-    unquantized path."""
+    """bf16-format caches fed with quantize->dequantize of every row and key (indexer keys: of
+    their rotation, ops.rotation), and the indexer queries as FP8-key scoring takes them
+    (rotated; with ``HISPARSE_FP8_INDEXER=1`` quantize->dequantized too: ops.indexer): the FP8
+    format's definition, computed on the unquantized path."""
     from hisparse.models.context import materialize
     from hisparse.ops import quant as Q
-    from hisparse.ops.indexer import fp8_query_enabled
+    from hisparse.ops.indexer import fp8_key_queries_reference
     from hisparse.worker.model_runner import PagedContext
 
     orig = PagedContext.attend
@@ -126,9 +126,7 @@ def _fake_quant_attend(monkeypatch):
         if ik is not None:
             ik = Q.dequantize_index_keys_reference(Q.quantize_index_keys_reference(ik),
                                                    ik.shape[1], ik.dtype)
-            if fp8_query_enabled(iq.shape[-1]):
-                iq = Q.dequantize_index_queries_reference(
-                    *Q.quantize_index_queries_reference(iq), iq.dtype)
+            iq = fp8_key_queries_reference(iq).to(iq.dtype)
         return orig(self, layer, q, kv, iq, iw, ik, scale)
 
     monkeypatch.setattr(PagedContext, "attend", attend)

@@ -59,3 +59,21 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     yield
+
+
+def _selection_overlap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Mean over rows of |got ∩ want| / |want| for ``[T, k]`` position lists (``-1`` pads ignored).
+    Rank order does not count: FP8 MMA rounding swaps near-tied scores, and one swap shifts
+    every later rank of a positional comparison."""
+    fractions = []
+    for g, w in zip(got, want):
+        w = w[w >= 0]
+        if w.numel():
+            fractions.append(torch.isin(w, g[g >= 0]).float().mean().item())
+    return sum(fractions) / max(1, len(fractions))
+
+
+@pytest.fixture
+def selection_overlap():
+    """``overlap(got, want) -> float`` (see ``_selection_overlap``)."""
+    return _selection_overlap

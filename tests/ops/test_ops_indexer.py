@@ -130,11 +130,11 @@ def test_triton_interpreter_ties(triton_cpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", ["bf16", "fp8"])
 @pytest.mark.parametrize("ctx", [3000, 8192, 32768])
-def test_gpu_production_shape(ctx, keys, monkeypatch):
+def test_gpu_production_shape(ctx, keys, monkeypatch, selection_overlap):
     """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
-    ``fp8``: page-split FP8 keys (the oracle scores their dequantized values against the
-    dequantized FP8 queries)."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path
+    ``fp8``: page-split FP8 keys (the oracle scores their dequantized, rotated values against
+    the rotated, dequantized FP8 queries)."""
+    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path (default)
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T
@@ -147,18 +147,17 @@ def test_gpu_production_shape(ctx, keys, monkeypatch):
     tr[5] = -1
     cache = k
     if keys == "fp8":
+        from hisparse.ops.indexer import fp8_key_queries_reference
         from hisparse.ops.quant import (
             FP8KeyLayout,
             dequantize_index_keys_reference,
-            dequantize_index_queries_reference,
             quantize_index_keys_reference,
-            quantize_index_queries_reference,
         )
         rows8 = quantize_index_keys_reference(k)
         cache = FP8KeyLayout(D, bs).pages(rows8)
         k = dequantize_index_keys_reference(rows8, D, torch.bfloat16)
         del rows8
-        qo = dequantize_index_queries_reference(*quantize_index_queries_reference(q))
+        qo = fp8_key_queries_reference(q)       # rotated and FP8, as the keys
     else:
         qo = q
     out = torch.full((T, topk), SENTINEL, dtype=torch.int32, device="cuda")
@@ -182,7 +181,10 @@ def test_gpu_production_shape(ctx, keys, monkeypatch):
             mask = torch.ones(S, dtype=torch.bool, device="cuda")
             mask[sel] = False
             assert sc[mask].max() <= thr + 1e-3 * sc.abs().max()
-    assert (got == ref).float().mean() > 0.95
+    # rank order is not compared: with FP8 queries the kernel's FP8 MMA and the reference's
+    # fp32 sums round near-ties differently (the oracle bound above holds for every token)
+    overlap = selection_overlap(got, ref)
+    assert overlap > (0.99 if keys == "bf16" else 0.97), overlap
 
 
 @pytest.mark.parametrize("group", [1, 4])

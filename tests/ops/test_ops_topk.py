@@ -7,6 +7,7 @@ import torch
 from hisparse.ops.topk import (
     INT32_MAX,
     INT32_MIN,
+    TopkLaunch,
     TopkScratch,
     orderable_keys,
     topk_select,
@@ -102,6 +103,39 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
     assert torch.equal((got >= 0).sum(1), n_valid.clamp(max=k).int())
 
 
+# (k, distinct, row lengths, sort chunk): the split sort over several chunks per row, k not a
+# multiple of the chunk, selections filling part of a chunk or none, heavy ties, k above a row's
+# length (-1 tails), many distinct values
+SORT_CASES = [
+    (50, 2, [160, 1, 49, 51, 0], 16),
+    (40, 1 << 20, [150, 39, 40, 7, 41], 16),
+    (1, 2, [0, 1, 160], 16),
+]
+
+
+# the interpreter runs "fused" as one launch per phase ("phased"): the GPU tests cover both
+@pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
+                         + [("legacy", SORT_CASES[0])])
+def test_triton_sort_modes_match_reference(triton_cpu, monkeypatch, mode, case):
+    k, distinct, lengths, chunk = case
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
+    W = 160
+    keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + chunk)
+    out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=2,
+                      launch=TopkLaunch(sort_chunk=chunk, block=64))
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
+def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
+    keys, lens = make_keys(2, 40, 5, [40, 20], seed=1)
+    with pytest.raises(ValueError, match="sort_chunk"):
+        topk_select(keys, lens, 8, launch=TopkLaunch(sort_chunk=24))
+    monkeypatch.setenv("HISPARSE_TOPK", "bitonic")
+    with pytest.raises(ValueError, match="HISPARSE_TOPK"):
+        topk_select(keys, lens, 8)
+
+
 def test_triton_all_equal_and_all_invalid(triton_cpu):
     """Every key equal (the threshold is resolved only at the last digit: ties by column) and
     rows of invalid keys only; the scratch is reused across calls (zeroed by each)."""
@@ -159,10 +193,76 @@ def test_gpu_matches_reference(W, T, distinct, k):
     assert torch.equal(got, want)
 
 
+def _gpu_rows(T, W, k, seed, distinct):
+    """Keys built on the GPU (fast at the real shapes): ``distinct`` values per row (ties when
+    few), 2 % invalid, past-length columns poisoned with INT32_MAX, and row lengths covering
+    empty, 1, k - 1, k, k + 1, the full width and random ones."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sc = torch.randn(T, W, generator=g, device="cuda")
+    if distinct < W:                            # ties: each score one of ``distinct`` values
+        vals = torch.randn(T, distinct, generator=g, device="cuda")
+        sc = vals.gather(1, torch.randint(0, distinct, (T, W), generator=g, device="cuda"))
+    keys = orderable_keys(sc)
+    keys[torch.rand(T, W, generator=g, device="cuda") < 0.02] = INT32_MIN
+    lens = torch.randint(1, W + 1, (T,), generator=g, device="cuda").int()
+    fixed = torch.tensor([W, 0, 1, k - 1, k, k + 1], dtype=torch.int32, device="cuda")
+    n = min(T, fixed.numel())
+    lens[:n] = fixed[:n].clamp(max=W)
+    keys[torch.arange(W, device="cuda")[None, :] >= lens[:, None]] = INT32_MAX
+    return keys, lens
+
+
+# k: the selection (2048), the score policy's 2 x index_topk, odd sizes, and one beyond the
+# sort scratch (the legacy ranking); rows: few (split rows, a fused launch's row barriers) to
+# more than two per SM (one program per row)
+GPU_SHAPES = [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048), (64, 32768, 2049),
+              (300, 4096, 3000), (8, 131072, 4097)]
+
+
 @pytest.mark.gpu
-def test_gpu_cuda_graph_buckets():
+@pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
+                         + [(m, *s) for m in ("phased", "legacy") for s in GPU_SHAPES[:2]])
+@pytest.mark.parametrize("distinct", [3, 1 << 30])
+def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
+    keys, lens = _gpu_rows(T, W, k, seed=T + k + distinct, distinct=distinct)
+    scratch = TopkScratch(T, "cuda")
+    want = topk_select_reference(keys, lens, k)
+    for _ in range(2):                          # the scratch reused: zeroed by each call
+        out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+        got = topk_select(keys, lens, k, out=out, scratch=scratch)
+        assert torch.equal(got, want)
+    assert scratch.stalls.item() == 0           # no row barrier gave up waiting
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
+                                    TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
+                                    TopkLaunch(per_sm=4)])
+def test_gpu_launch_hints_are_exact(launch):
+    T, W, k = 24, 32768, 2048
+    keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
+    got = topk_select(keys, lens, k, scratch=TopkScratch(T, "cuda"), launch=launch)
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant():
+    """A row's selection does not depend on the other rows of the call (nor on how many)."""
+    W, k = 32768, 2048
+    keys, lens = _gpu_rows(64, W, k, seed=3, distinct=1000)
+    scratch = TopkScratch(64, "cuda")
+    full = topk_select(keys, lens, k, scratch=scratch).clone()
+    for b in (1, 8, 24):
+        assert torch.equal(topk_select(keys[:b], lens[:b], k, scratch=scratch), full[:b]), b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "phased"])
+def test_gpu_cuda_graph_buckets(monkeypatch, mode):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections."""
+    monkeypatch.setenv("HISPARSE_TOPK", mode)
     W, k = 32768, 2048
     buckets = [8, 16, 32, 64]
     scratch = TopkScratch(max(buckets), "cuda")
@@ -187,3 +287,4 @@ def test_gpu_cuda_graph_buckets():
         outs[b].fill_(SENTINEL)
         graphs[b].replay()
         assert torch.equal(outs[b], topk_select_reference(kb, lb, k)), (i, b)
+    assert scratch.stalls.item() == 0
