@@ -3,7 +3,8 @@ moves (issue 23: the decode's READs ran at 0.6 GB/s into GPU pages, 1.26 GB/s in
 pool, against a 55 GB/s pinned copy).
 
     python benchmarks/probe_nixl.py                               # CPU: DRAM -> DRAM
-    python benchmarks/probe_nixl.py --dst vram --src pinned       # H200: the decode's GPU tier
+    python benchmarks/probe_nixl.py --src pinned --dst pinned     # H200: what a decode's loads do
+    python benchmarks/probe_nixl.py --src pinned --dst vram       # H200: READs into GPU memory
     python benchmarks/probe_nixl.py --variants default,cma,tcp --shapes standin --json p.json
 
 A *source* process (the prefill: its host pool, pageable or pinned) and a *reader* process
@@ -27,7 +28,8 @@ e.g. ``zero-copy cma/memory`` (one-sided, same host) or ``multi-frag copy-in tcp
 Shapes: ``standin`` (the 4-layer stand-in of bench_disagg) and ``v32`` (a DeepSeek-V3.2 TP-8
 rank: 61 layers); FP8 rows (656 B) and keys (132 B), 64-token blocks. Each line is the median of
 ``--repeat`` READs after one warm-up, from posting (``initialize_xfer`` + ``transfer``) to
-``DONE``. Variants: see :data:`VARIANTS` (``--list``).
+``DONE``. Variants: see :data:`VARIANTS` (``--list``). ``noprog`` (no NIXL progress thread)
+never completes: the source agent, idle in its process, then never progresses UCX's wire-up.
 """
 
 from __future__ import annotations

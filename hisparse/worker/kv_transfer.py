@@ -161,7 +161,10 @@ class KVTransferAgent:
         cfg = caches.cfg
         self.name, self.host, self.compat = name, host, compat
         self.load_timeout_s = load_timeout_s
-        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False,
+        # NIXL's progress thread (its default) is needed: without it an idle prefill agent
+        # never progresses UCX's connection wire-up and the READs never complete
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True,
+                                                        enable_listen_thread=False,
                                                         backends=["UCX"]))
         # (no host tier: nothing to register; the KV core refuses remote prefills then)
         n = cfg.num_host_blocks if cfg.uses_host else 0
