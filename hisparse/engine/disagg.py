@@ -34,6 +34,7 @@ from hisparse.kv.transfer_plan import (
     RemotePrefill,
     compat_hash,
 )
+from hisparse.ops.quant import FP8_INDEX_KEY_FORMAT
 
 
 def prompt_digest(ids: list[int]) -> str:
@@ -78,7 +79,9 @@ class Disaggregation:
                                   storage_dtype=str(geo.storage_dtype),
                                   num_layers=geo.num_layers,
                                   indexer_layers=list(geo.indexer_layers),
-                                  row_bytes=geo.row_bytes, key_bytes=geo.key_bytes)
+                                  row_bytes=geo.row_bytes, key_bytes=geo.key_bytes,
+                                  index_key_format=(FP8_INDEX_KEY_FORMAT
+                                                    if geo.kv_cache_dtype == "fp8" else None))
         self.engine_id = f"hisparse-{role}-{uuid.uuid4().hex[:12]}"
         self.host = host
         self.hold_timeout_s = hold_timeout_s

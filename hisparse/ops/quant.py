@@ -45,6 +45,10 @@ from .rotation import check_rotation_dim, indexer_rotation
 
 FP8_MAX = 448.0
 SCALE_MIN = 1e-4          # FlashMLA clamps amax / 448 to this before rounding up
+# What an FP8 indexer key's bytes mean; part of the P/D compatibility hash, so a prefill and a
+# decode that store keys differently (e.g. before and after the rotation) refuse each other.
+# Change it whenever the stored bits of a key change.
+FP8_INDEX_KEY_FORMAT = "e4m3 page-split, pow2 scale per 128, hadamard-rotated"
 
 
 def mla_row_bytes(d_nope: int, d_rope: int) -> int:
