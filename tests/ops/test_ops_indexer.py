@@ -218,14 +218,28 @@ def test_triton_interpreter_exact_with_ties_and_token_groups(triton_cpu, group):
     assert torch.equal(ws.lengths[:T], lens)
 
 
-def _integer_case(T, group, ctx, keys, seed, device="cuda", bs=64, Hi=64, D=128):
-    """Production geometry with small-integer q and keys and power-of-two weights: every score
-    is exact in fp32 (bf16 tensor-core dots included; FP8 keys quantize them exactly), with
-    heavy ties. Tokens come in runs of ``group`` per request (MTP verify)."""
+def _small_ints(shape, g, keys, device="cpu"):
+    """Small integers; for FP8 keys in the rotated basis (FP8 keys and the queries scored
+    against them are rotated first, ``ops.rotation``): with D = 64 the rotation is exact both
+    ways (``H @ H = 64 I``, scale 1/8), so the stored keys and quantized queries are the
+    integers themselves."""
+    x = torch.randint(-2, 3, shape, generator=g, device=device).float()
+    if keys == "fp8":
+        from hisparse.ops.rotation import indexer_rotation
+        x = indexer_rotation(x)
+    return x.to(torch.bfloat16)
+
+
+def _integer_case(T, group, ctx, keys, seed, device="cuda", bs=64, Hi=64, D=None):
+    """Production geometry (D 128; 64 for FP8 keys, see ``_small_ints``) with small-integer q
+    and keys and power-of-two weights: every score is exact in fp32 (bf16 tensor-core dots
+    included; FP8 keys and queries quantize them exactly), with heavy ties. Tokens come in runs
+    of ``group`` per request (MTP verify)."""
+    D = D or (64 if keys == "fp8" else 128)
     g = torch.Generator().manual_seed(seed)
     R = max(1, T // group)
     P = ctx // bs
-    q = torch.randint(-2, 3, (T, Hi, D), generator=g).to(torch.bfloat16)
+    q = _small_ints((T, Hi, D), g, keys)
     w = torch.tensor([0.25, 0.5, -0.5, 1.0])[torch.randint(0, 4, (T, Hi), generator=g)]
     bt = torch.randperm(R * P, generator=g).view(R, P).to(torch.int32)
     bt[0, 3] = -1                                           # an unmapped page
@@ -234,7 +248,7 @@ def _integer_case(T, group, ctx, keys, seed, device="cuda", bs=64, Hi=64, D=128)
     base[0] = 100                                           # everything selected
     pos = (base[req.long()] + torch.arange(T) % group).to(torch.int32)
     req[T // 2] = -1                                        # padding
-    k = torch.randint(-2, 3, (R * P * bs, D), device=device).to(torch.bfloat16)
+    k = _small_ints((R * P * bs, D), None, keys, device)     # large: made on the device
     if keys == "fp8":
         from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference
         k = FP8KeyLayout(D, bs).pages(quantize_index_keys_reference(k))
@@ -287,7 +301,7 @@ def test_gpu_cuda_graphs_ascending_buckets_then_grow_and_shrink():
             call(b)
     g = torch.Generator().manual_seed(9)
     for i, b in enumerate([8, 32, 64, 16, 8, 64]):
-        q.copy_(torch.randint(-2, 3, tuple(q.shape), generator=g).to(q.dtype))
+        q.copy_(_small_ints(tuple(q.shape), g, "fp8"))
         pos.copy_(torch.randint(1, W, (Tm,), generator=g).to(torch.int32))
         pos[0] = 1000 + i                                   # below top-k: everything
         outs[b].fill_(SENTINEL)
