@@ -151,13 +151,9 @@ def flashmla_sched_meta():
 
 
 def _fp8_flashmla_supported(q, kv, indices, d_v) -> bool:
-    # heads 64 or 128 (views only) or fewer than 64 (padded to 64 per call: one TP-8 rank of
-    # V3.2 has 16; inside the real rank's step on the H200 FlashMLA took 1.48 ms a step at 8 x
-    # 32k and 2.74 at 24 against the Triton kernel's 2.66 and 3.40, padding copies included);
-    # rows viewable as 64-row pages
+    # no per-call op: heads exactly 64 or 128, rows viewable as 64-row pages
     return (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 576 and d_v == 512
-            and (q.shape[1] <= 64 or q.shape[1] == 128) and kv.shape[0] % 64 == 0
-            and kv.shape[1] == 656
+            and q.shape[1] in (64, 128) and kv.shape[0] % 64 == 0 and kv.shape[1] == 656
             and indices.dtype == torch.int32 and indices.is_contiguous() and q.is_contiguous()
             and _is_sm90(q.device))
 
@@ -209,8 +205,8 @@ def sparse_mla_attention_fp8(q: torch.Tensor, kv: torch.Tensor, indices: torch.T
                              sched_meta=None):
     """Sparse MLA attention over FP8 byte rows ``kv [N, row_bytes]`` uint8 (quant.py layout).
 
-    ``backend``: "auto" (FlashMLA FP8 decode if importable: SM90, bf16, at most 64 heads
-    (padded to 64 per call below that) or 128, N % 64 == 0; else Triton on CUDA or with
+    ``backend``: "auto" (FlashMLA FP8 decode if importable and the call needs no per-call op:
+    SM90, bf16, 64 or 128 heads, N % 64 == 0; else Triton on CUDA or with
     HISPARSE_FORCE_TRITON=1; else the reference), "triton", "flashmla", "reference".
     """
     return _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse,
@@ -252,7 +248,12 @@ def _auto_override(q) -> str:
     """``HISPARSE_ATTENTION`` (CUDA calls with ``backend="auto"``, what the engine passes):
     ``triton`` or ``flashmla`` forces that backend (e.g. FlashMLA at 16 heads, padded to 64
     per call), ``auto`` (default) keeps the automatic choice. Read per call like the other
-    ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs."""
+    ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs.
+
+    ``flashmla`` below 64 heads is a measurement switch, not a serving one: on the H200 it made
+    the real rank's step 1 ms faster at 8 x 32k, but the engine's GPU tests then failed (FP8
+    hot-tier outputs unequal to GPU-only's; FlashMLA's device assert ``topk % TOPK_BLOCK_SIZE``
+    on top-k sizes that are not a multiple of its block), so "auto" keeps Triton there."""
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={choice!r}: want one of {BACKENDS}")
