@@ -3,8 +3,9 @@
 # the H200 machine's version). The main suite already ran them with the newest Triton (the one
 # `pip install -e ".[test]"` resolves); here the 3.6.0 wheel is installed into its own target
 # directory and put first on PYTHONPATH, so the rest of the environment (torch, numpy) is the
-# CI venv's own. Size variants marked ``newest_triton_only`` run with the newest only (the same
-# kernel paths run here at another size). Usage, from .ci/run with the venv active:
+# CI venv's own. Variants marked ``newest_triton_only`` run with the newest only (the same
+# kernel paths run here in other cases: another size, policy or launch). Usage, from .ci/run
+# with the venv active:
 #     .ci/triton_matrix.sh                      # versions: 3.6.0
 #     TRITON_VERSIONS="3.6.0 3.7.1" .ci/triton_matrix.sh
 set -euo pipefail

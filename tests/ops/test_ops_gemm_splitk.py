@@ -87,6 +87,10 @@ def test_splitk_launch_choices_do_not_change_bits(triton_cpu, poisoned_empty):
         assert not torch.equal(other, first), other_plan
 
 
+# the default launches on CPU take the kernel paths of the reference cases above (activations
+# quantized by torch), which the oldest Triton runs: this bitwise relation between them runs
+# with the newest only (.ci/triton_matrix.sh; CI time: ~7 s interpreted)
+@pytest.mark.newest_triton_only
 def test_splitk_rows_are_batch_invariant(triton_cpu, poisoned_empty):
     """Row i of a batch of M (default launch from M, backend triton) equals the same row in the
     same token tile filled up, bitwise, and computed alone: the chunk count follows the weight
