@@ -165,6 +165,7 @@ class LLM:
                               if parts.tp is not None else None)
         self._fault: BaseException | None = None
         self._tokenizer = parts.tokenizer
+        self._topk_stalls_logged = 0       # the top-k give-ups already logged (stats())
         self._inputs = InputProcessor(parts.model_config, parts.max_model_len, parts.tokenizer,
                                       parts.core, parts.kv_config.max_num_seqs, parts.device)
         self._table = RequestTable(parts.scheduler, parts.core, parts.disagg,
@@ -405,6 +406,12 @@ class LLM:
         self._check_open()
         kv = self.scheduler.kv
         hits, misses = self.runner.hot_counters()
+        topk_stalls = self.runner.topk_stalls()
+        if topk_stalls > self._topk_stalls_logged:
+            logger.error("the one-launch top-k gave up %d row barrier wait(s): those "
+                         "selections may not be exact (HISPARSE_TOPK=phased avoids the waits)",
+                         topk_stalls)
+            self._topk_stalls_logged = topk_stalls
         prefetched, prefetch_hits = (int(x) for x in self.caches.counters[3:5].tolist())
         row_bytes = self.runner.row_bytes
         return {
@@ -426,6 +433,7 @@ class LLM:
             "prefix_hit_tokens": kv.stats.prefix_hit_tokens,
             "host_prefix_hit_tokens": kv.stats.host_prefix_hit_tokens,
             "num_preempted": self.scheduler.num_preempted,
+            "topk_stalls": topk_stalls,
             "peak_running": self.scheduler.peak_running,
             "free_gpu_blocks": kv.gpu_pool.num_free,
             "free_host_blocks": kv.host_pool.num_free if kv.host_pool is not None else 0,

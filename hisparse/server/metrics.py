@@ -27,6 +27,8 @@ _ENGINE_COUNTERS = {
     "host_read_switches": ("hisparse_host_read_switches",
                            "Requests switched to host-read mode"),
     "num_preempted": ("hisparse_preemptions", "Requests preempted"),
+    "topk_stalls": ("hisparse_topk_stalls",
+                    "Top-k row barrier waits that gave up (never expected: inexact selections)"),
     "spec_draft_tokens": ("hisparse_spec_draft_tokens", "MTP draft tokens verified"),
     "spec_accepted_tokens": ("hisparse_spec_accepted_tokens", "MTP draft tokens accepted"),
     "spec_verify_steps": ("hisparse_spec_verify_steps",

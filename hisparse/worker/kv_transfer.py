@@ -17,10 +17,11 @@ it decides nothing. UCX's transports are UCX's own settings (``UCX_TLS`` and the
   handshake (the peer at ``remote_host:remote_port`` must be the engine the params name, with
   our compatibility hash; then its NIXL metadata is loaded), one READ (descriptors per layer,
   region and run of blocks contiguous on both sides), then a ``read:<request id>``
-  notification to the prefill instance. A READ is posted at once, with no wait for device
-  work in flight: it writes only host blocks just taken from the pool, which no queued copy
-  touches (a freed request's blocks return to the pool only once its mirrors are
-  acknowledged; restores and host reads are of live requests' blocks). A load fails on a
+  notification to the prefill instance. On CUDA a READ waits for the device work queued
+  before its load started: its host blocks come fresh from the pool, but a block can return
+  there while a queued step still reads it (a request freed after the plan that restores its
+  landed rows into GPU pages was built, before that copy ran), and a READ landing then would
+  tear the GPU pages being restored. Elsewhere it is posted at once. A load fails on a
   hash mismatch, a wrong peer, a NIXL error (a prefill instance that dies mid-READ) or its
   deadline (a dead, stalled or unreachable prefill instance): ``load_timeout_s`` after it
   started, in any state, or, once its READs are posted, the prefill's hold of the blocks
@@ -118,7 +119,8 @@ class _Load:
     job: LoadJob
     started: float
     deadline: float
-    state: str = "handshake"                  # handshake -> reading -> done
+    event: object = None                      # torch.cuda.Event on CUDA: the device gate
+    state: str = "handshake"                  # (device ->) handshake -> reading -> done
     handles: list = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None                  # set when cancelled
@@ -161,6 +163,7 @@ class KVTransferAgent:
         cfg = caches.cfg
         self.name, self.host, self.compat = name, host, compat
         self.load_timeout_s = load_timeout_s
+        self.device = caches.device
         # NIXL's progress thread (its default) is needed: without it an idle prefill agent
         # never progresses UCX's connection wire-up and the READs never complete
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True,
@@ -223,13 +226,17 @@ class KVTransferAgent:
                                            f"block size, KV format or layer count differ)"))
             self.metrics.failures += 1
             return
+        if self.device.type == "cuda":
+            load.event = torch.cuda.Event()
+            load.event.record()
+            load.state = "device"
         key = (remote.engine_id, remote.host, remote.port)
         peer = self._remotes.get(key)
         if peer is None or (peer is not READY and peer.done() and peer.exception()):
             self._remotes[key] = self._handshakes.submit(fetch_peer, remote.host, remote.port,
                                                          self.load_timeout_s)
         self._loads[job.req_id] = load
-        self._service(job.req_id, load, now)    # a known peer: the READ is posted now
+        self._service(job.req_id, load, now)    # a known peer, no device work: posted now
 
     def cancel(self, req_id: str) -> None:
         """Stop a load (the request was aborted); :meth:`poll` reports it failed."""
@@ -310,6 +317,10 @@ class KVTransferAgent:
 
     def _advance(self, load: _Load) -> str | None:
         remote = load.job.remote
+        if load.state == "device":
+            if not load.event.query():
+                return None
+            load.state = "handshake"
         if load.state == "handshake":
             ready, error = self._peer(remote)
             if not ready:

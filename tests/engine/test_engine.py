@@ -172,3 +172,18 @@ def test_text_prompts_and_text_outputs_with_a_tokenizer(dsv32_path, tmp_path):
     ids_out = llm.generate([{"prompt_token_ids": list(range(5, 25))}],
                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert ids_out.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_topk_barrier_give_ups_are_reported(dsv32_path, caplog):
+    """A give-up of the one-launch top-k's row barriers (``TopkScratch.stalls``: the selection
+    may be inexact) shows in ``stats()["topk_stalls"]`` and is logged as an error once per new
+    count; none in a normal run."""
+    llm = unconstrained(dsv32_path)
+    llm.generate(prompts(2, 20, 40, seed=5), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert llm.stats()["topk_stalls"] == 0
+    llm.caches.workspace.indexer.topk.stalls.fill_(3)        # as the kernel counts a give-up
+    with caplog.at_level("ERROR", logger="hisparse.engine"):
+        assert llm.stats()["topk_stalls"] == 3
+        assert llm.stats()["topk_stalls"] == 3
+    errors = [r for r in caplog.records if "gave up 3 row barrier" in r.getMessage()]
+    assert len(errors) == 1
