@@ -312,6 +312,28 @@ def moe_config(smoke: bool, fp8: bool):
     return DSAConfig.from_hf(raw)
 
 
+def random_moe(cfg, device: str):
+    """One :class:`~hisparse.models.dsa.DSAMoE` of ``cfg`` on ``device`` with benchmark weights:
+    FP8 experts ~N(0, 32) clamped to e4m3 with scales 0.02 / 32 (about N(0, 0.02)), biases 0,
+    every other weight ~N(0, 0.02); frozen."""
+    from hisparse.models.dsa import DSAMoE
+
+    with torch.device(device):
+        moe = DSAMoE(cfg)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02 / 32)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
+                        .clamp_(-448, 448))
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    return moe.requires_grad_(False)
+
+
 def _with_env(name: str, value: str, fn):
     """``fn`` called (also when a CUDA graph captures it) with ``os.environ[name] = value``."""
     def call():
@@ -394,26 +416,13 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
     measured HBM bandwidths (copy; read), with per-kernel GPU time from profiled eager calls.
     The router and shared weights are re-read by every call of a replay and may hit L2 there:
     at most ~13 MB of a layer's ~500 MB, within the noise of the ratio."""
-    from hisparse.models.dsa import DSAMoE
     from hisparse.ops.moe import fused_moe
     from hisparse.ops.moe_layer import FUSED_MOE_ENV, moe_layer
 
     rows = []
     for fp8 in [w == "fp8" for w in weights]:
         cfg = moe_config(smoke, fp8)
-        with torch.device(device):
-            moe = DSAMoE(cfg)
-        for name, p in moe.named_parameters():
-            with torch.no_grad():
-                if name.endswith("_scale_inv"):
-                    p.fill_(0.02 / 32)
-                elif p.dtype == torch.float8_e4m3fn:
-                    p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
-                            .clamp_(-448, 448))
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, 0.02)
+        moe = random_moe(cfg, device)
         if not fp8:
             moe = moe.to(torch.bfloat16)
             moe.gate.float()
@@ -569,21 +578,10 @@ TILE_N_CANDIDATES = ((64, 128), (32, 128), (128, 128), (64, 64), (32, 64))
 def bench_tiles(device: str, batches, smoke: bool) -> list[dict]:
     """The fused FP8 layer (default glue) per T under each grouped-GEMM N tile pair of
     :data:`TILE_N_CANDIDATES` (gate-up, down; bit-neutral), us per call."""
-    from hisparse.models.dsa import DSAMoE
     from hisparse.ops.moe_layer import moe_layer
 
     cfg = moe_config(smoke, True)
-    with torch.device(device):
-        moe = DSAMoE(cfg)
-    with torch.no_grad():
-        for name, p in moe.named_parameters():
-            if name.endswith("_scale_inv"):
-                p.fill_(0.02 / 32)
-            elif p.dtype == torch.float8_e4m3fn:
-                p.copy_((torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 32)
-                        .clamp_(-448, 448))
-            elif not name.endswith("bias"):
-                p.normal_(0.0, 0.02)
+    moe = random_moe(cfg, device)
     ex = moe.experts
     rows = []
     for T in batches:
