@@ -320,6 +320,7 @@ def bench_attention(res, sweep, tokens=(64,), heads=(16, 64, 128)):
     cost is real)."""
     from hisparse.ops import quantize_mla_rows_reference, sparse_mla_attention_fp8
     from hisparse.ops._attention_triton import (
+        AttnConfig,
         sparse_mla_attention_fp8_triton,
         sparse_mla_attention_triton,
     )
@@ -360,12 +361,13 @@ def bench_attention(res, sweep, tokens=(64,), heads=(16, 64, 128)):
             cands[("fp8", "flashmla fresh sched_meta")] = lambda: sparse_mla_attention_fp8(
                 q, kv8, idx, scale, backend="flashmla")
         if sweep:
-            # (BLOCK_H, BLOCK_N, num_warps, num_stages, splits)
-            cfgs = [(16, 32, 4, 2, 8), (16, 64, 4, 2, 8), (16, 32, 4, 3, 4), (32, 64, 8, 2, 4),
-                    (64, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 64, 8, 3, 2), (64, 32, 8, 2, 2),
-                    (128, 32, 8, 2, 2), (128, 32, 16, 2, 2), (128, 64, 16, 2, 1)]
+            # AttnConfig(block_h, block_n, num_warps, num_stages, k_per_split)
+            cfgs = [AttnConfig(*c) for c in (
+                (16, 64, 4, 2, 64), (16, 32, 4, 3, 128), (16, 32, 4, 3, 256), (32, 64, 8, 2, 256),
+                (64, 64, 8, 2, 256), (64, 64, 8, 2, 512), (64, 64, 8, 2, 1024),
+                (128, 32, 8, 2, 1024), (128, 64, 16, 2, 1024))]
             for cfg in cfgs:
-                if cfg[0] > max(16, H):
+                if cfg.block_h > max(16, H):
                     continue
                 cands[("fp8", f"triton{cfg}")] = (
                     lambda cfg=cfg: sparse_mla_attention_fp8_triton(q, kv8, idx, scale,

@@ -1,13 +1,16 @@
 """Triton sparse MLA attention (imported lazily by attention.py).
 
-One program per (token, block of heads, split of the index list). It gathers BLOCK_N rows of
+One program per (token, block of heads, chunk of the index list). It gathers BLOCK_N rows of
 ``kv`` per step (rows are shared by all heads: MQA), computes logits with two tensor-core dots
 (512-d latent part + 64-d rope part) and accumulates ``p @ kv[:, :512]`` with an online softmax
-in fp32. With several splits (flash-decoding, for small T) partial results go to a workspace and
-a second kernel merges them by their log-sum-exp.
+in fp32. With several chunks (flash-decoding) partial results go to a workspace and a second
+kernel merges them by their log-sum-exp. The chunking depends on the head count and the index
+count only (:func:`attn_config`), so outputs are batch invariant.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -118,34 +121,48 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
 
 
-_NUM_SMS: dict = {}
+@dataclass(frozen=True)
+class AttnConfig:
+    """One launch of the sparse attention kernels. The bits of a call depend on ``block_h``,
+    ``block_n``, ``num_warps`` and ``k_per_split``: the index list is cut into chunks of
+    ``k_per_split`` entries, each an online softmax over blocks of ``block_n`` rows (a split
+    program), merged by their log-sum-exp. ``num_stages`` changes the speed only.
+    ``dv_block``: the bf16 kernel's value columns per program (512: all)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    k_per_split: int
+    dv_block: int = 512
+
+    def splits(self, K: int) -> int:
+        return triton.cdiv(K, self.k_per_split)
 
 
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 8
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _NUM_SMS:
-        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _NUM_SMS[key]
-
-
-def _pick_config(T, H, K, device, is_fp32):
-    """(BLOCK_H, BLOCK_N, DV_BLOCK, num_warps, num_stages, splits)."""
-    if is_fp32:  # interpreter / CPU-forced path: small tiles
-        return 16, 32, 512, 4, 1, (2 if K > 64 else 1)
+def attn_config(H: int, K: int, fp8: bool, is_fp32: bool) -> AttnConfig:
+    """The launch for ``H`` heads and ``K`` indices, from those alone, never the token count:
+    a token's output does not depend on the batch it runs in (lossless: a run that spills
+    batches differently from one that does not). Measured on the H200 (FP8 rows, K = 2048;
+    docs/BENCHMARKS.md, "Batch-invariant sparse attention"): at 16 heads, chunks of 64 indices
+    in blocks of 64 rows take 0.49x the former batch-dependent split count's time at 8 tokens,
+    0.92-0.96x at 24-42 and 1.05x at 96; at 64-128 heads chunks of 512 cost 1.0-1.1x at 64
+    tokens and 1.5-1.7x at 8 (the price of invariance there)."""
+    if is_fp32:  # interpreter / CPU-forced path: small tiles, two chunks
+        bn = 16
+        return AttnConfig(16, bn, 4, 1, max(bn, triton.cdiv(triton.cdiv(K, 2), bn) * bn))
     if H <= 16:
-        bh, bn, dvb, nw, ns = 16, 32, 512, 4, 2
-    elif H <= 32:
-        bh, bn, dvb, nw, ns = 32, 64, 512, 8, 2
-    else:  # measured on H200 (H=128, K=2048): 0.69x FlashMLA; DV_BLOCK=256 overflows smem
-        bh, bn, dvb, nw, ns = 64, 64, 512, 8, 2
-    programs = T * triton.cdiv(H, bh) * (512 // dvb)
-    target = (2 if bh <= 32 else 1) * _num_sms(device)
-    splits = 1
-    while programs * splits < target and K // (splits * 2) >= 256 and splits < 16:
-        splits *= 2
-    return bh, bn, dvb, nw, ns, splits
+        return AttnConfig(16, 64, 4, 2, 64)
+    if H <= 32:
+        return AttnConfig(32, 64, 8, 2, 256)
+    # H = 64 / 128 (one GPU or TP 2 of V3.2): DV_BLOCK=256 overflows smem
+    return AttnConfig(64, 64, 8, 2, 512)
+
+
+def _check_config(cfg: AttnConfig) -> None:
+    if cfg.k_per_split % cfg.block_n:
+        raise ValueError(f"AttnConfig: k_per_split ({cfg.k_per_split}) must be a multiple of "
+                         f"block_n ({cfg.block_n})")
 
 
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
@@ -176,11 +193,11 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
     is_fp32 = q.dtype == torch.float32 or kv.dtype == torch.float32 or not q.is_cuda
     if kv.dtype != q.dtype:
         kv = kv.to(q.dtype)
-    bh, bn, dvb, nw, ns, splits = config or _pick_config(T, H, K, q.device, is_fp32)
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), bn) * bn
-    splits = triton.cdiv(K, k_per_split)
+    cfg = config or attn_config(H, K, False, is_fp32)
+    _check_config(cfg)
+    splits = cfg.splits(K)
     qk_scale = sm_scale * LOG2E
-    grid = (T, triton.cdiv(H, bh) * (512 // dvb), splits)
+    grid = (T, triton.cdiv(H, cfg.block_h) * (512 // cfg.dv_block), splits)
     if splits == 1:
         po, pl = out, lse
         sos, sls = 0, 0
@@ -194,9 +211,9 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
         q, kv, indices, po, pl, H, K, N, qk_scale,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         sos, s_ot, s_oh, sls, s_lt,
-        K_PER_SPLIT=k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=bh, BLOCK_N=bn, DV_BLOCK=dvb,
-        IEEE=is_fp32,
-        num_warps=nw, num_stages=ns,
+        K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n, DV_BLOCK=cfg.dv_block, IEEE=is_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _combine_kernel[(T, H)](
@@ -210,6 +227,53 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
 
 # ---------------------------------------------------------------------------------------------
 # FP8 rows (hisparse.ops.quant format): [d_v e4m3 | NT fp32 scales | d_pe bf16] bytes per row.
+
+@triton.jit
+def _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_ptr, kk, k_end, N, stride_row,
+              offs_d, offs_s, offs_p, D_V: tl.constexpr, NT: tl.constexpr):
+    """One block's gather: the rows ``idx[kk]`` (``-1`` / out of range / past ``k_end``:
+    invalid, loaded as zeros) as (valid, e4m3 bytes, tile scales, rope)."""
+    idx = tl.load(idx_ptr + kk, mask=kk < k_end, other=-1)
+    valid = (idx >= 0) & (idx < N)
+    rows = tl.where(valid, idx, 0).to(tl.int64) * stride_row            # byte offsets
+    raw = tl.load(kv_u8 + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(kv_f32 + (rows // 4)[:, None] + D_V // 4 + offs_s[None, :],
+                 mask=valid[:, None], other=0.0)
+    kp = tl.load(kv_bf16 + (rows // 2)[:, None] + (D_V + 4 * NT) // 2 + offs_p[None, :],
+                 mask=valid[:, None], other=0.0)
+    return valid, raw, sc, kp
+
+
+@triton.jit
+def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
+               D_V: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+               BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The online-softmax update of one gathered block: returns (m_i, l_i, acc)."""
+    f8 = raw.to(tl.float8e4nv, bitcast=True)
+    if IEEE:
+        kn = tl.reshape(tl.reshape(f8.to(tl.float32), [BLOCK_N, NT, TILE])
+                        * sc[:, :, None], [BLOCK_N, D_V])
+        kp = kp.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
+    else:
+        kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
+                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
+        s = tl.dot(q_nope, tl.trans(kn))
+        s = tl.dot(q_pe, tl.trans(kp), s)
+    s = s * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(p, kn, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])
+    return m_new, l_i, acc
+
 
 @triton.jit
 def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
@@ -242,40 +306,12 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
     k_start = sp * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     offs_n = tl.arange(0, BLOCK_N)
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
     for i0 in range(0, K_PER_SPLIT, BLOCK_N):
-        kk = k_start + i0 + offs_n
-        idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + kk, mask=kk < k_end, other=-1)
-        valid = (idx >= 0) & (idx < N)
-        rows = tl.where(valid, idx, 0).to(tl.int64) * stride_row            # byte offsets
-        raw = tl.load(kv_u8 + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
-        sc = tl.load(kv_f32 + (rows // 4)[:, None] + D_V // 4 + offs_s[None, :],
-                     mask=valid[:, None], other=0.0)
-        kp = tl.load(kv_bf16 + (rows // 2)[:, None] + (D_V + 4 * NT) // 2 + offs_p[None, :],
-                     mask=valid[:, None], other=0.0)
-        f8 = raw.to(tl.float8e4nv, bitcast=True)
-        if IEEE:
-            kn = tl.reshape(tl.reshape(f8.to(tl.float32), [BLOCK_N, NT, TILE])
-                            * sc[:, :, None], [BLOCK_N, D_V])
-            kp = kp.to(tl.float32)
-            s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
-            s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
-        else:
-            kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
-                            * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
-            s = tl.dot(q_nope, tl.trans(kn))
-            s = tl.dot(q_pe, tl.trans(kp), s)
-        s = s * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p, kn, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])
-        m_i = m_new
+        valid, raw, sc, kp = _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_row, k_start + i0 + offs_n,
+                                       k_end, N, stride_row, offs_d, offs_s, offs_p, D_V, NT)
+        m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
+                                   D_V, TILE, NT, BLOCK_N, IEEE)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -286,24 +322,6 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
     tl.store(lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h,
              lse, mask=hm)
-
-
-def _pick_config_fp8(T, H, K, device, is_fp32):
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages, splits); first guess, tune with bench_ops."""
-    if is_fp32:
-        return 16, 16, 4, 1, (2 if K > 32 else 1)
-    if H <= 16:
-        bh, bn, nw, ns = 16, 32, 4, 2
-    elif H <= 32:
-        bh, bn, nw, ns = 32, 64, 8, 2
-    else:
-        bh, bn, nw, ns = 64, 64, 8, 2
-    programs = T * triton.cdiv(H, bh)
-    target = (2 if bh <= 32 else 1) * _num_sms(device)
-    splits = 1
-    while programs * splits < target and K // (splits * 2) >= 256 and splits < 16:
-        splits *= 2
-    return bh, bn, nw, ns, splits
 
 
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
@@ -337,10 +355,10 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
         lse.fill_(float("-inf"))
         return out, lse
     is_fp32 = q.dtype == torch.float32 or not q.is_cuda
-    bh, bn, nw, ns, splits = config or _pick_config_fp8(T, H, K, q.device, is_fp32)
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), bn) * bn
-    splits = triton.cdiv(K, k_per_split)
-    grid = (T, triton.cdiv(H, bh), splits)
+    cfg = config or attn_config(H, K, True, is_fp32)
+    _check_config(cfg)
+    splits = cfg.splits(K)
+    grid = (T, triton.cdiv(H, cfg.block_h), splits)
     if splits == 1:
         po, pl = out, lse
         sos, sls = 0, 0
@@ -355,8 +373,9 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
         H, K, N, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         sos, s_ot, s_oh, sls, s_lt,
-        K_PER_SPLIT=k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=bh,
-        BLOCK_N=bn, IEEE=is_fp32, num_warps=nw, num_stages=ns,
+        K_PER_SPLIT=cfg.k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=is_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _combine_kernel[(T, H)](

@@ -150,14 +150,6 @@ def flashmla_sched_meta():
     return None if fm is None else fm.get_mla_metadata()[0]
 
 
-def _fp8_flashmla_supported(q, kv, indices, d_v) -> bool:
-    # no per-call op: heads exactly 64 or 128, rows viewable as 64-row pages
-    return (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 576 and d_v == 512
-            and q.shape[1] in (64, 128) and kv.shape[0] % 64 == 0 and kv.shape[1] == 656
-            and indices.dtype == torch.int32 and indices.is_contiguous() and q.is_contiguous()
-            and _is_sm90(q.device))
-
-
 def _flashmla_fp8(q, kv, indices, sm_scale, d_v, sched_meta=None):
     """FlashMLA's FP8 sparse decode over 656-B rows: ``flash_mla_with_kvcache(q [T,1,h,576],
     cache [N/64, 64, 1, 656] e4m3 view, None, None, 512, sched, indices=[T,1,K],
@@ -205,12 +197,15 @@ def sparse_mla_attention_fp8(q: torch.Tensor, kv: torch.Tensor, indices: torch.T
                              sched_meta=None):
     """Sparse MLA attention over FP8 byte rows ``kv [N, row_bytes]`` uint8 (quant.py layout).
 
-    ``backend``: "auto" (FlashMLA FP8 decode if importable and the call needs no per-call op:
-    SM90, bf16, 64 or 128 heads, N % 64 == 0; else Triton on CUDA or with
-    HISPARSE_FORCE_TRITON=1; else the reference), "triton", "flashmla", "reference".
+    ``backend``: "auto" (Triton on CUDA or with HISPARSE_FORCE_TRITON=1, else the reference),
+    "triton", "flashmla", "reference". "auto" never picks FlashMLA's FP8 decode: its split
+    schedule follows the batch size, so a token's output depends on the batch it runs in
+    (measured on the H200: a token alone and inside a batch of 8 or 24 differ), which breaks
+    the lossless contract (a run that spills batches differently). The Triton kernel's
+    chunking depends on the head and index counts only.
     """
     return _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse,
-                     flashmla_ok=_fp8_flashmla_supported,
+                     flashmla_ok=None,
                      triton="sparse_mla_attention_fp8_triton",
                      reference=sparse_mla_attention_fp8_reference,
                      flashmla=lambda *a: _flashmla_fp8(*a, sched_meta))
@@ -250,10 +245,12 @@ def _auto_override(q) -> str:
     per call), ``auto`` (default) keeps the automatic choice. Read per call like the other
     ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs.
 
-    ``flashmla`` below 64 heads is a measurement switch, not a serving one: on the H200 it made
-    the real rank's step 1 ms faster at 8 x 32k, but the engine's GPU tests then failed (FP8
-    hot-tier outputs unequal to GPU-only's; FlashMLA's device assert ``topk % TOPK_BLOCK_SIZE``
-    on top-k sizes that are not a multiple of its block), so "auto" keeps Triton there."""
+    ``flashmla`` is a measurement switch, not a serving one. Its FP8 decode is not batch
+    invariant (the H200 diagnostic of docs/BENCHMARKS.md, "Batch-invariant sparse attention":
+    bitwise equal when rows move or the cache view changes, unequal when the batch size
+    changes or ``-1`` holes move), which is why the engine's FP8 lossless tests failed with it;
+    it also reads out of bounds for indices >= N where Triton skips them, and asserts on
+    top-k sizes that are not a multiple of its block."""
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={choice!r}: want one of {BACKENDS}")
@@ -263,13 +260,15 @@ def _auto_override(q) -> str:
 def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
               reference, flashmla, triton_ok=None):
     """Pick the backend ("auto": ``HISPARSE_ATTENTION`` if set, else FlashMLA when importable
-    and ``flashmla_ok``, else Triton where it applies (``triton_ok(q, d_v)``, default any
-    shape), else the reference) and run one row format's implementation of it. ``triton`` names
+    and ``flashmla_ok`` (``None``: never), else Triton where it applies (``triton_ok(q, d_v)``,
+    default any shape), else the reference) and run one row format's implementation of it.
+    ``triton`` names
     the function in ``_attention_triton`` (imported only when used: Triton is optional)."""
     if backend == "auto":
         backend = _auto_override(q)
     if backend == "auto":
-        if q.is_cuda and flashmla_available() and flashmla_ok(q, kv, indices, d_v):
+        if (q.is_cuda and flashmla_ok is not None and flashmla_available()
+                and flashmla_ok(q, kv, indices, d_v)):
             backend = "flashmla"
         elif want_triton(q, kv) and (triton_ok is None or triton_ok(q, d_v)):
             backend = "triton"

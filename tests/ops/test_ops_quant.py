@@ -2,6 +2,8 @@
 attention and FP8 indexer scoring (Triton under the interpreter vs the reference; GPU at
 production shapes; FlashMLA's FP8 decode vs the Triton kernel)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -207,6 +209,32 @@ def test_fp8_attention_triton_interpreter(triton_cpu, T, H, K, d_nope, d_rope, d
     assert (l[fin] - rl[fin]).abs().max() < 1e-4
 
 
+def _fp8_triton(q, rows, idx, **cfg):
+    from hisparse.ops._attention_triton import attn_config, sparse_mla_attention_fp8_triton
+
+    base = attn_config(q.shape[1], idx.shape[1], True, q.dtype == torch.float32 or not q.is_cuda)
+    cfg = dataclasses.replace(base, **cfg) if cfg else None
+    return sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5, config=cfg)
+
+
+def _check_batch_invariant(q, rows, idx, cuts):
+    """Each token's output is the same bits alone, in any sub-batch and in the whole batch
+    (the lossless contract: a spilled run batches differently), and ``num_stages`` (speed
+    only) does not change them."""
+    o, l = _fp8_triton(q, rows, idx)
+    for a, b in cuts:
+        oa, la = _fp8_triton(q[a:b].contiguous(), rows, idx[a:b].contiguous())
+        assert torch.equal(oa, o[a:b]) and torch.equal(la, l[a:b]), (a, b)
+    for stages in (1, 3):
+        op, lp = _fp8_triton(q, rows, idx, num_stages=stages)
+        assert torch.equal(op, o) and torch.equal(lp, l), stages
+
+
+def test_fp8_attention_batch_invariant_interpreter(triton_cpu):
+    q, rows, idx = _fp8_case(5, 16, 96, 192, dtype=torch.bfloat16, seed=3)
+    _check_batch_invariant(q, rows, idx, [(0, 1), (1, 4), (4, 5)])
+
+
 @pytest.mark.parametrize("D,dtype,bs", [(32, torch.float32, 8), (128, torch.bfloat16, 8),
                                         (256, torch.float32, 4), (128, torch.float32, 16)])
 def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
@@ -264,6 +292,18 @@ def test_gpu_fp8_attention_triton_production(T, H):
     assert torch.equal(torch.isneginf(l), torch.isneginf(rl))
     fin = torch.isfinite(rl)
     assert (l[fin] - rl[fin]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 64, 128])
+def test_gpu_fp8_attention_batch_invariant(H):
+    """Production shapes: 1 to 96 tokens of one batch, top-k 2048 (the engine's buckets)."""
+    q, rows, idx = _fp8_case(96, H, 2048, 64 * 2048, device="cuda", seed=H + 3)
+    _check_batch_invariant(q, rows, idx, [(0, 1), (5, 13), (0, 48), (17, 83)])
+    # "auto" (the engine's call) is the invariant Triton kernel at every head count, FlashMLA
+    # installed or not
+    auto, _ = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5)
+    assert torch.equal(auto, _fp8_triton(q, rows, idx)[0])
 
 
 @pytest.mark.gpu
