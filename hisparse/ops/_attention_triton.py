@@ -309,7 +309,7 @@ def _pick_config_fp8(T, H, K, device, is_fp32):
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
                                     lse=None):
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout)."""
-    from .quant import fp8_tile, mla_row_bytes
+    from ._common import fp8_tile, mla_row_bytes
 
     T, H, D = q.shape
     d_pe = D - d_v

@@ -21,10 +21,10 @@ is the optional backend.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from . import switches
 from ._common import want_triton
 
 
@@ -240,24 +240,17 @@ def _triton_supported(q, d_v) -> bool:
     return q.shape[-1] == 576 and d_v == 512
 
 
-BACKEND_ENV = "HISPARSE_ATTENTION"
-BACKENDS = ("auto", "triton", "flashmla", "reference")
-
-
 def _auto_override(q) -> str:
     """``HISPARSE_ATTENTION`` (CUDA calls with ``backend="auto"``, what the engine passes):
     ``triton`` or ``flashmla`` forces that backend (e.g. FlashMLA at 16 heads, padded to 64
-    per call), ``auto`` (default) keeps the automatic choice. Read per call like the other
-    ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs.
+    per call), ``auto`` (default) keeps the automatic choice. Read at engine start like the
+    other ``HISPARSE_*`` switches (:mod:`hisparse.ops.switches`).
 
     ``flashmla`` below 64 heads is a measurement switch, not a serving one: on the H200 it made
     the real rank's step 1 ms faster at 8 x 32k, but the engine's GPU tests then failed (FP8
     hot-tier outputs unequal to GPU-only's; FlashMLA's device assert ``topk % TOPK_BLOCK_SIZE``
     on top-k sizes that are not a multiple of its block), so "auto" keeps Triton there."""
-    choice = os.environ.get(BACKEND_ENV, "auto")
-    if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: want one of {BACKENDS}")
-    return choice if q.is_cuda else "auto"
+    return switches.current().attention if q.is_cuda else "auto"
 
 
 def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
