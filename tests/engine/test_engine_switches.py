@@ -10,6 +10,7 @@ import pytest
 from workload import prompts, tokens
 
 from hisparse import LLM, SamplingParams
+from hisparse.models.random_checkpoint import PRODUCTION_GEOMETRY, make_random_checkpoint
 from hisparse.ops import switches
 
 pytest.importorskip("transformers")
@@ -82,3 +83,31 @@ def test_an_override_at_the_start_is_what_the_engine_and_its_tp_ranks_run(dsv32_
             assert w1["switches"] == dataclasses.asdict(llm.switches)
         finally:
             llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_eager_and_replayed_steps_keep_the_start_switches(tmp_path, monkeypatch, seen):
+    """CUDA, decode graphs captured at the start: variables flipped afterwards (each picks other
+    kernels: reference GEMMs, unfused glue and MoE, the legacy top-k, untuned GEMMs) change
+    neither the eager (prefill) nor the replayed (decode) steps: the same greedy tokens, and
+    every op read the start's switches."""
+    geo = dict(PRODUCTION_GEOMETRY, index_topk=64)
+    path = make_random_checkpoint(tmp_path, "deepseek_v32", seed=5, hidden_size=256,
+                                  num_attention_heads=16, num_key_value_heads=16,
+                                  q_lora_rank=128, num_hidden_layers=2, **geo)
+    batch = prompts(4, 100, 200, seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
+              max_num_seqs=4, max_num_batched_tokens=256)
+    try:
+        assert llm.runner.graphs is not None and llm.runner.graphs.capture
+        want = tokens(llm.generate(batch, sp))
+        for env, value in {"HISPARSE_FP8_GEMM": "reference", "HISPARSE_FUSED_GLUE": "0",
+                           "HISPARSE_FUSED_MOE": "0", "HISPARSE_TOPK": "legacy",
+                           "HISPARSE_TRITON_AUTOTUNE": "0"}.items():
+            monkeypatch.setenv(env, value)
+        seen.clear()
+        assert tokens(llm.generate(batch, sp)) == want
+        assert seen and all(s is llm.switches for s in seen), len(seen)
+    finally:
+        llm.shutdown()
