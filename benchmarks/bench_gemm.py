@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_ops import timeit_graph  # noqa: E402  (the same graph-replay timer)
 
 from hisparse.ops import _gemm_splitk_triton as G  # noqa: E402
+from hisparse.ops import switches  # noqa: E402
 from hisparse.ops.gemm import fp8_block_linear, quantize_fp8_weight  # noqa: E402
 
 # name: (N, K, launches per decode step) of one TP-8 rank of DeepSeek-V3.2 (61 layers, the
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     if a.smoke:
         DEVICE = "cpu"
-        os.environ["HISPARSE_FORCE_TRITON"] = "1"
+        os.environ["HISPARSE_FORCE_TRITON"] = "1"      # the compile jobs' too
+        switches.reload()
         RANK_LINEARS.update(SMOKE_LINEARS)
         a.ops, a.batches = a.ops or "tiny", "1,16,80"
     elif not torch.cuda.is_available():

@@ -334,18 +334,14 @@ def random_moe(cfg, device: str):
     return moe.requires_grad_(False)
 
 
-def _with_env(name: str, value: str, fn):
-    """``fn`` called (also when a CUDA graph captures it) with ``os.environ[name] = value``."""
+def _with_switches(changes: dict[str, object], fn):
+    """``fn`` called (also when a CUDA graph captures it) under those kernel switches
+    (``hisparse.ops.switches.override``)."""
+    from hisparse.ops import switches
+
     def call():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with switches.override(**changes):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
     return call
 
 
@@ -390,19 +386,13 @@ def kernel_jobs(kernels: list[tuple[str, int, float]]) -> dict[str, float]:
     return out
 
 
-# the fused layer's glue placements (moe_layer's env switches): the baseline first
+# the fused layer's glue placements (HISPARSE_MOE_ALIGN / HISPARSE_MOE_QUANT): the baseline first
 LAYER_VARIANTS = {
-    "old": {"HISPARSE_MOE_ALIGN": "single", "HISPARSE_MOE_QUANT": "kernel"},
-    "new": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "fused"},
-    "new_h_kernel": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "router"},
-    "new_h_epilogue": {"HISPARSE_MOE_ALIGN": "experts", "HISPARSE_MOE_QUANT": "gate_up"},
+    "old": {"moe_align": "single", "moe_quant": "kernel"},
+    "new": {"moe_align": "experts", "moe_quant": "fused"},
+    "new_h_kernel": {"moe_align": "experts", "moe_quant": "router"},
+    "new_h_epilogue": {"moe_align": "experts", "moe_quant": "gate_up"},
 }
-
-
-def _with_envs(envs: dict[str, str], fn):
-    for name, value in envs.items():
-        fn = _with_env(name, value, fn)
-    return fn
 
 
 def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "bf16"),
@@ -417,7 +407,7 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
     The router and shared weights are re-read by every call of a replay and may hit L2 there:
     at most ~13 MB of a layer's ~500 MB, within the noise of the ratio."""
     from hisparse.ops.moe import fused_moe
-    from hisparse.ops.moe_layer import FUSED_MOE_ENV, moe_layer
+    from hisparse.ops.moe_layer import moe_layer
 
     rows = []
     for fp8 in [w == "fp8" for w in weights]:
@@ -449,11 +439,11 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
             idx, _ = moe.gate(x)
             touched_layer = int(torch.unique(idx).numel())
             layer_bytes = touched_layer * per_expert + shared + router
-            fused = functools.partial(_with_env, FUSED_MOE_ENV, "1")
-            variants = {"unfused": _with_env(FUSED_MOE_ENV, "0", functools.partial(moe, x))} \
-                if unfused else {}
-            variants |= {v: fused(_with_envs(envs, functools.partial(moe, x)))
-                         for v, envs in LAYER_VARIANTS.items()}
+            variants = {"unfused": _with_switches({"fused_moe": False},
+                                                  functools.partial(moe, x))} if unfused else {}
+            variants |= {v: _with_switches(changes | {"fused_moe": True},
+                                           functools.partial(moe, x))
+                         for v, changes in LAYER_VARIANTS.items()}
             if fp8:
                 variants["in_tile_quant"] = functools.partial(
                     moe_layer, x, moe.gate.weight, moe.gate.e_score_correction_bias,
@@ -665,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["HISPARSE_FORCE_TRITON"] = "1"
+        from hisparse.ops import switches
+        switches.reload()
         device, batches, moe_batches, linears = "cpu", [1, 16], [16], SMOKE_LINEARS
     else:
         if not torch.cuda.is_available():

@@ -41,6 +41,7 @@ from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
 from hisparse.engine.startup import EngineParts
 from hisparse.kv.plan import StepPlan
+from hisparse.ops import switches
 from hisparse.worker.step_state import StepState
 
 VOCAB = 64
@@ -202,7 +203,8 @@ def engine_llm(cfg: KVCacheConfig, runner: HostPathRunner, gc_freeze: bool = Tru
     llm._adopt(EngineParts(model_dir="", device=torch.device("cpu"), tensor_parallel_size=1,
                            model_config=None, max_model_len=cfg.max_model_len, kv_config=cfg,
                            model=None, caches=None, runner=runner, scheduler=scheduler,
-                           core=core, disagg=None, tokenizer=None))
+                           core=core, disagg=None, tokenizer=None,
+                           switches=switches.current()))
     return llm
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_ops import timeit_graph  # noqa: E402  (the same graph-replay timer)
 
+from hisparse.ops import switches  # noqa: E402
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
@@ -65,13 +66,11 @@ MODES = ("legacy", "phased", "fused")
 
 
 def _timed_select(keys, lens, k, out, scratch, mode, launch=None):
-    """Graph-replay time of ``topk_select`` under ``HISPARSE_TOPK=mode`` (read at capture)."""
-    os.environ["HISPARSE_TOPK"] = mode
-    try:
+    """Graph-replay time of ``topk_select`` under ``HISPARSE_TOPK=mode`` (captured and
+    replayed inside the override)."""
+    with switches.override(topk=mode):
         return timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch,
                                                 launch=launch))
-    finally:
-        os.environ.pop("HISPARSE_TOPK", None)
 
 
 def _topk_inputs(ctx, T, W):

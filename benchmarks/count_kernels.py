@@ -14,8 +14,9 @@ events, memcpy/memset excluded) over one decode step of ``--requests`` requests,
 (``enforce_eager``: one launch per kernel), after warm-up steps, synchronous scheduling.
 Kernel names are grouped into classes (GEMM, MoE, attention/indexer/top-k, norm/RoPE glue,
 elementwise, copies, other) as in issue 25's table. ``--compare`` profiles one step with
-``HISPARSE_FUSED_GLUE=0`` and one with the fused glue on each model (the flag is read at every
-call), after warm-up steps under both (every kernel compiled before a profiled step).
+``HISPARSE_FUSED_GLUE=0`` and one with the fused glue on each model (switched between eager
+steps with ``hisparse.ops.switches.override``), after warm-up steps under both (every kernel
+compiled before a profiled step).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def step_kernels(layers: int, a, settings: list[str]) -> dict[str, Counter]:
 
     from hisparse import LLM, SamplingParams
     from hisparse.bench.decode import write_config
+    from hisparse.ops import switches
 
     cpu = a.device == "cpu"
     if cpu:
@@ -90,7 +92,6 @@ def step_kernels(layers: int, a, settings: list[str]) -> dict[str, Counter]:
               kv_cache_dtype=a.kv_cache_dtype, enforce_eager=True, async_scheduling=False,
               num_indexer_blocks=a.requests * (a.context // 64 + 2),
               num_gpu_blocks=a.requests * (a.context // 64 + 2) + 64, **kw)
-    saved = os.environ.get(FLAG)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
@@ -100,22 +101,18 @@ def step_kernels(layers: int, a, settings: list[str]) -> dict[str, Counter]:
             llm.add_request({"prompt_token_ids": ids}, params)
         tokens: dict[str, int] = {}
         for i in range(a.warmup):
-            os.environ[FLAG] = settings[i % len(settings)]    # compile both paths
-            for out in llm.step():
-                tokens[out.request_id] = len(out.outputs[0].token_ids)
+            with switches.override(fused_glue=settings[i % len(settings)] == "1"):
+                for out in llm.step():          # both paths compiled
+                    tokens[out.request_id] = len(out.outputs[0].token_ids)
         if len(tokens) < a.requests or min(tokens.values()) < 2:
             raise SystemExit(f"after {a.warmup} warm-up steps some request is not decoding yet "
                              f"({tokens}): raise --warmup")
         out: dict[str, Counter] = {}
         for value in settings:
-            os.environ[FLAG] = value
-            out[value] = _profile_step(llm, cpu)
+            with switches.override(fused_glue=value == "1"):
+                out[value] = _profile_step(llm, cpu)
         return out
     finally:
-        if saved is None:
-            os.environ.pop(FLAG, None)
-        else:
-            os.environ[FLAG] = saved
         llm.shutdown()
 
 
@@ -165,7 +162,9 @@ def main() -> None:
     d = a.dense_layers
     if d < 2:
         p.error("--dense-layers must be >= 2 (a dense layer is the difference of two depths)")
-    settings = ["0", "1"] if a.compare else [os.environ.get(FLAG, "1")]
+    from hisparse.ops import switches
+
+    settings = ["0", "1"] if a.compare else ["1" if switches.current().fused_glue else "0"]
     runs = [step_kernels(n, a, settings) for n in (d - 1, d, d + 2)]
     print(f"{a.model_shape}, {a.requests} x {a.context} tokens, {a.mode}, KV {a.kv_cache_dtype}")
     out, totals = {}, {}

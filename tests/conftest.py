@@ -7,8 +7,12 @@ import os
 # 160 s next to another busy worker).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from hisparse.ops import switches  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)
@@ -54,3 +58,21 @@ def _one_torch_thread():
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _switches_from_env():
+    """Every test starts and ends on the kernel switches its environment sets: one that set a
+    variable and started an engine (which reads them) leaves nothing behind (``monkeypatch``
+    restores the environment before this teardown reloads it)."""
+    switches.reload()
+    yield
+    switches.reload()
+
+
+@pytest.fixture
+def kernel_switches():
+    """``kernel_switches(topk="phased", fused_glue=False)``: those switches for the rest of the
+    test (:func:`hisparse.ops.switches.override`; later calls apply over earlier ones)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(switches.override(**changes))

@@ -160,6 +160,7 @@ class LLM:
         self.scheduler = parts.scheduler
         self.core = parts.core
         self.disagg = parts.disagg
+        self.switches = parts.switches
         self._tp = parts.tp
         self._tp_finalizer = (weakref.finalize(self, parts.tp.close)
                               if parts.tp is not None else None)

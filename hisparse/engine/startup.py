@@ -5,7 +5,9 @@ disaggregation, tokenizer; tensor-parallel workers started and joined), and :fun
 way: nothing it allocated outlives the exception).
 
 Order matters: everything checkable without weights is checked first
-(:func:`~hisparse.engine.pool_sizing.plan_pools`), the weights are loaded before the GPU pools
+(:func:`~hisparse.engine.pool_sizing.plan_pools`), the kernel switches are read from the
+environment once (:func:`hisparse.ops.switches.reload`: nothing later, graph capture included,
+sees a variable changed after this), the weights are loaded before the GPU pools
 are sized (free memory is measured after them), and TP ranks load their shards while this rank
 allocates its caches.
 """
@@ -27,6 +29,7 @@ from hisparse.engine.errors import EngineStartupError
 from hisparse.engine.pool_sizing import PoolPlan, plan_pools, size_kv_config
 from hisparse.engine.scheduler import Scheduler
 from hisparse.models.loader import load_config, load_model
+from hisparse.ops import switches as kernel_switches
 from hisparse.worker.cache import CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
 from hisparse.worker.pinned import available_host_memory_bytes
@@ -40,7 +43,8 @@ _TP_SEED = 0
 @dataclass
 class EngineParts:
     """What a started engine consists of; an ``LLM`` adopts each part as its attribute of the
-    same name (``tp``: ``_tp``). ``tp`` is the ``TPWorkers`` of ranks 1..N-1 (``None`` without
+    same name (``tp``: ``_tp``). ``switches``: the kernel switches it runs with (read at its
+    start; every rank runs rank 0's). ``tp`` is the ``TPWorkers`` of ranks 1..N-1 (``None`` without
     tensor parallelism); ``runner`` then wraps them (``TPRunner``). ``disagg`` is ``None``
     without ``kv_role``; ``tokenizer`` is ``None`` when the model directory has none."""
 
@@ -57,6 +61,7 @@ class EngineParts:
     core: EngineCore
     disagg: Disaggregation | None
     tokenizer: object
+    switches: kernel_switches.KernelSwitches
     tp: object = None
 
 
@@ -67,6 +72,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     failure, what was started is stopped and its memory released before the error propagates."""
     mc = load_config(args.model)
     plan = plan_pools(args, mc)
+    switches = kernel_switches.reload()
     tp, k_spec = args.tensor_parallel_size, plan.num_speculative_tokens
     if tp > 1:
         torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
@@ -81,7 +87,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     try:
         host_buffers = args.host_buffers
         if tp > 1:
-            host_buffers, workers = start_tp(args, mc, kv_config, plan.geometry)
+            host_buffers, workers = start_tp(args, mc, kv_config, plan.geometry, switches)
         caches = allocate_caches(kv_config, plan, args.device, host_buffers)
         caches.set_hot_policy(args.hot_policy)
         # k is passed only when set: a runner_cls without the argument still serves k = 0
@@ -112,7 +118,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     return EngineParts(model_dir=args.model, device=args.device, tensor_parallel_size=tp,
                        model_config=mc, max_model_len=plan.max_model_len, kv_config=kv_config,
                        model=model, caches=caches, runner=runner, scheduler=scheduler,
-                       core=core, disagg=disagg, tokenizer=tokenizer, tp=workers)
+                       core=core, disagg=disagg, tokenizer=tokenizer, switches=switches,
+                       tp=workers)
 
 
 def stop(runner, core: EngineCore | None, disagg: Disaggregation | None, tp) -> None:
@@ -140,10 +147,11 @@ def free_memory(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------- tensor parallelism
-def start_tp(args: EngineArgs, mc, cfg: KVCacheConfig, geo: CacheGeometry):
+def start_tp(args: EngineArgs, mc, cfg: KVCacheConfig, geo: CacheGeometry,
+             switches: kernel_switches.KernelSwitches):
     """Allocate the node's one shared host pool (unless ``args.host_buffers`` is one), write
-    its nonce, spawn ranks 1..N-1 (they load their shards while this rank builds its caches).
-    Returns ``(host_buffers, TPWorkers)``."""
+    its nonce, spawn ranks 1..N-1 (they load their shards while this rank builds its caches;
+    each runs with ``switches``, rank 0's). Returns ``(host_buffers, TPWorkers)``."""
     from hisparse.worker.tp import TPWorkers, shared_host_buffers, write_nonce
 
     host_buffers = args.host_buffers
@@ -165,7 +173,7 @@ def start_tp(args: EngineArgs, mc, cfg: KVCacheConfig, geo: CacheGeometry):
     spec = dict(world=args.tensor_parallel_size, device=args.device, model=args.model,
                 dtype=args.dtype, load_format=args.load_format, model_config=mc,
                 kv_config=cfg, geometry=geo, hot_policy=args.hot_policy,
-                runner_cls=args.runner_cls, seed=_TP_SEED,
+                runner_cls=args.runner_cls, seed=_TP_SEED, switches=switches,
                 threads=torch.get_num_threads() if args.device.type == "cpu" else None)
     return host_buffers, TPWorkers(spec, host_buffers)
 
@@ -259,6 +267,7 @@ def log_summary(parts: EngineParts) -> None:
         size(cfg.num_host_blocks * geo.bytes_per_token * bs), cfg.num_indexer_blocks * bs,
         cfg.hot_buffer_size, parts.max_model_len, cfg.max_num_seqs,
         cfg.max_num_batched_tokens, buckets)
+    logger.info("kernel switches (read at start-up): %s", parts.switches)
     try:
         plan = plan_for_llm(parts)
         logger.info("capacity at %d tokens/request: %s", parts.max_model_len, ", ".join(

@@ -327,7 +327,7 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
                                     lse=None):
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout)."""
-    from .quant import fp8_tile, mla_row_bytes
+    from ._common import fp8_tile, mla_row_bytes
 
     T, H, D = q.shape
     d_pe = D - d_v

@@ -9,8 +9,9 @@ after ``hisparse`` itself was imported.
 Imports run one way: an op's module (``quant``, ``topk``, ...) imports its ``_*_triton``
 module, and the ``_*_triton`` module does not import its op's module back: what both sides
 share lives here, or in a small Triton-free module of its own (``block_fp8``: the FP8 GEMM
-format; ``moe_tiles``: the MoE tile layout). Importing any of them loads no Triton
-(``tests/ops/test_ops_layering.py`` checks the import graph).
+format; ``moe_tiles``: the MoE tile layout; ``switches``: the ``HISPARSE_*`` kernel switches).
+Importing any of them loads no Triton (``tests/ops/test_ops_layering.py`` checks the import
+graph).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 
 import torch
 
-FORCE_TRITON_ENV = "HISPARSE_FORCE_TRITON"
+from . import switches
 
 
 @functools.cache
@@ -33,15 +34,12 @@ def triton_available() -> bool:
     return True
 
 
-def force_triton() -> bool:
-    return os.environ.get(FORCE_TRITON_ENV, "") not in ("", "0")
-
-
 def want_triton(*tensors: torch.Tensor) -> bool:
-    """Triton when any given tensor is on CUDA (or HISPARSE_FORCE_TRITON=1), and Triton imports."""
+    """Triton when any given tensor is on CUDA (or HISPARSE_FORCE_TRITON=1:
+    :mod:`hisparse.ops.switches`), and Triton imports."""
     if not triton_available():
         return False
-    if force_triton():
+    if switches.current().force_triton:
         return True
     return any(t is not None and t.is_cuda for t in tensors)
 
@@ -74,6 +72,19 @@ def fp8_tile(d: int) -> int:
         raise ValueError(f"FP8 format: {d} values must be a power-of-two number of "
                          f"{TILE}-value tiles (or a single tile below {TILE})")
     return tile
+
+
+def mla_row_bytes(d_nope: int, d_rope: int) -> int:
+    """Bytes of one FP8 MLA row (quant's layout): 656 for 512 + 64."""
+    return d_nope + 4 * (d_nope // fp8_tile(d_nope)) + 2 * d_rope
+
+
+# Indexer rotation (rotation): a Walsh-Hadamard transform of a power-of-two size.
+def check_rotation_dim(d: int) -> None:
+    """``d`` must be a power of two (the Hadamard transform's size)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"indexer rotation: the head size ({d}) must be a power of two (a "
+                         "Walsh-Hadamard transform)")
 
 
 # Radix select (topk): four 8-bit digits of the 32-bit key; MAX_SPLITS programs per row at most

@@ -25,7 +25,6 @@ and scale each block's product by ``a_scale[m] * w_scale[n-blk]``.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import switches
 from .block_fp8 import quantize_fp8_act
 
 
@@ -111,7 +111,6 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-AUTOTUNE_ENV = "HISPARSE_TRITON_AUTOTUNE"
 TUNE_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st)
                 for w, st in ((4, 3), (4, 4), (8, 3), (4, 5), (8, 4))]
 
@@ -127,8 +126,9 @@ def tuned(kernel, key: list[str]):
 
 def pick(kernel, tuned_kernel, device: torch.device):
     """The launchable for ``device``: tuned on CUDA unless disabled, plain otherwise (the plain
-    kernel on CUDA gets the first config's launch options from the caller)."""
-    if device.type == "cuda" and os.environ.get(AUTOTUNE_ENV, "1") not in ("0", ""):
+    kernel on CUDA gets the first config's launch options from the caller;
+    ``HISPARSE_TRITON_AUTOTUNE``: :mod:`hisparse.ops.switches`)."""
+    if device.type == "cuda" and switches.current().triton_autotune:
         return tuned_kernel, {}
     if device.type == "cuda":
         return kernel, {"num_warps": TUNE_CONFIGS[0].num_warps,

@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import fp8_tile, next_pow2
 from ._quant_triton import _TL_DTYPE, _bf16_bits, _hadamard, _rnd, _store_fp8_tiles
-from .quant import fp8_tile
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreted, next_pow2
+from ._common import check_rotation_dim, fp8_tile, interpreted, next_pow2
 from ._quant_triton import _TL_DTYPE, _e4m3_code, _hadamard, _pow2_scale
 
 
@@ -267,9 +267,6 @@ def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, HI, stride
 
 
 def _queries(q, weights, quant: bool):
-    from .quant import fp8_tile
-    from .rotation import check_rotation_dim
-
     T, HI, D = q.shape
     check_rotation_dim(D)
     tile = fp8_tile(D)
@@ -361,7 +358,7 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     fp8 = k_cache.dtype == torch.uint8
     tile = nt = 1
     if fp8:
-        from .quant import FP8KeyLayout, fp8_tile
+        from .quant import FP8KeyLayout
         layout = FP8KeyLayout.of(k_cache, D)
         if layout.block_size != block_size or k_cache.dim() != 2:
             raise ValueError(f"indexer_keys: FP8 keys must be one layer's pages [blocks, "

@@ -21,10 +21,10 @@ is the optional backend.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from . import switches
 from ._common import want_triton
 
 
@@ -235,15 +235,11 @@ def _triton_supported(q, d_v) -> bool:
     return q.shape[-1] == 576 and d_v == 512
 
 
-BACKEND_ENV = "HISPARSE_ATTENTION"
-BACKENDS = ("auto", "triton", "flashmla", "reference")
-
-
 def _auto_override(q) -> str:
     """``HISPARSE_ATTENTION`` (CUDA calls with ``backend="auto"``, what the engine passes):
     ``triton`` or ``flashmla`` forces that backend (e.g. FlashMLA at 16 heads, padded to 64
-    per call), ``auto`` (default) keeps the automatic choice. Read per call like the other
-    ``HISPARSE_*`` switches: set it before the engine captures its CUDA graphs.
+    per call), ``auto`` (default) keeps the automatic choice. Read at engine start like the
+    other ``HISPARSE_*`` switches (:mod:`hisparse.ops.switches`).
 
     ``flashmla`` is a measurement switch, not a serving one. Its FP8 decode is not batch
     invariant (the H200 diagnostic of docs/BENCHMARKS.md, "Batch-invariant sparse attention":
@@ -251,10 +247,7 @@ def _auto_override(q) -> str:
     changes or ``-1`` holes move), which is why the engine's FP8 lossless tests failed with it;
     it also reads out of bounds for indices >= N where Triton skips them, and asserts on
     top-k sizes that are not a multiple of its block."""
-    choice = os.environ.get(BACKEND_ENV, "auto")
-    if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: want one of {BACKENDS}")
-    return choice if q.is_cuda else "auto"
+    return switches.current().attention if q.is_cuda else "auto"
 
 
 def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, triton,
@@ -262,8 +255,8 @@ def _dispatch(q, kv, indices, sm_scale, d_v, backend, out, lse, *, flashmla_ok, 
     """Pick the backend ("auto": ``HISPARSE_ATTENTION`` if set, else FlashMLA when importable
     and ``flashmla_ok`` (``None``: never), else Triton where it applies (``triton_ok(q, d_v)``,
     default any shape), else the reference) and run one row format's implementation of it.
-    ``triton`` names
-    the function in ``_attention_triton`` (imported only when used: Triton is optional)."""
+    ``triton`` names the function in ``_attention_triton`` (imported only when used: Triton is
+    optional)."""
     if backend == "auto":
         backend = _auto_override(q)
     if backend == "auto":

@@ -46,10 +46,9 @@ No backend syncs with the host: all are CUDA-graph capturable.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import switches
 from ._common import cdiv, want_triton
 from .block_fp8 import (
     FP8_DTYPE,
@@ -59,9 +58,6 @@ from .block_fp8 import (
 )
 from .block_fp8 import pow2_ceil as pow2_ceil  # the format's helpers, public here too
 from .block_fp8 import quantize_fp8_weight as quantize_fp8_weight
-
-BACKEND_ENV = "HISPARSE_FP8_GEMM"
-BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -80,10 +76,12 @@ def fp8_block_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: to
 
 
 def _backend(backend: str | None) -> str:
-    b = backend or os.environ.get(BACKEND_ENV, "") or "auto"
-    if b not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} / backend must be one of {list(BACKENDS)}, got {b!r}")
-    return b
+    if not backend:
+        return switches.current().fp8_gemm
+    if backend not in switches.FP8_GEMM_BACKENDS:
+        raise ValueError(f"backend={backend!r}: want one of {switches.FP8_GEMM_BACKENDS} (the "
+                         "values of HISPARSE_FP8_GEMM)")
+    return backend
 
 
 _SCALED_MM_OK: dict[tuple, bool] = {}

@@ -19,24 +19,17 @@ stores ``[rotated evens | rotated odds]``; half-split rotates ``(x[j], x[j + d/2
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from . import switches
 from ._common import want_triton
 from .quant import check_mla_rows_dst, quantize_write_index_keys, quantize_write_mla_rows
 
-FUSED_GLUE_ENV = "HISPARSE_FUSED_GLUE"
-
-
-def fused_glue_enabled() -> bool:
-    """False when ``HISPARSE_FUSED_GLUE=0``: every glue op runs its reference."""
-    return os.environ.get(FUSED_GLUE_ENV, "1") != "0"
-
 
 def _use_triton(*tensors: Tensor) -> bool:
-    return fused_glue_enabled() and want_triton(*tensors)
+    """Triton unless ``HISPARSE_FUSED_GLUE=0`` (:mod:`hisparse.ops.switches`)."""
+    return switches.current().fused_glue and want_triton(*tensors)
 
 
 # ----------------------------------------------------------------------------- references

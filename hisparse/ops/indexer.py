@@ -47,10 +47,9 @@ always.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import switches
 from ._common import want_triton
 from .quant import (
     FP8KeyLayout,
@@ -61,15 +60,13 @@ from .quant import (
 from .rotation import indexer_rotation
 from .topk import TopkScratch, topk_select
 
-FP8_QUERY_ENV = "HISPARSE_FP8_INDEXER"
-
 
 def fp8_query_enabled(head_dim: int) -> bool:
     """Whether FP8 keys are scored against FP8 queries: yes unless ``HISPARSE_FP8_INDEXER=0``,
     and only when a query tile (``min(head_dim, 128)`` values) is a power of two, as the
     kernel's tile is. Otherwise the queries stay unquantized."""
     tile = min(head_dim, 128)
-    return os.environ.get(FP8_QUERY_ENV, "1") != "0" and tile & (tile - 1) == 0
+    return switches.current().fp8_indexer and tile & (tile - 1) == 0
 
 
 class IndexerWorkspace:

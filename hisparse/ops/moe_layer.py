@@ -42,22 +42,17 @@ expert as its own MLP): the baseline the benchmark and kernel counts compare aga
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import switches
 from ._common import cdiv, interpreted, next_pow2, want_triton
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import moe_align_reference, moe_max_tiles
 
-FUSED_MOE_ENV = "HISPARSE_FUSED_MOE"
-ALIGN_ENV = "HISPARSE_MOE_ALIGN"
-ALIGN_MODES = ("experts", "single")
-QUANT_ENV = "HISPARSE_MOE_QUANT"
-QUANT_MODES = ("fused", "gate_up", "router", "kernel")
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
 # weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
@@ -87,8 +82,9 @@ FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whateve
 
 
 def fused_moe_layer_enabled() -> bool:
-    """False when ``HISPARSE_FUSED_MOE=0``: the MoE layer runs unfused."""
-    return os.environ.get(FUSED_MOE_ENV, "1") != "0"
+    """False when ``HISPARSE_FUSED_MOE=0`` (:mod:`hisparse.ops.switches`): the MoE layer runs
+    unfused."""
+    return switches.current().fused_moe
 
 
 @dataclass(frozen=True)
@@ -266,10 +262,7 @@ ALIGN_CONFIG = AlignConfig()
 def align_mode() -> str:
     """``HISPARSE_MOE_ALIGN``: ``experts`` (default: one program per few experts) or
     ``single`` (the one-program kernel: the baseline)."""
-    mode = os.environ.get(ALIGN_ENV, "experts")
-    if mode not in ALIGN_MODES:
-        raise ValueError(f"{ALIGN_ENV}={mode!r}: want one of {ALIGN_MODES}")
-    return mode
+    return switches.current().moe_align
 
 
 def quant_mode() -> str:
@@ -278,10 +271,7 @@ def quant_mode() -> str:
     kernel), ``fused`` (the intermediate in the down GEMM's tiles), ``gate_up`` (the
     intermediate in the gate-up GEMM's epilogue, whose N tile becomes the FP8 block) or
     ``kernel`` (two quantization kernels: the baseline). The same bits in every mode."""
-    mode = os.environ.get(QUANT_ENV, "router")
-    if mode not in QUANT_MODES:
-        raise ValueError(f"{QUANT_ENV}={mode!r}: want one of {QUANT_MODES}")
-    return mode
+    return switches.current().moe_quant
 
 
 def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None = None,
@@ -292,6 +282,9 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
     (:func:`align_mode` when None) ``experts`` runs ``cdiv(num_experts, config.experts)``
     programs, ``single`` one. Every element is written (no host sync, shapes fixed by ``T, k``),
     into ``out`` when given (int32 of the returned shapes)."""
+    mode = mode or align_mode()
+    if mode not in switches.MOE_ALIGN_MODES:
+        raise ValueError(f"align: mode={mode!r}: want one of {switches.MOE_ALIGN_MODES}")
     if use_triton is None:
         use_triton = want_triton(ids)
     if not use_triton:
@@ -312,7 +305,7 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
                          f"[{max_tiles}], got {tuple(sorted_ids.shape)} {sorted_ids.dtype} and "
                          f"{tuple(tile_expert.shape)} {tile_expert.dtype}")
     ids = ids.contiguous()
-    if (mode or align_mode()) == "single":
+    if mode == "single":
         _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, T, sorted_ids.numel(),
                                 max_tiles, K=k, E=num_experts, EP=next_pow2(num_experts),
                                 BLOCK_T=16, BLOCK_M=block_m, FILL=1024, num_warps=8)

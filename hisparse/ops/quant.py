@@ -41,6 +41,7 @@ import torch
 
 from ._common import TILE as TILE  # the format's tile, public here
 from ._common import fp8_tile, want_triton
+from ._common import mla_row_bytes as mla_row_bytes  # the format's helper, public here
 from .rotation import check_rotation_dim, indexer_rotation
 
 FP8_MAX = 448.0
@@ -49,11 +50,6 @@ SCALE_MIN = 1e-4          # FlashMLA clamps amax / 448 to this before rounding u
 # decode that store keys differently (e.g. before and after the rotation) refuse each other.
 # Change it whenever the stored bits of a key change.
 FP8_INDEX_KEY_FORMAT = "e4m3 page-split, pow2 scale per 128, hadamard-rotated"
-
-
-def mla_row_bytes(d_nope: int, d_rope: int) -> int:
-    """Bytes of one FP8 MLA row: 656 for 512 + 64."""
-    return d_nope + 4 * (d_nope // fp8_tile(d_nope)) + 2 * d_rope
 
 
 def index_key_bytes(d: int) -> int:

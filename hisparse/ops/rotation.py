@@ -33,12 +33,7 @@ from __future__ import annotations
 
 import torch
 
-
-def check_rotation_dim(d: int) -> None:
-    """``d`` must be a power of two (the Hadamard transform's size)."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"indexer rotation: the head size ({d}) must be a power of two (a "
-                         "Walsh-Hadamard transform)")
+from ._common import check_rotation_dim
 
 
 def indexer_rotation(x: torch.Tensor) -> torch.Tensor:

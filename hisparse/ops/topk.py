@@ -12,39 +12,27 @@ anything), so the work of a row is proportional to its own length, not to ``W``.
 above ``+inf`` (all NaN equal: ties by column), ``-inf`` below every finite score. ``INT32_MIN``
 is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalized).
 
-``HISPARSE_TOPK`` picks the Triton path's launches (:mod:`hisparse.ops._topk_triton`), all exact
-and equal: ``fused`` (default) one kernel per call, the row's programs meeting between phases;
-``phased`` the same phases one launch each; ``legacy`` the former path (four histogram launches,
-a collect, then one program per row sorting the whole selection: ~30 us whatever the batch).
+``HISPARSE_TOPK`` (:mod:`hisparse.ops.switches`) picks the Triton path's launches
+(:mod:`hisparse.ops._topk_triton`), all exact and equal: ``fused`` (default) one kernel per call,
+the row's programs meeting between phases; ``phased`` the same phases one launch each;
+``legacy`` the former path (four histogram launches, a collect, then one program per row
+sorting the whole selection: ~30 us whatever the batch).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
+from . import switches
 from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
-TOPK_ENV = "HISPARSE_TOPK"
-TOPK_MODES = ("fused", "phased", "legacy")
-
-
-def topk_mode() -> str:
-    """The Triton path's launches: ``HISPARSE_TOPK`` (module docstring; ``fused`` by
-    default)."""
-    mode = os.environ.get(TOPK_ENV, "") or "fused"
-    if mode not in TOPK_MODES:
-        raise ValueError(f"{TOPK_ENV} must be one of {TOPK_MODES}, got {mode!r}")
-    return mode
-
-
 @dataclass(frozen=True)
 class TopkLaunch:
     """Launch parameters of the Triton top-k (speed hints: every value is exact).
@@ -168,6 +156,7 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             cfg = dataclasses.replace(cfg, splits=splits)
         if cfg.block is None:
             cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
-        return topk_select_triton(keys, lengths, k, out, scratch, topk_mode(), cfg)
+        return topk_select_triton(keys, lengths, k, out, scratch,
+                                  switches.current().topk, cfg)
     out.copy_(topk_select_reference(keys, lengths, k))
     return out

@@ -230,9 +230,11 @@ def _init_group(rank: int, world: int, port: int, cuda: bool):
 def _build_rank(spec: dict, rank: int, host_buffers):
     from hisparse.models.loader import load_model
     from hisparse.models.tp import shard_model_
+    from hisparse.ops import switches
     from hisparse.worker.cache import KVCaches
     from hisparse.worker.model_runner import ModelRunner
 
+    switches.install(spec["switches"])   # rank 0's, overrides included: not this env's
     device = spec["device"]
     if device.type == "cuda":
         device = torch.device("cuda", (device.index or 0) + rank)
@@ -296,11 +298,14 @@ def _worker_main(rank: int, spec: dict, host_buffers, conn) -> None:
 
 
 def _info(rank: int, runner, caches, tables: RankTables, digest: bool) -> dict:
+    from hisparse.ops import switches
+
     hits, misses = runner.hot_counters()
     out = {"rank": rank, "pid": os.getpid(), "hot_hits": hits, "hot_misses": misses,
            "host_nbytes": caches.host.untyped_storage().nbytes(),
            "host_shared": caches.host.is_shared(), "d2h_bytes": runner.d2h_bytes,
-           "plans_applied": tables.applied}
+           "plans_applied": tables.applied,
+           "switches": dataclasses.asdict(switches.current())}
     if digest:
         out["host_sha1"] = hashlib.sha1(pool_bytes(caches.host).numpy().tobytes()).hexdigest()
         out["tables_sha1"] = tables.digest()   # this rank's block tables as of its last plan

@@ -122,16 +122,15 @@ def test_fp8_model_equals_dequantized_model(fp8_pair):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_fast_path_close_to_reference(fp8_pair, monkeypatch):
+def test_fp8_fast_path_close_to_reference(fp8_pair, monkeypatch, kernel_switches):
     """The whole FP8 model through Triton (FP8 GEMMs, fused MoE; interpreter) vs reference."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("interpreter test")
-    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
-    monkeypatch.setenv("HISPARSE_FP8_GEMM", "triton")
+    kernel_switches(force_triton=True, fp8_gemm="triton")
     # the glue ops (norms, RoPE: not FP8; interpreted they were 40% of this test) stay on their
     # references; tests/ops/test_ops_glue.py runs them interpreted
-    monkeypatch.setenv("HISPARSE_FUSED_GLUE", "0")
+    kernel_switches(fused_glue=False)
     arch, _, _, ours, cfg = fp8_pair
     if arch == "glm_moe_dsa":
         # the MoE layer (router and FP8 experts) is the same code as DeepSeek-V3.2's, which the
@@ -140,12 +139,11 @@ def test_fp8_fast_path_close_to_reference(fp8_pair, monkeypatch):
         from functools import partial
 
         from hisparse.models import dsa
-        monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+        kernel_switches(fused_moe=False)
         monkeypatch.setattr(dsa, "fused_moe", partial(dsa.fused_moe, use_triton=False))
     ids = _ids(20, cfg.vocab_size, 5)
     got = _logits(ours, cfg, ids)
-    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "0")
-    monkeypatch.setenv("HISPARSE_FP8_GEMM", "reference")
+    kernel_switches(force_triton=False, fp8_gemm="reference")
     want = _logits(ours, cfg, ids)
     # FP8 activation noise (~2^-4 per element) flips a few discrete choices (routing, top-k) in
     # a random tiny model: most positions agree closely, a few do not

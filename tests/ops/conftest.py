@@ -22,19 +22,19 @@ except Exception:  # pragma: no cover
 
 
 @pytest.fixture
-def triton_cpu(monkeypatch):
+def triton_cpu(kernel_switches):
     """Force the Triton path on CPU tensors (interpreter)."""
     if not HAS_TRITON:
         pytest.skip("triton not installed")
     if torch.cuda.is_available():
         pytest.skip("interpreter tests run on CPU-only machines")
-    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+    kernel_switches(force_triton=True)
     yield
 
 
 @pytest.fixture
-def no_force(monkeypatch):
-    monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+def no_force(kernel_switches):
+    kernel_switches(force_triton=False)
     yield
 
 

@@ -2,7 +2,12 @@
 import pytest
 import torch
 
-from hisparse.ops import flashmla_available, sparse_mla_attention, sparse_mla_attention_reference
+from hisparse.ops import (
+    flashmla_available,
+    sparse_mla_attention,
+    sparse_mla_attention_reference,
+    switches,
+)
 
 
 def make(T, H, K, N, dtype, device="cpu", seed=0, empty_rows=(), poison_unused=True):
@@ -120,16 +125,15 @@ def test_gpu_flashmla_matches_reference(T, H):
 
 def test_backend_env_is_validated(monkeypatch):
     """``HISPARSE_ATTENTION`` only takes a backend name; anything else is refused, naming it."""
-    q, kv, idx = make(2, 4, 10, 64, torch.float32)
     monkeypatch.setenv("HISPARSE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="HISPARSE_ATTENTION='flash'"):
-        sparse_mla_attention(q, kv, idx, 0.1)
+        switches.reload()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not flashmla_available(), reason="flash_mla not importable")
 @pytest.mark.parametrize("T", [8, 42])
-def test_gpu_backend_env_forces_flashmla_at_16_heads(T, monkeypatch):
+def test_gpu_backend_env_forces_flashmla_at_16_heads(T, kernel_switches):
     """At 16 heads "auto" picks Triton; ``HISPARSE_ATTENTION=flashmla`` runs FlashMLA's FP8
     decode (heads padded to 64 per call) with the engine's call (``backend="auto"``), within
     FP8 rounding of the Triton kernel, and ``=triton`` gives the Triton kernel's bits."""
@@ -141,9 +145,9 @@ def test_gpu_backend_env_forces_flashmla_at_16_heads(T, monkeypatch):
     kv8 = quantize_mla_rows_reference(kv, 512)
     scale = 576 ** -0.5
     tri, tri_l = sparse_mla_attention_fp8(q, kv8, idx, scale, backend="triton")
-    monkeypatch.setenv("HISPARSE_ATTENTION", "flashmla")
+    kernel_switches(attention="flashmla")
     fm, _ = sparse_mla_attention_fp8(q, kv8, idx, scale)
-    monkeypatch.setenv("HISPARSE_ATTENTION", "triton")
+    kernel_switches(attention="triton")
     again, again_l = sparse_mla_attention_fp8(q, kv8, idx, scale)
     assert torch.equal(again, tri) and torch.equal(again_l, tri_l)
     keep = torch.arange(T, device="cuda") != 1                   # row 1 selects nothing

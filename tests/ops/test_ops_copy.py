@@ -67,7 +67,7 @@ def key_pages(L, blocks, D, bs, seed, pad=(1, 2)):
 
 @pytest.mark.parametrize("D,bs", [(128, 8), (32, 4), (256, 2), (128, 1)])
 @pytest.mark.parametrize("path", ["triton", "reference"])
-def test_fp8_key_copy_round_trip(monkeypatch, D, bs, path):
+def test_fp8_key_copy_round_trip(kernel_switches, D, bs, path):
     """Page-split FP8 keys GPU -> host (mirror) -> GPU (restore at other blocks), layer views
     at their own offsets, random rows: every copied key arrives whole (values and scale),
     nothing else changes."""
@@ -75,9 +75,9 @@ def test_fp8_key_copy_round_trip(monkeypatch, D, bs, path):
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("interpreter tests run on CPU-only machines")
-        monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+        kernel_switches(force_triton=True)
     else:
-        monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+        kernel_switches(force_triton=False)
     lay = FP8KeyLayout(D, bs)
     L, blocks = 3, 6
     gpu_base, gpu, gpu_keys = key_pages(L, blocks, D, bs, seed=D + bs)

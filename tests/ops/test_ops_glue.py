@@ -10,7 +10,7 @@ dtype (bf16: rtol 2**-7).
 import pytest
 import torch
 
-from hisparse.ops import glue
+from hisparse.ops import glue, switches
 from hisparse.ops.quant import (
     FP8KeyLayout,
     dequantize_index_keys_reference,
@@ -30,24 +30,23 @@ def _rope_tables(T, rope, dtype, device="cpu"):
     return (f.cos() * 1.1).to(dtype), (f.sin() * 1.1).to(dtype)
 
 
-def _run_both(monkeypatch, fn):
+def _run_both(fn):
     """``fn()`` through the Triton dispatch, then through the references."""
     fused = fn()
-    monkeypatch.setenv(glue.FUSED_GLUE_ENV, "0")
-    ref = fn()
-    monkeypatch.delenv(glue.FUSED_GLUE_ENV)
+    with switches.override(fused_glue=False):
+        ref = fn()
     return fused, ref
 
 
 # ----------------------------------------------------------------------------- RMSNorm
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D,res", [(48, True), (200, False), (256, True)])
-def test_add_rms_norm_matches_reference(triton_cpu, monkeypatch, dtype, D, res):
+def test_add_rms_norm_matches_reference(triton_cpu, dtype, D, res):
     T = 5
     x = torch.randn(T, D, dtype=dtype) * 3
     r = torch.randn(T, D, dtype=dtype) if res else None
     w = (torch.rand(D) + 0.5).to(dtype)
-    (y, h), (y_ref, h_ref) = _run_both(monkeypatch, lambda: glue.add_rms_norm(x, r, w, 1e-6))
+    (y, h), (y_ref, h_ref) = _run_both(lambda: glue.add_rms_norm(x, r, w, 1e-6))
     assert torch.equal(h, h_ref)          # the residual sum: one rounding, as torch's add
     torch.testing.assert_close(y, y_ref, **BF16_TOL)
     y2, h2, y32 = glue.add_rms_norm(x, r, w, 1e-6, fp32_copy=True)
@@ -71,7 +70,7 @@ def _mla_inputs(T, R, rope, dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("R,rope", [(32, 16), (48, 8)])
-def test_write_mla_rows_float(triton_cpu, monkeypatch, R, rope):
+def test_write_mla_rows_float(triton_cpu, R, rope):
     T, N = 6, 20
     kv, w, cos, sin = _mla_inputs(T, R, rope, torch.bfloat16)
     rows = torch.randperm(N)[:T]
@@ -82,7 +81,7 @@ def test_write_mla_rows_float(triton_cpu, monkeypatch, R, rope):
         glue.write_mla_rows(kv, w, 1e-6, cos, sin, dst, rows, R)
         return dst
 
-    got, ref = _run_both(monkeypatch, run)
+    got, ref = _run_both(run)
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(got[untouched], poison[untouched])
@@ -91,7 +90,7 @@ def test_write_mla_rows_float(triton_cpu, monkeypatch, R, rope):
     assert not torch.equal(ref[rows], poison[rows])
 
 
-def test_write_mla_rows_fp8(triton_cpu, monkeypatch):
+def test_write_mla_rows_fp8(triton_cpu):
     T, N, R, rope = 5, 12, 256, 32
     kv, w, cos, sin = _mla_inputs(T, R, rope, torch.bfloat16)
     rows = torch.randperm(N)[:T]
@@ -102,7 +101,7 @@ def test_write_mla_rows_fp8(triton_cpu, monkeypatch):
         glue.write_mla_rows(kv, w, 1e-6, cos, sin, dst, rows, R)
         return dst
 
-    got, ref = _run_both(monkeypatch, run)
+    got, ref = _run_both(run)
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(got[untouched], poison[untouched])
@@ -119,7 +118,7 @@ def test_write_mla_rows_fp8(triton_cpu, monkeypatch):
 # ----------------------------------------------------------------------------- indexer keys
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_write_index_keys(triton_cpu, monkeypatch, interleaved, fp8):
+def test_write_index_keys(triton_cpu, interleaved, fp8):
     T, d, rope, bs, blocks = 6, 128, 32, 4, 3
     k = torch.randn(T, d, dtype=torch.bfloat16) * 2 + 0.3
     lw = (torch.rand(d) + 0.5).to(torch.bfloat16)
@@ -136,7 +135,7 @@ def test_write_index_keys(triton_cpu, monkeypatch, interleaved, fp8):
         glue.write_index_keys(k, lw, lb, 1e-6, cos, sin, rope, interleaved, dst, rows)
         return dst
 
-    got, ref = _run_both(monkeypatch, run)
+    got, ref = _run_both(run)
     if fp8:
         lay = FP8KeyLayout.of(got, d)
         g = dequantize_index_keys_reference(lay.gather(got, rows), d)
@@ -153,26 +152,26 @@ def test_write_index_keys(triton_cpu, monkeypatch, interleaved, fp8):
 
 # ----------------------------------------------------------------------------- queries
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_heads_bitwise(triton_cpu, monkeypatch, interleaved):
+def test_rope_heads_bitwise(triton_cpu, interleaved):
     T, Hn, D, rope = 3, 4, 48, 16
     q = torch.randn(T, Hn, 2 * D, dtype=torch.bfloat16)[..., :D]       # a strided view
     cos, sin = _rope_tables(T, rope, torch.bfloat16)
-    got, ref = _run_both(monkeypatch,
+    got, ref = _run_both(
                          lambda: glue.rope_heads(q, cos, sin, rope, interleaved))
     assert got.is_contiguous() and torch.equal(got, ref)
 
 
-def test_mla_q_latent_bitwise(triton_cpu, monkeypatch):
+def test_mla_q_latent_bitwise(triton_cpu):
     T, H, R, nope, rope = 3, 4, 32, 16, 16
     q = torch.randn(T, H, nope + rope, dtype=torch.bfloat16)
     q_abs = torch.randn(H, T, R, dtype=torch.bfloat16).transpose(0, 1)  # einsum's layout
     cos, sin = _rope_tables(T, rope, torch.bfloat16)
-    got, ref = _run_both(monkeypatch,
+    got, ref = _run_both(
                          lambda: glue.mla_q_latent(q_abs, q[..., nope:], cos, sin))
     assert got.shape == (T, H, R + rope) and torch.equal(got, ref)
 
 
-def test_resident_rows_bitwise(triton_cpu, monkeypatch):
+def test_resident_rows_bitwise(triton_cpu):
     T, K, R, P, bs = 5, 12, 3, 4, 8
     table = torch.randint(0, 50, (R, P), dtype=torch.int32)
     table[1, 2] = -1                                        # a page without a block
@@ -180,14 +179,14 @@ def test_resident_rows_bitwise(triton_cpu, monkeypatch):
     topk = torch.randint(0, P * bs, (T, K), dtype=torch.int32)
     topk[0, 3:] = -1
     topk[4, :] = 2 * bs + torch.arange(K, dtype=torch.int32) % bs   # all on the missing page
-    got, ref = _run_both(monkeypatch, lambda: glue.resident_rows(topk, table, slots, bs))
+    got, ref = _run_both(lambda: glue.resident_rows(topk, table, slots, bs))
     assert got.dtype == torch.int32 and torch.equal(got, ref)
     assert (ref[4] == -1).all() and (ref[0, 3:] == -1).all() and (ref[1] >= 0).all()
 
 
-def test_fused_glue_off_runs_the_references(triton_cpu, monkeypatch):
+def test_fused_glue_off_runs_the_references(triton_cpu, kernel_switches):
     """HISPARSE_FUSED_GLUE=0 is the unfused path (kernel-count baselines): bitwise the spec."""
-    monkeypatch.setenv(glue.FUSED_GLUE_ENV, "0")
+    kernel_switches(fused_glue=False)
     x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.rand(64, dtype=torch.bfloat16)
     y, _ = glue.add_rms_norm(x, None, w, 1e-6)
     assert torch.equal(y, glue.rms_norm_reference(x, w, 1e-6))
@@ -205,13 +204,13 @@ def test_shape_errors():
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 64, 512])
-def test_gpu_rank_shapes(monkeypatch, T):
+def test_gpu_rank_shapes(T):
     dev, bf = "cuda", torch.bfloat16
     for D in (7168, 1536, 512):
         x, r = torch.randn(T, D, device=dev, dtype=bf), torch.randn(T, D, device=dev, dtype=bf)
         w = (torch.rand(D, device=dev) + 0.5).to(bf)
         (y, h), (y_ref, h_ref) = _run_both(
-            monkeypatch, lambda x=x, r=r, w=w: glue.add_rms_norm(x, r, w, 1e-6))
+            lambda x=x, r=r, w=w: glue.add_rms_norm(x, r, w, 1e-6))
         assert torch.equal(h, h_ref)
         torch.testing.assert_close(y, y_ref, **BF16_TOL)
         y1, _ = glue.add_rms_norm(x[:1], r[:1], w, 1e-6)
@@ -225,7 +224,7 @@ def test_gpu_rank_shapes(monkeypatch, T):
             dst = dst0.clone()
             glue.write_mla_rows(kv, w, 1e-6, cos, sin, dst, rows, R)
             return dst
-        got, ref = _run_both(monkeypatch, run)
+        got, ref = _run_both(run)
         if dst0.dtype == torch.uint8:
             got, ref = (dequantize_mla_rows_reference(t[rows], R, rope) for t in (got, ref))
             torch.testing.assert_close(got, ref, rtol=2 ** -3, atol=2 ** -9)
@@ -241,15 +240,15 @@ def test_gpu_rank_shapes(monkeypatch, T):
         dst = keys0.clone()
         glue.write_index_keys(k, lw, lb, 1e-6, cos, sin, rope, False, dst, rows)
         return dst
-    got, ref = _run_both(monkeypatch, keys)
+    got, ref = _run_both(keys)
     lay = FP8KeyLayout.of(got, d)
     torch.testing.assert_close(dequantize_index_keys_reference(lay.gather(got, rows), d),
                                dequantize_index_keys_reference(lay.gather(ref, rows), d),
                                rtol=2 ** -3, atol=2 ** -7)
     q = torch.randn(T, 64, 128, device=dev, dtype=bf)
-    got, ref = _run_both(monkeypatch, lambda: glue.rope_heads(q, cos, sin, rope, False))
+    got, ref = _run_both(lambda: glue.rope_heads(q, cos, sin, rope, False))
     assert torch.equal(got, ref)
     qb = torch.randn(T, 128, 192, device=dev, dtype=bf)
     q_abs = torch.randn(128, T, R, device=dev, dtype=bf).transpose(0, 1)
-    got, ref = _run_both(monkeypatch, lambda: glue.mla_q_latent(q_abs, qb[..., 128:], cos, sin))
+    got, ref = _run_both(lambda: glue.mla_q_latent(q_abs, qb[..., 128:], cos, sin))
     assert torch.equal(got, ref)

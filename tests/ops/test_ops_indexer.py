@@ -130,11 +130,11 @@ def test_triton_interpreter_ties(triton_cpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", ["bf16", "fp8"])
 @pytest.mark.parametrize("ctx", [3000, 8192, 32768])
-def test_gpu_production_shape(ctx, keys, monkeypatch, selection_overlap):
+def test_gpu_production_shape(ctx, keys, kernel_switches, selection_overlap):
     """Batch 64, 64 heads, D 128, top-k 2048 against the reference and a float64 oracle;
     ``fp8``: page-split FP8 keys (the oracle scores their dequantized, rotated values against
     the rotated, dequantized FP8 queries)."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # FP8 keys: the FP8-query path (default)
+    kernel_switches(fp8_indexer=True)  # FP8 keys: the FP8-query path (default)
     T, Hi, D, bs, topk = 64, 64, 128, 64, 2048
     P = (ctx + bs - 1) // bs + 1
     R = T

@@ -22,9 +22,9 @@ INT32_MIN = -(2 ** 31)
 
 
 @pytest.fixture(autouse=True)
-def _fp8_queries(monkeypatch):
+def _fp8_queries(kernel_switches):
     """These tests are the FP8-query path's (the default; pinned against a stray ``=0``)."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")
+    kernel_switches(fp8_indexer=True)
 
 
 def _scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -168,7 +168,7 @@ def test_fp8_scoring_exact_on_integer_data(triton_cpu, group):
     assert (ws.keys[:T][past] == SENTINEL).all()
 
 
-def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
+def test_env_switch_selects_the_unquantized_query_path(triton_cpu, kernel_switches):
     """With ``HISPARSE_FP8_INDEXER=0`` kernel and reference both score the rotated, unquantized
     queries (the reference then equals itself over the dequantized keys and the rotated
     queries); unset (the default) or ``=1``, the FP8 queries (different scores on random data).
@@ -180,7 +180,7 @@ def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
     req = torch.tensor([0, 1, 1], dtype=torch.int32)
     pos = torch.tensor([30, 20, 31], dtype=torch.int32)
     keys_f8q, _ = indexer_keys(q, w, pages, bt, req, pos, bs)
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "0")
+    kernel_switches(fp8_indexer=False)
     got = indexer_topk(q, w, pages, bt, req, pos, bs, topk)
     ref = indexer_topk_reference(q, w, pages, bt, req, pos, bs, topk)
     assert torch.equal(got, ref)
@@ -191,7 +191,7 @@ def test_env_switch_selects_the_unquantized_query_path(triton_cpu, monkeypatch):
     from hisparse.ops.indexer import fp8_query_enabled
 
     assert not fp8_query_enabled(128)
-    monkeypatch.delenv("HISPARSE_FP8_INDEXER")
+    kernel_switches(fp8_indexer=True)
     assert fp8_query_enabled(128) and fp8_query_enabled(64) and not fp8_query_enabled(48)
     got_default = indexer_topk(q, w, pages, bt, req, pos, bs, topk)
     assert torch.equal(got_default, indexer_topk_reference(q, w, pages, bt, req, pos, bs, topk))

@@ -77,3 +77,18 @@ def test_ops_import_graph_has_no_cycles():
     for m in graph:
         if m not in state:
             visit(m, [m])
+
+
+# the Triton-free modules kernels may build on (formats, policy constants, the switches)
+SHARED = {"_common", "block_fp8", "moe_tiles", "switches"}
+# the one kernel module still reaching into an op module: FP8KeyLayout and the dequantized
+# queries of its multi-tile fallback (quant)
+UPWARD = {"_indexer_triton": {"quant"}}
+
+
+def test_triton_modules_import_only_shared_modules_and_other_kernels():
+    graph = _graph()
+    kernels = {m for m in graph if m.startswith("_") and m.endswith("_triton")}
+    bad = {m: graph[m] - SHARED - kernels - UPWARD.get(m, set()) for m in sorted(kernels)}
+    assert not {m: d for m, d in bad.items() if d}, bad
+    assert graph["switches"] == set()          # read by everything: imports nothing of ops

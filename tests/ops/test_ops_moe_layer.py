@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from hisparse.ops import switches
 from hisparse.ops.gemm import quantize_fp8_weight
 from hisparse.ops.moe import fused_moe_reference, moe_align_reference
 from hisparse.ops.moe_layer import (
@@ -147,9 +148,11 @@ def test_align_matches_reference(triton_cpu, T, k, E, shared, bm, cfg, mode):
 
 def test_align_mode_and_config_are_checked(monkeypatch):
     ids = _distinct_ids(2, 2, 8, seed=0)
+    with pytest.raises(ValueError, match="mode='sorted'"):
+        align(ids, 8, 16, use_triton=True, mode="sorted")
     monkeypatch.setenv("HISPARSE_MOE_ALIGN", "sorted")
     with pytest.raises(ValueError, match="HISPARSE_MOE_ALIGN='sorted'"):
-        align(ids, 8, 16, use_triton=True)
+        switches.reload()
     with pytest.raises(ValueError, match="experts=3"):
         align(ids, 8, 16, use_triton=True, mode="experts", config=AlignConfig(experts=3))
     with pytest.raises(ValueError, match="align out"):
@@ -269,14 +272,15 @@ def test_layer_fp8_with_shared_matches_reference(triton_cpu, pow2):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_quant_mode_is_checked(triton_cpu, monkeypatch):
-    T, E, I, D, block = 3, 16, 32, 64, (32, 32)
-    gu, dn = _experts(E, I, D, seed=3)
-    gu_q, gu_s, dn_q, dn_s = _quantized(gu, dn, block)
+def test_quant_mode_is_checked(kernel_switches, monkeypatch):
+    """A bad placement is refused, by name, as an override or from the environment, and
+    changes nothing."""
+    with pytest.raises(ValueError, match="moe_quant .*'tile'"):
+        kernel_switches(moe_quant="tile")
     monkeypatch.setenv("HISPARSE_MOE_QUANT", "tile")
     with pytest.raises(ValueError, match="HISPARSE_MOE_QUANT='tile'"):
-        moe_layer(torch.randn(T, D), *_router(E, D, 0), CFG, gu_q, dn_q, gate_up_scale=gu_s,
-                  down_scale=dn_s, block=block)
+        switches.reload()
+    assert switches.current().moe_quant == "router"
 
 
 def test_intermediate_quantized_in_the_gate_up_epilogue(triton_cpu, pow2=True):
@@ -429,19 +433,17 @@ def test_gpu_route_quantized_is_quantize_act(pow2):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 24, 64, 256, 512])
-def test_gpu_layer_glue_modes_agree_bitwise(rank_layer, monkeypatch, T):
+def test_gpu_layer_glue_modes_agree_bitwise(rank_layer, kernel_switches, T):
     """Every alignment and quantization placement gives the baseline's bits (the one-program
     alignment, two quantization kernels), and so does quantizing in every GEMM tile."""
     args, kw, _ = rank_layer
     x = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("HISPARSE_MOE_ALIGN", "single")
-    monkeypatch.setenv("HISPARSE_MOE_QUANT", "kernel")
+    kernel_switches(moe_align="single", moe_quant="kernel")
     base = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
     assert torch.equal(moe_layer(x, *args[:2], RANK, *args[2:], prequant=False, **kw), base)
     for a in ("experts", "single"):
         for q in ("fused", "gate_up", "router", "kernel"):
-            monkeypatch.setenv("HISPARSE_MOE_ALIGN", a)
-            monkeypatch.setenv("HISPARSE_MOE_QUANT", q)
+            kernel_switches(moe_align=a, moe_quant=q)
             assert torch.equal(moe_layer(x, *args[:2], RANK, *args[2:], **kw), base), (a, q)
     for tile_n in ((32, 128), (128, 64), (64, 32)):   # the benchmark's candidates
         got = moe_layer(x, *args[:2], RANK, *args[2:], tile_n=tile_n, **kw)
@@ -500,7 +502,7 @@ def _dsa_moe(fp8: bool, device="cpu", smoke=True):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
+def test_dsa_moe_fused_matches_unfused(triton_cpu, kernel_switches, fp8):
     moe, cfg = _dsa_moe(fp8)
     assert moe._fusable_shared() is not None            # served as the extra expert
     x = torch.randn(13, cfg.hidden_size)
@@ -508,7 +510,7 @@ def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
     got = moe(x)
     from hisparse.ops.moe_layer import MOE_LAYER_MAX_TOKENS
     assert not moe.fused(torch.empty(MOE_LAYER_MAX_TOKENS + 1, cfg.hidden_size))  # prefill
-    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    kernel_switches(fused_moe=False)
     assert not moe.fused(x)
     want = moe(x)
     tol = 1e-5 if not fp8 else 2e-2
@@ -517,7 +519,7 @@ def test_dsa_moe_fused_matches_unfused(triton_cpu, monkeypatch, fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(monkeypatch, fp8):
+def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(kernel_switches, fp8):
     moe, cfg = _dsa_moe(fp8, device="cuda", smoke=False)
     if not fp8:
         moe = moe.to(torch.bfloat16)
@@ -526,7 +528,7 @@ def test_gpu_dsa_moe_fused_matches_unfused_and_is_batch_invariant(monkeypatch, f
     got = moe(x)
     for T in (1, 16, 24, 64):
         assert torch.equal(moe(x[:T]), got[:T]), T
-    monkeypatch.setenv("HISPARSE_FUSED_MOE", "0")
+    kernel_switches(fused_moe=False)
     want = moe(x).float()
     # bf16 roundings (the unfused path rounds routed and shared outputs apart) and FP8
     # activation quantization of intermediates rounded differently

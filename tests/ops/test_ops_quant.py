@@ -237,12 +237,12 @@ def test_fp8_attention_batch_invariant_interpreter(triton_cpu):
 
 @pytest.mark.parametrize("D,dtype,bs", [(32, torch.float32, 8), (128, torch.bfloat16, 8),
                                         (256, torch.float32, 4), (128, torch.float32, 16)])
-def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
+def test_fp8_indexer_triton_interpreter(kernel_switches, triton_cpu, D, dtype, bs):
     """Page-split FP8 keys: Triton (FP8 queries; one e4m3 dot per key tile, scales after the
     dot; 2 tiles for D = 256: dequantized queries) == the reference over the same pages == the
     reference over dequantized keys and dequantized FP8 queries. Pages no table maps hold NaN
     bytes, the output starts poisoned."""
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (default)
+    kernel_switches(fp8_indexer=True)  # the FP8-query path (default)
     g = torch.Generator().manual_seed(D + bs)
     lay = Q.FP8KeyLayout(D, bs)
     rows = Q.quantize_index_keys_reference(torch.randn(12 * bs, D, generator=g))
@@ -256,7 +256,7 @@ def test_fp8_indexer_triton_interpreter(monkeypatch, triton_cpu, D, dtype, bs):
     out = torch.full((4, 8), -7, dtype=torch.int32)
     got = ops.indexer_topk(q, w, keys, bt, req, pos, bs, 8, out=out)
     assert got.data_ptr() == out.data_ptr() and not (got == -7).any()
-    monkeypatch.delenv("HISPARSE_FORCE_TRITON")
+    kernel_switches(force_triton=False)
     want = ops.indexer_topk_reference(q, w, keys, bt, req, pos, bs, 8)
     assert torch.equal(got, want)
     assert (got[2] == -1).all() and not ((got[0] >= 3 * bs) & (got[0] < 4 * bs)).any()
@@ -320,8 +320,8 @@ def test_gpu_flashmla_fp8_matches_triton(T, H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_indexer_production(monkeypatch, selection_overlap):
-    monkeypatch.setenv("HISPARSE_FP8_INDEXER", "1")      # the FP8-query path (default)
+def test_gpu_fp8_indexer_production(kernel_switches, selection_overlap):
+    kernel_switches(fp8_indexer=True)  # the FP8-query path (default)
     bs, P, R = 64, 1024, 2
     D = 128
     rows = Q.quantize_index_keys_reference(torch.randn(R * P * bs, D)).cuda()

@@ -99,14 +99,14 @@ class Oracle:
 
 
 @pytest.fixture(params=["reference", "triton"])
-def backend(request, monkeypatch):
+def backend(request, kernel_switches):
     if request.param == "triton":
         if torch.cuda.is_available():
             pytest.skip("interpreter variant runs on CPU-only machines (GPU tests cover CUDA)")
         pytest.importorskip("triton")
-        monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+        kernel_switches(force_triton=True)
     else:
-        monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+        kernel_switches(force_triton=False)
     return request.param
 
 

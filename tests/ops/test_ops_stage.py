@@ -84,14 +84,14 @@ def test_plan_count_and_members(no_force):
 
 
 @pytest.mark.parametrize("triton_path", [False, True])
-def test_overflow_is_reported_and_writes_nothing(monkeypatch, triton_path):
+def test_overflow_is_reported_and_writes_nothing(kernel_switches, triton_path):
     if triton_path:
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("interpreter test")
-        monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")
+        kernel_switches(force_triton=True)
     else:
-        monkeypatch.delenv("HISPARSE_FORCE_TRITON", raising=False)
+        kernel_switches(force_triton=False)
     topk, slot, resident, host, arena, host_pool = case(seed=1, T=16, K=8)
     n = staging_union_size(topk, slot, resident.shape[1], BS)
     cap = n - 1

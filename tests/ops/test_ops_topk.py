@@ -4,6 +4,7 @@ and the reference against a plain stable sort of the fp32 scores."""
 import pytest
 import torch
 
+from hisparse.ops import switches
 from hisparse.ops.topk import (
     INT32_MAX,
     INT32_MIN,
@@ -116,9 +117,9 @@ SORT_CASES = [
 # the interpreter runs "fused" as one launch per phase ("phased"): the GPU tests cover both
 @pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
                          + [("legacy", SORT_CASES[0])])
-def test_triton_sort_modes_match_reference(triton_cpu, monkeypatch, mode, case):
+def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, case):
     k, distinct, lengths, chunk = case
-    monkeypatch.setenv("HISPARSE_TOPK", mode)
+    kernel_switches(topk=mode)
     W = 160
     keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + chunk)
     out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
@@ -132,8 +133,8 @@ def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
     with pytest.raises(ValueError, match="sort_chunk"):
         topk_select(keys, lens, 8, launch=TopkLaunch(sort_chunk=24))
     monkeypatch.setenv("HISPARSE_TOPK", "bitonic")
-    with pytest.raises(ValueError, match="HISPARSE_TOPK"):
-        topk_select(keys, lens, 8)
+    with pytest.raises(ValueError, match="HISPARSE_TOPK='bitonic'"):
+        switches.reload()
 
 
 def test_triton_all_equal_and_all_invalid(triton_cpu):
@@ -223,8 +224,8 @@ GPU_SHAPES = [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048), (64, 32768
 @pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
                          + [(m, *s) for m in ("phased", "legacy") for s in GPU_SHAPES[:2]])
 @pytest.mark.parametrize("distinct", [3, 1 << 30])
-def test_gpu_modes_match_reference(monkeypatch, mode, T, W, k, distinct):
-    monkeypatch.setenv("HISPARSE_TOPK", mode)
+def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
+    kernel_switches(topk=mode)
     keys, lens = _gpu_rows(T, W, k, seed=T + k + distinct, distinct=distinct)
     scratch = TopkScratch(T, "cuda")
     want = topk_select_reference(keys, lens, k)
@@ -259,10 +260,10 @@ def test_gpu_batch_invariant():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fused", "phased"])
-def test_gpu_cuda_graph_buckets(monkeypatch, mode):
+def test_gpu_cuda_graph_buckets(kernel_switches, mode):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections."""
-    monkeypatch.setenv("HISPARSE_TOPK", mode)
+    kernel_switches(topk=mode)
     W, k = 32768, 2048
     buckets = [8, 16, 32, 64]
     scratch = TopkScratch(max(buckets), "cuda")
