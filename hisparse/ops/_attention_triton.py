@@ -10,7 +10,7 @@ count only (:func:`attn_config`), so outputs are batch invariant.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -140,29 +140,70 @@ class AttnConfig:
         return triton.cdiv(K, self.k_per_split)
 
 
+MAX_SPLITS = 32              # the combine holds one row of every chunk: [MAX_SPLITS, 512] fp32
+PARTIAL_BYTES = 128 << 20    # chunk partials of one launch at most (see _launch_chunks)
+
+
 def attn_config(H: int, K: int, fp8: bool, is_fp32: bool) -> AttnConfig:
     """The launch for ``H`` heads and ``K`` indices, from those alone, never the token count:
     a token's output does not depend on the batch it runs in (lossless: a run that spills
-    batches differently from one that does not). Measured on the H200 (FP8 rows, K = 2048;
-    docs/BENCHMARKS.md, "Batch-invariant sparse attention"): at 16 heads, chunks of 64 indices
-    in blocks of 64 rows take 0.49x the former batch-dependent split count's time at 8 tokens,
-    0.92-0.96x at 24-42 and 1.05x at 96; at 64-128 heads chunks of 512 cost 1.0-1.1x at 64
-    tokens and 1.5-1.7x at 8 (the price of invariance there)."""
+    batches differently from one that does not). Chunks grow past the base size only to keep
+    at most :data:`MAX_SPLITS` of them, and shrink to ``K`` (rounded to a block) when ``K`` is
+    smaller. Measured on the H200 (K = 2048; docs/BENCHMARKS.md, "Batch-invariant sparse
+    attention"): FP8 rows at 16 heads, chunks of 64 indices in blocks of 64 rows take 0.49x
+    the former batch-dependent split count's time at 8 tokens, 0.92-0.96x at 24-42 and 1.05x
+    at 96 (isolated); bf16 rows at 16 heads, chunks of 128 in blocks of 32: 0.80x at 8,
+    1.01-1.13x at 24-96; at 64-128 heads chunks of 512 cost 1.0-1.1x at 64 tokens and 1.5-1.7x
+    at 8 (the price of invariance there)."""
     if is_fp32:  # interpreter / CPU-forced path: small tiles, two chunks
         bn = 16
         return AttnConfig(16, bn, 4, 1, max(bn, triton.cdiv(triton.cdiv(K, 2), bn) * bn))
     if H <= 16:
-        return AttnConfig(16, 64, 4, 2, 64)
-    if H <= 32:
-        return AttnConfig(32, 64, 8, 2, 256)
-    # H = 64 / 128 (one GPU or TP 2 of V3.2): DV_BLOCK=256 overflows smem
-    return AttnConfig(64, 64, 8, 2, 512)
+        base = AttnConfig(16, 64, 4, 2, 64) if fp8 else AttnConfig(16, 32, 4, 3, 128)
+    elif H <= 32:
+        base = AttnConfig(32, 64, 8, 2, 256)
+    else:  # H = 64 / 128 (one GPU or TP 2 of V3.2): DV_BLOCK=256 overflows smem
+        base = AttnConfig(64, 64, 8, 2, 512)
+    bn = base.block_n
+    kps = max(base.k_per_split, triton.cdiv(triton.cdiv(K, MAX_SPLITS), bn) * bn)
+    return replace(base, k_per_split=min(kps, triton.cdiv(K, bn) * bn))
 
 
-def _check_config(cfg: AttnConfig) -> None:
-    if cfg.k_per_split % cfg.block_n:
-        raise ValueError(f"AttnConfig: k_per_split ({cfg.k_per_split}) must be a multiple of "
-                         f"block_n ({cfg.block_n})")
+def _check_config(cfg: AttnConfig, fp8: bool) -> None:
+    bn = cfg.block_n
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"AttnConfig: block_n ({bn}) must be a power of two >= 16")
+    if cfg.k_per_split <= 0 or cfg.k_per_split % bn:
+        raise ValueError(f"AttnConfig: k_per_split ({cfg.k_per_split}) must be a positive "
+                         f"multiple of block_n ({bn})")
+    if 512 % cfg.dv_block or (fp8 and cfg.dv_block != 512):
+        raise ValueError(f"AttnConfig: dv_block ({cfg.dv_block}) must divide 512 (bf16 rows) "
+                         f"or be 512 (FP8 rows)")
+
+
+def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) -> None:
+    """Run ``launch(tokens, po, pl, strides)`` (one kernel launch for the token slice
+    ``tokens`` writing ``po``/``pl`` with ``strides = (chunk, token, head)`` of ``po`` then
+    ``(chunk, token)`` of ``pl``), then merge the chunks into ``out``/``lse``. One chunk: the
+    kernel writes ``out`` directly. Several: over token slices whose partials fit
+    :data:`PARTIAL_BYTES` (a 2048-token prefill chunk at 16 heads x 32 chunks would need
+    2 GiB); tokens are independent, so the slicing changes no bit."""
+    T, H, d_v = out.shape
+    if splits == 1:
+        launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)))
+        return
+    step = max(1, min(T, PARTIAL_BYTES // (splits * H * (d_v + 1) * 4)))
+    po = torch.empty((splits, step, H, d_v), dtype=torch.float32, device=out.device)
+    pl = torch.empty((splits, step, H), dtype=torch.float32, device=out.device)
+    strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+    for a in range(0, T, step):
+        tokens = slice(a, min(a + step, T))
+        launch(tokens, po, pl, strides)
+        o, ls = out[tokens], lse[tokens]
+        _combine_kernel[(o.shape[0], H)](
+            po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
+            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        )
 
 
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
@@ -194,34 +235,22 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
     if kv.dtype != q.dtype:
         kv = kv.to(q.dtype)
     cfg = config or attn_config(H, K, False, is_fp32)
-    _check_config(cfg)
+    _check_config(cfg, fp8=False)
     splits = cfg.splits(K)
     qk_scale = sm_scale * LOG2E
-    grid = (T, triton.cdiv(H, cfg.block_h) * (512 // cfg.dv_block), splits)
-    if splits == 1:
-        po, pl = out, lse
-        sos, sls = 0, 0
-        s_ot, s_oh, s_lt = out.stride(0), out.stride(1), lse.stride(0)
-    else:
-        po = torch.empty((splits, T, H, d_v), dtype=torch.float32, device=q.device)
-        pl = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
-        sos, sls = po.stride(0), pl.stride(0)
-        s_ot, s_oh, s_lt = po.stride(1), po.stride(2), pl.stride(1)
-    _attn_kernel[grid](
-        q, kv, indices, po, pl, H, K, N, qk_scale,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        sos, s_ot, s_oh, sls, s_lt,
-        K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n, DV_BLOCK=cfg.dv_block, IEEE=is_fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _combine_kernel[(T, H)](
-            po, pl, out, lse, H, splits,
-            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            D_V=512, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+
+    def launch(tokens, po, pl, strides):
+        qs, ids = q[tokens], indices[tokens]
+        grid = (qs.shape[0], triton.cdiv(H, cfg.block_h) * (512 // cfg.dv_block), splits)
+        _attn_kernel[grid](
+            qs, kv, ids, po, pl, H, K, N, qk_scale,
+            qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
+            K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n, DV_BLOCK=cfg.dv_block, IEEE=is_fp32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+    _launch_chunks(out, lse, splits, launch)
     return out, lse
 
 
@@ -356,32 +385,19 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
         return out, lse
     is_fp32 = q.dtype == torch.float32 or not q.is_cuda
     cfg = config or attn_config(H, K, True, is_fp32)
-    _check_config(cfg)
+    _check_config(cfg, fp8=True)
     splits = cfg.splits(K)
-    grid = (T, triton.cdiv(H, cfg.block_h), splits)
-    if splits == 1:
-        po, pl = out, lse
-        sos, sls = 0, 0
-        s_ot, s_oh, s_lt = out.stride(0), out.stride(1), lse.stride(0)
-    else:
-        po = torch.empty((splits, T, H, d_v), dtype=torch.float32, device=q.device)
-        pl = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
-        sos, sls = po.stride(0), pl.stride(0)
-        s_ot, s_oh, s_lt = po.stride(1), po.stride(2), pl.stride(1)
-    _attn_fp8_kernel[grid](
-        q, kv, kv.view(torch.float32), kv.view(torch.bfloat16), indices, po, pl,
-        H, K, N, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        sos, s_ot, s_oh, sls, s_lt,
-        K_PER_SPLIT=cfg.k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=is_fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _combine_kernel[(T, H)](
-            po, pl, out, lse, H, splits,
-            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+
+    def launch(tokens, po, pl, strides):
+        qs, ids = q[tokens], indices[tokens]
+        _attn_fp8_kernel[(qs.shape[0], triton.cdiv(H, cfg.block_h), splits)](
+            qs, kv, kv.view(torch.float32), kv.view(torch.bfloat16), ids, po, pl,
+            H, K, N, sm_scale * LOG2E,
+            qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
+            K_PER_SPLIT=cfg.k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=is_fp32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+    _launch_chunks(out, lse, splits, launch)
     return out, lse

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hisparse import ops
+from hisparse.ops import switches
 from hisparse.ops.attention import flashmla_sched_meta
 
 
@@ -70,8 +71,8 @@ class BF16Format(KVFormat):
 class FP8Format(KVFormat):
     """``"fp8"``: FlashMLA's byte rows ``[N, 656]`` uint8 and FP8 key pages ``[blocks,
     block_size * 132]`` uint8 (:mod:`hisparse.ops.quant`), quantized as they are written (one
-    launch); attention in the compute dtype, the kernels dequantize. On CUDA one FlashMLA
-    scheduler metadata may serve every layer of a forward."""
+    launch); attention in the compute dtype, the kernels dequantize. When FlashMLA runs (a
+    measurement switch), one scheduler metadata serves every layer of a forward."""
 
     def write_rows(self, new: Tensor, dst: Tensor, rows: Tensor) -> None:
         ops.quantize_write_mla_rows(new, dst, rows, self.kv_lora_rank)
@@ -87,8 +88,11 @@ class FP8Format(KVFormat):
         return out
 
     def sched_meta(self):
-        """A fresh FlashMLA metadata on CUDA (``None`` on CPU or without flash_mla)."""
-        return flashmla_sched_meta() if self.cuda else None
+        """A fresh FlashMLA metadata when FlashMLA runs (CUDA, ``HISPARSE_ATTENTION=flashmla``:
+        "auto" runs the Triton kernel, which needs none); else ``None``."""
+        if self.cuda and switches.current().attention == "flashmla":
+            return flashmla_sched_meta()
+        return None
 
 
 def kv_format(geo, kv_lora_rank: int, device: torch.device) -> KVFormat:

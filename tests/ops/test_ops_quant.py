@@ -220,19 +220,53 @@ def _fp8_triton(q, rows, idx, **cfg):
 def _check_batch_invariant(q, rows, idx, cuts):
     """Each token's output is the same bits alone, in any sub-batch and in the whole batch
     (the lossless contract: a spilled run batches differently), and ``num_stages`` (speed
-    only) does not change them."""
+    only; the interpreter ignores it) does not change them."""
     o, l = _fp8_triton(q, rows, idx)
     for a, b in cuts:
         oa, la = _fp8_triton(q[a:b].contiguous(), rows, idx[a:b].contiguous())
         assert torch.equal(oa, o[a:b]) and torch.equal(la, l[a:b]), (a, b)
-    for stages in (1, 3):
+    for stages in (1, 3) if q.is_cuda else ():
         op, lp = _fp8_triton(q, rows, idx, num_stages=stages)
         assert torch.equal(op, o) and torch.equal(lp, l), stages
+    return o, l
 
 
-def test_fp8_attention_batch_invariant_interpreter(triton_cpu):
-    q, rows, idx = _fp8_case(5, 16, 96, 192, dtype=torch.bfloat16, seed=3)
-    _check_batch_invariant(q, rows, idx, [(0, 1), (1, 4), (4, 5)])
+def test_fp8_attention_batch_invariant_and_sliced_interpreter(triton_cpu, monkeypatch):
+    """K = 90: two chunks, the last with a partial block; then launches over token slices
+    (a partials budget of one token) give the same bits, into a poisoned output."""
+    from hisparse.ops import _attention_triton as AT
+
+    q, rows, idx = _fp8_case(4, 16, 90, 180, dtype=torch.bfloat16, seed=3)
+    o, l = _check_batch_invariant(q, rows, idx, [(0, 1), (1, 4)])
+    assert AT.attn_config(16, 90, True, True).splits(90) == 2
+    kv = Q.dequantize_mla_rows_reference(rows, 512, 64, dtype=torch.bfloat16)
+    ob, lb = AT.sparse_mla_attention_triton(q, kv, idx, 576 ** -0.5)       # the bf16 kernel
+    monkeypatch.setattr(AT, "PARTIAL_BYTES", 1)
+    for run, want in ((AT.sparse_mla_attention_fp8_triton, (o, l, rows)),
+                      (AT.sparse_mla_attention_triton, (ob, lb, kv))):
+        out = torch.full_like(want[0], float("nan"))
+        lse = torch.full_like(want[1], float("nan"))
+        run(q, want[2], idx, 576 ** -0.5, out=out, lse=lse)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), run.__name__
+
+
+def test_attn_config_depends_on_heads_and_indices_only():
+    from hisparse.ops._attention_triton import MAX_SPLITS, AttnConfig, _check_config, attn_config
+
+    for fp8 in (True, False):
+        for H in (8, 16, 32, 64, 128):
+            for K in (1, 60, 64, 300, 2000, 2048, 4096, 16384):
+                c = attn_config(H, K, fp8, False)
+                _check_config(c, fp8)
+                assert 1 <= c.splits(K) <= MAX_SPLITS, (H, K, c)
+                assert c.k_per_split <= -(-K // c.block_n) * c.block_n     # no empty chunk
+    assert attn_config(16, 2048, True, False).splits(2048) == 32
+    assert attn_config(16, 4096, True, False).splits(4096) == 32        # chunks grow
+    for bad, fp8 in [(AttnConfig(16, 48, 4, 2, 96), True), (AttnConfig(16, 32, 4, 2, 48), True),
+                     (AttnConfig(16, 32, 4, 2, 0), True), (AttnConfig(16, 32, 4, 2, 64, 256), True),
+                     (AttnConfig(16, 32, 4, 2, 64, 384), False)]:
+        with pytest.raises(ValueError, match="AttnConfig"):
+            _check_config(bad, fp8)
 
 
 @pytest.mark.parametrize("D,dtype,bs", [(32, torch.float32, 8), (128, torch.bfloat16, 8),
