@@ -3,10 +3,14 @@ batch-invariant plans (``AttnConfig``: chunks of ``k_per_split`` indices, fixed 
 against the former batch-dependent pick (split count grown until ~2 programs per SM, emulated
 here as ``former``) and FlashMLA's FP8 decode (heads padded to 64 at allocation), each timed
 inside CUDA graphs (``bench_ops.timeit_graph``). 16 heads: every plan of a small grid; 64/128
-heads: chunk sizes 256-1024.
+heads: chunk sizes 256-1024. Indices: uniform over a 262,144-row pool (default), or with
+``--context C`` as a decode step reads them, each token its own ``C`` rows (a request's pages,
+contiguous) of which it selects 2048 distinct ones in random order (the pool is then T x C rows:
+516 MB a layer at 24 x 32k, past the L2 as in the real rank).
 
 Usage (repository root, CUDA): ``PYTHONPATH=. python benchmarks/bench_attention_plans.py
-[--shapes 16x8,16x24,16x42,16x96,64x8,64x64,128x8,128x64] [--out plans.json]`` (~70 s)
+[--shapes 16x8,16x24,16x42,16x96,64x8,64x64,128x8,128x64] [--context 32768] [--out plans.json]``
+(~70 s)
 """
 from __future__ import annotations
 
@@ -50,10 +54,21 @@ def plans(H: int) -> list[AttnConfig]:
     return [AttnConfig(64, 64, 8, 2, kps) for kps in (256, 512, 1024)]
 
 
-def bench_shape(H: int, T: int, kvb: torch.Tensor, kv8: torch.Tensor) -> dict:
+def indices(T: int, context: int | None) -> torch.Tensor:
+    """``[T, K]`` int32: uniform over ``N`` rows, or token t's K distinct rows of
+    ``[t * context, (t + 1) * context)`` in random order."""
+    if context is None:
+        return torch.randint(0, N, (T, K), dtype=torch.int32, device="cuda")
+    local = torch.rand(T, context, device="cuda").argsort(dim=1)[:, :K]
+    base = torch.arange(T, device="cuda")[:, None] * context
+    return (local + base).int()
+
+
+def bench_shape(H: int, T: int, kvb: torch.Tensor, kv8: torch.Tensor,
+                context: int | None = None) -> dict:
     """us per call of every plan at ``H`` heads x ``T`` tokens (and the bf16 kernel at 16)."""
     scale = 576 ** -0.5
-    idx = torch.randint(0, N, (T, K), dtype=torch.int32, device="cuda")
+    idx = indices(T, context)
     qp = torch.randn(T, max(64, H), 576, device="cuda").to(torch.bfloat16)
     q = qp[:, :H].contiguous()
     row = {"H": H, "T": T, "us": {}}
@@ -80,14 +95,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16x8,16x24,16x42,16x96,64x8,64x64,128x8,128x64",
                     help="HxT: heads x tokens")
+    ap.add_argument("--context", type=int, default=None,
+                    help="each token's indices within its own CONTEXT rows (a decode step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    kvb = torch.randn(N, 576, device="cuda").to(torch.bfloat16)
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+    rows = N if args.context is None else max(T for _, T in shapes) * args.context
+    kvb = torch.randn(rows, 576, device="cuda").to(torch.bfloat16)
     kv8 = quantize_mla_rows_reference(kvb, 512)
     res = []
-    for shape in args.shapes.split(","):
-        H, T = (int(v) for v in shape.split("x"))
-        row = bench_shape(H, T, kvb, kv8)
+    for H, T in shapes:
+        row = bench_shape(H, T, kvb, kv8, args.context)
         res.append(row)
         us = row["us"]
         best = min((k for k in us if k not in ("former", "default")), key=us.get)
