@@ -64,10 +64,14 @@ def _one_torch_thread():
 def _switches_from_env():
     """Every test starts and ends on the kernel switches its environment sets: one that set a
     variable and started an engine (which reads them) leaves nothing behind (``monkeypatch``
-    restores the environment before this teardown reloads it)."""
+    restores the environment before this teardown reloads it). A ``monkeypatch.setenv`` of a
+    switch inside a test reaches direct op calls only after ``switches.reload()`` (an engine
+    start does it). An override left open would carry into later tests: it fails this one."""
     switches.reload()
     yield
+    leaked = switches.active_overrides()
     switches.reload()
+    assert leaked == 0, f"{leaked} switches.override() block(s) left open by this test"
 
 
 @pytest.fixture

@@ -14,9 +14,11 @@ allocates its caches.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     mc = load_config(args.model)
     plan = plan_pools(args, mc)
     switches = kernel_switches.reload()
+    _warn_if_live_engines_differ(switches)
     tp, k_spec = args.tensor_parallel_size, plan.num_speculative_tokens
     if tp > 1:
         torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
@@ -115,6 +118,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
         model = caches = runner = core = disagg = None   # free them below
         free_memory(args.device)
         raise
+    _LIVE_SWITCHES[core] = switches
     return EngineParts(model_dir=args.model, device=args.device, tensor_parallel_size=tp,
                        model_config=mc, max_model_len=plan.max_model_len, kv_config=kv_config,
                        model=model, caches=caches, runner=runner, scheduler=scheduler,
@@ -122,10 +126,31 @@ def build_engine(args: EngineArgs) -> EngineParts:
                        tp=workers)
 
 
+# the kernel switches each engine of this process started with (by its core, while it lives)
+_LIVE_SWITCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _warn_if_live_engines_differ(new: kernel_switches.KernelSwitches) -> None:
+    """Kernel switches are per process (:mod:`hisparse.ops.switches`): an engine started while
+    another one lives under a different environment changes what the older one runs, eager
+    steps and sizes not yet captured included. Say so, naming the switches."""
+    for old in list(_LIVE_SWITCHES.values()):
+        changed = [f.name for f in dataclasses.fields(new)
+                   if getattr(new, f.name) != getattr(old, f.name)]
+        if changed:
+            logger.warning("kernel switches %s differ from those of an engine still alive in "
+                           "this process: it follows the new ones from now on (switches are "
+                           "per process; start engines of one process under one environment)",
+                           ", ".join(f"{n}={getattr(new, n)!r}" for n in changed))
+            return
+
+
 def stop(runner, core: EngineCore | None, disagg: Disaggregation | None, tp) -> None:
     """Stop what runs in the background of an engine (any part may be ``None``): mirror copies
     in flight finish writing the pools, the heap frozen for its requests is unfrozen, the NIXL
     agent closes and tensor-parallel workers stop."""
+    if core is not None:
+        _LIVE_SWITCHES.pop(core, None)
     if runner is not None and hasattr(runner, "drain"):
         try:
             runner.drain()    # mirror copies still in flight write the pools

@@ -43,7 +43,17 @@ switches of the last one started, so they must be started under the same environ
 Tests and benchmarks that switch paths inside one process use :func:`override` (a context
 manager; it survives :func:`reload`, so an engine started inside it runs with it). What an
 override is active around must also run inside it: an engine started inside an override and
-stepped after it would mix paths.
+stepped after it would mix paths. An override entered while an engine steps on another thread
+(the async engine) or runs tensor-parallel ranks (they keep rank 0's switches of the start)
+makes the ranks or the step's layers disagree: switch between steps, on the stepping thread,
+with one rank. The engine logs a warning when it starts under switches that differ from those
+of another engine still alive in the process.
+
+Changed from the per-call reads this replaced: flags take ``0`` or ``1`` only (any other value
+used to mean on for ``HISPARSE_FORCE_TRITON`` and off-unless-``0`` for the ``1``-default
+flags; they are refused now), an empty ``HISPARSE_TRITON_AUTOTUNE`` is the default (on; it
+used to turn autotuning off), an empty mode variable is its default, and a bad
+``HISPARSE_TOPK`` is refused at engine start instead of at the first Triton top-k.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -121,15 +132,17 @@ class KernelSwitches:
 _base: KernelSwitches | None = None          # the environment's (reload) or rank 0's (install)
 _overrides: list[dict[str, object]] = []     # active override() blocks, innermost last
 _current: KernelSwitches | None = None       # _base with the overrides applied
+_lock = threading.RLock()                    # the three above change together
 
 
 def _apply() -> KernelSwitches:
     global _current
-    s = _base
-    for changes in _overrides:
-        s = dataclasses.replace(s, **changes)
-    _current = s
-    return s
+    with _lock:
+        s = _base
+        for changes in _overrides:
+            s = dataclasses.replace(s, **changes)
+        _current = s
+        return s
 
 
 def current() -> KernelSwitches:
@@ -149,8 +162,9 @@ def install(switches: KernelSwitches) -> KernelSwitches:
     global _base
     if not isinstance(switches, KernelSwitches):
         raise TypeError(f"install: want KernelSwitches, got {type(switches).__name__}")
-    _base = switches
-    return _apply()
+    with _lock:
+        _base = switches
+        return _apply()
 
 
 @contextlib.contextmanager
@@ -159,9 +173,17 @@ def override(**changes: object) -> Iterator[KernelSwitches]:
     the environment's; checked before the block runs (an unknown field is a ``TypeError``, a
     bad value a ``ValueError``). Nests; :func:`reload` keeps it. Yields the switches."""
     dataclasses.replace(current(), **changes)       # check before anything changes
-    _overrides.append(changes)
+    with _lock:
+        _overrides.append(changes)
+        applied = _apply()
     try:
-        yield _apply()
+        yield applied
     finally:
-        del _overrides[next(i for i, c in enumerate(_overrides) if c is changes)]
-        _apply()
+        with _lock:
+            del _overrides[next(i for i, c in enumerate(_overrides) if c is changes)]
+            _apply()
+
+
+def active_overrides() -> int:
+    """How many :func:`override` blocks are open (tests check none leaks past a test)."""
+    return len(_overrides)

@@ -90,9 +90,9 @@ class FP8Format(KVFormat):
     def sched_meta(self):
         """A fresh FlashMLA metadata when FlashMLA runs (CUDA, ``HISPARSE_ATTENTION=flashmla``:
         "auto" runs the Triton kernel, which needs none); else ``None``."""
-        if self.cuda and switches.current().attention == "flashmla":
-            return flashmla_sched_meta()
-        return None
+        flashmla = self.backend == "flashmla" or (self.backend == "auto"
+                                                  and switches.current().attention == "flashmla")
+        return flashmla_sched_meta() if self.cuda and flashmla else None
 
 
 def kv_format(geo, kv_lora_rank: int, device: torch.device) -> KVFormat:

@@ -111,3 +111,21 @@ def test_gpu_eager_and_replayed_steps_keep_the_start_switches(tmp_path, monkeypa
         assert seen and all(s is llm.switches for s in seen), len(seen)
     finally:
         llm.shutdown()
+
+
+def test_an_engine_started_beside_a_live_one_under_other_switches_is_warned(dsv32_path,
+                                                                           monkeypatch, caplog):
+    first = tiny(dsv32_path)
+    try:
+        monkeypatch.setenv("HISPARSE_FP8_GEMM", "reference")
+        with caplog.at_level("WARNING", logger="hisparse"):
+            second = tiny(dsv32_path)
+        second.shutdown()
+        assert any("fp8_gemm='reference'" in r.getMessage() and "still alive" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        first.shutdown()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hisparse"):       # nobody alive: no warning
+        tiny(dsv32_path).shutdown()
+    assert not any("still alive" in r.getMessage() for r in caplog.records)
