@@ -23,6 +23,20 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _softmax_step(s, valid, m_i, l_i, qk_scale):
+    """Online softmax over one block of logits ``s [BLOCK_H, BLOCK_N]`` (invalid columns
+    masked): returns (new running max, the old accumulator's rescale, the block's weights,
+    new running sum), all in base 2."""
+    s = s * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
                  H, K, N, qk_scale,
                  stride_qt, stride_qh, stride_kv, stride_it,
@@ -65,13 +79,7 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
         else:
             s = tl.dot(q_nope, tl.trans(kn))
             s = tl.dot(q_pe, tl.trans(kp), s)
-        s = s * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = _softmax_step(s, valid, m_i, l_i, qk_scale)
         if DV_BLOCK == D_V:
             v = kn
         else:
@@ -290,13 +298,7 @@ def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
                         * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
         s = tl.dot(q_nope, tl.trans(kn))
         s = tl.dot(q_pe, tl.trans(kp), s)
-    s = s * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(s, valid, m_i, l_i, qk_scale)
     if IEEE:
         acc = tl.dot(p, kn, acc * alpha[:, None], input_precision="ieee")
     else:
