@@ -238,15 +238,23 @@ class Simulation:
             num_pages = len(req.token_ids) // block_size
             for p, h in enumerate(kv.prefix.page_hashes(req.token_ids, num_pages)):
                 expected.setdefault(h, (req.req_id, p))
+        # one comparison per request over all the blocks published from its pages
+        by_req: dict[str, tuple[list[int], list[int]]] = {}
         for h, block in kv.host_pool.hash_to_block.items():
             req_id, page = expected[h]
-            positions = np.arange(page * block_size, (page + 1) * block_size, dtype=np.int64)
-            rows = torch.from_numpy(page_rows([block], block_size))
+            pages, blocks = by_req.setdefault(req_id, ([], []))
+            pages.append(page)
+            blocks.append(block)
+        for req_id, (pages, blocks) in by_req.items():
+            positions = page_rows(pages, block_size)
+            rows = torch.from_numpy(page_rows(blocks, block_size))
             want = self.worker.expected(req_id, positions)
-            if not torch.equal(self.worker.host[:, rows], want):
-                raise AssertionError(f"I3: host block {block} published before durable")
-            if not torch.equal(self.worker.host_indexer[:, rows], want):
-                raise AssertionError(f"I3: host block {block} indexer keys not durable")
+            for pool, what in ((self.worker.host, "published before durable"),
+                               (self.worker.host_indexer, "indexer keys not durable")):
+                bad = (pool[:, rows] != want).any(0).nonzero().flatten()
+                if len(bad):
+                    raise AssertionError(f"I3: host block {blocks[int(bad[0]) // block_size]} "
+                                         f"{what}")
 
     def check_all_free(self) -> None:
         """I2: with every request gone and copies settled, every pool is whole again."""

@@ -81,10 +81,16 @@ def assert_pools_full(llm):
         cfg.num_gpu_blocks, cfg.num_host_blocks, cfg.num_indexer_blocks)
 
 
-@pytest.mark.parametrize("decode_gpu_blocks", [60, 16])
-def test_prefill_to_decode_equals_colocated(dsv32_path, decode_gpu_blocks):
+@pytest.fixture(scope="module")
+def six_prompts(dsv32_path):
+    """Six prompts and their colocated greedy outputs (both pool sizes below)."""
     batch = prompts(6, 20, 110, seed=3)
-    want = tokens(engine(dsv32_path).generate(batch, greedy()))
+    return batch, tokens(engine(dsv32_path).generate(batch, greedy()))
+
+
+@pytest.mark.parametrize("decode_gpu_blocks", [60, 16])
+def test_prefill_to_decode_equals_colocated(dsv32_path, six_prompts, decode_gpu_blocks):
+    batch, want = six_prompts
     p = engine(dsv32_path, kv_role="prefill")
     d = engine(dsv32_path, kv_role="decode", num_gpu_blocks=decode_gpu_blocks)
     poison(d)

@@ -109,7 +109,10 @@ def test_quantize_queries_bit_exact(triton_cpu, Hi, D, dtype):
         assert wq is None
 
 
-@pytest.mark.parametrize("group,Hi", [(1, 64), (2, 16), (4, 8)])
+# (1, 64): one program's head tile 4x wider, the kernel paths of the others (token groups of 1
+# run in the integer-data test below): the newest Triton only (.ci/triton_matrix.sh; ~5 s)
+@pytest.mark.parametrize("group,Hi", [
+    pytest.param(1, 64, marks=pytest.mark.newest_triton_only), (2, 16), (4, 8)])
 def test_fp8_scoring_matches_oracle(triton_cpu, group, Hi):
     """Fresh random data with spread magnitudes: every written score within fp32 rounding of
     the float64 oracle over the dequantized FP8 queries and keys; unmapped pages INT32_MIN,

@@ -70,7 +70,11 @@ def test_fused_plain_bf16_matches_loop(triton_cpu):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("I,D,block", [(48, 96, (16, 16)), (64, 64, (32, 32)), (24, 40, (16, 16))])
+# (48, 96) repeats (24, 40)'s tiles (16 x 16, several K steps) without its ragged edges: the
+# newest Triton only (.ci/triton_matrix.sh; ~10 s interpreted)
+@pytest.mark.parametrize("I,D,block", [
+    pytest.param(48, 96, (16, 16), marks=pytest.mark.newest_triton_only), (64, 64, (32, 32)),
+    (24, 40, (16, 16))])
 def test_fused_fp8_matches_loop(triton_cpu, I, D, block):
     E, T, k = 8, 13, 2
     ids, w = _routing(T, k, E, seed=I, unused=(5,))

@@ -81,11 +81,11 @@ def cluster(model_dir):
                           "--served-model-name", "tiny", *extra])
             procs.append(p)
             urls.append(u)
-        wait_up(procs, urls)
+        # the router starts beside them (its /health answers once both of theirs do)
         p, u = start(["router", "--prefill", urls[0], "--decode", urls[1]])
         procs.append(p)
         urls.append(u)
-        wait_up(procs[2:], urls[2:])
+        wait_up(procs, urls)
         yield urls, procs
     finally:
         for p in procs:
