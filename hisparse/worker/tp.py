@@ -47,6 +47,7 @@ import datetime
 import hashlib
 import os
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -295,6 +296,11 @@ def _worker_main(rank: int, spec: dict, host_buffers, conn) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     conn.close()
+    # nothing of this rank outlives it (rank 0 owns the shared host pool): skip the
+    # interpreter's teardown of torch and the model, ~1.3 s of every engine shutdown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _info(rank: int, runner, caches, tables: RankTables, digest: bool) -> dict:
