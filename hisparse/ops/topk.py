@@ -33,6 +33,8 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
+
+
 @dataclass(frozen=True)
 class TopkLaunch:
     """Launch parameters of the Triton top-k (speed hints: every value is exact).

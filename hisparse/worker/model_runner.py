@@ -142,7 +142,8 @@ class PagedContext:
         self.topk: Tensor | None = None
         self.band: Tensor | None = None
         # FlashMLA FP8 decode: one scheduler metadata per forward, shared by every layer
-        self.sched_meta = None
+        # (None unless FlashMLA runs)
+        self.sched_meta = self.kv_format.sched_meta()
 
     def write_to_sinks(self) -> None:
         """After :meth:`begin`: this forward's tokens are never stored (chained draft tokens),
@@ -166,8 +167,6 @@ class PagedContext:
         rows = self._rows(layer_idx)
         if self.staged is not None:
             return self._attend_staged(layer_idx, q_latent, rows, sm_scale)
-        if self.sched_meta is None:
-            self.sched_meta = fmt.sched_meta()
         return fmt.attention(q_latent, arena, rows, sm_scale,
                              self.sched_meta).to(q_latent.dtype)
 
