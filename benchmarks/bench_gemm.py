@@ -15,7 +15,8 @@ bytes / time); ``stream`` the old kernel's default (µs); ``bf16`` ``torch.mm`` 
 shape (twice the weight bytes); ``x old`` = stream / best. Times are per call from CUDA graphs
 (``bench_ops.timeit_graph``) of back-to-back calls that rotate through weight copies larger
 than L2 (every call reads HBM, as the engine's 61 layers do). The footer estimates one decode
-step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old, and prints the
+step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old (and, with every
+separate linear in ``--ops``, the same step unstacked), and prints the
 ``SPLITK_TABLE`` entries of the best launches, ready to paste. ``S/G``: the plan's chunk and
 group counts (the numerics: per linear, never per M). ``--chunks-sweep``: for each linear also
 the default launch at half and twice the default chunk count at M = 1, 24, 64, 256 (``S n:µs``
@@ -42,13 +43,20 @@ from hisparse.ops import switches  # noqa: E402
 from hisparse.ops.gemm import fp8_block_linear, quantize_fp8_weight  # noqa: E402
 
 # name: (N, K, launches per decode step) of one TP-8 rank of DeepSeek-V3.2 (61 layers, the
-# first 3 dense; the shared expert runs inside the fused MoE layer, so it is not counted)
+# first 3 dense; the shared expert runs inside the fused MoE layer, so it is not counted). The
+# model stacks the linears that share an input (``DSAForCausalLM.stack_projections_``): the
+# step runs ``stack.x`` = [q_a | idx.wk | kv_a], ``stack.q`` = [q_b | idx.wq_b] and
+# ``dense.gate_up``; the separate linears (0 launches) are kept for the comparison.
 RANK_LINEARS = {
-    "q_a": (1536, 7168, 61), "kv_a": (576, 7168, 61), "q_b": (3072, 1536, 61),
-    "o_proj": (7168, 2048, 61), "idx.wq_b": (8192, 1536, 61), "idx.wk": (128, 7168, 61),
-    "dense.gate": (2304, 7168, 6), "dense.down": (7168, 2304, 3),
+    "stack.x": (2240, 7168, 61), "stack.q": (11264, 1536, 61), "o_proj": (7168, 2048, 61),
+    "dense.gate_up": (4608, 7168, 3), "dense.down": (7168, 2304, 3),
+    "q_a": (1536, 7168, 0), "kv_a": (576, 7168, 0), "q_b": (3072, 1536, 0),
+    "idx.wq_b": (8192, 1536, 0), "idx.wk": (128, 7168, 0), "dense.gate": (2304, 7168, 0),
     "shared.gate_up": (512, 7168, 0), "shared.down": (7168, 256, 0),
 }
+# the same step's launches before the stacking (the footer's "unstacked" column)
+UNSTACKED = {"q_a": 61, "kv_a": 61, "q_b": 61, "idx.wq_b": 61, "idx.wk": 61, "o_proj": 61,
+             "dense.gate": 6, "dense.down": 3}
 SMOKE_LINEARS = {"tiny": (96, 512, 1)}
 BATCHES = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 CHUNK_SWEEP_MS = (1, 24, 64, 256)  # --chunks-sweep: the M it times other plans at
@@ -231,8 +239,12 @@ def print_footer(rows: list[dict]) -> None:
                    for r in mine)
         old = sum(r["stream_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
         bf = sum(r["bf16_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
+        unst = ""
+        if all(any(r["op"] == op for r in mine) for op in UNSTACKED):
+            us = sum(best(r)[1] * UNSTACKED.get(r["op"], 0) for r in mine)
+            unst = f"  unstacked best {us:8.0f}"
         print(f"  M={M:>4}: new best {new:8.0f}  new default {dflt:8.0f}  stream {old:8.0f}  "
-              f"bf16 {bf:8.0f}")
+              f"bf16 {bf:8.0f}{unst}")
     print("\nSPLITK_TABLE = {  # (N, K, m_bucket): launch, from this run")
     for r in rows:
         c = G.SplitKConfig.parse(best(r)[0])

@@ -2,7 +2,8 @@
 
 from .config import SUPPORTED_ARCHITECTURES, DSAConfig
 from .context import DenseReferenceContext, SparseAttentionContext
-from .dsa import DSAForCausalLM, FP8Linear
+from .dsa import DSAForCausalLM
+from .linear import FP8Linear
 from .loader import CheckpointError, load_model
 
 __all__ = [

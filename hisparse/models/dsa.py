@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..ops import glue
 from ..ops._common import want_triton
-from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
+from ..ops.gemm import FP8_DTYPE, cdiv
 from ..ops.moe import fused_moe, fused_moe_graph_safe
 from ..ops.moe_layer import (
     MOE_LAYER_MAX_TOKENS,
@@ -52,6 +52,7 @@ from ..ops.moe_layer import (
 )
 from .config import DSAConfig
 from .context import NewKeys, NewRows, SparseAttentionContext
+from .linear import FP8Linear, StackedLinears, make_linear
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
@@ -69,41 +70,6 @@ def tp_all_reduce(x: Tensor, group) -> Tensor:
 
     dist.all_reduce(x, group=group)
     return x
-
-
-class FP8Linear(nn.Module):
-    """``y = x @ (weight * weight_scale_inv)^T (+ bias)`` with a float8_e4m3fn ``weight
-    [out, in]`` and fp32 ``weight_scale_inv [ceil(out/bn), ceil(in/bk)]`` (DeepSeek / transformers
-    fine-grained FP8 names); activations quantized per 1 x bk tile by the fast backends."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 block: tuple[int, int] = (128, 128), pow2_scale: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
-        self.pow2_scale = pow2_scale
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
-                                   requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(
-            torch.ones(cdiv(out_features, block[0]), cdiv(in_features, block[1]),
-                       dtype=torch.float32), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
-                             pow2_scale=self.pow2_scale)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"block={self.block}, bias={self.bias is not None}")
-
-
-def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool = False
-                ) -> nn.Module:
-    """An :class:`FP8Linear` for FP8 checkpoints, ``nn.Linear`` otherwise."""
-    if cfg.fp8_block is not None:
-        return FP8Linear(in_features, out_features, bias, cfg.fp8_block, cfg.fp8_pow2_act_scale)
-    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class RMSNorm(nn.Module):
@@ -158,15 +124,18 @@ class DSAIndexer(nn.Module):
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
 
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor,
-                x32: Tensor | None = None) -> tuple[Tensor, Tensor, NewKeys]:
+                x32: Tensor | None = None, q_raw: Tensor | None = None,
+                k_raw: Tensor | None = None) -> tuple[Tensor, Tensor, NewKeys]:
         """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``. ``weights_proj`` runs in
         fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
-        (``x.float()``, made by the norm kernel) when given."""
+        (``x.float()``, made by the norm kernel) when given. ``q_raw`` / ``k_raw``: ``wq_b``'s
+        / ``wk``'s outputs when the attention computed them in its stacked GEMMs."""
         T = x.shape[0]
-        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        q = glue.rope_heads(q, cos, sin, self.rope_dim, self.interleaved)
-        k = NewKeys(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
-                    self.rope_dim, self.interleaved)
+        q_raw = self.wq_b(q_resid) if q_raw is None else q_raw
+        q = glue.rope_heads(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim,
+                            self.interleaved)
+        k = NewKeys(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight,
+                    self.k_norm.bias, self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved)
         wdt = self.weights_proj.weight.dtype
         xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
         w = self.weights_proj(xw).float() * self.weight_scale
@@ -197,22 +166,49 @@ class DSAAttention(nn.Module):
         self.o_proj = make_linear(cfg, H * self.v_dim, cfg.hidden_size, bias)
         self.indexer = DSAIndexer(cfg) if cfg.layer_has_indexer(layer_idx) else None
         self.tp_group = None     # tensor parallelism: all-reduce after o_proj
+        # set by stack_projections_(): [q_a | wk | kv_a] on x, [q_b | wq_b] on the q_a latent
+        self.proj_x: StackedLinears | None = None
+        self.proj_q: StackedLinears | None = None
+
+    def stack_projections_(self) -> bool:
+        """Run the linears that share an input as one GEMM each (:class:`StackedLinears`):
+        ``q_a_proj``, the indexer's ``wk`` and ``kv_a_proj_with_mqa`` (last: its 576 rows end
+        mid scale block) on the layer input; ``q_b_proj`` and the indexer's ``wq_b`` on the
+        ``q_a`` latent. Call once the weights are final. Returns whether anything was stacked
+        (linears of different kinds, biases or blocks stay apart)."""
+        ix = self.indexer
+        on_x = [self.q_a_proj] + ([ix.wk] if ix is not None else []) + [self.kv_a_proj_with_mqa]
+        if self.proj_x is None and StackedLinears.can_stack(on_x):
+            self.proj_x = StackedLinears(on_x)
+        if ix is not None and self.proj_q is None and StackedLinears.can_stack(
+                [self.q_b_proj, ix.wq_b]):
+            self.proj_q = StackedLinears([self.q_b_proj, ix.wq_b])
+        return self.proj_x is not None or self.proj_q is not None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
                 x32: Tensor | None = None) -> Tensor:
         """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights)."""
         T, H = x.shape[0], self.num_heads
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(T, H, self.nope + self.rope_dim)
+        k_raw = q_raw = None        # the indexer's wk / wq_b outputs, when stacked here
+        if self.proj_x is not None:
+            q_a, *k_raw, kv = self.proj_x(x)
+            k_raw = k_raw[0] if k_raw else None
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q_resid = self.q_a_layernorm(q_a)
+        if self.proj_q is not None:
+            q, q_raw = self.proj_q(q_resid)
+        else:
+            q = self.q_b_proj(q_resid)
+        q = q.view(T, H, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         norm = self.kv_a_layernorm
         # the rows [kv_a_layernorm(c_kv) | roped k_pe], written by the context in one kernel
-        kv_new = NewRows(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin,
-                         self.kv_lora_rank)
+        kv_new = NewRows(kv, norm.weight, norm.eps, cos, sin, self.kv_lora_rank)
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
         q_latent = glue.mla_q_latent(q_abs, q_pe, cos, sin)                         # [T, H, R+rope]
         if self.indexer is not None:
-            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin, x32)
+            index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin, x32, q_raw, k_raw)
         else:
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
@@ -229,10 +225,21 @@ class DSAMLP(nn.Module):
         self.down_proj = make_linear(cfg, inter, hidden)
         self.act = _ACT[cfg.hidden_act]
         self.tp_group = None     # tensor parallelism (dense layers): all-reduce after down_proj
+        self.gate_up: StackedLinears | None = None    # stack_projections_()
+
+    def stack_projections_(self) -> bool:
+        """``gate_proj`` and ``up_proj`` as one GEMM (:class:`StackedLinears`); call once the
+        weights are final. Returns whether they were stacked."""
+        if self.gate_up is None and StackedLinears.can_stack([self.gate_proj, self.up_proj]):
+            self.gate_up = StackedLinears([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        return tp_all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)),
-                             self.tp_group)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return tp_all_reduce(self.down_proj(self.act(gate) * up), self.tp_group)
 
 
 class DSARouter(nn.Module):
@@ -489,6 +496,18 @@ class DSAForCausalLM(nn.Module):
             if p.dtype != want:
                 p.data = p.data.to(want)
         return self
+
+    def stack_projections_(self) -> int:
+        """Stack the linears that share an input (:meth:`DSAAttention.stack_projections_`,
+        :meth:`DSAMLP.stack_projections_`) in every layer, the MTP layers' included: fewer,
+        larger GEMM launches at decode sizes. Call once the weights are final (after loading,
+        sharding and casting; the model runner does); the parameters keep their names. Returns
+        the number of modules stacked."""
+        n = 0
+        for m in self.modules():
+            if isinstance(m, (DSAAttention, DSAMLP)):
+                n += m.stack_projections_()
+        return n
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: SparseAttentionContext) -> Tensor:
         """``input_ids``/``positions``: ``[T]`` int64 (flat batch). Returns ``[T, hidden]``."""

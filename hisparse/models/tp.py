@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dsa import DSAMLP, DSAForCausalLM, DSAMoE, FP8Linear
+from .dsa import DSAMLP, DSAForCausalLM, DSAMoE
+from .linear import FP8Linear
 
 
 def check_tp_divisible(cfg, world: int) -> None:

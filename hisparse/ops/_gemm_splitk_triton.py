@@ -339,6 +339,38 @@ SPLITK_TABLE: dict[tuple[int, int, int], SplitKConfig] = {
     (7168, 256, 128): SplitKConfig(64, 64, 4, 3, "group", "gemm"),
     (7168, 256, 256): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
     (7168, 256, 512): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    # the stacked projections (models/linear.py: [q_a | wk | kv_a], [q_b | wq_b], dense
+    # gate | up), measured on the H200 2026-12-02 (docs/BENCHMARKS.md, "Stacked projections")
+    (2240, 7168, 1): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (2240, 7168, 8): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (2240, 7168, 16): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (2240, 7168, 24): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (2240, 7168, 32): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (2240, 7168, 48): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (2240, 7168, 64): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (2240, 7168, 128): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (2240, 7168, 256): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (2240, 7168, 512): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (11264, 1536, 1): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (11264, 1536, 8): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (11264, 1536, 16): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (11264, 1536, 24): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (11264, 1536, 32): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (11264, 1536, 48): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (11264, 1536, 64): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (11264, 1536, 128): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (11264, 1536, 256): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (11264, 1536, 512): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (4608, 7168, 1): SplitKConfig(16, 128, 4, 3, "chunk", "gemm"),
+    (4608, 7168, 8): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (4608, 7168, 16): SplitKConfig(16, 64, 4, 3, "chunk", "gemm"),
+    (4608, 7168, 24): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (4608, 7168, 32): SplitKConfig(32, 64, 4, 3, "chunk", "gemm"),
+    (4608, 7168, 48): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (4608, 7168, 64): SplitKConfig(64, 64, 4, 3, "chunk", "kernel"),
+    (4608, 7168, 128): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (4608, 7168, 256): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
+    (4608, 7168, 512): SplitKConfig(64, 64, 4, 3, "group", "kernel"),
 }
 
 def m_bucket(M: int) -> int:
@@ -377,7 +409,8 @@ def splitk_configs(M: int) -> list[SplitKConfig]:
     if M <= 64:
         bt = max(16, triton.next_power_of_2(M))
         out = [SplitKConfig(bt, 64, 4, 3), SplitKConfig(bt, 64, 4, 4),
-               SplitKConfig(bt, 128, 4, 3), SplitKConfig(bt, 64, 4, 3, "group")]
+               SplitKConfig(bt, 128, 4, 3), SplitKConfig(bt, 64, 4, 3, "group"),
+               SplitKConfig(bt, 64, 4, 3, "all"), SplitKConfig(bt, 64, 4, 4, "all")]
         return out + ([SplitKConfig(bt, 64, 4, 3, "chunk", "kernel")] if bt == 64 else [])
     big = [(64, 64, 4, "chunk"), (64, 128, 8, "chunk"), (64, 64, 4, "group"),
            (64, 128, 8, "group"), (64, 128, 8, "all"), (128, 128, 8, "all")]

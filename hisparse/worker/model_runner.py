@@ -265,6 +265,10 @@ class ModelRunner:
                  enforce_eager: bool = False, num_speculative_tokens: int = 0,
                  bucketed: bool | None = None) -> None:
         self.model = model
+        if hasattr(model, "stack_projections_"):
+            # the weights are final here (loaded, sharded, cast): the linears that share an
+            # input become one GEMM each, before any graph is captured
+            model.stack_projections_()
         self.caches = caches
         self.device = caches.device
         self.ctx = self.context_cls(caches, index_topk, kv_lora_rank)

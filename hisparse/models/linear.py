@@ -1,0 +1,136 @@
+"""The model's linears: :class:`FP8Linear` (DeepSeek's block-scaled FP8 weights),
+:func:`make_linear` (FP8 or ``nn.Linear`` by the checkpoint), and :class:`StackedLinears`
+(linears that read the same input run as one GEMM).
+
+Why stack: at decode sizes a TP-8 rank's linears are short (1-100 tokens) and many (six per
+attention layer), so each launch's fixed cost (ramp-up, tail, the split-K reduction launch)
+is a large part of its time; ``q_a_proj``, the indexer's ``wk`` and ``kv_a_proj_with_mqa`` all
+read the attention norm's output, and ``q_b_proj`` and the indexer's ``wq_b`` both read the
+``q_a`` latent, so two launches (plus reductions) do the work of five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
+from .config import DSAConfig
+
+
+class FP8Linear(nn.Module):
+    """``y = x @ (weight * weight_scale_inv)^T (+ bias)`` with a float8_e4m3fn ``weight
+    [out, in]`` and fp32 ``weight_scale_inv [ceil(out/bn), ceil(in/bk)]`` (DeepSeek / transformers
+    fine-grained FP8 names); activations quantized per 1 x bk tile by the fast backends."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 block: tuple[int, int] = (128, 128), pow2_scale: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
+        self.pow2_scale = pow2_scale
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.ones(cdiv(out_features, block[0]), cdiv(in_features, block[1]),
+                       dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
+                             pow2_scale=self.pow2_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block={self.block}, bias={self.bias is not None}")
+
+
+def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool = False
+                ) -> nn.Module:
+    """An :class:`FP8Linear` for FP8 checkpoints, ``nn.Linear`` otherwise."""
+    if cfg.fp8_block is not None:
+        return FP8Linear(in_features, out_features, bias, cfg.fp8_block, cfg.fp8_pow2_act_scale)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _stack_reason(parts: Sequence[nn.Module]) -> str | None:
+    """Why ``parts`` cannot be stacked (None: they can)."""
+    if len(parts) < 2:
+        return "fewer than two linears"
+    first = parts[0]
+    kind = type(first)
+    if kind not in (FP8Linear, nn.Linear) or any(type(p) is not kind for p in parts):
+        return "not all FP8Linear or all nn.Linear"
+    if any(p.in_features != first.in_features for p in parts):
+        return "different input sizes"
+    if len({p.weight.dtype for p in parts}) > 1 or len({p.weight.device for p in parts}) > 1:
+        return "different weight dtypes or devices"
+    if len({p.bias is None for p in parts}) > 1:
+        return "some with a bias, some without"
+    if kind is FP8Linear:
+        if len({(p.block, p.pow2_scale) for p in parts}) > 1:
+            return "different FP8 blocks or activation scale formats"
+        if any(p.out_features % p.block[0] for p in parts[:-1]):
+            return "an output size off the scale blocks (only the last part may end mid block)"
+    return None
+
+
+class StackedLinears:
+    """Linears ``parts`` that read the same input, run as one GEMM over their weights stacked
+    along the output dim (FP8: the block scales stacked too, so every part but the last must
+    end on a scale block; the stacked GEMM computes each output column exactly as the FP8
+    kernel would in any weight of that shape). ``__call__(x [..., K])`` returns one view per
+    part, ``[..., N_i]`` (rows strided by ``sum N_i``).
+
+    The parts' parameters become views of the stacked tensors: they keep their names and
+    loading into them (``copy_``) still reaches the GEMM. Build it once the weights are final
+    (loaded, sharded, cast): a later ``.to()``, cast or re-assignment of a part's parameter
+    breaks the aliasing (:meth:`aliased` says whether it holds). Not an ``nn.Module``: the
+    stacked tensors are not registered, so ``state_dict`` names stay the checkpoint's."""
+
+    def __init__(self, parts: Sequence[nn.Module]):
+        reason = _stack_reason(parts)
+        if reason is not None:
+            raise ValueError(f"StackedLinears: cannot stack {len(parts)} linears: {reason}")
+        self.sizes = tuple(p.out_features for p in parts)
+        self.fp8 = isinstance(parts[0], FP8Linear)
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight.data for p in parts])
+            self.bias = (None if parts[0].bias is None
+                         else torch.cat([p.bias.data for p in parts]))
+            self.scale_inv = (torch.cat([p.weight_scale_inv.data for p in parts])
+                              if self.fp8 else None)
+            n = s = 0
+            for p in parts:
+                p.weight.data = self.weight[n:n + p.out_features]
+                if p.bias is not None:
+                    p.bias.data = self.bias[n:n + p.out_features]
+                if self.fp8:
+                    rows = p.weight_scale_inv.shape[0]
+                    p.weight_scale_inv.data = self.scale_inv[s:s + rows]
+                    s += rows
+                n += p.out_features
+        if self.fp8:
+            self.block, self.pow2_scale = parts[0].block, parts[0].pow2_scale
+        self._parts = list(parts)
+
+    @staticmethod
+    def can_stack(parts: Sequence[nn.Module]) -> bool:
+        return _stack_reason(parts) is None
+
+    def aliased(self) -> bool:
+        """Every part's parameters are still views of the stacked tensors."""
+        base = self.weight.untyped_storage().data_ptr()
+        return all(p.weight.untyped_storage().data_ptr() == base for p in self._parts)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        if self.fp8:
+            y = fp8_block_linear(x, self.weight, self.scale_inv, self.block,
+                                 pow2_scale=self.pow2_scale)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        else:
+            y = nn.functional.linear(x, self.weight, self.bias)
+        return y.split(self.sizes, dim=-1)
