@@ -160,6 +160,32 @@ _down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "Q
                                        "HAS_SHARED", "SKIP_EMPTY"])
 
 
+# Measured launches of the grouped GEMMs, ``(num_warps, num_stages)`` per ``(kernel, I, D, token
+# bucket)`` (``benchmarks/bench_moe_launch.py`` on the H200; the launch never changes a bit),
+# used instead of the runtime autotune where present: that one times the first call only,
+# whatever its token count (in an engine, a graph warm-up on padding), so one pick served every
+# batch size and the pick changed from run to run (the real rank's MoE time by 2-6%).
+MOE_LAUNCHES: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+MOE_T_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+
+
+def t_bucket(T: int) -> int:
+    """The :data:`MOE_LAUNCHES` key of ``T`` tokens: the smallest bucket holding it."""
+    for b in MOE_T_BUCKETS:
+        if T <= b:
+            return b
+    return MOE_T_BUCKETS[-1]
+
+
+def _launch(name: str, kernel, tuned_kernel, device: torch.device, I: int, D: int, T: int):
+    """The launchable and its options: a measured :data:`MOE_LAUNCHES` entry, else
+    :func:`_gemm_triton.pick` (autotuned on CUDA unless disabled)."""
+    cfg = MOE_LAUNCHES.get((name, I, D, t_bucket(T))) if device.type == "cuda" else None
+    if cfg is not None:
+        return kernel, {"num_warps": cfg[0], "num_stages": cfg[1]}
+    return pick(kernel, tuned_kernel, device)
+
+
 def _block_n(n: int, scale_n: int | None, cap: int) -> int:
     b = cap
     if scale_n is not None:
@@ -253,7 +279,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         raise ValueError(f"grouped_moe: h_quant='epilogue' needs a gate-up N tile of the FP8 "
                          f"block {bk}; the weights' {bn}-row scale blocks allow {bn1}")
     kb1 = triton.cdiv(D, bk)
-    kernel, opts = pick(_moe_gate_up_kernel, _gate_up_tuned, x.device)
+    kernel, opts = _launch("gate_up", _moe_gate_up_kernel, _gate_up_tuned, x.device, I, D, T)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
         xq, xs, gate_up, gus, sorted_ids, tile_expert, h, h_s, sg, su, sgs, sus,
         I, D, kb1, nbi, E,
@@ -276,7 +302,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     bn2 = _block_n(D, bn, cap2)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
-    kernel, opts = pick(_moe_down_kernel, _down_tuned, x.device)
+    kernel, opts = _launch("down", _moe_down_kernel, _down_tuned, x.device, I, D, T)
     kernel[(max_tiles, triton.cdiv(D, bn2))](
         hq, hs, down, dns, sorted_ids, tile_expert, rw, out, sd, sds,
         D, I, kb2, E,

@@ -550,3 +550,31 @@ def test_the_layers_kernels_count_as_moe_in_the_kernel_profile():
              if n.endswith("_kernel")]
     assert len(names) == 8
     assert {n: kernel_class(n) for n in names} == {n: "MoE" for n in names}
+
+
+def test_moe_launch_buckets():
+    from hisparse.ops._moe_triton import MOE_T_BUCKETS, t_bucket
+
+    assert [t_bucket(t) for t in (1, 2, 8, 9, 96, 97, 512, 4096)] == [1, 8, 8, 16, 96, 128,
+                                                                      512, 512]
+    assert list(MOE_T_BUCKETS) == sorted(MOE_T_BUCKETS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 24, 96])
+def test_gpu_layer_launches_never_change_a_bit(rank_layer, monkeypatch, T):
+    """Every (num_warps, num_stages) the launch table may hold (the autotune's candidates)
+    gives the autotuned launch's bits, for both grouped GEMMs."""
+    from hisparse.ops import _moe_triton as M
+    from hisparse.ops._gemm_triton import TUNE_CONFIGS
+
+    args, kw, _ = rank_layer
+    x = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(M, "MOE_LAUNCHES", {})
+    base = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+    for c in TUNE_CONFIGS:
+        for name in ("gate_up", "down"):
+            M.MOE_LAUNCHES.clear()
+            M.MOE_LAUNCHES[(name, 256, 7168, M.t_bucket(T))] = (c.num_warps, c.num_stages)
+            got = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+            assert torch.equal(got, base), (name, c)
