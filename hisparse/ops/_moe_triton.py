@@ -165,7 +165,31 @@ _down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "Q
 # used instead of the runtime autotune where present: that one times the first call only,
 # whatever its token count (in an engine, a graph warm-up on padding), so one pick served every
 # batch size and the pick changed from run to run (the real rank's MoE time by 2-6%).
-MOE_LAUNCHES: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+MOE_LAUNCHES: dict[tuple[str, int, int, int], tuple[int, int]] = {
+    # one TP-8 rank of DeepSeek-V3.2 (I = 256, D = 7168), H200, 2026-12-02
+    ("gate_up", 256, 7168, 1): (8, 4),
+    ("down", 256, 7168, 1): (4, 4),
+    ("gate_up", 256, 7168, 8): (8, 4),
+    ("down", 256, 7168, 8): (4, 3),
+    ("gate_up", 256, 7168, 16): (4, 5),
+    ("down", 256, 7168, 16): (4, 3),
+    ("gate_up", 256, 7168, 24): (4, 5),
+    ("down", 256, 7168, 24): (4, 3),
+    ("gate_up", 256, 7168, 32): (4, 5),
+    ("down", 256, 7168, 32): (4, 3),
+    ("gate_up", 256, 7168, 48): (4, 5),
+    ("down", 256, 7168, 48): (4, 3),
+    ("gate_up", 256, 7168, 64): (4, 3),
+    ("down", 256, 7168, 64): (4, 3),
+    ("gate_up", 256, 7168, 96): (4, 3),
+    ("down", 256, 7168, 96): (4, 3),
+    ("gate_up", 256, 7168, 128): (4, 3),
+    ("down", 256, 7168, 128): (4, 3),
+    ("gate_up", 256, 7168, 256): (4, 5),
+    ("down", 256, 7168, 256): (4, 3),
+    ("gate_up", 256, 7168, 512): (4, 4),
+    ("down", 256, 7168, 512): (4, 3),
+}
 MOE_T_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 
 
