@@ -66,6 +66,25 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in a.tokens.split(",")]
     cands = [(c.num_warps, c.num_stages) for c in TUNE_CONFIGS]
     saved = dict(M.MOE_LAUNCHES)
+    try:
+        rows = sweep(layer, tokens, cands, dev)
+    finally:                        # the module's table as it was, whatever happened
+        M.MOE_LAUNCHES.clear()
+        M.MOE_LAUNCHES.update(saved)
+    print("\nMOE_LAUNCHES = {  # (kernel, I, D, token bucket): (num_warps, num_stages)")
+    for r in rows:
+        b = M.t_bucket(r["T"])
+        print(f'    ("gate_up", {I}, {D}, {b}): {r["best_gate_up"]}, '
+              f'("down", {I}, {D}, {b}): {r["best_down"]},')
+    print("}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def sweep(layer, tokens: list[int], cands: list[tuple[int, int]], dev) -> list[dict]:
+    """The autotuned layer at every token count, then each kernel's candidates (module doc)."""
     rows = []
     # the autotune as an engine runs it: tuned on the first call, kept for every count
     M.MOE_LAUNCHES.clear()
@@ -92,18 +111,7 @@ def main(argv=None) -> int:
         cells = " ".join(f"{k}:{v:.0f}" for k, v in row["gate_up"].items())
         print(f"{T:>4} | {auto[T]:8.1f} | {row['best_us']:8.1f} {gu} {dn} | gu {cells}",
               flush=True)
-    print("\nMOE_LAUNCHES = {  # (kernel, I, D, token bucket): (num_warps, num_stages)")
-    for r in rows:
-        b = M.t_bucket(r["T"])
-        print(f'    ("gate_up", {I}, {D}, {b}): {r["best_gate_up"]}, '
-              f'("down", {I}, {D}, {b}): {r["best_down"]},')
-    print("}")
-    M.MOE_LAUNCHES.clear()
-    M.MOE_LAUNCHES.update(saved)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if tp > 1:
         from hisparse.models.tp import shard_model_
         shard_model_(model, 0, tp)
+    # before the KV cache is sized: the stacked copies are made while the GPU has room
+    model.stack_projections_()
     kv_config = size_kv_config(plan, args, mc, model)
     workers = runner = core = disagg = None
     try:

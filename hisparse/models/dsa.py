@@ -488,7 +488,11 @@ class DSAForCausalLM(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> DSAForCausalLM:
         """Cast to ``dtype``, keeping the router and indexer head weights in float32 and FP8
-        weights with their fp32 scales as they are."""
+        weights with their fp32 scales as they are. Refused once projections are stacked
+        (the stacks would keep the old dtype)."""
+        if self.stacks():
+            raise RuntimeError("cast: the model's projections are stacked already "
+                               "(stack_projections_ comes after every cast)")
         for name, p in self.named_parameters():
             if p.dtype == FP8_DTYPE or name.endswith("_scale_inv"):
                 continue
@@ -501,13 +505,27 @@ class DSAForCausalLM(nn.Module):
         """Stack the linears that share an input (:meth:`DSAAttention.stack_projections_`,
         :meth:`DSAMLP.stack_projections_`) in every layer, the MTP layers' included: fewer,
         larger GEMM launches at decode sizes. Call once the weights are final (after loading,
-        sharding and casting; the model runner does); the parameters keep their names. Returns
-        the number of modules stacked."""
+        sharding and casting; engine start-up does, before it sizes the KV cache, and so does
+        the model runner); the parameters keep their names. Returns the number of modules
+        that run stacked."""
+        before = len(self.stacks())
         n = 0
         for m in self.modules():
             if isinstance(m, (DSAAttention, DSAMLP)):
                 n += m.stack_projections_()
+        if len(self.stacks()) > before and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the parts' former storage goes back to the device
         return n
+
+    def stacks(self) -> list[StackedLinears]:
+        """The :class:`StackedLinears` the layers run (empty before :meth:`stack_projections_`)."""
+        out = []
+        for m in self.modules():
+            for name in ("proj_x", "proj_q", "gate_up"):
+                st = getattr(m, name, None) if isinstance(m, (DSAAttention, DSAMLP)) else None
+                if st is not None:
+                    out.append(st)
+        return out
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: SparseAttentionContext) -> Tensor:
         """``input_ids``/``positions``: ``[T]`` int64 (flat batch). Returns ``[T, hidden]``."""

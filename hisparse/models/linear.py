@@ -80,17 +80,24 @@ def _stack_reason(parts: Sequence[nn.Module]) -> str | None:
 class StackedLinears:
     """Linears ``parts`` that read the same input, run as one GEMM over their weights stacked
     along the output dim (FP8: the block scales stacked too, so every part but the last must
-    end on a scale block; the stacked GEMM computes each output column exactly as the FP8
-    kernel would in any weight of that shape). ``__call__(x [..., K])`` returns one view per
-    part, ``[..., N_i]`` (rows strided by ``sum N_i``).
+    end on a scale block). ``__call__(x [..., K])`` returns one view per part, ``[..., N_i]``
+    (rows strided by ``sum N_i``).
+
+    Numerics: the same math as the separate linears, not the same bits: the FP8 split-K
+    kernel's K plan follows the weight shape (``splitk_plan(N, K)``), so a stacked part sums
+    its K chunks in another grouping than it would alone. Rows stay batch invariant (the
+    plan never depends on M). Under ``HISPARSE_FP8_GEMM=scaled_mm`` a stack whose N is not a
+    multiple of 128 (``[q_a | wk | kv_a]``: 2240) runs the Triton kernel, where its parts
+    alone might have used cuBLAS.
 
     The parts' parameters become views of the stacked tensors: they keep their names and
     loading into them (``copy_``) still reaches the GEMM. Build it once the weights are final
     (loaded, sharded, cast): a later ``.to()``, cast or re-assignment of a part's parameter
-    breaks the aliasing (:meth:`aliased` says whether it holds). Not an ``nn.Module``: the
-    stacked tensors are not registered, so ``state_dict`` names stay the checkpoint's."""
+    breaks the aliasing (:meth:`aliased` says whether it holds; the model runner checks it,
+    and sharding or casting a stacked model is refused). Not an ``nn.Module``: the stacked
+    tensors are not registered, so ``state_dict`` names stay the checkpoint's."""
 
-    def __init__(self, parts: Sequence[nn.Module]):
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
         reason = _stack_reason(parts)
         if reason is not None:
             raise ValueError(f"StackedLinears: cannot stack {len(parts)} linears: {reason}")
@@ -121,9 +128,17 @@ class StackedLinears:
         return _stack_reason(parts) is None
 
     def aliased(self) -> bool:
-        """Every part's parameters are still views of the stacked tensors."""
-        base = self.weight.untyped_storage().data_ptr()
-        return all(p.weight.untyped_storage().data_ptr() == base for p in self._parts)
+        """Every part's parameters (weight, FP8 scales, bias) are still views of the stacked
+        tensors."""
+        def same(t: Tensor | None, stacked: Tensor | None) -> bool:
+            if stacked is None:
+                return t is None
+            return t is not None and (t.untyped_storage().data_ptr()
+                                      == stacked.untyped_storage().data_ptr())
+
+        return all(same(p.weight, self.weight) and same(p.bias, self.bias)
+                   and (not self.fp8 or same(p.weight_scale_inv, self.scale_inv))
+                   for p in self._parts)
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         if self.fp8:

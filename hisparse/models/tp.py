@@ -78,6 +78,9 @@ def shard_model_(model: DSAForCausalLM, rank: int, world: int, group=None) -> DS
     the process group the all-reduces run over (None: set later with :func:`set_tp_group`)."""
     if world == 1:
         return model
+    if model.stacks():
+        raise ValueError("shard_model_: the model's projections are stacked already "
+                         "(stack_projections_ comes after sharding)")
     check_tp_divisible(model.config, world)
     if any(isinstance(m, FP8Linear) for m in model.modules()):
         raise ValueError("tensor_parallel_size > 1 does not support FP8 checkpoints yet")

@@ -56,6 +56,15 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of the ascending ``buckets`` holding ``n`` (the last when none does): the
+    key of the measured launch tables."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

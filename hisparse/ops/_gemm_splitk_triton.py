@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ._common import bucket_of
 from ._gemm_triton import _quant_rows, quantize_fp8_act_triton
 from .block_fp8 import quantize_fp8_act
 
@@ -375,10 +376,7 @@ SPLITK_TABLE: dict[tuple[int, int, int], SplitKConfig] = {
 
 def m_bucket(M: int) -> int:
     """The table key of a batch size: the smallest of :data:`M_BUCKETS` holding it."""
-    for b in M_BUCKETS:
-        if M <= b:
-            return b
-    return M_BUCKETS[-1]
+    return bucket_of(M, M_BUCKETS)
 
 
 def splitk_config(M: int, N: int, K: int, plan: SplitKPlan) -> SplitKConfig:

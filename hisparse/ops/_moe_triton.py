@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import bucket_of
 from ._gemm_triton import _fp8_tile_dot, _quant_rows, pick, tuned
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import moe_align, moe_block_m
@@ -160,11 +161,14 @@ _down_tuned = tuned(_moe_down_kernel, ["N", "K", "BLOCK_M", "BLOCK_N", "FP8", "Q
                                        "HAS_SHARED", "SKIP_EMPTY"])
 
 
-# Measured launches of the grouped GEMMs, ``(num_warps, num_stages)`` per ``(kernel, I, D, token
-# bucket)`` (``benchmarks/bench_moe_launch.py`` on the H200; the launch never changes a bit),
-# used instead of the runtime autotune where present: that one times the first call only,
-# whatever its token count (in an engine, a graph warm-up on padding), so one pick served every
-# batch size and the pick changed from run to run (the real rank's MoE time by 2-6%).
+# Measured launches of the fused MoE layer's grouped GEMMs (FP8 experts, the shared expert
+# served as an extra expert, 16-row tiles), ``(num_warps, num_stages)`` per ``(kernel, I, D,
+# token bucket)`` (``benchmarks/bench_moe_launch.py`` on the H200; the launch never changes a
+# bit), used instead of the runtime autotune for those calls up to 512 tokens: the autotune
+# times the first call only, whatever its token count (in an engine, a graph warm-up on
+# padding), so one pick served every batch size and the pick changed from run to run (the
+# real rank's MoE time by 2-6%). Other specializations (bf16 experts, no shared expert,
+# prefill's unfused path) keep the autotune.
 MOE_LAUNCHES: dict[tuple[str, int, int, int], tuple[int, int]] = {
     # one TP-8 rank of DeepSeek-V3.2 (I = 256, D = 7168), H200, 2026-12-02
     ("gate_up", 256, 7168, 1): (8, 4),
@@ -195,16 +199,17 @@ MOE_T_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 
 def t_bucket(T: int) -> int:
     """The :data:`MOE_LAUNCHES` key of ``T`` tokens: the smallest bucket holding it."""
-    for b in MOE_T_BUCKETS:
-        if T <= b:
-            return b
-    return MOE_T_BUCKETS[-1]
+    return bucket_of(T, MOE_T_BUCKETS)
 
 
-def _launch(name: str, kernel, tuned_kernel, device: torch.device, I: int, D: int, T: int):
-    """The launchable and its options: a measured :data:`MOE_LAUNCHES` entry, else
-    :func:`_gemm_triton.pick` (autotuned on CUDA unless disabled)."""
-    cfg = MOE_LAUNCHES.get((name, I, D, t_bucket(T))) if device.type == "cuda" else None
+def _launch(name: str, kernel, tuned_kernel, device: torch.device, I: int, D: int, T: int,
+            measured: bool):
+    """The launchable and its options: a :data:`MOE_LAUNCHES` entry for a call of the
+    ``measured`` kind (the fused layer's FP8 + shared expert specialization, at most 512
+    tokens), else :func:`_gemm_triton.pick` (autotuned on CUDA unless disabled)."""
+    cfg = None
+    if measured and device.type == "cuda" and T <= MOE_T_BUCKETS[-1]:
+        cfg = MOE_LAUNCHES.get((name, I, D, t_bucket(T)))
     if cfg is not None:
         return kernel, {"num_warps": cfg[0], "num_stages": cfg[1]}
     return pick(kernel, tuned_kernel, device)
@@ -303,7 +308,10 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         raise ValueError(f"grouped_moe: h_quant='epilogue' needs a gate-up N tile of the FP8 "
                          f"block {bk}; the weights' {bn}-row scale blocks allow {bn1}")
     kb1 = triton.cdiv(D, bk)
-    kernel, opts = _launch("gate_up", _moe_gate_up_kernel, _gate_up_tuned, x.device, I, D, T)
+    # the specialization MOE_LAUNCHES was measured for (moe_layer's calls)
+    measured = fp8 and shared is not None and skip_empty and block_m == 16
+    kernel, opts = _launch("gate_up", _moe_gate_up_kernel, _gate_up_tuned, x.device, I, D, T,
+                           measured)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
         xq, xs, gate_up, gus, sorted_ids, tile_expert, h, h_s, sg, su, sgs, sus,
         I, D, kb1, nbi, E,
@@ -326,7 +334,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     bn2 = _block_n(D, bn, cap2)
     kb2 = triton.cdiv(I, bk)
     rw = topk_weights.reshape(-1).float().contiguous()
-    kernel, opts = _launch("down", _moe_down_kernel, _down_tuned, x.device, I, D, T)
+    kernel, opts = _launch("down", _moe_down_kernel, _down_tuned, x.device, I, D, T, measured)
     kernel[(max_tiles, triton.cdiv(D, bn2))](
         hq, hs, down, dns, sorted_ids, tile_expert, rw, out, sd, sds,
         D, I, kb2, E,

@@ -267,8 +267,12 @@ class ModelRunner:
         self.model = model
         if hasattr(model, "stack_projections_"):
             # the weights are final here (loaded, sharded, cast): the linears that share an
-            # input become one GEMM each, before any graph is captured
+            # input become one GEMM each, before any graph is captured (engine start-up
+            # stacks before sizing the KV cache; this covers runners built directly)
             model.stack_projections_()
+            if not all(st.aliased() for st in model.stacks()):
+                raise RuntimeError("ModelRunner: a stacked projection's parameters were "
+                                   "replaced after stacking: its GEMM would read stale weights")
         self.caches = caches
         self.device = caches.device
         self.ctx = self.context_cls(caches, index_topk, kv_lora_rank)

@@ -552,12 +552,19 @@ def test_the_layers_kernels_count_as_moe_in_the_kernel_profile():
     assert {n: kernel_class(n) for n in names} == {n: "MoE" for n in names}
 
 
-def test_moe_launch_buckets():
-    from hisparse.ops._moe_triton import MOE_T_BUCKETS, t_bucket
+def test_moe_launch_table_holds_autotune_candidates():
+    """Every measured launch is one of the autotune's candidates, keyed by a real bucket."""
+    from hisparse.ops._gemm_splitk_triton import M_BUCKETS, SPLITK_TABLE
+    from hisparse.ops._gemm_triton import TUNE_CONFIGS
+    from hisparse.ops._moe_triton import MOE_LAUNCHES, MOE_T_BUCKETS, t_bucket
 
     assert [t_bucket(t) for t in (1, 2, 8, 9, 96, 97, 512, 4096)] == [1, 8, 8, 16, 96, 128,
                                                                       512, 512]
-    assert list(MOE_T_BUCKETS) == sorted(MOE_T_BUCKETS)
+    cands = {(c.num_warps, c.num_stages) for c in TUNE_CONFIGS}
+    assert MOE_LAUNCHES
+    for (name, _, _, b), cfg in MOE_LAUNCHES.items():
+        assert name in ("gate_up", "down") and b in MOE_T_BUCKETS and cfg in cands, (name, b)
+    assert all(b in M_BUCKETS for _, _, b in SPLITK_TABLE)
 
 
 @pytest.mark.gpu
