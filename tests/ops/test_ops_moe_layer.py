@@ -567,6 +567,21 @@ def test_moe_launch_table_holds_autotune_candidates():
     assert all(b in M_BUCKETS for _, _, b in SPLITK_TABLE)
 
 
+def test_moe_launch_uses_the_table_for_measured_calls_only():
+    from hisparse.ops import _moe_triton as M
+
+    cuda = torch.device("cuda")    # a device object only: nothing runs
+    b = M.t_bucket(24)
+    want = M.MOE_LAUNCHES[("down", 256, 7168, b)]
+    plain = M._moe_down_kernel
+    got = M._launch("down", plain, M._down_tuned, cuda, 256, 7168, 24, True)
+    assert got == (plain, {"num_warps": want[0], "num_stages": want[1]})
+    # another specialization, past the last bucket, or no entry: the autotune's pick
+    for args in ((256, 7168, 24, False), (256, 7168, 4096, True), (512, 7168, 24, True)):
+        kernel, _ = M._launch("down", plain, M._down_tuned, cuda, *args)
+        assert kernel is M._down_tuned, args
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 24, 96])
 def test_gpu_layer_launches_never_change_a_bit(rank_layer, monkeypatch, T):
@@ -578,7 +593,11 @@ def test_gpu_layer_launches_never_change_a_bit(rank_layer, monkeypatch, T):
     args, kw, _ = rank_layer
     x = torch.randn(T, 7168, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setattr(M, "MOE_LAUNCHES", {})
+    seen = []
+    launch = M._launch
+    monkeypatch.setattr(M, "_launch", lambda *a: seen.append(a[-1]) or launch(*a))
     base = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
+    assert seen == [True, True]     # the layer's calls are the kind the table was measured for
     for c in TUNE_CONFIGS:
         for name in ("gate_up", "down"):
             M.MOE_LAUNCHES.clear()
