@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests rank glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests step moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -57,6 +57,18 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency 8,24,max \
         --modes gpu-only,hisparse \
         --outputs 512 --host-pool-gib 64 --profile-kernels 5 --out "$out/rank" ;;
+    step)    # issue 25: the real rank's GPU step by kernel class, gpu-only, at the three points
+             # the targets name (~4 min). For a same-run baseline run it again in a tree of the
+             # base commit (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 step)
+      run step32k 200 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
+        --profile-kernels 5 --contexts 32768 --concurrency 8,24 --outputs 128 --out "$out/step32k"
+      run step2k 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
+        --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/step2k" ;;
+    moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
+             # 1-512 tokens (~1.5 min; bench_moe_launch.py prints MOE_LAUNCHES to paste)
+      run moe_launch 150 python3 benchmarks/bench_moe_launch.py --out "$out/moe_launch.json" ;;
     glm)     # issue 25: GLM-5's rank (78 layers, never run), the same table
       run glm 560 python3 -m hisparse.cli bench --model-shape glm-5-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency 8,max \
@@ -110,6 +122,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests rank glm gemm pinned disagg kernels serve)"; exit 2 ;;
+    *) echo "unknown section $section (tests step moe rank glm gemm pinned disagg nixl kernels"\
+            "serve)"; exit 2 ;;
   esac
 done
