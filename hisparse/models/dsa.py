@@ -183,7 +183,10 @@ class DSAAttention(nn.Module):
         if ix is not None and self.proj_q is None and StackedLinears.can_stack(
                 [self.q_b_proj, ix.wq_b]):
             self.proj_q = StackedLinears([self.q_b_proj, ix.wq_b])
-        return self.proj_x is not None or self.proj_q is not None
+        return bool(self.stacks())
+
+    def stacks(self) -> list[StackedLinears]:
+        return [st for st in (self.proj_x, self.proj_q) if st is not None]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
                 x32: Tensor | None = None) -> Tensor:
@@ -232,7 +235,10 @@ class DSAMLP(nn.Module):
         weights are final. Returns whether they were stacked."""
         if self.gate_up is None and StackedLinears.can_stack([self.gate_proj, self.up_proj]):
             self.gate_up = StackedLinears([self.gate_proj, self.up_proj])
-        return self.gate_up is not None
+        return bool(self.stacks())
+
+    def stacks(self) -> list[StackedLinears]:
+        return [] if self.gate_up is None else [self.gate_up]
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up is not None:
@@ -509,23 +515,17 @@ class DSAForCausalLM(nn.Module):
         the model runner); the parameters keep their names. Returns the number of modules
         that run stacked."""
         before = len(self.stacks())
-        n = 0
-        for m in self.modules():
-            if isinstance(m, (DSAAttention, DSAMLP)):
-                n += m.stack_projections_()
+        n = sum(m.stack_projections_() for m in self._stackable())
         if len(self.stacks()) > before and self.model.embed_tokens.weight.is_cuda:
             torch.cuda.empty_cache()   # the parts' former storage goes back to the device
         return n
 
     def stacks(self) -> list[StackedLinears]:
         """The :class:`StackedLinears` the layers run (empty before :meth:`stack_projections_`)."""
-        out = []
-        for m in self.modules():
-            for name in ("proj_x", "proj_q", "gate_up"):
-                st = getattr(m, name, None) if isinstance(m, (DSAAttention, DSAMLP)) else None
-                if st is not None:
-                    out.append(st)
-        return out
+        return [st for m in self._stackable() for st in m.stacks()]
+
+    def _stackable(self) -> list[DSAAttention | DSAMLP]:
+        return [m for m in self.modules() if isinstance(m, (DSAAttention, DSAMLP))]
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: SparseAttentionContext) -> Tensor:
         """``input_ids``/``positions``: ``[T]`` int64 (flat batch). Returns ``[T, hidden]``."""

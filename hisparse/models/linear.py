@@ -101,27 +101,40 @@ class StackedLinears:
         reason = _stack_reason(parts)
         if reason is not None:
             raise ValueError(f"StackedLinears: cannot stack {len(parts)} linears: {reason}")
+        first = parts[0]
         self.sizes = tuple(p.out_features for p in parts)
-        self.fp8 = isinstance(parts[0], FP8Linear)
-        with torch.no_grad():
-            self.weight = torch.cat([p.weight.data for p in parts])
-            self.bias = (None if parts[0].bias is None
-                         else torch.cat([p.bias.data for p in parts]))
-            self.scale_inv = (torch.cat([p.weight_scale_inv.data for p in parts])
-                              if self.fp8 else None)
-            n = s = 0
+        self.fp8 = isinstance(first, FP8Linear)
+        # one linear of the parts' kind over the stacked tensors runs the GEMM (its forward,
+        # bias included); built on meta, so nothing is allocated twice
+        with torch.device("meta"):
+            self.linear = (FP8Linear(first.in_features, sum(self.sizes), first.bias is not None,
+                                     first.block, first.pow2_scale) if self.fp8
+                           else nn.Linear(first.in_features, sum(self.sizes),
+                                          first.bias is not None))
+        names = ("weight", "bias") + (("weight_scale_inv",) if self.fp8 else ())
+        for name in names:
+            if getattr(first, name) is None:
+                continue
+            stacked = torch.cat([getattr(p, name).data for p in parts])
+            setattr(self.linear, name, nn.Parameter(stacked, requires_grad=False))
+            row = 0
             for p in parts:
-                p.weight.data = self.weight[n:n + p.out_features]
-                if p.bias is not None:
-                    p.bias.data = self.bias[n:n + p.out_features]
-                if self.fp8:
-                    rows = p.weight_scale_inv.shape[0]
-                    p.weight_scale_inv.data = self.scale_inv[s:s + rows]
-                    s += rows
-                n += p.out_features
-        if self.fp8:
-            self.block, self.pow2_scale = parts[0].block, parts[0].pow2_scale
+                t = getattr(p, name)
+                t.data = stacked[row:row + t.shape[0]]
+                row += t.shape[0]
         self._parts = list(parts)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.linear.bias
+
+    @property
+    def scale_inv(self) -> Tensor | None:
+        return self.linear.weight_scale_inv if self.fp8 else None
 
     @staticmethod
     def can_stack(parts: Sequence[nn.Module]) -> bool:
@@ -141,11 +154,4 @@ class StackedLinears:
                    for p in self._parts)
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
-        if self.fp8:
-            y = fp8_block_linear(x, self.weight, self.scale_inv, self.block,
-                                 pow2_scale=self.pow2_scale)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        else:
-            y = nn.functional.linear(x, self.weight, self.bias)
-        return y.split(self.sizes, dim=-1)
+        return self.linear(x).split(self.sizes, dim=-1)

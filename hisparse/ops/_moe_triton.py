@@ -18,7 +18,7 @@ import triton.language as tl
 from ._common import bucket_of
 from ._gemm_triton import _fp8_tile_dot, _quant_rows, pick, tuned
 from .block_fp8 import quantize_fp8_act
-from .moe_tiles import moe_align, moe_block_m
+from .moe_tiles import FUSED_BLOCK_M, moe_align, moe_block_m
 
 
 @triton.jit
@@ -309,7 +309,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
                          f"block {bk}; the weights' {bn}-row scale blocks allow {bn1}")
     kb1 = triton.cdiv(D, bk)
     # the specialization MOE_LAUNCHES was measured for (moe_layer's calls)
-    measured = fp8 and shared is not None and skip_empty and block_m == 16
+    measured = fp8 and shared is not None and skip_empty and block_m == FUSED_BLOCK_M
     kernel, opts = _launch("gate_up", _moe_gate_up_kernel, _gate_up_tuned, x.device, I, D, T,
                            measured)
     kernel[(max_tiles, triton.cdiv(I, bn1))](

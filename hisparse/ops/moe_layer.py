@@ -51,7 +51,7 @@ from torch import Tensor
 from . import switches
 from ._common import cdiv, interpreted, next_pow2, want_triton
 from .block_fp8 import quantize_fp8_act
-from .moe_tiles import moe_align_reference, moe_max_tiles
+from .moe_tiles import FUSED_BLOCK_M, moe_align_reference, moe_max_tiles
 
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
@@ -78,7 +78,6 @@ class RouterConfig:
 
 
 ROUTER_CONFIG = RouterConfig()
-FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whatever T
 
 
 def fused_moe_layer_enabled() -> bool:

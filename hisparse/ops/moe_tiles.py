@@ -9,6 +9,8 @@ import torch
 
 from ._common import cdiv
 
+FUSED_BLOCK_M = 16        # grouped-GEMM tile height of the fused layer, whatever T
+
 
 def moe_block_m(num_assignments: int, num_experts: int) -> int:
     """Tile height: 16 rows at decode (few tokens per expert), larger for prefill batches."""
