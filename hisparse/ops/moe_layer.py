@@ -249,7 +249,8 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
 @dataclass(frozen=True)
 class AlignConfig:
     """Launch of the parallel alignment (any choice gives the same layout, bit for bit):
-    ``experts`` per program (a power of two), assignments per ``chunk``, ``num_warps``."""
+    ``experts`` per program (a power of two), assignments per ``chunk`` at most (a call's
+    block is no wider than its ``T * k`` assignments), ``num_warps``."""
     experts: int = 8
     chunk: int = 1024
     num_warps: int = 4
@@ -314,8 +315,9 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
         raise ValueError(f"AlignConfig: experts={c.experts} and chunk={c.chunk} must be powers "
                          f"of two (chunk >= 16)")
     programs = cdiv(num_experts, c.experts)
-    # the interpreter's cost grows with the block: no wider than the assignments there
-    chunk = c.chunk if ids.is_cuda else max(16, min(c.chunk, next_pow2(T * k)))
+    # no wider than the assignments: the counts' histogram costs per element of the block
+    # (at decode's 8 tokens x 9 ids a 1024-wide block is 14x the work)
+    chunk = max(16, min(c.chunk, next_pow2(T * k)))
     _moe_align_experts_kernel[(programs,)](
         ids, sorted_ids, tile_expert, T * k, sorted_ids.numel(), max_tiles,
         cdiv(T, block_m), cdiv(sorted_ids.numel(), programs), cdiv(max_tiles, programs),

@@ -104,6 +104,38 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
     assert torch.equal((got >= 0).sum(1), n_valid.clamp(max=k).int())
 
 
+def bucket_keys(T, W, seed):
+    """Keys whose top digit is shared by many columns, so that most of a row lands in the
+    top digit's threshold bucket and later digits decide:
+    row 0 one top digit, ties in the last two; row 1 a quarter of the columns in a higher
+    bucket; row 2 one top digit with every lower digit drawn from 3 values (ties at the last
+    digit, by column); the rest random full keys."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randint(0, 1 << 24, (T, W), generator=g, dtype=torch.int64)
+    top = torch.full((T, W), 0x40, dtype=torch.int64)
+    low[0] = (low[0] >> 16) << 16
+    top[1, torch.rand(W, generator=g) < 0.25] = 0x41
+    low[2] = torch.tensor([0x010101, 0x010102, 0x020101])[torch.randint(0, 3, (W,), generator=g)]
+    top[3:] = torch.randint(0, 256, (T - 3, W), generator=g)
+    u = (top << 24) | low                                       # unsigned order
+    return (u - (1 << 31)).to(torch.int32)                      # signed key, same order
+
+
+@pytest.mark.parametrize("splits,block", [(1, 16), (3, 16), (4, 32)])
+@pytest.mark.parametrize("k", [7, 40, 130])
+def test_triton_later_digits_decide(triton_cpu, splits, block, k):
+    """Rows decided by the later digits (the threshold bucket spread over several programs'
+    chunks, blocks partly tied) give the reference's selection and order."""
+    T, W = 5, 150
+    keys = bucket_keys(T, W, seed=k + splits)
+    keys[4, ::7] = INT32_MIN
+    lens = torch.tensor([150, 150, 131, 150, 97], dtype=torch.int32)
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(T, "cpu"), splits=splits,
+                      launch=TopkLaunch(block=block, sort_chunk=16))
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
 # (k, distinct, row lengths, sort chunk): the split sort over several chunks per row, k not a
 # multiple of the chunk, selections filling part of a chunk or none, heavy ties, k above a row's
 # length (-1 tails), many distinct values
