@@ -1,5 +1,9 @@
 """Programmatic dependent launch (PDL) on a chain of small Triton kernels in a CUDA graph.
 
+Result (H200, docs/BENCHMARKS.md, seventh session): 0.3-0.4 us saved a launch here, but the
+engine's MoE, attention and resolver kernels launched so gave the same real-rank step (16.36
+vs 16.37 ms at 8 x 32k, 46.35 vs 46.34 at 2k x 96): the engine does not use it.
+
 The decode step of a real rank is ~2,000 launches, most of them small: this probe measures what
 one kernel boundary costs in graph replay with and without PDL (``launch_pdl=True``, the kernel
 waiting on its predecessor with ``gdc_wait`` before it reads), and checks that the chain's

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, pdl_args
+from ._common import next_pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -43,10 +43,7 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                  K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
                  BLOCK_H: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DV_BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                 BLOCK_N: tl.constexpr, DV_BLOCK: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -109,9 +106,7 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
 def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
                     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
                     stride_ot, stride_oh, stride_lt,
-                    D_V: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                    D_V: tl.constexpr, BLOCK_S: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -215,7 +210,7 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) ->
         o, ls = out[tokens], lse[tokens]
         _combine_kernel[(o.shape[0], H)](
             po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
-            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4, **pdl_args(po),
+            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
         )
 
 
@@ -260,7 +255,7 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
             K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=D - 512, BLOCK_H=cfg.block_h,
             BLOCK_N=cfg.block_n, DV_BLOCK=cfg.dv_block, IEEE=is_fp32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(qs),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _launch_chunks(out, lse, splits, launch)
@@ -318,11 +313,9 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                      stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                      K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
                      TILE: tl.constexpr, NT: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
     the tile's power-of-two scale (exact in bf16), rope read as bf16."""
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -405,7 +398,7 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
             K_PER_SPLIT=cfg.k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt,
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=is_fp32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(qs),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _launch_chunks(out, lse, splits, launch)

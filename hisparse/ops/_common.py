@@ -51,32 +51,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl(t: torch.Tensor | torch.device) -> bool:
-    """Launch the Triton kernels on ``t`` (a tensor or a device) with programmatic dependent
-    launch: on a CUDA device of SM90 or later, compiled (not interpreted), unless
-    ``HISPARSE_PDL=0``. Such a
-    kernel starts while the previous kernel on its stream finishes and must wait for it
-    (``tl.extra.cuda.gdc_wait()``) before it touches memory: every kernel launched with
-    ``launch_pdl=PDL`` takes ``PDL`` as a constexpr and waits first when it is set. It changes
-    when a kernel starts, never what it computes; the saving is ~0.3-0.4 us a launch in graph
-    replay (``benchmarks/probe_pdl.py``)."""
-    device = t if isinstance(t, torch.device) else t.device
-    return (switches.current().pdl and device.type == "cuda" and not interpreted()
-            and _device_has_pdl(device.index if device.index is not None
-                                else torch.cuda.current_device()))
-
-
-def pdl_args(t: torch.Tensor | torch.device) -> dict[str, bool]:
-    """Launch keywords of a kernel that takes ``PDL: tl.constexpr = False`` (:func:`pdl`):
-    ``{PDL: True, launch_pdl: True}``, or none."""
-    return {"PDL": True, "launch_pdl": True} if pdl(t) else {}
-
-
 def next_pow2(n: int) -> int:
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

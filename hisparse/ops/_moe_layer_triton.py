@@ -32,9 +32,7 @@ def _moe_router_gemm_kernel(x_ptr, w_ptr, part_ptr, q_ptr, s_ptr, T, E, K, KB,
                         stride_x, stride_w, stride_ps, stride_q, stride_s,
                         K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                        QBK: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                        QBK: tl.constexpr, POW2: tl.constexpr):
     pt = tl.program_id(0)
     pe = tl.program_id(1)
     ps = tl.program_id(2)
@@ -72,9 +70,7 @@ def _moe_route_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_ps, scaling,
                   EPG: tl.constexpr, EPGP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOPK: tl.constexpr, KP: tl.constexpr, N_SHARED: tl.constexpr,
                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr,
-                  BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                  BLOCK_T: tl.constexpr):
     # [BLOCK_T tokens, GP groups, EPGP experts of a group]; every reduction is within a token
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
@@ -139,9 +135,7 @@ def _moe_align_experts_kernel(ids_ptr, sorted_ptr, te_ptr, A, num_slots, max_til
                               expert_tiles, slot_span, tile_span,
                               E: tl.constexpr, EP: tl.constexpr, EB: tl.constexpr,
                               CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, TB: tl.constexpr,
-                              FILL: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                              FILL: tl.constexpr):
     pid = tl.program_id(0)
     a = tl.arange(0, CHUNK)
     ex = tl.arange(0, EP)
@@ -197,9 +191,7 @@ def _moe_align_experts_kernel(ids_ptr, sorted_ptr, te_ptr, A, num_slots, max_til
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
                   K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_M: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                  BLOCK_M: tl.constexpr, FILL: tl.constexpr):
     ex = tl.arange(0, EP)
     tr = tl.arange(0, BLOCK_T)
     # pass 1: per-expert assignment counts
@@ -243,10 +235,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, te_ptr, T, num_slots, max_tiles,
 
 @triton.jit
 def _moe_quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr,
-                          PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < M
     kb = tl.program_id(1)

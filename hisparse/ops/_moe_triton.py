@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bucket_of, pdl_args
+from ._common import bucket_of
 from ._gemm_triton import _fp8_tile_dot, _quant_rows, pick, tuned
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import FUSED_BLOCK_M, moe_align, moe_block_m
@@ -46,9 +46,7 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr, hs
                         FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
                         POW2: tl.constexpr, HAS_SHARED: tl.constexpr,
                         SKIP_EMPTY: tl.constexpr, QUANT_H: tl.constexpr,
-                        H_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                        H_DTYPE: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     if SKIP_EMPTY:  # tiles past the last used one: exit instead of looping over masked loads
@@ -115,10 +113,7 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
                      KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
                      FP8: tl.constexpr, QUANT_A: tl.constexpr, IEEE: tl.constexpr,
-                     POW2: tl.constexpr, HAS_SHARED: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                     POW2: tl.constexpr, HAS_SHARED: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     if SKIP_EMPTY:
@@ -216,7 +211,7 @@ def _launch(name: str, kernel, tuned_kernel, device: torch.device, I: int, D: in
     if measured and device.type == "cuda" and T <= MOE_T_BUCKETS[-1]:
         cfg = MOE_LAUNCHES.get((name, I, D, t_bucket(T)))
     if cfg is not None:
-        return kernel, {"num_warps": cfg[0], "num_stages": cfg[1], **pdl_args(device)}
+        return kernel, {"num_warps": cfg[0], "num_stages": cfg[1]}
     return pick(kernel, tuned_kernel, device)
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fp8_tile, pdl_args
+from ._common import fp8_tile
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -104,14 +104,12 @@ def _quant_write_kernel(x_ptr, rows_ptr, dst_u8, dst_f32, dst_i16, stride_xt, st
                         D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr,
                         NT: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr,
                         ROTATE: tl.constexpr, LOG_D: tl.constexpr, ROT_SCALE: tl.constexpr,
-                        DT: tl.constexpr, PDL: tl.constexpr = False):
+                        DT: tl.constexpr):
     """Flat row ``r`` lives in page ``r // PAGE`` (``stride_page`` bytes apart), slot
     ``o = r % PAGE``: values at byte ``o * D_NOPE`` of the page, scales at ``SCALE_OFF + o * 4 *
     NT``, rope (``D_ROPE > 0``, MLA rows: ``PAGE == 1``) right after the scales. ``ROTATE``
     (indexer keys): the ``D_NOPE`` values are rotated (in ``DT``, the input's dtype) before
     quantization."""
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     row = tl.load(rows_ptr + t).to(tl.int64)
     page = row // PAGE
@@ -146,7 +144,7 @@ def _launch(x: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, d_nope: int,
         x, rows, dst, dst.view(torch.float32), dst.view(torch.int16), x.stride(0), dst.stride(0),
         D_NOPE=d_nope, D_ROPE=d_rope, TILE=tile, NT=d_nope // tile, PAGE=page,
         SCALE_OFF=page * d_nope, ROTATE=rotate, LOG_D=d_nope.bit_length() - 1,
-        ROT_SCALE=d_nope ** -0.5, DT=_TL_DTYPE[x.dtype], num_warps=4, **pdl_args(x))
+        ROT_SCALE=d_nope ** -0.5, DT=_TL_DTYPE[x.dtype], num_warps=4)
 
 
 def quantize_write_mla_triton(kv, dst, rows, d_nope: int) -> None:

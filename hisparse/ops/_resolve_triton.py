@@ -35,14 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    MISS_COPY_SPLIT,
-    PROTECT_USES,
-    USE_COUNT_CAP,
-    check_prefetch_plan,
-    next_pow2,
-    pdl_args,
-)
+from ._common import MISS_COPY_SPLIT, PROTECT_USES, USE_COUNT_CAP, check_prefetch_plan, next_pow2
 
 
 @triton.jit
@@ -61,9 +54,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
                     PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
                     BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                    COPY_PF: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
+                    COPY_PF: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -498,13 +489,11 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 @triton.jit
 def _resolve_gather_kernel(cr_ptr, cc_ptr, arena_ptr, host_ptr, stride_cr, copy_half, stride_cc,
                            arena_row_w, host_row_w, SPLIT: tl.constexpr, CHUNKS: tl.constexpr,
-                           VEC: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+                           VEC: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program ``(g, s)``: reads and zeroes ``copy_count[g, s]`` (= the length ``n`` of group
     ``g``'s copy list, written by the resolver), then copies entries ``[s * c, min((s + 1) * c,
     n))``, ``c = ceil(n / SPLIT)``, host row -> arena row (``-1`` skip) in flat 16-byte chunks.
     Only this program touches its cell, so the counts are all 0 again after the launch."""
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
     g = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     cell = cc_ptr + g * stride_cc + sp
@@ -535,13 +524,11 @@ def _resolve_gather_kernel(cr_ptr, cc_ptr, arena_ptr, host_ptr, stride_cr, copy_
 @triton.jit
 def _plan_copy_kernel(plan_ptr, arena_ptr, host_ptr, n_entries, plan_half, arena_row_w,
                       host_row_w, CHUNKS: tl.constexpr, VEC: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """Copies host row ``plan[0, e]`` to arena row ``plan[1, e]`` for every entry ``>= 0`` of
     this program's ``BLOCK_E`` entries (flat 16-byte chunks), then resets them to ``-1``: every
     chunk of an entry is moved by this program, so after the CTA barrier no lane still needs
     the entry (the plan is consumed race-free)."""
-    if PDL:  # launched early (_common.pdl): the previous kernel's writes first
-        tl.extra.cuda.gdc_wait()
     e0 = tl.program_id(0).to(tl.int64) * BLOCK_E
     offs_c = tl.arange(0, BLOCK_C)
     offs_v = tl.arange(0, VEC)
@@ -595,7 +582,7 @@ def prefetch_copy_triton(plan, arena, host):
     grid = (triton.cdiv(n, block_e),)
     _plan_copy_kernel[grid](plan, arena_w, host_w, n, n, arena_rw, host_rw,
                             CHUNKS=chunks, VEC=vec, BLOCK_C=block_c, BLOCK_E=block_e,
-                            num_warps=4, **pdl_args(plan))
+                            num_warps=4)
 
 
 def _words(t: torch.Tensor):
@@ -684,10 +671,10 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
         BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split, BLOCK_S=max(2, split),
-        COPY_PF=prefetch > 0 and not plan, num_warps=num_warps, **pdl_args(topk),
+        COPY_PF=prefetch > 0 and not plan, num_warps=num_warps,
     )
     _resolve_gather_kernel[(groups, split)](
         cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), cc.stride(0), arena_rw, host_rw,
-        SPLIT=split, CHUNKS=chunks, VEC=vec, BLOCK_C=512, num_warps=4, **pdl_args(cr),
+        SPLIT=split, CHUNKS=chunks, VEC=vec, BLOCK_C=512, num_warps=4,
     )
     return out

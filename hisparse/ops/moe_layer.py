@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import switches
-from ._common import cdiv, interpreted, next_pow2, pdl_args, want_triton
+from ._common import cdiv, interpreted, next_pow2, want_triton
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import FUSED_BLOCK_M, moe_align_reference, moe_max_tiles
 
@@ -229,7 +229,7 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         xq.stride(0), xs.stride(0),
         K_SPLIT=c.k_split, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
         PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
-        QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps, **pdl_args(x))
+        QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)
@@ -242,7 +242,7 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         TOPK_GROUP=cfg.topk_group, TOPK=cfg.top_k, KP=max(2, next_pow2(k_out)),
         N_SHARED=n_shared, NORM=bool(cfg.norm_topk_prob), HAS_BIAS=bias is not None,
         LIBDEVICE=x.is_cuda and not interpreted(), BLOCK_T=block_t,
-        num_warps=c.route_warps, **pdl_args(x))
+        num_warps=c.route_warps)
     return ids, w, ((xq, xs) if quant else None)
 
 
@@ -308,8 +308,7 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
     if mode == "single":
         _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, T, sorted_ids.numel(),
                                 max_tiles, K=k, E=num_experts, EP=next_pow2(num_experts),
-                                BLOCK_T=16, BLOCK_M=block_m, FILL=1024, num_warps=8,
-                                **pdl_args(ids))
+                                BLOCK_T=16, BLOCK_M=block_m, FILL=1024, num_warps=8)
         return sorted_ids, tile_expert
     c = config or ALIGN_CONFIG
     if c.experts < 1 or c.experts & (c.experts - 1) or c.chunk < 16 or c.chunk & (c.chunk - 1):
@@ -323,7 +322,7 @@ def align(ids: Tensor, num_experts: int, block_m: int, use_triton: bool | None =
         ids, sorted_ids, tile_expert, T * k, sorted_ids.numel(), max_tiles,
         cdiv(T, block_m), cdiv(sorted_ids.numel(), programs), cdiv(max_tiles, programs),
         E=num_experts, EP=next_pow2(num_experts + 1), EB=c.experts, CHUNK=chunk,
-        BLOCK_M=block_m, TB=32, FILL=256, num_warps=c.num_warps, **pdl_args(ids))
+        BLOCK_M=block_m, TB=32, FILL=256, num_warps=c.num_warps)
     return sorted_ids, tile_expert
 
 
@@ -343,7 +342,7 @@ def quantize_act(x: Tensor, block_k: int, pow2_scale: bool, use_triton: bool | N
     if T:
         _moe_quant_act_kernel[(cdiv(T, 16), kb)](x, q, s, T, K, x.stride(0), q.stride(0),
                                                  s.stride(0), BLOCK_R=16, BLOCK_K=block_k,
-                                                 POW2=pow2_scale, **pdl_args(x))
+                                                 POW2=pow2_scale)
     return q, s
 
 

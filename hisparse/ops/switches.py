@@ -29,8 +29,6 @@ HISPARSE_FP8_INDEXER      ``0``, ``1``                  ``1``       ``0``: FP8 k
 (``fp8_indexer``)                                                   against unquantized queries
 HISPARSE_ATTENTION        auto, triton, flashmla,       auto        a forced backend (CUDA,
 (``attention``)           reference                                 ``backend="auto"`` calls)
-HISPARSE_PDL (``pdl``)    ``0``, ``1``                  ``1``       ``0``: no programmatic
-                                                                    dependent launch (SM90+)
 ========================  ============================  ==========  ===========================
 
 **When they are read.** Once per process: on the first :func:`current`, and again by
@@ -86,7 +84,6 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "triton_autotune": ("HISPARSE_TRITON_AUTOTUNE", FLAG_VALUES),
     "fp8_indexer": ("HISPARSE_FP8_INDEXER", FLAG_VALUES),
     "attention": ("HISPARSE_ATTENTION", ATTENTION_BACKENDS),
-    "pdl": ("HISPARSE_PDL", FLAG_VALUES),
 }
 
 
@@ -105,7 +102,6 @@ class KernelSwitches:
     triton_autotune: bool = True
     fp8_indexer: bool = True
     attention: str = "auto"
-    pdl: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
