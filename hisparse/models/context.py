@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from hisparse.ops import glue
+from hisparse.ops.indexer import IndexerQueries
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,16 @@ def materialize(x: Tensor | NewRows | NewKeys | None) -> Tensor | None:
     return x if x is None or isinstance(x, Tensor) else x.materialize()
 
 
+def materialize_queries(index_q: Tensor | IndexerQueries | None, index_weights: Tensor | None
+                        ) -> tuple[Tensor | None, Tensor | None]:
+    """``(index_q, index_weights)`` as tensors: an :class:`~hisparse.ops.indexer.IndexerQueries`
+    (which carries the weights; ``index_weights`` is None then) runs its RoPE and weight
+    scale (:meth:`~hisparse.ops.indexer.IndexerQueries.materialize`)."""
+    if isinstance(index_q, IndexerQueries):
+        return index_q.materialize()
+    return index_q, index_weights
+
+
 @runtime_checkable
 class SparseAttentionContext(Protocol):
     """What :class:`~hisparse.models.dsa.DSAForCausalLM` needs from the KV side, per forward.
@@ -126,7 +137,11 @@ class SparseAttentionContext(Protocol):
                 ``[kv_a_layernorm(c_kv) | roped k_pe]``, or a :class:`NewRows` that computes
                 them (``.write(dst, rows)`` fused into the cache write, ``.materialize()``).
             index_q: ``[T, Hi, Di]`` model dtype, RoPE applied; ``None`` on a GLM "shared" layer.
-            index_weights: ``[T, Hi]`` float32, every scale folded in; ``None`` on a shared layer.
+                Or (fused glue) an :class:`~hisparse.ops.indexer.IndexerQueries`: the queries
+                and the weights before their RoPE and weight scale (:func:`materialize_queries`;
+                the FP8 indexer applies them in its query kernel).
+            index_weights: ``[T, Hi]`` float32, every scale folded in; ``None`` on a shared layer
+                and when ``index_q`` is an :class:`~hisparse.ops.indexer.IndexerQueries`.
             index_k_new: ``[T, Di]`` model dtype, the indexer keys of the current tokens (LayerNorm
                 and RoPE applied), or a :class:`NewKeys` that computes them; ``None`` on a
                 shared layer (it has no indexer cache).
@@ -254,6 +269,7 @@ class DenseReferenceContext:
                              f"(layer_has_indexer={full})")
         self._next_layer = layer_idx + 1
         kv_new, index_k_new = materialize(kv_new), materialize(index_k_new)
+        index_q, index_weights = materialize_queries(index_q, index_weights)
         R = self.kv_lora_rank
         out = q_latent.new_empty(T, q_latent.shape[1], R)
         start = 0

@@ -51,7 +51,7 @@ from ..ops.moe_layer import (
     moe_layer,
 )
 from .config import DSAConfig
-from .context import NewKeys, NewRows, SparseAttentionContext
+from .context import IndexerQueries, NewKeys, NewRows, SparseAttentionContext
 from .linear import FP8Linear, StackedLinears, make_linear
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
@@ -125,21 +125,27 @@ class DSAIndexer(nn.Module):
 
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor,
                 x32: Tensor | None = None, q_raw: Tensor | None = None,
-                k_raw: Tensor | None = None) -> tuple[Tensor, Tensor, NewKeys]:
-        """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``. ``weights_proj`` runs in
-        fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
+                k_raw: Tensor | None = None
+                ) -> tuple[Tensor | IndexerQueries, Tensor | None, NewKeys]:
+        """``(q [T, Hi, Di] roped, w [T, Hi] fp32, the new keys)``; with the glue fused (CUDA,
+        or forced Triton; not ``HISPARSE_FUSED_GLUE=0``) ``(IndexerQueries, None, the new
+        keys)`` instead: the context runs their RoPE and weight scale, in the FP8 query kernel
+        where it can (:func:`hisparse.ops.indexer.indexer_topk`), else as
+        :meth:`IndexerQueries.materialize`, the two ops this ran before. ``weights_proj`` runs
+        in fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
         (``x.float()``, made by the norm kernel) when given. ``q_raw`` / ``k_raw``: ``wq_b``'s
         / ``wk``'s outputs when the attention computed them in its stacked GEMMs."""
         T = x.shape[0]
         q_raw = self.wq_b(q_resid) if q_raw is None else q_raw
-        q = glue.rope_heads(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim,
-                            self.interleaved)
         k = NewKeys(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight,
                     self.k_norm.bias, self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved)
         wdt = self.weights_proj.weight.dtype
         xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
-        w = self.weights_proj(xw).float() * self.weight_scale
-        return q, w, k
+        q = IndexerQueries(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim,
+                           self.interleaved, self.weights_proj(xw), self.weight_scale)
+        if glue.fused(q.q):
+            return q, None, k
+        return (*q.materialize(), k)
 
 
 class DSAAttention(nn.Module):

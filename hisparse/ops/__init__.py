@@ -30,7 +30,7 @@ from .glue import (
     write_index_keys,
     write_mla_rows,
 )
-from .indexer import IndexerWorkspace, indexer_topk, indexer_topk_reference
+from .indexer import IndexerQueries, IndexerWorkspace, indexer_topk, indexer_topk_reference
 from .moe import fused_moe, fused_moe_reference, moe_align
 from .quant import (
     FP8KeyLayout,
@@ -54,7 +54,7 @@ from .stage import stage_groups, stage_rows, stage_rows_reference, staging_union
 from .topk import TopkLaunch, TopkScratch, orderable_keys, topk_select, topk_select_reference
 
 __all__ = [
-    "indexer_topk", "indexer_topk_reference", "IndexerWorkspace",
+    "indexer_topk", "indexer_topk_reference", "IndexerWorkspace", "IndexerQueries",
     "topk_select", "topk_select_reference", "TopkScratch", "TopkLaunch", "orderable_keys",
     "resolve_rows", "resolve_rows_reference", "ResolveWorkspace", "prefetch_copy",
     "prefetch_copy_reference",

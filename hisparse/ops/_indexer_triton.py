@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_rotation_dim, fp8_tile, interpreted, next_pow2
+from ._glue_triton import _rope_pair, _rope_src
 from ._quant_triton import _TL_DTYPE, _e4m3_code, _hadamard, _pow2_scale
 
 
@@ -183,14 +184,14 @@ def _score_tokens(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, key_ptr, r, tok, n_tok, r
 
 @triton.jit
 def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, key_ptr, len_ptr,
-                         T, W, HI, D, NPROG,
+                         hist_ptr, T, W, HI, D, NPROG,
                          stride_qt, stride_qh, stride_wt, stride_kr, stride_ksp, stride_btr,
-                         stride_keyt,
+                         stride_keyt, stride_h, HIST_W,
                          G: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                          EVEN_D: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
-                         F8Q: tl.constexpr):
+                         F8Q: tl.constexpr, ZERO_HIST: tl.constexpr, HIST_BLOCK: tl.constexpr):
     """Program ``(i, j)``: tokens ``i * G .. i * G + G - 1``; those of the first one's request
     are scored together (MTP / prefill token groups share every key load), any other one alone.
     Length of token ``t``: ``min(pos + 1, W)`` (0 for padding), written to ``len_ptr[t]``.
@@ -205,11 +206,21 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
     (``NT == 1``): one dot over the e4m3 values upcast, times the key's power-of-two scale
     after the dot (exact: ``relu(c * x) = c * relu(x)`` for ``c > 0``, and scaling by a power
     of two commutes with fp32 rounding); several tiles: each value is scaled by its tile's
-    scale before the dot (exact in bf16 as well)."""
+    scale before the dot (exact in bf16 as well).
+
+    ``ZERO_HIST``: programs ``(i, 0)`` also zero rows ``tok`` of the next top-k's histogram
+    scratch (``hist_ptr [T, HIST_W]`` int32, :class:`hisparse.ops.topk.TopkScratch`'s
+    ``hist``), which nothing here reads: the top-k, the next launch, skips its fill."""
     tok0 = tl.program_id(0) * G
     offs_g = tl.arange(0, G)
     tok = tok0 + offs_g
     tmask = tok < T
+    if ZERO_HIST:
+        offs_z = tl.arange(0, HIST_BLOCK)
+        zrow = tmask & (offs_g * 0 + tl.program_id(1) == 0)
+        tl.store(hist_ptr + tok.to(tl.int64)[:, None] * stride_h + offs_z[None, :],
+                 tl.zeros([G, HIST_BLOCK], dtype=tl.int32),
+                 mask=zrow[:, None] & (offs_z < HIST_W)[None, :])
     req = tl.load(req_ptr + tok, mask=tmask, other=-1)
     pos = tl.load(pos_ptr + tok, mask=tmask, other=-1)
     n_tok = tl.where(req >= 0, tl.minimum(tl.maximum(pos + 1, 0), W), 0)
@@ -230,16 +241,21 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
 
 
 @triton.jit
-def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, HI, stride_qt,
-                            stride_qh, stride_wt, D: tl.constexpr, TILE: tl.constexpr,
+def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, cos_ptr, sin_ptr, HI,
+                            stride_qt, stride_qh, stride_wt, stride_cs, w_scale,
+                            D: tl.constexpr, TILE: tl.constexpr,
                             NT: tl.constexpr, BLOCK_H: tl.constexpr, LOG_D: tl.constexpr,
                             ROT_SCALE: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
-                            FOLD: tl.constexpr):
-    """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: each head rotated (the indexer
-    rotation in ``DT``, bit for bit :func:`hisparse.ops.rotation.indexer_rotation`), then, with
-    ``QUANT``, its e4m3 codes ``[T, HI, D]`` and power-of-two scales ``[T, HI, NT]`` per (head,
-    tile) (the keys' rule, bit for bit) and, ``FOLD`` (one tile), ``wq = w * scale``; without,
-    the rotated values ``[T, HI, D]`` in ``DT``."""
+                            FOLD: tl.constexpr, H2: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            W_SCALE: tl.constexpr):
+    """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: ``H2 > 0``: first the RoPE of each
+    head's first ``2 * H2`` dims (bit for bit :func:`hisparse.ops.glue.rope_heads`: every
+    product and sum rounded to ``DT``); each head rotated (the indexer rotation in ``DT``, bit
+    for bit :func:`hisparse.ops.rotation.indexer_rotation`), then, with ``QUANT``, its e4m3
+    codes ``[T, HI, D]`` and power-of-two scales ``[T, HI, NT]`` per (head, tile) (the keys'
+    rule, bit for bit) and, ``FOLD`` (one tile), ``wq = w * scale`` (``W_SCALE``: ``(w *
+    w_scale) * scale``, the fp32 multiplies of ``(w.float() * w_scale)`` then the fold);
+    without, the rotated values ``[T, HI, D]`` in ``DT``."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, NT)
@@ -247,8 +263,17 @@ def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, HI, stride
     offs = (offs_i[:, None] * TILE + offs_j[None, :])[None, :, :]        # [1, NT, TILE]
     hmask = offs_h < HI
     h3 = offs_h[:, None, None]
-    x = tl.load(q_ptr + t * stride_qt + h3 * stride_qh + offs, mask=hmask[:, None, None],
-                other=0.0).to(tl.float32)                              # [BLOCK_H, NT, TILE]
+    src = q_ptr + t * stride_qt + h3 * stride_qh
+    x = tl.load(src + offs, mask=hmask[:, None, None], other=0.0).to(tl.float32)
+    if H2 > 0:      # the rope_heads kernel's values, in registers instead of a store and load
+        inr = offs < 2 * H2
+        j, p, q = _rope_src(offs, H2, INTERLEAVED)
+        m = hmask[:, None, None] & inr
+        a = tl.load(src + p, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(src + q, mask=m, other=0.0).to(tl.float32)
+        cs = tl.load(cos_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + t * stride_cs + j, mask=inr, other=0.0).to(tl.float32)
+        x = tl.where(inr, _rope_pair(a, b, cs, sn, offs < H2, DT), x)   # [BLOCK_H, NT, TILE]
     x = tl.reshape(_hadamard(tl.reshape(x, (BLOCK_H, D)), BLOCK_H, D, LOG_D, ROT_SCALE, DT),
                    (BLOCK_H, NT, TILE))
     if QUANT:
@@ -259,18 +284,23 @@ def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, HI, stride
         tl.store(scale_ptr + (t * HI + offs_h[:, None]) * NT + offs_i[None, :], scale,
                  mask=hmask[:, None])
         if FOLD:
-            w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0)
+            w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32)
+            if W_SCALE:
+                w = w * w_scale
             tl.store(wq_ptr + t * HI + offs_h, w * tl.sum(scale, axis=1), mask=hmask)
     else:
         tl.store(out_ptr + (t * HI + h3) * D + offs, x.to(out_ptr.dtype.element_ty),
                  mask=hmask[:, None, None])
 
 
-def _queries(q, weights, quant: bool):
+def _queries(q, weights, quant: bool, rope=None, weight_scale=None):
     T, HI, D = q.shape
     check_rotation_dim(D)
     tile = fp8_tile(D)
     nt = D // tile
+    if (rope is not None or weight_scale is not None) and not (quant and nt == 1):
+        raise ValueError("quantize_queries: the RoPE and the weight scale fold into one "
+                         f"scale tile's quantization only (D <= 128), got D = {D}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     if quant:
         out = torch.empty((T, HI, D), dtype=torch.uint8, device=q.device)
@@ -278,23 +308,40 @@ def _queries(q, weights, quant: bool):
         wq = torch.empty((T, HI), dtype=torch.float32, device=q.device) if nt == 1 else None
     else:
         out, scales, wq = torch.empty_like(q), None, None
+    if rope is None:
+        cos = sin = q
+        h2, interleaved = 0, False
+    else:
+        cos, sin, rope_dim, interleaved = rope
+        if tuple(cos.shape) != (T, rope_dim // 2) or tuple(sin.shape) != (T, rope_dim // 2):
+            raise ValueError(f"quantize_queries: cos/sin must be [{T}, {rope_dim // 2}], got "
+                             f"{tuple(cos.shape)} / {tuple(sin.shape)}")
+        cos, sin, h2 = cos.contiguous(), sin.contiguous(), rope_dim // 2
     if T:
         block_h = min(16, next_pow2(HI))
         _indexer_queries_kernel[(T, triton.cdiv(HI, block_h))](
             q, q if weights is None else weights, out, out if scales is None else scales,
-            out if wq is None else wq, HI, q.stride(0), q.stride(1),
-            0 if weights is None else weights.stride(0), D=D, TILE=tile, NT=nt,
+            out if wq is None else wq, cos, sin, HI, q.stride(0), q.stride(1),
+            0 if weights is None else weights.stride(0), cos.stride(0),
+            1.0 if weight_scale is None else float(weight_scale), D=D, TILE=tile, NT=nt,
             BLOCK_H=block_h, LOG_D=D.bit_length() - 1, ROT_SCALE=D ** -0.5,
-            DT=_TL_DTYPE[q.dtype], QUANT=quant, FOLD=quant and nt == 1, num_warps=4)
+            DT=_TL_DTYPE[q.dtype], QUANT=quant, FOLD=quant and nt == 1, H2=h2,
+            INTERLEAVED=interleaved, W_SCALE=weight_scale is not None, num_warps=4)
     return out, scales, wq
 
 
-def quantize_queries(q, weights):
+def quantize_queries(q, weights, rope=None, weight_scale=None):
     """``q [T, HI, D]`` -> (e4m3 codes ``[T, HI, D]`` uint8, scales ``[T, HI, NT]`` fp32,
     ``weights * scale`` ``[T, HI]`` fp32 when one tile (``NT == 1``), else None) of the rotated
     queries: bit for bit :func:`hisparse.ops.quant.quantize_index_queries_reference`. One
-    launch, no host sync."""
-    return _queries(q, weights, True)
+    launch, no host sync.
+
+    Folded in (one tile only): ``rope = (cos, sin, rope_dim, interleaved)`` (``cos`` / ``sin``
+    ``[T, rope_dim // 2]``): ``q`` is ``wq_b``'s output and the queries quantized are
+    ``glue.rope_heads(q, cos, sin, rope_dim, interleaved)``, bit for bit; ``weight_scale``
+    (a float): ``weights`` are unscaled and the result is ``(weights.float() * weight_scale)
+    * scale``, the same fp32 multiplies as scaling first."""
+    return _queries(q, weights, True, rope, weight_scale)
 
 
 def rotate_queries(q):
@@ -318,7 +365,8 @@ CONFIG_CPU = (64, 1, 4, 1)
 
 
 def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_size, config=None,
-                 out=None, lengths=None, group: int = 1, fp8_query: bool = True):
+                 out=None, lengths=None, group: int = 1, fp8_query: bool = True, rope=None,
+                 weight_scale=None, hist=None):
     """Orderable int32 score keys ``[T, W]`` (``W = P * block_size``; :func:`hisparse.ops.topk.
     orderable_keys` of the fp32 score, ``INT32_MIN`` for an unmapped page) and each token's
     length ``[T]`` int32 (``min(pos + 1, W)``, 0 for padding). Only columns ``< length`` are
@@ -337,7 +385,13 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     against them: one scale tile (``D <= 128``) runs one e4m3 x e4m3 dot per key tile with the
     query scales folded into the head weights; several tiles score the dequantized queries on
     the upcast path. False: the rotated queries stay in their dtype against the upcast keys
-    (:func:`rotate_queries`; the path before, a baseline)."""
+    (:func:`rotate_queries`; the path before, a baseline).
+
+    ``rope = (cos, sin, rope_dim, interleaved)`` / ``weight_scale``: ``q`` and ``weights`` are
+    ``wq_b``'s and ``weights_proj``'s outputs, their RoPE and scale still to apply, done in the
+    query quantization (:func:`quantize_queries`; FP8 keys and queries of one tile only, else
+    a ``ValueError``). ``hist``: the next top-k's ``TopkScratch.hist[:T]``, zeroed by the
+    scoring kernel (then call :func:`hisparse.ops.topk.topk_select` with ``hist_zeroed``)."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
     if out is None:
@@ -382,8 +436,15 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
     weights = weights.float()
     f8q = fp8 and fp8_query
+    if (rope is not None or weight_scale is not None) and not (f8q and nt == 1):
+        raise ValueError("indexer_keys: the queries' RoPE and weight scale fold into FP8 "
+                         "queries of one scale tile only")
+    if hist is not None and (hist.dim() != 2 or hist.shape[0] != T or hist.stride(1) != 1
+                             or hist.dtype != torch.int32):
+        raise ValueError(f"indexer_keys: hist must be [{T}, *] int32 with unit column stride, "
+                         f"got {tuple(hist.shape)} {hist.dtype}")
     if f8q:
-        codes, scales, wq = quantize_queries(q, weights)
+        codes, scales, wq = quantize_queries(q, weights, rope, weight_scale)
         if nt == 1:
             q, weights = codes.view(torch.float8_e4m3fn), wq
             k_cache = k_cache.view(torch.float8_e4m3fn)
@@ -411,13 +472,16 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     nprog = per_sm if not q.is_cuda else triton.cdiv(per_sm * _num_sms(q.device.index or 0),
                                                      programs)
     nprog = max(1, min(nblk, nprog))
+    zero = hist is not None
     _indexer_keys_kernel[(programs, nprog)](
         q, weights, k_cache, k_scale, block_table, token_req, token_pos, keys, lengths,
-        T, W, HI, D, nprog,
+        hist if zero else lengths, T, W, HI, D, nprog,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), stride_ksp,
-        block_table.stride(0), keys.stride(0),
+        block_table.stride(0), keys.stride(0), hist.stride(0) if zero else 0,
+        hist.shape[1] if zero else 0,
         G=group, PAGE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, IEEE=ieee,
         FP8=fp8, TILE=tile, NT=nt, EVEN_D=block_d == D, FOR_LOOP=not interpreted(),
-        STAGES=stages, F8Q=f8q, num_warps=nw,
+        STAGES=stages, F8Q=f8q, ZERO_HIST=zero,
+        HIST_BLOCK=next_pow2(hist.shape[1]) if zero else 1, num_warps=nw,
     )
     return keys, lengths

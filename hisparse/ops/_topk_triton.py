@@ -380,8 +380,10 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
 
 
 def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
-                       scratch: TopkScratch, mode: str, cfg: TopkLaunch) -> torch.Tensor:
-    """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring)."""
+                       scratch: TopkScratch, mode: str, cfg: TopkLaunch,
+                       hist_zeroed: bool = False) -> torch.Tensor:
+    """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring).
+    ``hist_zeroed``: ``scratch.hist[:T]`` is zero already (the scoring kernel's work): no fill."""
     T, W = keys.shape
     if keys.stride(1) != 1:
         raise ValueError("topk_select: keys must have unit column stride")
@@ -403,7 +405,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     lengths = lengths.to(torch.int32)
     splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
     hist = scratch.hist[:T]
-    hist.zero_()
+    if not hist_zeroed:
+        hist.zero_()
     sh = scratch.split_hist
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, W, k, splits, keys.stride(0),
             hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))

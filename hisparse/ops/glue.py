@@ -27,9 +27,14 @@ from ._common import want_triton
 from .quant import check_mla_rows_dst, quantize_write_index_keys, quantize_write_mla_rows
 
 
-def _use_triton(*tensors: Tensor) -> bool:
-    """Triton unless ``HISPARSE_FUSED_GLUE=0`` (:mod:`hisparse.ops.switches`)."""
+def fused(*tensors: Tensor) -> bool:
+    """Triton unless ``HISPARSE_FUSED_GLUE=0`` (:mod:`hisparse.ops.switches`): whether the glue
+    ops on ``tensors`` run their kernels (and the model hands the indexer's queries on
+    unfused, :class:`hisparse.ops.indexer.IndexerQueries`)."""
     return switches.current().fused_glue and want_triton(*tensors)
+
+
+_use_triton = fused
 
 
 # ----------------------------------------------------------------------------- references

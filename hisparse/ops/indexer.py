@@ -47,10 +47,12 @@ always.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import switches
-from ._common import want_triton
+from . import glue, switches
+from ._common import fp8_tile, want_triton
 from .quant import (
     FP8KeyLayout,
     dequantize_index_keys_reference,
@@ -67,6 +69,56 @@ def fp8_query_enabled(head_dim: int) -> bool:
     kernel's tile is. Otherwise the queries stay unquantized."""
     tile = min(head_dim, 128)
     return switches.current().fp8_indexer and tile & (tile - 1) == 0
+
+
+@dataclass(frozen=True)
+class IndexerQueries:
+    """The current tokens' indexer queries and head weights before their RoPE and weight
+    scale, so that scoring against FP8 keys computes them inside its query kernel (RoPE,
+    rotation, e4m3 quantization and the weights in one launch: :func:`indexer_topk`).
+
+    ``q [T, Hi, Di]`` (``wq_b``'s output, unit last stride), ``cos`` / ``sin`` ``[T, rope_dim //
+    2]``, ``interleaved`` (the RoPE convention), ``w [T, Hi]`` (``weights_proj``'s output) and
+    ``weight_scale`` (a float). The queries and weights are :meth:`materialize`'s: exactly
+    the ops the model ran before (``glue.rope_heads``, ``w.float() * weight_scale``)."""
+
+    q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rope_dim: int
+    interleaved: bool
+    w: torch.Tensor
+    weight_scale: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def rope(self) -> tuple:
+        """``(cos, sin, rope_dim, interleaved)`` (the kernels' ``rope`` argument)."""
+        return self.cos, self.sin, self.rope_dim, self.interleaved
+
+    def __getitem__(self, rows: slice) -> IndexerQueries:
+        """Tokens ``rows`` (a slice)."""
+        return IndexerQueries(self.q[rows], self.cos[rows], self.sin[rows], self.rope_dim,
+                              self.interleaved, self.w[rows], self.weight_scale)
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [T, Hi, Di] roped in q's dtype, weights [T, Hi] fp32, every scale folded)``."""
+        return (glue.rope_heads(self.q, self.cos, self.sin, self.rope_dim, self.interleaved),
+                self.w.float() * self.weight_scale)
+
+
+def _folds(q: IndexerQueries, k_cache: torch.Tensor) -> bool:
+    """Whether scoring ``k_cache`` takes ``q``'s RoPE and weight scale into its query kernel:
+    FP8 keys, FP8 queries (:func:`fp8_query_enabled`) of one scale tile."""
+    d = q.shape[-1]
+    return k_cache.dtype == torch.uint8 and fp8_query_enabled(d) and fp8_tile(d) == d
 
 
 class IndexerWorkspace:
@@ -133,6 +185,8 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
                            block_table: torch.Tensor, token_req: torch.Tensor,
                            token_pos: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
     """Plain PyTorch spec of :func:`indexer_topk` (any device)."""
+    if isinstance(q, IndexerQueries):
+        q, weights = q.materialize()
     T = q.shape[0]
     dev = q.device
     out = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
@@ -190,37 +244,57 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
     if T == 0:
         return out
+    lazy = isinstance(q, IndexerQueries)
+    if lazy and not _folds(q, k_cache):
+        q, weights = q.materialize()
+        lazy = False
+    # the scoring kernel zeroes the top-k's histograms (no fill launch) unless the glue runs
+    # unfused (HISPARSE_FUSED_GLUE=0: the launch-count baseline)
+    zero_hist = switches.current().fused_glue
     if workspace is not None:
         if W > workspace.max_positions or workspace.keys.device != q.device:
             raise ValueError(f"indexer_topk: workspace ({workspace.max_positions} positions, "
                              f"{workspace.keys.device}) is too small for {W} positions on "
                              f"{q.device}; size it for the largest call up front")
         tc = workspace.rows
+        scratch = workspace.topk
     else:  # bound the [Tc, W] int32 key buffer to ~512 MiB
         tc = max(1, min(T, (1 << 27) // max(1, W)))
+        scratch = TopkScratch(min(T, tc), q.device)
     for a in range(0, T, tc):
         b = min(T, a + tc)
         if workspace is None:
-            keys_buf = lens = scratch = None
+            keys_buf = lens = None
         else:
             keys_buf, lens = workspace.keys[:b - a, :W], workspace.lengths[:b - a]
-            scratch = workspace.topk
-        keys, lens = indexer_keys(q[a:b], weights[a:b], k_cache, block_table, token_req[a:b],
+        hist = scratch.hist[:b - a] if zero_hist else None
+        if lazy:
+            qc = q[a:b]
+            qa, wa, fold = qc.q, qc.w, dict(rope=qc.rope, weight_scale=qc.weight_scale)
+        else:
+            qa, wa, fold = q[a:b], weights[a:b], {}
+        keys, lens = indexer_keys(qa, wa, k_cache, block_table, token_req[a:b],
                                   token_pos[a:b], block_size, out=keys_buf, lengths=lens,
-                                  group=group, fp8_query=fp8_query_enabled(q.shape[-1]))
-        topk_select(keys, lens, topk, out=out[a:b], scratch=scratch)
+                                  group=group, fp8_query=fp8_query_enabled(q.shape[-1]),
+                                  hist=hist, **fold)
+        topk_select(keys, lens, topk, out=out[a:b], scratch=scratch, hist_zeroed=zero_hist)
     return out
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
+                 k_cache: torch.Tensor,
                  block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
                  block_size: int, topk: int, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, group: int = 1) -> torch.Tensor:
     """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
 
     Args:
-        q: ``[T, Hi, D]`` bf16/fp32 indexer queries, RoPE applied.
-        weights: ``[T, Hi]`` fp32 per-head weights with all scales folded in (module docstring).
+        q: ``[T, Hi, D]`` bf16/fp32 indexer queries, RoPE applied; or an
+            :class:`IndexerQueries` (queries and weights before their RoPE and scale: with FP8
+            keys and FP8 queries of one tile the query kernel applies them, bit for bit its
+            :meth:`~IndexerQueries.materialize`, which every other path runs first).
+        weights: ``[T, Hi]`` fp32 per-head weights with all scales folded in (module
+            docstring); ignored (None) when ``q`` is an :class:`IndexerQueries`.
         k_cache: ``[num_idx_blocks * block_size, D]`` one layer's indexer keys (flat rows), or
             FP8 keys as pages ``[num_idx_blocks, block_size * index_key_bytes(D)]`` uint8
             (:class:`hisparse.ops.quant.FP8KeyLayout`: per page the e4m3 values, then the fp32
@@ -243,9 +317,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
     (:func:`hisparse.ops.topk.orderable_keys`), then :func:`hisparse.ops.topk.topk_select` (an
     exact radix select) ranks them: "score descending, ties by lower position" with no host sync,
     and nothing past a token's position is touched (the width ``P * block_size`` only bounds the
-    buffers).
+    buffers). The scoring kernel also zeroes the top-k's histogram scratch (one fill launch
+    less; not with ``HISPARSE_FUSED_GLUE=0``).
     """
-    if want_triton(q, k_cache):
+    if want_triton(q.q if isinstance(q, IndexerQueries) else q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                     block_size, topk, out=out, workspace=workspace, group=group)
     res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,

@@ -13,7 +13,10 @@ HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CP
 HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
-(``fused_glue``)                                                    reference (``ops.glue``)
+(``fused_glue``)                                                    reference (``ops.glue``), the
+                                                                    indexer's queries are roped
+                                                                    and scaled before scoring and
+                                                                    the top-k zeroes its scratch
 HISPARSE_FUSED_MOE        ``0``, ``1``                  ``1``       ``0``: the MoE layer unfused
 (``fused_moe``)                                                     (``ops.moe_layer``)
 HISPARSE_MOE_ALIGN        experts, single               experts     the fused layer's alignment

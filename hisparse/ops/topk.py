@@ -109,7 +109,8 @@ class TopkScratch:
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
                 out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
-                splits: int | None = None, launch: TopkLaunch | None = None) -> torch.Tensor:
+                splits: int | None = None, launch: TopkLaunch | None = None,
+                hist_zeroed: bool = False) -> torch.Tensor:
     """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
 
     Args:
@@ -124,6 +125,10 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             the scratch; default: enough to fill the GPU); replaces ``launch.splits``.
         launch: the Triton path's :class:`TopkLaunch` (speed hints; default ``TopkLaunch()``).
             ``k > SORT_COLS`` runs the ``legacy`` ranking.
+        hist_zeroed: Triton path with ``scratch``: ``scratch.hist[:T]`` was zeroed by an
+            earlier launch on this stream (the indexer's scoring kernel,
+            ``indexer_keys(hist=...)``), so the call skips its fill launch. False (default):
+            the call zeroes it.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
@@ -159,6 +164,6 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         if cfg.block is None:
             cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
         return topk_select_triton(keys, lengths, k, out, scratch,
-                                  switches.current().topk, cfg)
+                                  switches.current().topk, cfg, hist_zeroed)
     out.copy_(topk_select_reference(keys, lengths, k))
     return out

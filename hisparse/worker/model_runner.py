@@ -19,6 +19,7 @@ from torch import Tensor
 
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
+from hisparse.ops.indexer import IndexerQueries
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
 from hisparse.worker.kv_format import kv_format
@@ -198,12 +199,15 @@ class PagedContext:
         call it inside the capture; :class:`ModelRunner` also calls it after every step."""
         self.prefetcher.join()
 
-    def select_topk(self, layer_idx: int, index_q: Tensor, index_weights: Tensor,
-                    keys: Tensor) -> Tensor:
+    def select_topk(self, layer_idx: int, index_q: Tensor | IndexerQueries,
+                    index_weights: Tensor | None, keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none; override
-        point: must stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`."""
+        point: must stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`.
+        ``index_q`` may be an :class:`~hisparse.ops.indexer.IndexerQueries` (``index_weights``
+        None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
         k = self.index_topk
-        ranked = ops.indexer_topk(index_q, index_weights.float(), keys, self.tables["indexer"],
+        w = None if index_weights is None else index_weights.float()
+        ranked = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
                                   self.token_slot, self.positions_i32, self.block_size,
                                   k + self.caches.hot_band,
                                   workspace=self.caches.workspace.indexer,
