@@ -47,10 +47,43 @@ class NewRows:
         return glue.mla_rows_reference(self.kv, self.norm_weight, self.eps, self.cos, self.sin,
                                        self.kv_lora_rank)
 
-    def write(self, dst: Tensor, rows: Tensor) -> None:
-        """``dst[rows[t]] = row t`` (float rows, or FP8 byte rows: quantized)."""
-        glue.write_mla_rows(self.kv, self.norm_weight, self.eps, self.cos, self.sin, dst, rows,
-                            self.kv_lora_rank)
+    def write(self, dst: Tensor, rows: Tensor, query: NewQuery | None = None) -> Tensor | None:
+        """``dst[rows[t]] = row t`` (float rows, or FP8 byte rows: quantized). With the same
+        tokens' ``query``, also returns it materialized, made in the rows' launch (one kernel
+        for both); else None."""
+        q = () if query is None else (query.q_abs, query.q_pe)
+        return glue.write_mla_rows(self.kv, self.norm_weight, self.eps, self.cos, self.sin, dst,
+                                   rows, self.kv_lora_rank, *q)
+
+
+@dataclass(frozen=True)
+class NewQuery:
+    """The current tokens' absorbed MLA query before its RoPE and concat, so that a context
+    makes it in the launch that writes the rows (:meth:`NewRows.write` with ``query``): head
+    ``h`` of token ``t`` is ``[q_abs[t, h] | rope_interleaved(q_pe[t, h])]``
+    (:func:`hisparse.ops.glue.mla_q_latent_reference`), ``[T, H, R + rope]`` in ``q_pe``'s
+    dtype; any other consumer calls :meth:`materialize` (its own kernel, as before the fold).
+
+    ``q_abs [T, H, R]`` (``q_nope @ w_uk``), ``q_pe [T, H, rope]`` (any strides), ``cos`` /
+    ``sin`` ``[T, rope // 2]``."""
+
+    q_abs: Tensor
+    q_pe: Tensor
+    cos: Tensor
+    sin: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        T, H, R = self.q_abs.shape
+        return torch.Size((T, H, R + self.q_pe.shape[2]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q_pe.dtype
+
+    def materialize(self) -> Tensor:
+        """The query ``[T, H, R + rope]`` (:func:`hisparse.ops.glue.mla_q_latent`)."""
+        return glue.mla_q_latent(self.q_abs, self.q_pe, self.cos, self.sin)
 
 
 @dataclass(frozen=True)
@@ -83,9 +116,9 @@ class NewKeys:
                               self.sin, self.rope_dim, self.interleaved, dst, rows)
 
 
-def materialize(x: Tensor | NewRows | NewKeys | None) -> Tensor | None:
-    """``x`` as a tensor (``kv_new`` / ``index_k_new`` of :meth:`SparseAttentionContext.attend`
-    may come either way)."""
+def materialize(x: Tensor | NewRows | NewKeys | NewQuery | None) -> Tensor | None:
+    """``x`` as a tensor (``q_latent`` / ``kv_new`` / ``index_k_new`` of
+    :meth:`SparseAttentionContext.attend` may come either way)."""
     return x if x is None or isinstance(x, Tensor) else x.materialize()
 
 
@@ -120,8 +153,8 @@ class SparseAttentionContext(Protocol):
     def attend(
         self,
         layer_idx: int,
-        q_latent: Tensor,
-        kv_new: Tensor,
+        q_latent: Tensor | NewQuery,
+        kv_new: Tensor | NewRows,
         index_q: Tensor | None,
         index_weights: Tensor | None,
         index_k_new: Tensor | None,
@@ -132,7 +165,10 @@ class SparseAttentionContext(Protocol):
         Args:
             layer_idx: layer number, ``0 <= layer_idx < num_layers``; called in increasing order,
                 exactly once per layer per forward.
-            q_latent: ``[T, H, D]`` model dtype: ``[q_nope @ W_UK | roped q_pe]``.
+            q_latent: ``[T, H, D]`` model dtype: ``[q_nope @ W_UK | roped q_pe]``, or a
+                :class:`NewQuery` that computes it (``.materialize()``; with a
+                :class:`NewRows` ``kv_new``, ``kv_new.write(dst, rows, q_latent)`` makes it in
+                the rows' launch and returns it).
             kv_new: ``[T, D]`` model dtype: the cache rows of the current tokens,
                 ``[kv_a_layernorm(c_kv) | roped k_pe]``, or a :class:`NewRows` that computes
                 them (``.write(dst, rows)`` fused into the cache write, ``.materialize()``).
@@ -268,7 +304,8 @@ class DenseReferenceContext:
             raise ValueError(f"layer {layer_idx}: index_q must be {'given' if full else 'None'} "
                              f"(layer_has_indexer={full})")
         self._next_layer = layer_idx + 1
-        kv_new, index_k_new = materialize(kv_new), materialize(index_k_new)
+        q_latent, kv_new = materialize(q_latent), materialize(kv_new)
+        index_k_new = materialize(index_k_new)
         index_q, index_weights = materialize_queries(index_q, index_weights)
         R = self.kv_lora_rank
         out = q_latent.new_empty(T, q_latent.shape[1], R)

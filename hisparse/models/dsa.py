@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import glue
+from ..ops import glue, switches
 from ..ops._common import want_triton
 from ..ops.gemm import FP8_DTYPE, cdiv
 from ..ops.moe import fused_moe, fused_moe_graph_safe
@@ -51,7 +51,7 @@ from ..ops.moe_layer import (
     moe_layer,
 )
 from .config import DSAConfig
-from .context import IndexerQueries, NewKeys, NewRows, SparseAttentionContext
+from .context import IndexerQueries, NewKeys, NewQuery, NewRows, SparseAttentionContext
 from .linear import FP8Linear, StackedLinears, make_linear
 
 # Parameters kept in float32 whatever the model dtype (as transformers does).
@@ -215,14 +215,24 @@ class DSAAttention(nn.Module):
         # the rows [kv_a_layernorm(c_kv) | roped k_pe], written by the context in one kernel
         kv_new = NewRows(kv, norm.weight, norm.eps, cos, sin, self.kv_lora_rank)
         q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)                     # [T, H, R]
-        q_latent = glue.mla_q_latent(q_abs, q_pe, cos, sin)                         # [T, H, R+rope]
+        # [q_abs | roped q_pe] [T, H, R + rope], made by the context in the rows' launch
+        q_latent = NewQuery(q_abs, q_pe, cos, sin)
         if self.indexer is not None:
             index_q, index_w, index_k = self.indexer(x, q_resid, cos, sin, x32, q_raw, k_raw)
         else:
             index_q = index_w = index_k = None
         out = ctx.attend(self.layer_idx, q_latent, kv_new, index_q, index_w, index_k, self.sm_scale)
         v = torch.einsum("thr,hvr->thv", out, self.w_uv)                            # [T, H, v]
-        return tp_all_reduce(self.o_proj(v.reshape(T, H * self.v_dim)), self.tp_group)
+        if not self._o_proj_reads_heads():
+            v = v.reshape(T, H * self.v_dim)        # heads strided (the bmm's [H, T, v]): a copy
+        return tp_all_reduce(self.o_proj(v), self.tp_group)
+
+    def _o_proj_reads_heads(self) -> bool:
+        """Whether ``o_proj`` takes the per-head output ``[T, H, v_head]`` as it lies (an FP8
+        linear whose split-K kernel loads each head's block in place, no flattening copy:
+        :func:`hisparse.ops.fp8_block_linear`), unless ``HISPARSE_FUSED_GLUE=0``."""
+        return (isinstance(self.o_proj, FP8Linear) and self.num_heads > 1
+                and switches.current().fused_glue)
 
 
 class DSAMLP(nn.Module):

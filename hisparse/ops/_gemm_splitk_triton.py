@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ._common import bucket_of
-from ._gemm_triton import _quant_rows, quantize_fp8_act_triton
+from ._gemm_triton import _quant_rows, k_groups, quantize_fp8_act_triton
 from .block_fp8 import quantize_fp8_act
 
 TARGET_PROGRAMS = 512  # 64-row chunk programs per launch (~4 per SM of an H200)
@@ -63,11 +63,16 @@ M_BUCKETS = (1, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 
 
 @triton.jit
-def _x_block(x_ptr, rows, rmask, kb, K, stride_xm, BLOCK_K: tl.constexpr):
-    """Block ``kb`` of the activation rows (raw ``x``, or the pre-quantized FP8 tile)."""
-    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    m = rmask[:, None] & (offs_k < K)[None, :]
-    return tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
+def _x_block(x_ptr, rows, rmask, kb, K, stride_xm, stride_xg, BPG: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """Block ``kb`` of the activation rows (raw ``x``, or the pre-quantized FP8 tile): the
+    blocks lie in groups of ``BPG``, ``stride_xg`` apart (:func:`_gemm_triton.k_groups`; a
+    row-contiguous ``x``: ``BPG = 1``, ``stride_xg = BLOCK_K``, block ``kb`` at ``kb *
+    BLOCK_K``)."""
+    offs = tl.arange(0, BLOCK_K)
+    m = rmask[:, None] & (kb * BLOCK_K + offs < K)[None, :]
+    src = x_ptr + (kb // BPG) * stride_xg + (kb % BPG) * BLOCK_K
+    return tl.load(src + rows[:, None] * stride_xm + offs[None, :], mask=m, other=0.0)
 
 
 # M, KB, the plan and the scale strides bound loops and masks or index scalars only: not
@@ -76,8 +81,9 @@ def _x_block(x_ptr, rows, rmask, kb, K, stride_xm, BLOCK_K: tl.constexpr):
                                "stride_ps"])
 def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
                        M, N, K, KB, CHUNK, GROUP,
-                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_ps,
-                       LEVEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       stride_xm, stride_xg, stride_xsm, stride_wn, stride_wsn, stride_om,
+                       stride_ps, BPG: tl.constexpr, LEVEL: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr, QUANT_A: tl.constexpr,
                        POW2: tl.constexpr):
     """``LEVEL`` 0 / 1: ``out[p, t, n]`` = chunk / group ``p = program_id(2)``'s fp32 sum
@@ -107,7 +113,7 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     # directly (the weight; the activation too when it comes pre-quantized)
     sw = tl.load(ws_blk + kb_start)
     if QUANT_A:
-        a = _x_block(x_ptr, rows, rmask, kb_start, K, stride_xm, BLOCK_K)
+        a = _x_block(x_ptr, rows, rmask, kb_start, K, stride_xm, stride_xg, BPG, BLOCK_K)
     else:
         sa = tl.load(xs_ptr + rows * stride_xsm + kb_start, mask=rmask, other=0.0)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)     # the chunk's sum
@@ -122,11 +128,11 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
         if QUANT_A:
-            a_next = _x_block(x_ptr, rows, rmask, nxt, K, stride_xm, BLOCK_K)
+            a_next = _x_block(x_ptr, rows, rmask, nxt, K, stride_xm, stride_xg, BPG, BLOCK_K)
             q, sa = _quant_rows(a.to(tl.float32), POW2)
         else:
             sa_next = tl.load(xs_ptr + rows * stride_xsm + nxt, mask=rmask, other=0.0)
-            q = _x_block(x_ptr, rows, rmask, kb, K, stride_xm, BLOCK_K)
+            q = _x_block(x_ptr, rows, rmask, kb, K, stride_xm, stride_xg, BPG, BLOCK_K)
         d = tl.dot(w, tl.trans(q))
         if SCALE_N % BLOCK_N == 0:
             acc += d * (sw * sa)[None, :]
@@ -430,8 +436,15 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     ``quant="kernel"``. Row ``i`` equals that row computed in any other batch, bitwise, whatever
     ``config`` and ``quant``: only ``plan`` (default :func:`splitk_plan`, from the weight shape)
     changes bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says
-    otherwise. ``parts * M * N`` must stay below 2**31."""
-    M, K = x.shape
+    otherwise. ``parts * M * N`` must stay below 2**31.
+
+    ``x`` may also be ``[M, G, K // G]``, row ``m`` being ``x[m]`` flattened (the per-head
+    attention output as the ``w_uv`` product leaves it, heads strided): with ``K // G`` a
+    multiple of ``bk`` the kernels load its blocks where they lie (:func:`_gemm_triton.
+    k_groups`; the same values as from the flattened copy, so the same bits), else it is
+    flattened first."""
+    M = x.shape[0]
+    K = x.shape[1] if x.dim() == 2 else x.shape[1] * x.shape[2]
     N = w.shape[0]
     bn, bk = block
     KB = triton.cdiv(K, bk)
@@ -443,14 +456,15 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
         raise ValueError(f"fp8_block_linear_splitk: level must be one of {LEVELS}, "
                          f"got {cfg.level!r}")
     quant = quant or (cfg.quant if x.is_cuda else "torch")
-    x = x.contiguous()
+    x, stride_g, bpg = k_groups(x, bk)
     if quant == "gemm":
         xq, xs = x, x  # xs unused
     elif quant == "kernel":
         xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)
+        stride_g, bpg = bk, 1
     elif quant == "torch":
-        xq, xs = quantize_fp8_act(x, bk, pow2_scale)
-        xq = xq.contiguous()
+        xq, xs = quantize_fp8_act(x.reshape(M, K), bk, pow2_scale)
+        xq, stride_g, bpg = xq.contiguous(), bk, 1
     else:
         raise ValueError(f"fp8_block_linear_splitk: quant must be gemm, kernel or torch, "
                          f"got {quant!r}")
@@ -466,13 +480,14 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     dst = torch.empty(parts, M, N, device=x.device, dtype=torch.float32) if level < 2 else out
     grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), parts)
     args = (xq, xs, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group,
-            xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0), M * N)
-    meta = dict(LEVEL=level, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+            xq.stride(0), stride_g, xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
+            M * N)
+    meta = dict(BPG=bpg, LEVEL=level, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
                 SCALE_N=bn, QUANT_A=quant == "gemm", POW2=pow2_scale)
     if not x.is_cuda:
         _fp8_splitk_kernel[grid](*args, **meta)
     else:
-        key = (x.device, cfg, level, bk, bn, quant, pow2_scale)
+        key = (x.device, cfg, level, bk, bn, quant, pow2_scale, bpg)
         stages = _STAGES.get(key, cfg.num_stages)
         while True:  # fewer stages where shared memory runs out (remembered per launch)
             try:

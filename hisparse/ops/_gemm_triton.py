@@ -221,15 +221,20 @@ def fp8_block_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
 
 # ----------------------------------------------------------------------------- activation quant
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr):
-    """One program per (row tile, K block): ``q, s = _quant_rows(x[rows, blk])``."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_xg, stride_q, stride_s,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BPG: tl.constexpr,
+                      POW2: tl.constexpr):
+    """One program per (row tile, K block): ``q, s = _quant_rows(x[rows, blk])``. ``x``'s K
+    blocks lie in groups of ``BPG`` (contiguous within a group, ``stride_xg`` apart: a 2-D
+    ``x`` is one group per block, ``stride_xg = BLOCK_K``); ``q`` is ``[M, K]``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = rows < M
     m = rmask[:, None] & (offs_k < K)[None, :]
-    a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m, other=0.0)
+    src = x_ptr + (kb // BPG) * stride_xg + (kb % BPG) * BLOCK_K
+    a = tl.load(src + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :], mask=m,
+                other=0.0)
     q, sa = _quant_rows(a.to(tl.float32), POW2)
     tl.store(q_ptr + rows[:, None] * stride_q + offs_k[None, :], q, mask=m)
     tl.store(s_ptr + rows * stride_s + kb, sa, mask=rmask)
@@ -239,18 +244,35 @@ def quantize_fp8_act_triton(x: torch.Tensor, block_k: int, pow2_scale: bool = Fa
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`block_fp8.quantize_fp8_act` in one Triton launch, bitwise equal to the quantization
     the stream kernel does in its K loop: ``x [M, K]`` -> ``(q [M, K] float8_e4m3fn,
-    s [M, ceil(K/bk)] fp32)``."""
-    M, K = x.shape
-    x = x.contiguous()
+    s [M, ceil(K/bk)] fp32)``. ``x`` may also be ``[M, G, K // G]`` with ``K // G`` a multiple
+    of ``block_k`` and any strides but a contiguous last dim (row ``m`` is ``x[m]`` flattened:
+    the per-head attention output, read where it lies)."""
+    x, stride_g, bpg = k_groups(x, block_k)
+    M, K = x.shape[0], x.shape[1] if x.dim() == 2 else x.shape[1] * x.shape[2]
     kb = triton.cdiv(K, block_k)
     q = torch.empty(M, K, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(M, kb, device=x.device, dtype=torch.float32)
     if M:
         block_r = 16
         _act_quant_kernel[(triton.cdiv(M, block_r), kb)](
-            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-            BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2_scale)
+            x, q, s, M, K, x.stride(0), stride_g, q.stride(0), s.stride(0),
+            BLOCK_R=block_r, BLOCK_K=block_k, BPG=bpg, POW2=pow2_scale)
     return q, s
+
+
+def k_groups(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, int, int]:
+    """The activation as the GEMM kernels read it: ``(x, stride_g, bpg)``, its K blocks in
+    groups of ``bpg`` blocks (contiguous within a group), groups ``stride_g`` elements apart.
+    ``x [M, K]``: made row-contiguous, one block per group (``stride_g = block_k``). ``x [M, G,
+    K // G]`` (row ``m`` is ``x[m]`` flattened): kept as it lies when ``K // G`` is a multiple
+    of ``block_k`` and its last dim is contiguous (the per-head attention output: no copy),
+    else flattened (a copy)."""
+    if x.dim() == 3:
+        M, G, kg = x.shape
+        if kg % block_k == 0 and x.stride(2) == 1:
+            return x, x.stride(1), kg // block_k
+        x = x.reshape(M, G * kg)
+    return x.contiguous(), block_k, 1
 
 
 # ----------------------------------------------------------------------------- stream kernel

@@ -91,13 +91,13 @@ def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False
 
 # ----------------------------------------------------------------------------- MLA rows
 @triton.jit
-def _mla_rows_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
-                     stride_kv, stride_cs, stride_dst, R, eps,
-                     NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
-                     BLOCK_H2: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
-    """``kv [T, R + 2*H2]`` -> row ``rows[t]`` of ``dst``: ``[rms_norm(c) | rope(k_pe)]``,
-    float (``dst_ptr`` typed) or FP8 bytes (``dst_ptr`` uint8, 656-B layout for 512 + 64)."""
-    t = tl.program_id(0).to(tl.int64)
+def _mla_row(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
+             stride_kv, stride_cs, stride_dst, R, eps,
+             NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
+             BLOCK_H2: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
+    """Token ``t``'s row: ``kv [T, R + 2*H2]`` -> row ``rows[t]`` of ``dst``: ``[rms_norm(c) |
+    rope(k_pe)]``, float (``dst_ptr`` typed) or FP8 bytes (``dst_ptr`` uint8, 656-B layout for
+    512 + 64)."""
     row = tl.load(rows_ptr + t).to(tl.int64)
     src = kv_ptr + t * stride_kv
     offs_i = tl.arange(0, NT)
@@ -131,6 +131,31 @@ def _mla_rows_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32
         tl.store(out + R + H2 + j, hi.to(ty), mask=jm)
 
 
+@triton.jit
+def _mla_rows_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
+                     qa_ptr, qp_ptr, q_ptr, stride_kv, stride_cs, stride_dst, stride_at,
+                     stride_ah, stride_pt, stride_ph, stride_qt, stride_qh, R, RQ, eps,
+                     NT: tl.constexpr, TILE: tl.constexpr, H2: tl.constexpr,
+                     BLOCK_H2: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr,
+                     HAS_Q: tl.constexpr, BLOCK_RQ: tl.constexpr):
+    """Program ``(t, 0)``: token ``t``'s cache row (:func:`_mla_row`). With ``HAS_Q``, programs
+    ``(t, 1 + h)`` make head ``h`` of its absorbed query (:func:`_q_latent_head`, as
+    :func:`_q_latent_kernel` does): both in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    if HAS_Q:
+        p = tl.program_id(1)
+        if p == 0:
+            _mla_row(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
+                     stride_kv, stride_cs, stride_dst, R, eps, NT, TILE, H2, BLOCK_H2, FP8, DT)
+        else:
+            _q_latent_head(t, (p - 1).to(tl.int64), qa_ptr, qp_ptr, cos_ptr, sin_ptr, q_ptr,
+                           stride_at, stride_ah, stride_pt, stride_ph, stride_cs, stride_qt,
+                           stride_qh, RQ, BLOCK_RQ, H2, BLOCK_H2, DT)
+    else:
+        _mla_row(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
+                 stride_kv, stride_cs, stride_dst, R, eps, NT, TILE, H2, BLOCK_H2, FP8, DT)
+
+
 def _tiles(d: int, fp8: bool) -> tuple[int, int]:
     """``(NT, TILE)`` covering ``d`` values: FP8 scale tiles, else one power-of-two block."""
     if fp8:
@@ -139,7 +164,22 @@ def _tiles(d: int, fp8: bool) -> tuple[int, int]:
     return 1, next_pow2(d)
 
 
-def write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_rank: int) -> None:
+def _q_latent_inputs(q_abs, q_pe, cos):
+    """``(q_abs, q_pe, out)`` for :func:`_q_latent_head`: inputs with a contiguous last dim, the
+    output ``[T, H, R + rope]`` (a new tensor)."""
+    T, H, R = q_abs.shape
+    if q_abs.stride(2) != 1:
+        q_abs = q_abs.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    out = torch.empty(T, H, R + q_pe.shape[2], device=q_pe.device, dtype=q_pe.dtype)
+    return q_abs, q_pe, out
+
+
+def write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_rank: int,
+                          q_abs=None, q_pe=None):
+    """The rows' write; with ``q_abs`` / ``q_pe`` also the absorbed query in the same launch
+    (returned; else None)."""
     T, D = kv.shape
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     cos = cos.contiguous()
@@ -149,10 +189,21 @@ def write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_ran
     h2 = (D - kv_lora_rank) // 2
     rows = rows.to(device=dst.device, dtype=torch.int64)
     aux = (dst.view(torch.float32), dst.view(torch.int16)) if fp8 else (dst, dst)
-    _mla_rows_kernel[(T,)](kv, norm_weight, cos, sin, rows, dst, *aux, kv.stride(0),
-                           cos.stride(0), dst.stride(0), kv_lora_rank, float(eps), NT=nt,
-                           TILE=tile, H2=h2, BLOCK_H2=next_pow2(h2), FP8=fp8,
-                           DT=_TL_DTYPE[kv.dtype], num_warps=4)
+    heads, rq, q_args, q_strides = 0, 1, (kv, kv, kv), (0,) * 6
+    out = None
+    if q_abs is not None:
+        q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe, cos)
+        heads, rq = q_abs.shape[1], q_abs.shape[2]
+        q_args = (q_abs, q_pe, out)
+        q_strides = (q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1),
+                     out.stride(0), out.stride(1))
+    _mla_rows_kernel[(T, 1 + heads)](kv, norm_weight, cos, sin, rows, dst, *aux, *q_args,
+                                     kv.stride(0), cos.stride(0), dst.stride(0), *q_strides,
+                                     kv_lora_rank, rq, float(eps), NT=nt, TILE=tile, H2=h2,
+                                     BLOCK_H2=next_pow2(h2), FP8=fp8, DT=_TL_DTYPE[kv.dtype],
+                                     HAS_Q=out is not None, BLOCK_RQ=next_pow2(rq),
+                                     num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------- indexer keys
@@ -255,12 +306,11 @@ def rope_heads_triton(q, cos, sin, rope_dim: int, interleaved: bool):
 
 
 @triton.jit
-def _q_latent_kernel(qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, stride_ah,
-                     stride_pt, stride_ph, stride_cs, stride_ot, stride_oh, R,
-                     BLOCK_R: tl.constexpr, H2: tl.constexpr, BLOCK_H2: tl.constexpr,
-                     DT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def _q_latent_head(t, h, qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, stride_ah,
+                   stride_pt, stride_ph, stride_cs, stride_ot, stride_oh, R,
+                   BLOCK_R: tl.constexpr, H2: tl.constexpr, BLOCK_H2: tl.constexpr,
+                   DT: tl.constexpr):
+    """Head ``h`` of token ``t``'s absorbed query: ``[q_abs | rope_interleaved(q_pe)]``."""
     out = out_ptr + t * stride_ot + h * stride_oh
     ty = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)
@@ -278,16 +328,22 @@ def _q_latent_kernel(qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, strid
     tl.store(out + R + H2 + j, _rope_hi(x1, x2, cs, sn, DT).to(ty), mask=jm)
 
 
+@triton.jit
+def _q_latent_kernel(qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, stride_ah,
+                     stride_pt, stride_ph, stride_cs, stride_ot, stride_oh, R,
+                     BLOCK_R: tl.constexpr, H2: tl.constexpr, BLOCK_H2: tl.constexpr,
+                     DT: tl.constexpr):
+    _q_latent_head(tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), qa_ptr,
+                   qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, stride_ah, stride_pt,
+                   stride_ph, stride_cs, stride_ot, stride_oh, R, BLOCK_R, H2, BLOCK_H2, DT)
+
+
 def mla_q_latent_triton(q_abs, q_pe, cos, sin):
     T, H, R = q_abs.shape
-    if q_abs.stride(2) != 1:
-        q_abs = q_abs.contiguous()
-    if q_pe.stride(2) != 1:
-        q_pe = q_pe.contiguous()
+    q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe, cos)
     cos = cos.contiguous()
     sin = sin.contiguous()
     h2 = q_pe.shape[2] // 2
-    out = torch.empty(T, H, R + 2 * h2, device=q_pe.device, dtype=q_pe.dtype)
     _q_latent_kernel[(T, H)](q_abs, q_pe, cos, sin, out, q_abs.stride(0), q_abs.stride(1),
                              q_pe.stride(0), q_pe.stride(1), cos.stride(0), out.stride(0),
                              out.stride(1), R, BLOCK_R=next_pow2(R), H2=h2,

@@ -61,6 +61,12 @@ from .block_fp8 import quantize_fp8_weight as quantize_fp8_weight
 
 
 # ----------------------------------------------------------------------------- GEMM
+def _splitk_max_m() -> int:
+    from ._gemm_triton import BATCH_INVARIANT_MAX_M
+
+    return BATCH_INVARIANT_MAX_M
+
+
 def fp8_block_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                                block: tuple[int, int] = (128, 128), *,
                                quantize_input: bool = False, pow2_scale: bool = False,
@@ -129,11 +135,17 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
                      ) -> torch.Tensor:
     """``y = x @ (w * scale_inv)^T`` for ``x [..., K]`` (bf16/fp16/fp32), FP8 block-scaled ``w
     [N, K]``; fp32 accumulation, output ``out_dtype`` (default ``x.dtype``). See the module doc
-    for the backends (the fast ones quantize ``x`` per 1 x bk tile)."""
+    for the backends (the fast ones quantize ``x`` per 1 x bk tile).
+
+    Or ``x [M, G, K // G]`` (3-D, last dim not ``K``): row ``m`` is ``x[m]`` flattened, output
+    ``[M, N]``; the attention's per-head output ``[T, H, v_head]`` as the ``w_uv`` product
+    leaves it (heads strided). The split-K kernel reads it in place when ``K // G`` is a
+    multiple of ``bk`` (bitwise the flattened copy's result); every other path flattens it."""
     if w.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn, got {w.dtype}")
     N, K = w.shape
-    if x.shape[-1] != K:
+    split = x.dim() == 3 and x.shape[-1] != K and x.shape[1] * x.shape[2] == K
+    if x.shape[-1] != K and not split:
         raise ValueError(f"fp8_block_linear: x has {x.shape[-1]} features, weight expects {K}")
     bn, bk = block
     if tuple(w_scale_inv.shape) != (cdiv(N, bn), cdiv(K, bk)):
@@ -143,10 +155,13 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     b = _backend(backend)
     if b == "auto":
         b = "triton" if want_triton(x) else "reference"
+    in_place = split and b == "triton" and 0 < x.shape[0] <= _splitk_max_m()
+    if split and not in_place:
+        x = x.reshape(x.shape[0], K)
     if b == "reference" or x.numel() == 0:
         return fp8_block_linear_reference(x, w, w_scale_inv, block, out_dtype=out_dtype)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    lead = x.shape[:1] if in_place else x.shape[:-1]
+    x2 = x if in_place else x.reshape(-1, K)
     if b == "scaled_mm" and _scaled_mm_usable(x2, w, w_scale_inv, block, out_dtype):
         return _scaled_mm_call(x2, w, w_scale_inv, out_dtype, pow2_scale).reshape(*lead, N)
     from ._gemm_triton import (

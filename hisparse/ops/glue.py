@@ -123,6 +123,13 @@ def _check_rope(name: str, x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int) -
                          f"{tuple(sin.shape)}")
 
 
+def _check_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> None:
+    if q_abs.dim() != 3 or q_pe.dim() != 3 or q_abs.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(f"mla_q_latent: q_abs [T, H, R] and q_pe [T, H, rope] expected, got "
+                         f"{tuple(q_abs.shape)} / {tuple(q_pe.shape)}")
+    _check_rope("mla_q_latent", q_pe, cos, sin, q_pe.shape[2])
+
+
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
                  fp32_copy: bool = False) -> tuple[Tensor, ...]:
     """Fused :func:`add_rms_norm_reference`: ``x, residual [T, D]`` -> ``(normed [T, D],
@@ -143,32 +150,48 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
 
 
 def write_mla_rows(kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
-                   dst: Tensor, rows: Tensor, kv_lora_rank: int) -> None:
+                   dst: Tensor, rows: Tensor, kv_lora_rank: int, q_abs: Tensor | None = None,
+                   q_pe: Tensor | None = None) -> Tensor | None:
     """``dst[rows[t]] = mla_rows_reference(kv)[t]``: one layer's arena ``dst`` is ``[N, R +
     rope]`` in a float dtype (rows cast to it) or FP8 byte rows ``[N, 656]`` uint8 (quantized,
     :mod:`hisparse.ops.quant`); ``rows [T]`` flat row ids (a shared sink row: any token wins).
-    One kernel: norm, RoPE, quantization and the scattered write."""
+    One kernel: norm, RoPE, quantization and the scattered write.
+
+    With ``q_abs`` and ``q_pe`` (the same tokens' query parts, :func:`mla_q_latent`) also
+    returns :func:`mla_q_latent` ``(q_abs, q_pe, cos, sin)``, made by extra programs of the same
+    launch (bitwise the separate kernel's; the references when the rows run on theirs, and a
+    separate :func:`mla_q_latent` where the two do not share a launch: another dtype or RoPE
+    size); else returns None."""
     T, D = kv.shape
     _check_rope("write_mla_rows", kv, cos, sin, D - kv_lora_rank)
     if rows.shape != (T,):
         raise ValueError(f"write_mla_rows: rows must be [T={T}], got {tuple(rows.shape)}")
-    if T == 0:
-        return
+    query = q_abs is not None
+    if query:
+        _check_q_latent(q_abs, q_pe, cos, sin)
+        if q_pe.shape[0] != T:
+            raise ValueError(f"write_mla_rows: the query must have T={T} tokens, got "
+                             f"{tuple(q_pe.shape)}")
     fp8 = dst.dtype == torch.uint8
-    if not fp8 and (dst.dim() != 2 or dst.shape[1] != D):
+    if T and not fp8 and (dst.dim() != 2 or dst.shape[1] != D):
         raise ValueError(f"write_mla_rows: destination must be [rows, {D}], got "
                          f"{tuple(dst.shape)}")
-    if _use_triton(kv, dst):
+    if T and _use_triton(kv, dst):
         if fp8:
             check_mla_rows_dst(dst, kv_lora_rank, D - kv_lora_rank)
         from ._glue_triton import write_mla_rows_triton
-        write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_rank)
-        return
-    new = mla_rows_reference(kv, norm_weight, eps, cos, sin, kv_lora_rank)
-    if fp8:
-        quantize_write_mla_rows(new, dst, rows, kv_lora_rank)
-    else:
-        dst.index_copy_(0, rows.to(device=dst.device, dtype=torch.long), new.to(dst.dtype))
+        fuse = query and q_pe.dtype == kv.dtype and q_pe.shape[2] == D - kv_lora_rank
+        q = write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_rank,
+                                  *((q_abs, q_pe) if fuse else ()))
+        if fuse or not query:
+            return q
+    elif T:
+        new = mla_rows_reference(kv, norm_weight, eps, cos, sin, kv_lora_rank)
+        if fp8:
+            quantize_write_mla_rows(new, dst, rows, kv_lora_rank)
+        else:
+            dst.index_copy_(0, rows.to(device=dst.device, dtype=torch.long), new.to(dst.dtype))
+    return mla_q_latent(q_abs, q_pe, cos, sin) if query else None
 
 
 def write_index_keys(k: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, cos: Tensor,
@@ -227,11 +250,9 @@ def resident_rows(topk: Tensor, table: Tensor, token_slot: Tensor, block_size: i
 
 
 def mla_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Fused :func:`mla_q_latent_reference` (one kernel reading both inputs in place)."""
-    if q_abs.dim() != 3 or q_pe.dim() != 3 or q_abs.shape[:2] != q_pe.shape[:2]:
-        raise ValueError(f"mla_q_latent: q_abs [T, H, R] and q_pe [T, H, rope] expected, got "
-                         f"{tuple(q_abs.shape)} / {tuple(q_pe.shape)}")
-    _check_rope("mla_q_latent", q_pe, cos, sin, q_pe.shape[2])
+    """Fused :func:`mla_q_latent_reference` (one kernel reading both inputs in place; or folded
+    into the rows' launch: :func:`write_mla_rows`)."""
+    _check_q_latent(q_abs, q_pe, cos, sin)
     if q_pe.shape[0] == 0 or not _use_triton(q_pe):
         return mla_q_latent_reference(q_abs, q_pe, cos, sin)
     from ._glue_triton import mla_q_latent_triton

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
+from hisparse.models.context import NewQuery, NewRows, materialize
 from hisparse.ops.indexer import IndexerQueries
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
@@ -89,6 +90,16 @@ def _write(new, dst: Tensor, rows: Tensor, write_tensor) -> None:
         new.write(dst, rows)
 
 
+def _write_rows(new, query, dst: Tensor, rows: Tensor, write_tensor) -> Tensor:
+    """:func:`_write` of the MLA rows, returning the query ``q_latent`` as a tensor: a
+    :class:`~hisparse.models.context.NewQuery` with :class:`~hisparse.models.context.NewRows`
+    is made in the rows' launch; otherwise materialized on its own."""
+    if isinstance(new, NewRows) and isinstance(query, NewQuery):
+        return new.write(dst, rows, query)
+    _write(new, dst, rows, write_tensor)
+    return materialize(query)
+
+
 class PagedContext:
     """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches.
 
@@ -153,12 +164,12 @@ class PagedContext:
         self.kv_rows = torch.full_like(self.kv_rows, c.sink_row)
         self.idx_rows = torch.full_like(self.idx_rows, c.indexer_sink_row)
 
-    def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
-               index_weights: Tensor | None, index_k_new: Tensor | None,
-               sm_scale: float) -> Tensor:
+    def attend(self, layer_idx: int, q_latent: Tensor | NewQuery, kv_new: Tensor | NewRows,
+               index_q: Tensor | None, index_weights: Tensor | None,
+               index_k_new: Tensor | None, sm_scale: float) -> Tensor:
         c, fmt = self.caches, self.kv_format
         arena = c.arena_layer(layer_idx)
-        _write(kv_new, arena, self.kv_rows, fmt.write_rows)
+        q_latent = _write_rows(kv_new, q_latent, arena, self.kv_rows, fmt.write_rows)
         if index_q is not None:
             keys = c.indexer_layer(layer_idx)
             _write(index_k_new, keys, self.idx_rows, fmt.write_keys)

@@ -114,6 +114,62 @@ def test_splitk_rows_are_batch_invariant(triton_cpu, poisoned_empty):
         assert torch.equal(got, tile[:M]), M
 
 
+@pytest.mark.parametrize("G,kg,M,cfg", [(4, 32, 5, _cfg(16)), (3, 64, 9, _cfg(16, level="all")),
+                                        (5, 32, 20, _cfg(32, level="group")),
+                                        (2, 96, 3, _cfg(16, 128))])
+@pytest.mark.parametrize("quant", ["gemm", "kernel", "torch"])
+def test_splitk_reads_head_strided_activations_in_place(triton_cpu, poisoned_empty, G, kg, M,
+                                                        cfg, quant):
+    """``x [M, G, K // G]`` with the groups strided (the attention's ``[T, H, v]`` as the w_uv
+    product leaves it, ``[H, T, v]`` in memory): bitwise the flattened copy's result, whatever
+    the level and quantizer, one block or several per group. Fresh data each run."""
+    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
+
+    N, K, block = 72, G * kg, (32, 32)
+    w, s = _weights(N, K, block, seed=int(torch.randint(0, 2**30, ())))
+    x = (torch.randn(G, M, kg) * 3).to(torch.bfloat16).transpose(0, 1)    # heads strided
+    assert not x.is_contiguous()
+    plan = splitk_plan(N, K, 32, chunks=min(3, K // 32), groups=2)
+    flat = x.reshape(M, K)
+    want = fp8_block_linear_splitk(flat, w, s, block, torch.float32, config=cfg, plan=plan,
+                                   quant=quant)
+    got = fp8_block_linear_splitk(x, w, s, block, torch.float32, config=cfg, plan=plan,
+                                  quant=quant)
+    assert got.shape == (M, N) and torch.equal(got, want)
+    if quant == "torch":  # (the interpreter's fp32 -> fp8 cast rounds its own way)
+        ref = fp8_block_linear_reference(flat, w, s, block, quantize_input=True,
+                                         out_dtype=torch.float32)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_act_quant_kernel_reads_head_strided_activations(triton_cpu, poisoned_empty):
+    from hisparse.ops._gemm_triton import quantize_fp8_act_triton
+
+    x = (torch.randn(4, 7, 64) * 2).to(torch.bfloat16).transpose(0, 1)      # [7, 4, 64]
+    q, sc = quantize_fp8_act_triton(x, 32)
+    q2, sc2 = quantize_fp8_act_triton(x.reshape(7, 256), 32)
+    assert q.shape == (7, 256) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(sc, sc2)
+
+
+def test_fp8_block_linear_takes_split_k_rows(triton_cpu, no_force, kernel_switches):
+    """``fp8_block_linear(x [M, G, K // G])``: ``[M, N]``, bitwise the flattened call's on every
+    backend that runs here (in place on the split-K kernel, a copy elsewhere)."""
+    from hisparse.ops import switches
+
+    N, K, block = 40, 128, (32, 32)
+    w, s = _weights(N, K, block, seed=3)
+    x = torch.randn(4, 6, 32, dtype=torch.bfloat16).transpose(0, 1)          # [6, 4, 32]
+    for force, backend in ((True, "triton"), (False, "reference")):
+        kernel_switches(force_triton=force)
+        assert switches.current().force_triton == force
+        got = fp8_block_linear(x, w, s, block, backend=backend)
+        assert got.shape == (6, N)
+        assert torch.equal(got, fp8_block_linear(x.reshape(6, K), w, s, block, backend=backend))
+    with pytest.raises(ValueError, match="features"):
+        fp8_block_linear(x[..., :16], w, s, block)
+
+
 def test_splitk_plan_follows_the_weight_shape_only():
     """The plan depends on (N, K) alone and covers K with full runs but the last, chunks of
     >= 2 blocks, and gives the rank's linears enough programs to fill the SMs several times;
@@ -245,3 +301,26 @@ def test_gpu_splitk_graphs_ascending_capture_then_replay_up_and_down(N, K):
         assert torch.equal(outs[M], want), (i, M)
         graphs[M_BUCKETS[-1]].replay()
         assert torch.equal(outs[M_BUCKETS[-1]][:M], want), (i, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gpu_o_proj_reads_the_heads_in_place(pow2):
+    """The TP-8 rank's o_proj (7168 x 2048: 16 heads x v_head 128) on the attention's per-head
+    output exactly as ``DSAAttention.forward`` makes it (``einsum("thr,hvr->thv")`` over
+    kv_lora 512: cuBLAS's bmm leaves ``[H, T, v]`` storage) read in place (one 128-wide K block
+    per head) equals the call on the flattened copy bitwise, T = 1..96 (every bucket and both
+    quantizers: "kernel" from 48 rows)."""
+    H, R, V, N = 16, 512, 128, 7168
+    w, s = _weights(N, H * V, (128, 128), seed=21, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(22)
+    w_uv = torch.randn(H, V, R, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+    for T in range(1, 97):
+        out = torch.randn(T, H, R, device="cuda", generator=g, dtype=torch.bfloat16)
+        v = torch.einsum("thr,hvr->thv", out, w_uv)
+        if T > 1:
+            assert v.stride() == (V, T * V, 1), v.stride()   # what the copy was for
+        torch.empty(8 * T, N, device="cuda", dtype=torch.float32).fill_(float("nan"))
+        got = fp8_block_linear(v, w, s, backend="triton", pow2_scale=pow2)
+        want = fp8_block_linear(v.reshape(T, H * V), w, s, backend="triton", pow2_scale=pow2)
+        assert got.shape == (T, N) and torch.equal(got, want), T

@@ -115,6 +115,37 @@ def test_write_mla_rows_fp8(triton_cpu):
     assert mla_rows.shape == (T, R + rope)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,H", [(1, 3), (4, 2)])
+def test_write_mla_rows_makes_the_query_in_the_same_launch(triton_cpu, poisoned_empty, fp8, T,
+                                                           H):
+    """``write_mla_rows(..., q_abs, q_pe)``: the rows are bitwise those of the call without the
+    query and the query bitwise :func:`glue.mla_q_latent`'s own kernel's (and the reference's:
+    no reduction), every element written (NaN-poisoned output); fresh data each run."""
+    N, R, rope, nope = 10, 256 if fp8 else 32, 16, 8
+    kv, w, cos, sin = _mla_inputs(T, R, rope, torch.bfloat16)
+    q = torch.randn(T, H, nope + rope, dtype=torch.bfloat16)
+    q_abs = torch.randn(H, T, R, dtype=torch.bfloat16).transpose(0, 1)  # einsum's layout
+    rows = torch.randperm(N)[:T]
+    width = mla_row_bytes(R, rope) if fp8 else R + rope
+    poison = (torch.randint(0, 256, (N, width), dtype=torch.uint8) if fp8
+              else torch.randn(N, width, dtype=torch.bfloat16))
+    alone, fused = poison.clone(), poison.clone()
+    assert glue.write_mla_rows(kv, w, 1e-6, cos, sin, alone, rows, R) is None
+    got = glue.write_mla_rows(kv, w, 1e-6, cos, sin, fused, rows, R, q_abs, q[..., nope:])
+    assert got.shape == (T, H, R + rope) and not got.isnan().any()
+    assert torch.equal(fused.view(torch.uint8), alone.view(torch.uint8))
+    assert torch.equal(got, glue.mla_q_latent(q_abs, q[..., nope:], cos, sin))
+    assert torch.equal(got, glue.mla_q_latent_reference(q_abs, q[..., nope:], cos, sin))
+    with switches.override(fused_glue=False):           # the unfused path: the references
+        ref = glue.write_mla_rows(kv, w, 1e-6, cos, sin, poison.clone(), rows, R, q_abs,
+                                  q[..., nope:])
+    assert torch.equal(ref, got)
+    empty = glue.write_mla_rows(kv[:0], w, 1e-6, cos[:0], sin[:0], alone, rows[:0], R,
+                                q_abs[:0], q[:0, :, nope:])
+    assert empty.shape == (0, H, R + rope)
+
+
 # ----------------------------------------------------------------------------- indexer keys
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -252,3 +283,28 @@ def test_gpu_rank_shapes(T):
     q_abs = torch.randn(128, T, R, device=dev, dtype=bf).transpose(0, 1)
     got, ref = _run_both(lambda: glue.mla_q_latent(q_abs, qb[..., 128:], cos, sin))
     assert torch.equal(got, ref)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_rows_and_query_in_one_launch(fp8):
+    """The TP-8 rank's attention (16 heads, kv_lora 512 + rope 64, bf16), T = 1..96: the rows
+    written with the query (one launch) are bitwise the rows written alone and the query
+    bitwise :func:`glue.mla_q_latent`'s own kernel's, q_abs in the einsum's layout and q_pe a
+    view of q_b's output as the model passes them."""
+    dev, bf, H, R, rope, N = "cuda", torch.bfloat16, 16, 512, 64, 4096
+    for T in range(1, 97):
+        kv, w, cos, sin = _mla_inputs(T, R, rope, bf, dev)
+        qb = torch.randn(T, H, 192, device=dev, dtype=bf)
+        q_abs = torch.randn(H, T, R, device=dev, dtype=bf).transpose(0, 1)
+        rows = torch.randperm(N, device=dev)[:T]
+        dst0 = (torch.randint(0, 256, (N, 656), device=dev, dtype=torch.uint8) if fp8
+                else torch.randn(N, R + rope, device=dev, dtype=bf))
+        alone, fused = dst0.clone(), dst0.clone()
+        glue.write_mla_rows(kv, w, 1e-6, cos, sin, alone, rows, R)
+        torch.empty(T, H, R + rope, device=dev, dtype=bf).fill_(float("nan"))
+        got = glue.write_mla_rows(kv, w, 1e-6, cos, sin, fused, rows, R, q_abs, qb[..., 128:])
+        assert torch.equal(fused.view(torch.uint8), alone.view(torch.uint8)), T
+        assert torch.equal(got, glue.mla_q_latent(q_abs, qb[..., 128:], cos, sin)), T
+        assert torch.equal(got, glue.mla_q_latent_reference(q_abs, qb[..., 128:], cos, sin)), T

@@ -55,3 +55,29 @@ def test_written_rows_and_keys_read_back_and_attend_as_the_format_defines(kv_cac
                                                  0.05, d_v=512)
     assert out.dtype == dtype and out.shape == (T, H, 512)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_query_comes_back_from_the_rows_write(fused, kernel_switches):
+    """``PagedContext``'s rows write hands back the absorbed query: a ``NewQuery`` next to
+    ``NewRows`` through the rows' call (one launch on Triton), else materialized on its own;
+    the same rows and query either way (references here, ``HISPARSE_FUSED_GLUE`` either way)."""
+    from hisparse.models.context import NewQuery, NewRows
+    from hisparse.ops import glue
+    from hisparse.worker.model_runner import _write_rows
+
+    kernel_switches(fused_glue=fused)
+    T, H, R, rope = 3, 2, 32, 16
+    kv = torch.randn(T, R + rope)
+    cos, sin = torch.randn(T, rope // 2), torch.randn(T, rope // 2)
+    new = NewRows(kv, torch.rand(R) + 0.5, 1e-6, cos, sin, R)
+    query = NewQuery(torch.randn(H, T, R).transpose(0, 1), torch.randn(T, H, rope), cos, sin)
+    assert query.shape == (T, H, R + rope) and query.dtype == torch.float32
+    rows = torch.tensor([4, 0, 2])
+    want_q = glue.mla_q_latent_reference(query.q_abs, query.q_pe, cos, sin)
+    for kv_new in (new, new.materialize()):
+        dst = torch.full((6, R + rope), float("nan"))
+        q = _write_rows(kv_new, query, dst, rows, lambda t, d, r: d.index_copy_(0, r, t))
+        assert torch.equal(q, want_q) and torch.equal(dst[rows], new.materialize())
+    q = torch.randn(T, H, R + rope)
+    assert _write_rows(new, q, dst, rows, None) is q
