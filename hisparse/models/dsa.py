@@ -50,6 +50,7 @@ from ..ops.moe_layer import (
     fused_moe_layer_enabled,
     moe_layer,
 )
+from ..ops.pending import PendingSum, fuses_sums
 from .config import DSAConfig
 from .context import IndexerQueries, NewKeys, NewQuery, NewRows, SparseAttentionContext
 from .linear import FP8Linear, StackedLinears, make_linear
@@ -86,10 +87,11 @@ class RMSNorm(nn.Module):
         y, _ = glue.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)
         return y.view(*lead, y.shape[-1])
 
-    def add(self, x: Tensor, residual: Tensor | None, fp32_copy: bool = False
+    def add(self, x: Tensor | PendingSum, residual: Tensor | None, fp32_copy: bool = False
             ) -> tuple[Tensor, ...]:
         """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``; with
-        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel)."""
+        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel). ``x`` may be a
+        :class:`PendingSum` (its sum done by the norm's kernel, the same bits)."""
         return glue.add_rms_norm(x, residual, self.weight, self.eps, fp32_copy)
 
 
@@ -195,8 +197,9 @@ class DSAAttention(nn.Module):
         return [st for st in (self.proj_x, self.proj_q) if st is not None]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
-                x32: Tensor | None = None) -> Tensor:
-        """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights)."""
+                x32: Tensor | None = None, pending: bool = False) -> Tensor | PendingSum:
+        """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights).
+        ``pending``: the output may be ``o_proj``'s :class:`PendingSum` (:meth:`out_proj`)."""
         T, H = x.shape[0], self.num_heads
         k_raw = q_raw = None        # the indexer's wk / wq_b outputs, when stacked here
         if self.proj_x is not None:
@@ -225,7 +228,7 @@ class DSAAttention(nn.Module):
         v = torch.einsum("thr,hvr->thv", out, self.w_uv)                            # [T, H, v]
         if not self._o_proj_reads_heads():
             v = v.reshape(T, H * self.v_dim)        # heads strided (the bmm's [H, T, v]): a copy
-        return tp_all_reduce(self.o_proj(v), self.tp_group)
+        return self.out_proj(v, pending)
 
     def _o_proj_reads_heads(self) -> bool:
         """Whether ``o_proj`` takes the per-head output ``[T, H, v_head]`` as it lies (an FP8
@@ -233,6 +236,16 @@ class DSAAttention(nn.Module):
         :func:`hisparse.ops.fp8_block_linear`), unless ``HISPARSE_FUSED_GLUE=0``."""
         return (isinstance(self.o_proj, FP8Linear) and self.num_heads > 1
                 and switches.current().fused_glue)
+
+    def out_proj(self, v: Tensor, pending: bool = False) -> Tensor | PendingSum:
+        """``o_proj`` of the heads' values ``[T, H * v_head]`` (or ``[T, H, v_head]``, heads
+        strided, when :meth:`_o_proj_reads_heads`), all-reduced under tensor
+        parallelism. ``pending`` (the caller's next op is the fused norm): without an
+        all-reduce between, an FP8 split-K ``o_proj``'s partial sums are returned unreduced
+        (:class:`PendingSum`: the norm adds them, one launch fewer)."""
+        if pending and self.tp_group is None and isinstance(self.o_proj, FP8Linear):
+            return self.o_proj.forward_pending(v)
+        return tp_all_reduce(self.o_proj(v), self.tp_group)
 
 
 class DSAMLP(nn.Module):
@@ -256,12 +269,17 @@ class DSAMLP(nn.Module):
     def stacks(self) -> list[StackedLinears]:
         return [] if self.gate_up is None else [self.gate_up]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pending: bool = False) -> Tensor | PendingSum:
+        """``pending``: the output may be ``down_proj``'s :class:`PendingSum` (no all-reduce,
+        FP8 split-K), for the next fused norm."""
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return tp_all_reduce(self.down_proj(self.act(gate) * up), self.tp_group)
+        act = self.act(gate) * up
+        if pending and self.tp_group is None and isinstance(self.down_proj, FP8Linear):
+            return self.down_proj.forward_pending(act)
+        return tp_all_reduce(self.down_proj(act), self.tp_group)
 
 
 class DSARouter(nn.Module):
@@ -366,15 +384,22 @@ class DSAMoE(nn.Module):
             return None
         return sh
 
-    def forward(self, x: Tensor, x32: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, x32: Tensor | None = None, pending: bool = False
+                ) -> Tensor | PendingSum:
+        """``pending`` (the caller's next op is the fused norm): the fused layer's combine may
+        come back as a :class:`PendingSum` (no all-reduce, the shared expert inside it)."""
         if self.fused(x):
             ex = self.experts
             shared = self._fusable_shared()
+            defer = pending and self.tp_group is None and (shared is not None
+                                                           or self.shared_experts is None)
             y = moe_layer(x, self.gate.weight, self.gate.e_score_correction_bias,
                           self.gate.routing, ex.gate_up_proj, ex.down_proj,
                           gate_up_scale=ex.gate_up_proj_scale_inv,
                           down_scale=ex.down_proj_scale_inv, block=ex.block,
-                          pow2_scale=ex.pow2_scale, shared=shared)
+                          pow2_scale=ex.pow2_scale, shared=shared, pending=defer)
+            if defer:
+                return y
             if shared is None and self.shared_experts is not None:
                 y = y + self.shared_experts(x)
             return tp_all_reduce(y, self.tp_group)
@@ -398,16 +423,22 @@ class DSADecoderLayer(nn.Module):
         self.attn_fp32 = self.self_attn.indexer is not None
         self.mlp_fp32 = mlp_type == "sparse"
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
-                residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, h: Tensor | PendingSum, cos: Tensor, sin: Tensor,
+                ctx: SparseAttentionContext, residual: Tensor | None = None,
+                pending: bool = False) -> tuple[Tensor | PendingSum, Tensor]:
         """Returns ``(out, residual)``: the layer's output hidden is ``out + residual`` (the
         next norm adds them, fused). The input hidden is ``h + residual`` (``h`` alone when
-        ``residual`` is None)."""
+        ``residual`` is None). ``pending``: the caller feeds ``out`` to an :meth:`RMSNorm.add`
+        (the next layer's, the final norm), so ``out`` may be a :class:`PendingSum` (the MoE
+        combine or the dense ``down_proj``'s split-K partials, summed by that norm); ``h`` may
+        be one (the previous layer's). Inside the layer ``o_proj``'s partials go to the
+        post-attention norm the same way. Both when :func:`fuses_sums` (bit-neutral)."""
         x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
-        a = self.self_attn(x, cos, sin, ctx, *x32)
-        fp32 = self.mlp_fp32 and not self.mlp.fused(a)
+        fuse = fuses_sums(x)
+        a = self.self_attn(x, cos, sin, ctx, *x32, pending=fuse)
+        fp32 = self.mlp_fp32 and not self.mlp.fused(x)
         x, residual, *x32 = self.post_attention_layernorm.add(a, residual, fp32)
-        return self.mlp(x, *x32), residual
+        return self.mlp(x, *x32, pending=pending and fuse), residual
 
 
 class DSAMTPLayer(nn.Module):
@@ -552,7 +583,7 @@ class DSAForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         residual = None
         for layer in self.model.layers:
-            h, residual = layer(h, cos, sin, ctx, residual)
+            h, residual = layer(h, cos, sin, ctx, residual, pending=True)
         return self.model.norm.add(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
+from ..ops.pending import PendingSum
 from .config import DSAConfig
 
 
@@ -40,6 +41,16 @@ class FP8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
                              pow2_scale=self.pow2_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def forward_pending(self, x: Tensor) -> Tensor | PendingSum:
+        """:meth:`forward` of ``x [M, in]``, or, where the split-K kernel runs with partial
+        sums, its :class:`~hisparse.ops.pending.PendingSum` (bias included): for an RMSNorm
+        that does the sum itself (:func:`hisparse.ops.glue.add_rms_norm`)."""
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
+                             pow2_scale=self.pow2_scale, pending=True)
+        if isinstance(y, PendingSum):
+            return y.with_bias(self.bias)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

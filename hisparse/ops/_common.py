@@ -9,7 +9,8 @@ after ``hisparse`` itself was imported.
 Imports run one way: an op's module (``quant``, ``topk``, ...) imports its ``_*_triton``
 module, and the ``_*_triton`` module does not import its op's module back: what both sides
 share lives here, or in a small Triton-free module of its own (``block_fp8``: the FP8 GEMM
-format; ``moe_tiles``: the MoE tile layout; ``switches``: the ``HISPARSE_*`` kernel switches).
+format; ``moe_tiles``: the MoE tile layout; ``switches``: the ``HISPARSE_*`` kernel switches;
+``pending``: a sum handed from its producer's kernels to the next norm's).
 Importing any of them loads no Triton (``tests/ops/test_ops_layering.py`` checks the import
 graph).
 """

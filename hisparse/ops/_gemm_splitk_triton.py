@@ -39,6 +39,7 @@ are chosen from M for speed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from triton.runtime.errors import OutOfResources
 from ._common import bucket_of
 from ._gemm_triton import _quant_rows, k_groups, quantize_fp8_act_triton
 from .block_fp8 import quantize_fp8_act
+from .pending import PendingSum
 
 TARGET_PROGRAMS = 512  # 64-row chunk programs per launch (~4 per SM of an H200)
 MIN_CHUNK = 2          # scale blocks per chunk at least (a chunk sum costs a store and a load)
@@ -429,14 +431,16 @@ REDUCE_BLOCK = 512
 def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                             block: tuple[int, int], out_dtype: torch.dtype,
                             pow2_scale: bool = False, config: SplitKConfig | None = None,
-                            plan: SplitKPlan | None = None, quant: str | None = None
-                            ) -> torch.Tensor:
+                            plan: SplitKPlan | None = None, quant: str | None = None,
+                            pending: bool = False) -> torch.Tensor | PendingSum:
     """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (level
     ``all``, or one part), two (chunk or group sums, then their reduction), one more with
     ``quant="kernel"``. Row ``i`` equals that row computed in any other batch, bitwise, whatever
     ``config`` and ``quant``: only ``plan`` (default :func:`splitk_plan`, from the weight shape)
     changes bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says
-    otherwise. ``parts * M * N`` must stay below 2**31.
+    otherwise. ``parts * M * N`` must stay below 2**31. ``pending``: where the call has partial
+    sums, return them as a :class:`~hisparse.ops.pending.PendingSum` instead of launching the
+    reduction (its ``materialize`` launches it; the fused norm adds them itself).
 
     ``x`` may also be ``[M, G, K // G]``, row ``m`` being ``x[m]`` flattened (the per-head
     attention output as the ``w_uv`` product leaves it, heads strided): with ``K // G`` a
@@ -476,12 +480,12 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     if parts * M * N >= 2 ** 31:        # the kernels' partial-sum offsets are int32
         raise ValueError(f"fp8_block_linear_splitk: {parts} parts x M={M} x N={N} partial sums "
                          f"exceed the int32 offsets (< 2**31): use fewer rows per call")
-    out = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    defer = pending and level < 2
+    out = None if defer else torch.empty(M, N, device=x.device, dtype=out_dtype)
     dst = torch.empty(parts, M, N, device=x.device, dtype=torch.float32) if level < 2 else out
     grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), parts)
     args = (xq, xs, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group,
-            xq.stride(0), stride_g, xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
-            M * N)
+            xq.stride(0), stride_g, xs.stride(0), w.stride(0), ws.stride(0), N, M * N)
     meta = dict(BPG=bpg, LEVEL=level, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
                 SCALE_N=bn, QUANT_A=quant == "gemm", POW2=pow2_scale)
     if not x.is_cuda:
@@ -499,8 +503,21 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                     raise
                 stages -= 1
         _STAGES[key] = stages
-    if level < 2:
-        _fp8_splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-            dst, out, M * N, M * N, PARTS=parts, GCH=plan.group if level == 0 else 1,
-            BLOCK=REDUCE_BLOCK)
+    if level == 2:
+        return out
+    gch = plan.group if level == 0 else 1
+    if defer:
+        return PendingSum(dst, M, N, N, M * N, parts, gch, out_dtype,
+                          functools.partial(_reduce_parts, dst, M, N, parts, gch, out_dtype))
+    return _reduce_parts(dst, M, N, parts, gch, out_dtype, out)
+
+
+def _reduce_parts(dst: torch.Tensor, M: int, N: int, parts: int, gch: int,
+                  out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reduction launch: ``dst [parts, M, N]`` fp32 partial sums -> ``[M, N]``
+    ``out_dtype`` (groups of ``gch`` parts, each from zero in order, then the groups)."""
+    if out is None:
+        out = torch.empty(M, N, device=dst.device, dtype=out_dtype)
+    _fp8_splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+        dst, out, M * N, M * N, PARTS=parts, GCH=gch, BLOCK=REDUCE_BLOCK)
     return out

@@ -51,16 +51,46 @@ def _rope_src(i, H2: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 # ----------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, y32_ptr, D, stride_x, stride_r,
-                         stride_y, stride_h, stride_y32, eps, HAS_RES: tl.constexpr,
-                         HAS_Y32: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _ordered_sum(ptr, m, stride_p, PARTS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """fp32 sum of the ``PARTS`` vectors at ``ptr + p * stride_p``: each group of ``GROUP``
+    parts summed from zero in order, then the groups from zero in order (the split-K reduction's
+    additions, ``_fp8_splitk_reduce_kernel``; one group is the MoE combine's, whose extra
+    ``0 + gsum`` is exact: a sum begun at +0 is never -0)."""
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for g in tl.static_range((PARTS + GROUP - 1) // GROUP):
+        gsum = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(GROUP):
+            if g * GROUP + j < PARTS:
+                gsum += tl.load(ptr + (g * GROUP + j) * stride_p, mask=m,
+                                other=0.0).to(tl.float32)
+        total += gsum
+    return total
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, D, stride_x,
+                         stride_p, stride_r, stride_y, stride_h, stride_y32, eps,
+                         PARTS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HAS_RES: tl.constexpr, HAS_Y32: tl.constexpr, BLOCK: tl.constexpr,
+                         DT: tl.constexpr):
+    """``PARTS = 0``: ``x`` is the row; else the row is the pending sum of ``PARTS`` parts
+    ``stride_p`` apart (:mod:`hisparse.ops.pending`), rounded to DT as its own reduction's
+    store rounds (a cast), plus the bias (rounded, as torch's add)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
-    x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if PARTS == 0:
+        x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    else:
+        x = _ordered_sum(x_ptr + t * stride_x + offs, m, stride_p, PARTS, GROUP, BLOCK)
+        x = x.to(DT).to(tl.float32)
+        if HAS_BIAS:
+            x = _rnd(x + tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32), DT)
     if HAS_RES:
         r = tl.load(r_ptr + t * stride_r + offs, mask=m, other=0.0).to(tl.float32)
         x = _rnd(x + r, DT)
+    if HAS_RES or PARTS > 0:
         tl.store(h_ptr + t * stride_h + offs, x.to(DT), mask=m)
     ms = tl.sum(x * x, axis=0) / D
     n = _rnd(x * tl.math.rsqrt(ms + eps), DT)
@@ -82,10 +112,31 @@ def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False
         h = torch.empty_like(x)
     y32 = torch.empty(T, D, device=x.device, dtype=torch.float32) if fp32_copy else y
     block = next_pow2(D)
-    _add_rms_norm_kernel[(T,)](x, r, weight, y, h, y32, D, x.stride(0), r.stride(0),
-                               y.stride(0), h.stride(0), y32.stride(0), float(eps),
+    _add_rms_norm_kernel[(T,)](x, r, weight, weight, y, h, y32, D, x.stride(0), 0,
+                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0), float(eps),
+                               PARTS=0, GROUP=1, HAS_BIAS=False, HAS_RES=residual is not None,
+                               HAS_Y32=fp32_copy, BLOCK=block, DT=_TL_DTYPE[x.dtype],
+                               num_warps=min(16, max(1, block // 512)))
+    return (y, h, y32) if fp32_copy else (y, h)
+
+
+def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = False):
+    """:func:`add_rms_norm_triton` of a :class:`~hisparse.ops.pending.PendingSum` ``s``: the
+    sum done in the norm's program (``h`` is always a new tensor: the sum's value)."""
+    T, D = s.shape
+    dtype = s.dtype
+    y = torch.empty(T, D, device=s.device, dtype=torch.promote_types(weight.dtype, dtype))
+    h = torch.empty(T, D, device=s.device, dtype=dtype)
+    r = h if residual is None else (residual if residual.stride(1) == 1
+                                    else residual.contiguous())
+    y32 = torch.empty(T, D, device=s.device, dtype=torch.float32) if fp32_copy else y
+    b = weight if s.bias is None else s.bias.to(dtype)
+    block = next_pow2(D)
+    _add_rms_norm_kernel[(T,)](s.base, r, weight, b, y, h, y32, D, s.row_stride, s.part_stride,
+                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0), float(eps),
+                               PARTS=s.count, GROUP=s.group, HAS_BIAS=s.bias is not None,
                                HAS_RES=residual is not None, HAS_Y32=fp32_copy, BLOCK=block,
-                               DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
+                               DT=_TL_DTYPE[dtype], num_warps=min(16, max(1, block // 512)))
     return (y, h, y32) if fp32_copy else (y, h)
 
 

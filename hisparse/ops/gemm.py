@@ -58,6 +58,7 @@ from .block_fp8 import (
 )
 from .block_fp8 import pow2_ceil as pow2_ceil  # the format's helpers, public here too
 from .block_fp8 import quantize_fp8_weight as quantize_fp8_weight
+from .pending import PendingSum
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -131,11 +132,14 @@ def _scaled_mm_usable(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tens
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), *, backend: str | None = None,
-                     out_dtype: torch.dtype | None = None, pow2_scale: bool = False
-                     ) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, pow2_scale: bool = False,
+                     pending: bool = False) -> torch.Tensor | PendingSum:
     """``y = x @ (w * scale_inv)^T`` for ``x [..., K]`` (bf16/fp16/fp32), FP8 block-scaled ``w
     [N, K]``; fp32 accumulation, output ``out_dtype`` (default ``x.dtype``). See the module doc
-    for the backends (the fast ones quantize ``x`` per 1 x bk tile).
+    for the backends (the fast ones quantize ``x`` per 1 x bk tile). ``pending``: where the
+    split-K kernel runs with partial sums, ``y`` as a :class:`~hisparse.ops.pending.PendingSum`
+    of them (its reduction not launched: for the fused norm); every other path returns the
+    tensor.
 
     Or ``x [M, G, K // G]`` (3-D, last dim not ``K``): row ``m`` is ``x[m]`` flattened, output
     ``[M, N]``; the attention's per-head output ``[T, H, v_head]`` as the ``w_uv`` product
@@ -173,7 +177,10 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
         if b == "triton":
             from ._gemm_splitk_triton import fp8_block_linear_splitk
             y = fp8_block_linear_splitk(x2, w, w_scale_inv, block, out_dtype,
-                                        pow2_scale=pow2_scale)
+                                        pow2_scale=pow2_scale,
+                                        pending=pending and (x.dim() == 2 or in_place))
+            if isinstance(y, PendingSum):
+                return y
         else:
             y = fp8_block_linear_stream(x2, w, w_scale_inv, block, out_dtype,
                                         pow2_scale=pow2_scale)

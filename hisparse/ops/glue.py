@@ -12,6 +12,12 @@ batch it runs in (the lossless contract's batch invariance).
 Dispatch: Triton on CUDA (or ``HISPARSE_FORCE_TRITON=1``) unless ``HISPARSE_FUSED_GLUE=0``,
 which runs the references everywhere (the unfused path: kernel-count baselines).
 
+The norm's input may be a :class:`~hisparse.ops.pending.PendingSum`: a reduction its producer
+left to it (``o_proj``'s split-K partials, the MoE combine's slot rows, a dense ``down_proj``'s
+partials). The norm's kernel adds the parts in the producer's order and rounds as its store
+would: bitwise the producer's launch followed by the norm, one launch and one bf16 round trip
+fewer (``HISPARSE_FUSED_SUMS=0``: the producers launch their reductions, as before).
+
 RoPE conventions (:mod:`hisparse.models.dsa`): ``interleaved`` rotates ``(x[2j], x[2j+1])`` and
 stores ``[rotated evens | rotated odds]``; half-split rotates ``(x[j], x[j + d/2])`` in place.
 ``cos`` / ``sin``: ``[T, rope_dim // 2]`` in the model dtype (YaRN factor included).
@@ -24,6 +30,7 @@ from torch import Tensor
 
 from . import switches
 from ._common import want_triton
+from .pending import PendingSum, fuses_sums
 from .quant import check_mla_rows_dst, quantize_write_index_keys, quantize_write_mla_rows
 
 
@@ -130,23 +137,40 @@ def _check_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> No
     _check_rope("mla_q_latent", q_pe, cos, sin, q_pe.shape[2])
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+def add_rms_norm(x: Tensor | PendingSum, residual: Tensor | None, weight: Tensor, eps: float,
                  fp32_copy: bool = False) -> tuple[Tensor, ...]:
     """Fused :func:`add_rms_norm_reference`: ``x, residual [T, D]`` -> ``(normed [T, D],
     h [T, D])``, one kernel (``h`` is ``x`` itself when ``residual`` is None); with
     ``fp32_copy`` a third output ``normed.float()`` from the same kernel (the fp32 linears the
-    reference keeps -- the router, the indexer's ``weights_proj`` -- read it: no cast kernel)."""
-    if x.dim() != 2 or (residual is not None and residual.shape != x.shape):
-        got = None if residual is None else tuple(residual.shape)
-        raise ValueError(f"add_rms_norm: x must be [T, D] and residual the same, got "
-                         f"{tuple(x.shape)} / {got}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"add_rms_norm: weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    reference keeps -- the router, the indexer's ``weights_proj`` -- read it: no cast kernel).
+    ``x`` may be a :class:`~hisparse.ops.pending.PendingSum` (a split-K GEMM's partials, the
+    MoE layer's slot rows): the kernel does its sum first, the same additions and rounding as
+    its own reduction (bitwise :meth:`~hisparse.ops.pending.PendingSum.materialize` then the
+    norm; ``h`` is then the sum plus the residual, a new tensor). Where the norm does not fuse
+    (``HISPARSE_FUSED_GLUE=0`` or ``HISPARSE_FUSED_SUMS=0``, no Triton) the sum is
+    materialized first."""
+    if isinstance(x, PendingSum):
+        if x.rows == 0 or not fuses_sums(x.base):
+            x = x.materialize()
+        else:
+            _check_norm_args(x.shape, residual, weight)
+            from ._glue_triton import add_rms_norm_sum_triton
+            return add_rms_norm_sum_triton(x, residual, weight, eps, fp32_copy)
+    _check_norm_args(tuple(x.shape), residual, weight)
     if x.shape[0] == 0 or not _use_triton(x):
         y, h = add_rms_norm_reference(x, residual, weight, eps)
         return (y, h, y.float()) if fp32_copy else (y, h)
     from ._glue_triton import add_rms_norm_triton
     return add_rms_norm_triton(x, residual, weight, eps, fp32_copy)
+
+
+def _check_norm_args(shape: tuple[int, ...], residual: Tensor | None, weight: Tensor) -> None:
+    if len(shape) != 2 or (residual is not None and tuple(residual.shape) != shape):
+        got = None if residual is None else tuple(residual.shape)
+        raise ValueError(f"add_rms_norm: x must be [T, D] and residual the same, got "
+                         f"{shape} / {got}")
+    if weight.shape != (shape[1],):
+        raise ValueError(f"add_rms_norm: weight must be [{shape[1]}], got {tuple(weight.shape)}")
 
 
 def write_mla_rows(kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,

@@ -34,7 +34,8 @@ of the batch it runs in):
    from its own tensors (SGLang's "shared experts fusion", without copying weights); programs
    of unused tiles (the layout is sized for any routing) exit at once;
 8. combine (:func:`combine`): each token's ``top_k + n_shared`` rows summed in fp32 in slot
-   order, rounded once to ``x.dtype``.
+   order, rounded once to ``x.dtype``; with ``pending`` not launched: the next layer's input
+   norm does the same sum (:func:`pending_combine`, :mod:`hisparse.ops.pending`).
 
 ``HISPARSE_FUSED_MOE=0`` runs the unfused layer (torch router, sort-based alignment, the shared
 expert as its own MLP): the baseline the benchmark and kernel counts compare against.
@@ -42,6 +43,7 @@ expert as its own MLP): the baseline the benchmark and kernel counts compare aga
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,7 @@ from . import switches
 from ._common import cdiv, interpreted, next_pow2, want_triton
 from .block_fp8 import quantize_fp8_act
 from .moe_tiles import FUSED_BLOCK_M, moe_align_reference, moe_max_tiles
+from .pending import PendingSum
 
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
@@ -366,14 +369,17 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
               gate_up: Tensor, down: Tensor, *, gate_up_scale: Tensor | None = None,
               down_scale: Tensor | None = None, block: tuple[int, int] | None = None,
               pow2_scale: bool = False, shared: SharedExpert | None = None,
-              prequant: bool = True, tile_n: tuple[int, int] | None = None) -> Tensor:
+              prequant: bool = True, tile_n: tuple[int, int] | None = None,
+              pending: bool = False) -> Tensor | PendingSum:
     """Routed experts (+ the shared one) of ``x [T, D]`` -> ``[T, D]`` in ``x.dtype``, on Triton
     (the kernels of the module doc); experts as :func:`hisparse.ops.moe.fused_moe` takes them.
     ``prequant`` (FP8): quantize ``x`` and the intermediate once each (where
     :func:`quant_mode` says) instead of in every GEMM tile (the grouped GEMMs' programs of one
     tile each redo it ``I / 64`` resp. ``D / 128`` times); the same bits either way.
     ``tile_n``: the grouped GEMMs' N tile caps (:func:`hisparse.ops._moe_triton.grouped_moe`;
-    bit-neutral)."""
+    bit-neutral). ``pending``: return the combine as a :class:`~hisparse.ops.pending.
+    PendingSum` of the slot rows (not launched: for the next fused norm; its ``materialize``
+    is :func:`combine`)."""
     from ._moe_triton import grouped_moe
 
     T = x.shape[0]
@@ -402,4 +408,18 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
                     quantize=quantize_act if prequant else None, skip_empty=True,
                     x_quant=x_quant, tile_n=tile_n,
                     h_quant={"fused": "tile", "gate_up": "epilogue"}.get(qmode))
+    if pending:
+        return pending_combine(y, T, x.dtype)
     return combine(y, T, x.dtype, use_triton=True)
+
+
+def pending_combine(y: Tensor, T: int, dtype: torch.dtype) -> PendingSum:
+    """:func:`combine` (Triton) of ``y [T * K, D]`` not launched yet: token ``t``'s ``K`` slot
+    rows as one group of a :class:`~hisparse.ops.pending.PendingSum` (the same fp32 additions
+    in slot order, one rounding)."""
+    if T < 1 or y.dim() != 2 or y.shape[0] % T or y.stride(1) != 1:
+        raise ValueError(f"pending_combine: want y [T * K, D] with unit column stride for "
+                         f"T={T}, got {tuple(y.shape)}")
+    k = y.shape[0] // T
+    return PendingSum(y, T, y.shape[1], k * y.stride(0), y.stride(0), k, k, dtype,
+                      functools.partial(combine, y, T, dtype, use_triton=True))

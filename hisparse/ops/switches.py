@@ -17,6 +17,10 @@ HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every
                                                                     indexer's queries are roped
                                                                     and scaled before scoring and
                                                                     the top-k zeroes its scratch
+HISPARSE_FUSED_SUMS       ``0``, ``1``                  ``1``       ``0``: split-K and MoE sums
+(``fused_sums``)                                                    in their own launches, not
+                                                                    in the next norm (``ops.
+                                                                    pending``; bit-neutral)
 HISPARSE_FUSED_MOE        ``0``, ``1``                  ``1``       ``0``: the MoE layer unfused
 (``fused_moe``)                                                     (``ops.moe_layer``)
 HISPARSE_MOE_ALIGN        experts, single               experts     the fused layer's alignment
@@ -80,6 +84,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "force_triton": ("HISPARSE_FORCE_TRITON", FLAG_VALUES),
     "topk": ("HISPARSE_TOPK", TOPK_MODES),
     "fused_glue": ("HISPARSE_FUSED_GLUE", FLAG_VALUES),
+    "fused_sums": ("HISPARSE_FUSED_SUMS", FLAG_VALUES),
     "fused_moe": ("HISPARSE_FUSED_MOE", FLAG_VALUES),
     "moe_align": ("HISPARSE_MOE_ALIGN", MOE_ALIGN_MODES),
     "moe_quant": ("HISPARSE_MOE_QUANT", MOE_QUANT_MODES),
@@ -98,6 +103,7 @@ class KernelSwitches:
     force_triton: bool = False
     topk: str = "fused"
     fused_glue: bool = True
+    fused_sums: bool = True
     fused_moe: bool = True
     moe_align: str = "experts"
     moe_quant: str = "router"
