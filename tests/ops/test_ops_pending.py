@@ -185,6 +185,27 @@ def test_fp8_linear_forward_pending(triton_cpu, kernel_switches):
     assert isinstance(y, torch.Tensor) and torch.equal(y, lin(x))
 
 
+def test_heads_read_in_place_give_pending_partials(triton_cpu, poisoned_empty):
+    """The two o_proj fusions together: the per-head output ``[T, H, v]`` with heads strided
+    (as the ``w_uv`` bmm leaves it) goes to the split-K kernel in place, its partials to the
+    norm: bitwise the flattened copy's linear, reduced, then normed."""
+    from hisparse.ops import fp8_block_linear
+
+    T, H, v, N, block = 5, 4, 32, 80, (16, 16)
+    w, s = _weights(N, H * v, block, seed=9)
+    heads = torch.randn(H, T, v, dtype=torch.bfloat16).transpose(0, 1)      # [T, H, v] strided
+    assert not heads.is_contiguous()
+    p = fp8_block_linear(heads, w, s, block, backend="triton", pending=True)
+    assert isinstance(p, PendingSum) and p.rows == T and p.cols == N
+    flat = fp8_block_linear(heads.reshape(T, H * v), w, s, block, backend="triton")
+    assert torch.equal(p.materialize(), flat)
+    residual = torch.randn(T, N, dtype=torch.bfloat16)
+    norm_w = torch.rand(N, dtype=torch.bfloat16) + 0.5
+    got, want = _norm_both(p, residual, norm_w)
+    _assert_equal(got, want)
+    _assert_equal(want, glue.add_rms_norm(flat, residual, norm_w, 1e-6))
+
+
 # ----------------------------------------------------------------------------- MoE combine
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,K,D", [(1, 9, 64), (7, 4, 200), (5, 3, 512)])
