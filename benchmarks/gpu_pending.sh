@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests step moe rank glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests fused step moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -57,6 +57,21 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency 8,24,max \
         --modes gpu-only,hisparse \
         --outputs 512 --host-pool-gib 64 --profile-kernels 5 --out "$out/rank" ;;
+    fused)   # the eighth session's launch fusions (merged before any GPU run): their GPU tests
+             # and those of the files they touch (~4 min), then their bits against the tree
+             # before them when OLD names a directory holding `git archive cf89023 hisparse/ops`
+             # unpacked as OLD/hisparse_old/ops (the device copy has no .git: carry a tarball)
+      GPU_TEST_FILES="tests/ops/test_ops_indexer_fused.py tests/ops/test_ops_pending.py
+        tests/models/test_models_fused_sums.py tests/ops/test_ops_glue.py
+        tests/ops/test_ops_gemm_splitk.py tests/ops/test_ops_indexer.py
+        tests/ops/test_ops_indexer_fp8.py tests/ops/test_ops_topk.py tests/ops/test_ops_moe_layer.py
+        tests/models/test_models_stacked.py tests/engine/test_engine_gpu.py
+        tests/worker/test_cuda_graph_gpu.py tests/engine/test_spec_gpu.py
+        tests/models/test_models_moe_gpu.py" \
+        bash "$0" "$out" tests
+      if [ -n "${OLD:-}" ]; then
+        run bits 240 python3 benchmarks/bits_vs_revision.py "$OLD"
+      fi ;;
     step)    # issue 25: the real rank's GPU step by kernel class, gpu-only, at the three points
              # the targets name (~4 min). For a same-run baseline run it again in a tree of the
              # base commit (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 step)
