@@ -51,12 +51,15 @@ class NewRows:
         """``dst[rows[t]] = row t`` (float rows, or FP8 byte rows: quantized). With the same
         tokens' ``query``, also returns it materialized, made in the rows' launch (one kernel
         for both); else None."""
+        if query is not None and (query.cos is not self.cos or query.sin is not self.sin):
+            raise ValueError("NewRows.write: the query's cos / sin must be the rows' (one "
+                             "launch ropes both with the rows' tables)")
         q = () if query is None else (query.q_abs, query.q_pe)
         return glue.write_mla_rows(self.kv, self.norm_weight, self.eps, self.cos, self.sin, dst,
                                    rows, self.kv_lora_rank, *q)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class NewQuery:
     """The current tokens' absorbed MLA query before its RoPE and concat, so that a context
     makes it in the launch that writes the rows (:meth:`NewRows.write` with ``query``): head

@@ -436,7 +436,7 @@ class DSADecoderLayer(nn.Module):
         x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
         fuse = fuses_sums(x)
         a = self.self_attn(x, cos, sin, ctx, *x32, pending=fuse)
-        fp32 = self.mlp_fp32 and not self.mlp.fused(x)
+        fp32 = self.mlp_fp32 and not self.mlp.fused(x)   # x: `a` may be a PendingSum
         x, residual, *x32 = self.post_attention_layernorm.add(a, residual, fp32)
         return self.mlp(x, *x32, pending=pending and fuse), residual
 

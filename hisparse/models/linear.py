@@ -46,7 +46,8 @@ class FP8Linear(nn.Module):
     def forward_pending(self, x: Tensor) -> Tensor | PendingSum:
         """:meth:`forward` of ``x [M, in]``, or, where the split-K kernel runs with partial
         sums, its :class:`~hisparse.ops.pending.PendingSum` (bias included): for an RMSNorm
-        that does the sum itself (:func:`hisparse.ops.glue.add_rms_norm`)."""
+        that does the sum itself (:func:`hisparse.ops.glue.add_rms_norm`). Called directly,
+        not through ``nn.Module.__call__``: forward hooks on this linear do not see it."""
         y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
                              pow2_scale=self.pow2_scale, pending=True)
         if isinstance(y, PendingSum):

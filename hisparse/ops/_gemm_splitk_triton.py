@@ -507,8 +507,10 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
         return out
     gch = plan.group if level == 0 else 1
     if defer:
-        return PendingSum(dst, M, N, N, M * N, parts, gch, out_dtype,
-                          functools.partial(_reduce_parts, dst, M, N, parts, gch, out_dtype))
+        return PendingSum(dst, rows=M, cols=N, row_stride=N, part_stride=M * N, count=parts,
+                          group=gch, dtype=out_dtype,
+                          reduce=functools.partial(_reduce_parts, dst, M, N, parts, gch,
+                                                   out_dtype))
     return _reduce_parts(dst, M, N, parts, gch, out_dtype, out)
 
 

@@ -41,8 +41,6 @@ def fused(*tensors: Tensor) -> bool:
     return switches.current().fused_glue and want_triton(*tensors)
 
 
-_use_triton = fused
-
 
 # ----------------------------------------------------------------------------- references
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -157,7 +155,7 @@ def add_rms_norm(x: Tensor | PendingSum, residual: Tensor | None, weight: Tensor
             from ._glue_triton import add_rms_norm_sum_triton
             return add_rms_norm_sum_triton(x, residual, weight, eps, fp32_copy)
     _check_norm_args(tuple(x.shape), residual, weight)
-    if x.shape[0] == 0 or not _use_triton(x):
+    if x.shape[0] == 0 or not fused(x):
         y, h = add_rms_norm_reference(x, residual, weight, eps)
         return (y, h, y.float()) if fp32_copy else (y, h)
     from ._glue_triton import add_rms_norm_triton
@@ -200,7 +198,7 @@ def write_mla_rows(kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin
     if T and not fp8 and (dst.dim() != 2 or dst.shape[1] != D):
         raise ValueError(f"write_mla_rows: destination must be [rows, {D}], got "
                          f"{tuple(dst.shape)}")
-    if T and _use_triton(kv, dst):
+    if T and fused(kv, dst):
         if fp8:
             check_mla_rows_dst(dst, kv_lora_rank, D - kv_lora_rank)
         from ._glue_triton import write_mla_rows_triton
@@ -234,7 +232,7 @@ def write_index_keys(k: Tensor, ln_weight: Tensor, ln_bias: Tensor, eps: float, 
     if not fp8 and (dst.dim() != 2 or dst.shape[1] != d):
         raise ValueError(f"write_index_keys: destination must be [rows, {d}], got "
                          f"{tuple(dst.shape)}")
-    if _use_triton(k, dst):
+    if fused(k, dst):
         block_size = 1
         if fp8:
             from .quant import FP8KeyLayout
@@ -255,7 +253,7 @@ def rope_heads(q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: 
     if q.dim() != 3:
         raise ValueError(f"rope_heads: q must be [T, heads, D], got {tuple(q.shape)}")
     _check_rope("rope_heads", q, cos, sin, rope_dim)
-    if q.shape[0] == 0 or not _use_triton(q):
+    if q.shape[0] == 0 or not fused(q):
         return rope_heads_reference(q, cos, sin, rope_dim, interleaved)
     from ._glue_triton import rope_heads_triton
     return rope_heads_triton(q, cos, sin, rope_dim, interleaved)
@@ -267,7 +265,7 @@ def resident_rows(topk: Tensor, table: Tensor, token_slot: Tensor, block_size: i
         raise ValueError(f"resident_rows: topk [T, K], token_slot [T] and table [R, P] "
                          f"expected, got {tuple(topk.shape)}, {tuple(token_slot.shape)}, "
                          f"{tuple(table.shape)}")
-    if topk.numel() == 0 or not _use_triton(topk):
+    if topk.numel() == 0 or not fused(topk):
         return resident_rows_reference(topk, table, token_slot, block_size)
     from ._glue_triton import resident_rows_triton
     return resident_rows_triton(topk, table, token_slot, block_size)
@@ -277,7 +275,7 @@ def mla_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> Tenso
     """Fused :func:`mla_q_latent_reference` (one kernel reading both inputs in place; or folded
     into the rows' launch: :func:`write_mla_rows`)."""
     _check_q_latent(q_abs, q_pe, cos, sin)
-    if q_pe.shape[0] == 0 or not _use_triton(q_pe):
+    if q_pe.shape[0] == 0 or not fused(q_pe):
         return mla_q_latent_reference(q_abs, q_pe, cos, sin)
     from ._glue_triton import mla_q_latent_triton
     return mla_q_latent_triton(q_abs, q_pe, cos, sin)

@@ -71,7 +71,7 @@ def fp8_query_enabled(head_dim: int) -> bool:
     return switches.current().fp8_indexer and tile & (tile - 1) == 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class IndexerQueries:
     """The current tokens' indexer queries and head weights before their RoPE and weight
     scale, so that scoring against FP8 keys computes them inside its query kernel (RoPE,

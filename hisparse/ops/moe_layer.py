@@ -421,5 +421,6 @@ def pending_combine(y: Tensor, T: int, dtype: torch.dtype) -> PendingSum:
         raise ValueError(f"pending_combine: want y [T * K, D] with unit column stride for "
                          f"T={T}, got {tuple(y.shape)}")
     k = y.shape[0] // T
-    return PendingSum(y, T, y.shape[1], k * y.stride(0), y.stride(0), k, k, dtype,
-                      functools.partial(combine, y, T, dtype, use_triton=True))
+    return PendingSum(y, rows=T, cols=y.shape[1], row_stride=k * y.stride(0),
+                      part_stride=y.stride(0), count=k, group=k, dtype=dtype,
+                      reduce=functools.partial(combine, y, T, dtype, use_triton=True))
