@@ -49,8 +49,9 @@ def former_config(T: int, H: int) -> AttnConfig:
 
 def plans(H: int) -> list[AttnConfig]:
     if H <= 16:
-        return [AttnConfig(16, bn, 4, ns, kps) for kps, bn, ns in
-                itertools.product((64, 128, 256), (32, 64), (2, 3)) if kps >= bn]
+        # 8 warps too: at 4 warps the 64-row block spills (benchmarks/attention_resources.py)
+        return [AttnConfig(16, bn, nw, ns, kps) for kps, bn, nw, ns in
+                itertools.product((64, 128, 256), (32, 64), (4, 8), (2, 3)) if kps >= bn]
     return [AttnConfig(64, 64, 8, 2, kps) for kps in (256, 512, 1024)]
 
 

@@ -1,0 +1,76 @@
+"""Registers, spills (stack bytes a thread) and shared memory of the sparse FP8 MLA attention
+kernel under each launch plan, compiled for an SM90 target without a GPU (Triton's bundled
+ptxas and cuobjdump): which plans the H200 call should time. A plan whose threads spill
+reads and writes local memory in its inner loop.
+
+    python3 benchmarks/attention_resources.py [--heads 16] [--arch 90]
+
+Found (eighth session, Triton 3.6): today's 16-head plan (64 rows a block, 4 warps) uses 255
+registers and spills 672 bytes a thread; 8 warps, or 32 rows a block, do not spill. The
+16-head sweep of ``bench_attention_plans.py`` had only timed 4 warps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU target, not the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hisparse.ops._attention_triton import AttnConfig, _attn_fp8_kernel, attn_config  # noqa: E402
+
+POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx_ptr="*i32",
+                o_ptr="*fp32", lse_ptr="*fp32")
+
+
+def resources(cfg: AttnConfig, arch: int) -> dict:
+    """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128) and read
+    its resource usage from the cubin."""
+    names = _attn_fp8_kernel.arg_names
+    const = dict(K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=64, TILE=128, NT=4,
+                 BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=False)
+    sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS}
+    k = triton.compile(ASTSource(_attn_fp8_kernel, sig, const, attrs),
+                       target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    got = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    return dict(registers=int(got.get("REG", -1)), stack_bytes=int(got.get("STACK", -1)),
+                shared_bytes=k.metadata.shared)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    H = args.heads
+    default = attn_config(H, 2048, True, False)
+    plans = [default] + [AttnConfig(default.block_h, bn, nw, ns, 64 if H <= 16 else 512)
+                         for bn in (64, 32) for nw in (4, 8) for ns in (2, 3)]
+    print(f"{'rows/block':>10} {'warps':>5} {'stages':>6} {'indices/chunk':>13} "
+          f"{'registers':>9} {'spill B':>7} {'smem B':>7}")
+    for c in dict.fromkeys(plans):
+        r = resources(c, args.arch)
+        print(f"{c.block_n:>10} {c.num_warps:>5} {c.num_stages:>6} {c.k_per_split:>13} "
+              f"{r['registers']:>9} {r['stack_bytes']:>7} {r['shared_bytes']:>7}"
+              + ("   (default)" if c == default else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
