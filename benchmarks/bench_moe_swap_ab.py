@@ -1,6 +1,6 @@
-"""Prototype: the MoE gate-up grouped GEMM with its operands swapped (``h^T = W x^T``), against
-the engine's ``_moe_gate_up_kernel``, at one TP-8 rank of DeepSeek-V3.2 (E = 256 FP8 experts,
-I = 256, D = 7168, 16-row tiles, each tile one expert).
+"""Prototype: the MoE's grouped GEMMs with their operands swapped (``h^T = W x^T``), against the
+engine's ``_moe_gate_up_kernel`` and ``_moe_down_kernel``, at one TP-8 rank of DeepSeek-V3.2
+(E = 256 FP8 experts, I = 256, D = 7168, 16-row tiles, each tile one expert).
 
 Why (eighth session, compiled for sm_90 on the CPU box with Triton 3.6): with 16 token rows
 on the MMA's M side the engine's kernel lowers its FP8 dot to f16 ``mma.sync`` (upcasting
@@ -16,8 +16,9 @@ differs, so its bits differ from the engine's kernel: the comparison is a tolera
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/bench_moe_swap_ab.py --check-cpu
 
 ``--check-cpu`` runs both kernels under the interpreter on a small shape against a torch
-reference. Not used by the engine; if it wins on the H200, the next step is the down GEMM and
-the engine's kernels (and the split-K linears at M <= 64, the same lowering).
+reference. Not used by the engine; if it wins on the H200, the next step is the engine's
+kernels (the shared expert, the quantization modes, the launch table). The split-K linears
+already compute this way.
 """
 
 from __future__ import annotations
@@ -81,14 +82,87 @@ def _gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr
              mask=rmask[None, :] & (offs_n < I)[:, None])
 
 
+@triton.jit
+def _down_swapped_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_ptr,
+                         N, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_o, KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """``out[id, n] = rw[id] * (h_slot . d_e[n])`` per assignment ``id`` of the tile's slots
+    (``_moe_down_kernel`` without the shared expert), accumulated transposed."""
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(te_ptr + tile)
+    if e < 0:
+        return
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    aid = tl.load(ids_ptr + slots)
+    rmask = aid >= 0
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    wd = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    sd = ws_ptr + e.to(tl.int64) * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(KB_TOTAL):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + slots[:, None].to(tl.int64) * stride_h + offs_k[None, :],
+                    mask=rmask[:, None], other=0.0)
+        sa = tl.load(hs_ptr + slots.to(tl.int64) * stride_hs + kb, mask=rmask, other=0.0)
+        w = tl.load(wd + offs_k[None, :])
+        if IEEE:
+            p = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            p = tl.dot(w, tl.trans(a))
+        acc += p * (sa[None, :] * tl.load(sd + kb))
+    rw = tl.load(rw_ptr + tl.where(rmask, aid, 0), mask=rmask, other=0.0)
+    acc = acc * rw[None, :]
+    safe = tl.where(rmask, aid, 0).to(tl.int64)
+    tl.store(out_ptr + safe[None, :] * stride_o + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (offs_n < N)[:, None])
+
+
+def down_swapped(hq, hs, w, ws, sorted_ids, tile_expert, rw, n_assign: int, block_m: int,
+                 block_n: int = 128, num_warps: int = 4, num_stages: int = 3, out=None):
+    """``out [assignments, D]`` bf16 of the prototype (a NaN-filled new tensor when None)."""
+    E, D, I = w.shape
+    if out is None:
+        out = torch.full((n_assign, D), float("nan"), device=hq.device, dtype=torch.bfloat16)
+    ieee = not hq.is_cuda
+    _down_swapped_kernel[(tile_expert.numel(), triton.cdiv(D, block_n))](
+        hq, hs, w, ws, sorted_ids, tile_expert, rw, out, D, hq.stride(0), hs.stride(0),
+        w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+        KB_TOTAL=triton.cdiv(I, 128), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+        SCALE_N=128, IEEE=ieee,
+        **({} if ieee else dict(num_warps=num_warps, num_stages=num_stages)))
+    return out
+
+
+def engine_down(hq, hs, w, ws, sorted_ids, tile_expert, rw, out, block_m: int,
+                num_warps: int = 4, num_stages: int = 3) -> None:
+    """The engine's ``_moe_down_kernel`` as ``grouped_moe`` launches it (FP8, the intermediate
+    quantized already, no shared expert) into ``out [assignments, D]``."""
+    from hisparse.ops._moe_triton import _moe_down_kernel
+
+    E, D, I = w.shape
+    launch = {} if not hq.is_cuda else dict(num_warps=num_warps, num_stages=num_stages)
+    _moe_down_kernel[(tile_expert.numel(), triton.cdiv(D, 128))](
+        hq, hs, w, ws, sorted_ids, tile_expert, rw, out, w, ws,
+        D, I, triton.cdiv(I, 128), E,
+        hq.stride(0), hs.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+        out.stride(0),
+        KB_TOTAL=triton.cdiv(I, 128), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128,
+        SCALE_N=128, FP8=True, QUANT_A=False, IEEE=False, POW2=False, HAS_SHARED=False,
+        SKIP_EMPTY=True, **launch)
+
+
 def gate_up_swapped(xq, xs, w, ws, sorted_ids, tile_expert, topk: int, block_m: int,
-                    block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
-    """``h [slots, I]`` bf16 (rows of unused slots unwritten) of the prototype."""
+                    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, out=None):
+    """``h [slots, I]`` bf16 of the prototype (into ``out``, else a NaN-filled new tensor:
+    rows of unused slots stay unwritten)."""
     E, two_i, D = w.shape
     I = two_i // 2
     bk = 128
-    h = torch.full((sorted_ids.numel(), I), float("nan"), device=xq.device,
-                   dtype=torch.bfloat16)
+    h = out if out is not None else torch.full((sorted_ids.numel(), I), float("nan"),
+                                               device=xq.device, dtype=torch.bfloat16)
     kb = triton.cdiv(D, bk)
     ieee = not xq.is_cuda
     _gate_up_swapped_kernel[(tile_expert.numel(), triton.cdiv(I, block_n))](
@@ -170,6 +244,53 @@ def check_cpu() -> None:
     print(f"prototype vs reference: max |err| {err:.3g} (scale {want[used].abs().max():.3g}), "
           f"unwritten rows stay NaN: {bool(got[~used].isnan().all())}")
     assert err <= 2e-2 * want[used].abs().max().item() and bool(got[~used].isnan().all())
+    # the down GEMM over that intermediate (quantized as the layer quantizes it)
+    from hisparse.ops.block_fp8 import quantize_fp8_act
+    from hisparse.ops.gemm import dequantize_fp8_weight
+
+    dw, dws = quantize_fp8_weight(torch.randn(E, D, I) * 0.05, (128, 128))
+    h = torch.where(used, want, torch.zeros(())).to(torch.bfloat16)
+    hq, hs = quantize_fp8_act(h, 128, False)
+    hq = hq.contiguous()
+    rw = torch.rand(T * k)
+    hd = (hq.float().view(h.shape[0], -1, 128) * hs[:, :, None]).view(h.shape)
+    ref = torch.full((T * k, D), float("nan"))
+    for tile, e in enumerate(tile_expert.tolist()):
+        if e < 0:
+            continue
+        wd = dequantize_fp8_weight(dw[e], dws[e], (128, 128)).float()
+        for slot in range(tile * bm, (tile + 1) * bm):
+            a = int(sorted_ids[slot])
+            if a >= 0:
+                ref[a] = (rw[a] * (wd @ hd[slot])).to(torch.bfloat16).float()
+    eng_out = torch.full((T * k, D), float("nan"), dtype=torch.bfloat16)
+    engine_down(hq, hs, dw, dws, sorted_ids, tile_expert, rw, eng_out, bm)
+    got_out = down_swapped(hq, hs, dw, dws, sorted_ids, tile_expert, rw, T * k, bm)
+    scale = ref.abs().max().item()
+    for name, o in (("engine down", eng_out), ("prototype down", got_out)):
+        e2 = (o.float() - ref).abs().max().item()
+        print(f"{name} vs reference: max |err| {e2:.3g} (scale {scale:.3g})")
+        assert e2 <= 2e-2 * scale
+
+
+PROTO_LAUNCHES = [(bn, nw, ns) for bn in (64, 128) for nw, ns in ((4, 3), (4, 4), (8, 3), (8, 4))]
+
+
+def compare(name: str, T: int, mb: float, engine, proto, out_engine, used, timeit) -> dict:
+    """Time ``engine()`` (filling ``out_engine``) and ``proto(bn, nw, ns)`` (returning its
+    output) at every prototype launch, rows ``used`` compared; print the best against the
+    engine's."""
+    row = {"engine_us": timeit(engine) * 1e6, "swapped": {}}
+    for bn, nw, ns in PROTO_LAUNCHES:
+        run = functools.partial(proto, bn, nw, ns)
+        err = (run()[used].float() - out_engine[used].float()).abs().max().item()
+        row["swapped"][f"{bn}/{nw}/{ns}"] = dict(us=timeit(run) * 1e6, max_err=err)
+    best = min(row["swapped"], key=lambda n: row["swapped"][n]["us"])
+    b = row["swapped"][best]
+    print(f"{name:>7} T={T:3d} ({mb:5.0f} MB): engine {row['engine_us']:7.1f} us "
+          f"({mb / row['engine_us'] / 1e3:.2f} TB/s), swapped best {best} {b['us']:7.1f} us "
+          f"({mb / b['us'] / 1e3:.2f} TB/s; max |diff| {b['max_err']:.3g})", flush=True)
+    return row
 
 
 def main() -> None:
@@ -191,35 +312,39 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     layer = rank_layer(dev)
-    w, ws = layer["gate_up"], layer["gate_up_scale"].float()
+    gu, gus = layer["gate_up"], layer["gate_up_scale"].float()
+    dn, dns = layer["down"], layer["down_scale"].float()
     k, bm = 8, FUSED_BLOCK_M
     rows = []
     for T in (int(t) for t in a.tokens.split(",")):
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         xq, xs = quantize_act(x, 128, False)
         sorted_ids, tile_expert = layout(T, k, E, bm, dev, seed=T)
-        h_eng = torch.empty(sorted_ids.numel(), I, device=dev, dtype=torch.bfloat16)
-        nw, ns = M.MOE_LAUNCHES.get(("gate_up", I, D, M.t_bucket(T)), (4, 3))
-
-        engine = functools.partial(engine_gate_up, xq, xs, w, ws, sorted_ids, tile_expert,
-                                   h_eng, k, bm, nw, ns)
-        row = {"T": T, "engine_us": timeit_graph(engine) * 1e6, "swapped_us": {}}
+        experts = int(tile_expert[tile_expert >= 0].unique().numel())
         used = sorted_ids >= 0
-        for bn in (64, 128):
-            for nw2, ns2 in ((4, 3), (4, 4), (8, 3), (8, 4)):
-                run = functools.partial(gate_up_swapped, xq, xs, w, ws, sorted_ids, tile_expert,
-                                        k, bm, bn, nw2, ns2)
-                err = (run()[used].float() - h_eng[used].float()).abs().max().item()
-                row["swapped_us"][f"{bn}/{nw2}/{ns2}"] = dict(us=timeit_graph(run) * 1e6,
-                                                              max_err=err)
-        best = min(row["swapped_us"], key=lambda n: row["swapped_us"][n]["us"])
-        experts = int((tile_expert >= 0).sum())
-        mb = experts * 2 * I * D / 1e6
-        print(f"T={T:3d} ({experts} tiles, {mb:.0f} MB of weights): engine {row['engine_us']:.1f}"
-              f" us, swapped best {best} {row['swapped_us'][best]['us']:.1f} us "
-              f"(max |diff| {row['swapped_us'][best]['max_err']:.3g}; "
-              f"{mb / row['swapped_us'][best]['us'] / 1e3:.2f} TB/s vs "
-              f"{mb / row['engine_us'] / 1e3:.2f})", flush=True)
+        bucket = M.t_bucket(T)
+        h = torch.zeros(sorted_ids.numel(), I, device=dev, dtype=torch.bfloat16)
+        gu_launch = M.MOE_LAUNCHES.get(("gate_up", I, D, bucket), (4, 3))
+        row = {"T": T, "experts": experts, "gate_up": compare(
+            "gate-up", T, experts * 2 * I * D / 1e6,
+            functools.partial(engine_gate_up, xq, xs, gu, gus, sorted_ids, tile_expert, h, k,
+                              bm, *gu_launch),
+            functools.partial(gate_up_swapped, xq, xs, gu, gus, sorted_ids, tile_expert, k, bm,
+                              out=torch.zeros_like(h)),
+            h, used, timeit_graph)}
+        hq, hs = quantize_act(h, 128, False)
+        rw = torch.rand(T * k, device=dev)
+        out = torch.zeros(T * k, D, device=dev, dtype=torch.bfloat16)
+        dn_launch = M.MOE_LAUNCHES.get(("down", I, D, bucket), (4, 3))
+        assigned = torch.zeros(T * k, dtype=torch.bool, device=dev)
+        assigned[sorted_ids[used].long()] = True
+        row["down"] = compare(
+            "down", T, experts * I * D / 1e6,
+            functools.partial(engine_down, hq, hs, dn, dns, sorted_ids, tile_expert, rw, out,
+                              bm, *dn_launch),
+            functools.partial(down_swapped, hq, hs, dn, dns, sorted_ids, tile_expert, rw, T * k,
+                              bm, out=torch.zeros_like(out)),
+            out, assigned, timeit_graph)
         rows.append(row)
     if a.out:
         with open(a.out, "w") as f:
