@@ -74,7 +74,7 @@ for section in "$@"; do
       fi ;;
     leads)   # the eighth session's compile-time leads (~3 min): the 16-head attention plans
              # at 8 warps (today's 4-warp plan is at the register cap) on the decode's access
-             # pattern, and the swapped-operand FP8 MoE gate-up prototype vs the engine's
+             # pattern, and the MoE layer with HISPARSE_MOE_GEMM=swapped vs the default
       run attn_plans 200 python3 benchmarks/bench_attention_plans.py \
         --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json"
       run moe_swap 150 python3 benchmarks/bench_moe_swap_ab.py --out "$out/moe_swap.json" ;;
