@@ -155,6 +155,17 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
 
 
 @triton.jit
+def _swapped_block(acc, w, a, sa, sw, IEEE: tl.constexpr):
+    """``acc [BN, BM] += (w [BN, BK] @ a [BM, BK]^T) * (sa[None, :] * sw)``: one K block of
+    a transposed FP8 product, times its activation scales (per slot) and weight scale."""
+    if IEEE:
+        p = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+    else:
+        p = tl.dot(w, tl.trans(a))
+    return acc + p * (sa[None, :] * sw)
+
+
+@triton.jit
 def _moe_gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
                                 sg_ptr, su_ptr, sgs_ptr, sus_ptr,
                                 I, NBI, E_SHARED,
@@ -203,14 +214,8 @@ def _moe_gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h
                     mask=(offs_n < I)[:, None], other=0.0)
         u = tl.load(wu + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=(offs_n < I)[:, None], other=0.0)
-        if IEEE:
-            pg = tl.dot(g.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-            pu = tl.dot(u.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:
-            pg = tl.dot(g, tl.trans(a))
-            pu = tl.dot(u, tl.trans(a))
-        acc_g += pg * (sa[None, :] * tl.load(sg + kb))
-        acc_u += pu * (sa[None, :] * tl.load(su + kb))
+        acc_g = _swapped_block(acc_g, g, a, sa, tl.load(sg + kb), IEEE)
+        acc_u = _swapped_block(acc_u, u, a, sa, tl.load(su + kb), IEEE)
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(H_DTYPE)
     tl.store(h_ptr + slots[None, :].to(tl.int64) * stride_h + offs_n[:, None], h,
              mask=rmask[None, :] & (offs_n < I)[:, None])
@@ -253,11 +258,7 @@ def _moe_down_swapped_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_p
         sa = tl.load(hs_ptr + slots.to(tl.int64) * stride_hs + kb, mask=rmask, other=0.0)
         w = tl.load(wd + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=(offs_n < N)[:, None], other=0.0)
-        if IEEE:
-            p = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:
-            p = tl.dot(w, tl.trans(a))
-        acc += p * (sa[None, :] * tl.load(sd + kb))
+        acc = _swapped_block(acc, w, a, sa, tl.load(sd + kb), IEEE)
     rw = tl.load(rw_ptr + tl.where(rmask, aid, 0), mask=rmask, other=0.0)
     acc = acc * rw[None, :]
     safe = tl.where(rmask, aid, 0).to(tl.int64)
