@@ -73,6 +73,15 @@ def tp_all_reduce(x: Tensor, group) -> Tensor:
     return x
 
 
+def project_out(lin: nn.Module, x: Tensor, group, pending: bool) -> Tensor | PendingSum:
+    """``lin(x)`` all-reduced over ``group`` (:func:`tp_all_reduce`); with ``pending`` (the
+    caller's next op is the fused norm) and no all-reduce between, an FP8 linear's split-K
+    partial sums unreduced (:meth:`FP8Linear.forward_pending`: the norm adds them)."""
+    if pending and group is None and isinstance(lin, FP8Linear):
+        return lin.forward_pending(x)
+    return tp_all_reduce(lin(x), group)
+
+
 class RMSNorm(nn.Module):
     """transformers' RMSNorm (:func:`hisparse.ops.glue.rms_norm_reference`), one fused kernel
     on CUDA; :meth:`add` fuses the residual add in front of it."""
@@ -243,9 +252,7 @@ class DSAAttention(nn.Module):
         parallelism. ``pending`` (the caller's next op is the fused norm): without an
         all-reduce between, an FP8 split-K ``o_proj``'s partial sums are returned unreduced
         (:class:`PendingSum`: the norm adds them, one launch fewer)."""
-        if pending and self.tp_group is None and isinstance(self.o_proj, FP8Linear):
-            return self.o_proj.forward_pending(v)
-        return tp_all_reduce(self.o_proj(v), self.tp_group)
+        return project_out(self.o_proj, v, self.tp_group, pending)
 
 
 class DSAMLP(nn.Module):
@@ -276,10 +283,7 @@ class DSAMLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        act = self.act(gate) * up
-        if pending and self.tp_group is None and isinstance(self.down_proj, FP8Linear):
-            return self.down_proj.forward_pending(act)
-        return tp_all_reduce(self.down_proj(act), self.tp_group)
+        return project_out(self.down_proj, self.act(gate) * up, self.tp_group, pending)
 
 
 class DSARouter(nn.Module):

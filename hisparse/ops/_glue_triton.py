@@ -193,18 +193,14 @@ def _mla_rows_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32
     ``(t, 1 + h)`` make head ``h`` of its absorbed query (:func:`_q_latent_head`, as
     :func:`_q_latent_kernel` does): both in one launch."""
     t = tl.program_id(0).to(tl.int64)
-    if HAS_Q:
-        p = tl.program_id(1)
-        if p == 0:
-            _mla_row(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
-                     stride_kv, stride_cs, stride_dst, R, eps, NT, TILE, H2, BLOCK_H2, FP8, DT)
-        else:
-            _q_latent_head(t, (p - 1).to(tl.int64), qa_ptr, qp_ptr, cos_ptr, sin_ptr, q_ptr,
-                           stride_at, stride_ah, stride_pt, stride_ph, stride_cs, stride_qt,
-                           stride_qh, RQ, BLOCK_RQ, H2, BLOCK_H2, DT)
-    else:
+    p = tl.program_id(1) if HAS_Q else 0      # without a query the grid is (T, 1)
+    if p == 0:
         _mla_row(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, dst_ptr, dst_f32, dst_i16,
                  stride_kv, stride_cs, stride_dst, R, eps, NT, TILE, H2, BLOCK_H2, FP8, DT)
+    else:
+        _q_latent_head(t, (p - 1).to(tl.int64), qa_ptr, qp_ptr, cos_ptr, sin_ptr, q_ptr,
+                       stride_at, stride_ah, stride_pt, stride_ph, stride_cs, stride_qt,
+                       stride_qh, RQ, BLOCK_RQ, H2, BLOCK_H2, DT)
 
 
 def _tiles(d: int, fp8: bool) -> tuple[int, int]:
@@ -215,7 +211,7 @@ def _tiles(d: int, fp8: bool) -> tuple[int, int]:
     return 1, next_pow2(d)
 
 
-def _q_latent_inputs(q_abs, q_pe, cos):
+def _q_latent_inputs(q_abs, q_pe):
     """``(q_abs, q_pe, out)`` for :func:`_q_latent_head`: inputs with a contiguous last dim, the
     output ``[T, H, R + rope]`` (a new tensor)."""
     T, H, R = q_abs.shape
@@ -243,7 +239,7 @@ def write_mla_rows_triton(kv, norm_weight, eps, cos, sin, dst, rows, kv_lora_ran
     heads, rq, q_args, q_strides = 0, 1, (kv, kv, kv), (0,) * 6
     out = None
     if q_abs is not None:
-        q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe, cos)
+        q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe)
         heads, rq = q_abs.shape[1], q_abs.shape[2]
         q_args = (q_abs, q_pe, out)
         q_strides = (q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -391,7 +387,7 @@ def _q_latent_kernel(qa_ptr, qp_ptr, cos_ptr, sin_ptr, out_ptr, stride_at, strid
 
 def mla_q_latent_triton(q_abs, q_pe, cos, sin):
     T, H, R = q_abs.shape
-    q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe, cos)
+    q_abs, q_pe, out = _q_latent_inputs(q_abs, q_pe)
     cos = cos.contiguous()
     sin = sin.contiguous()
     h2 = q_pe.shape[2] // 2

@@ -166,6 +166,14 @@ def _swapped_block(acc, w, a, sa, sw, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _swapped_tile(ids_ptr, tile, nb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A transposed program's ``(slots, assignment ids, valid slots, weight rows)``."""
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    aid = tl.load(ids_ptr + slots)
+    return slots, aid, aid >= 0, nb * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _moe_gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
                                 sg_ptr, su_ptr, sgs_ptr, sus_ptr,
                                 I, NBI, E_SHARED,
@@ -187,11 +195,8 @@ def _moe_gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h
     e = tl.load(te_ptr + tile)
     if e < 0:
         return
-    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    aid = tl.load(ids_ptr + slots)
-    rmask = aid >= 0
+    slots, aid, rmask, offs_n = _swapped_tile(ids_ptr, tile, nb, BLOCK_M, BLOCK_N)
     tok = tl.where(rmask, aid // TOPK, 0).to(tl.int64)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     e64 = e.to(tl.int64)
     wg = w_ptr + e64 * stride_we
     wu = wg + I * stride_wn
@@ -239,10 +244,7 @@ def _moe_down_swapped_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_p
     e = tl.load(te_ptr + tile)
     if e < 0:
         return
-    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    aid = tl.load(ids_ptr + slots)
-    rmask = aid >= 0
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots, aid, rmask, offs_n = _swapped_tile(ids_ptr, tile, nb, BLOCK_M, BLOCK_N)
     e64 = e.to(tl.int64)
     wd = w_ptr + e64 * stride_we
     sd = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn

@@ -41,7 +41,6 @@ def fused(*tensors: Tensor) -> bool:
     return switches.current().fused_glue and want_triton(*tensors)
 
 
-
 # ----------------------------------------------------------------------------- references
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` with the statistics in fp32 and the normalised
