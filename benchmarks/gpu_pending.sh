@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests fused leads step moe rank glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests fused step moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -72,12 +72,6 @@ for section in "$@"; do
       if [ -n "${OLD:-}" ]; then
         run bits 240 python3 benchmarks/bits_vs_revision.py "$OLD"
       fi ;;
-    leads)   # the eighth session's compile-time leads (~3 min): the 16-head attention plans
-             # at 8 warps (today's 4-warp plan is at the register cap) on the decode's access
-             # pattern, and the MoE layer with HISPARSE_MOE_GEMM=swapped vs the default
-      run attn_plans 200 python3 benchmarks/bench_attention_plans.py \
-        --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json"
-      run moe_swap 150 python3 benchmarks/bench_moe_swap_ab.py --out "$out/moe_swap.json" ;;
     step)    # issue 25: the real rank's GPU step by kernel class, gpu-only, at the three points
              # the targets name (~4 min). For a same-run baseline run it again in a tree of the
              # base commit (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 step)

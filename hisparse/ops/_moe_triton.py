@@ -154,120 +154,6 @@ def _moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
-def _swapped_block(acc, w, a, sa, sw, IEEE: tl.constexpr):
-    """``acc [BN, BM] += (w [BN, BK] @ a [BM, BK]^T) * (sa[None, :] * sw)``: one K block of
-    a transposed FP8 product, times its activation scales (per slot) and weight scale."""
-    if IEEE:
-        p = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-    else:
-        p = tl.dot(w, tl.trans(a))
-    return acc + p * (sa[None, :] * sw)
-
-
-@triton.jit
-def _swapped_tile(ids_ptr, tile, nb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A transposed program's ``(slots, assignment ids, valid slots, weight rows)``."""
-    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    aid = tl.load(ids_ptr + slots)
-    return slots, aid, aid >= 0, nb * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
-def _moe_gate_up_swapped_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, h_ptr,
-                                sg_ptr, su_ptr, sgs_ptr, sus_ptr,
-                                I, NBI, E_SHARED,
-                                stride_x, stride_xs, stride_we, stride_wn, stride_se,
-                                stride_sn, stride_h,
-                                TOPK: tl.constexpr, KB_TOTAL: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
-                                HAS_SHARED: tl.constexpr, IEEE: tl.constexpr,
-                                H_DTYPE: tl.constexpr):
-    """``_moe_gate_up_kernel``'s result (FP8 experts, activations quantized already, unused
-    tiles skipped) with the products transposed: ``[BLOCK_N weight rows, BLOCK_M slots]``, so
-    the expert's rows are the MMA's M side (a native FP8 warp-group MMA on SM90; the
-    tile-major kernel's 16 slots lower to f16 ``mma.sync``). Each K block's product times
-    its activation and weight scales is added in block order, as there; the MMA's own
-    accumulation differs, so the bits do too. ``K`` is ``KB_TOTAL`` whole blocks."""
-    tile = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(te_ptr + tile)
-    if e < 0:
-        return
-    slots, aid, rmask, offs_n = _swapped_tile(ids_ptr, tile, nb, BLOCK_M, BLOCK_N)
-    tok = tl.where(rmask, aid // TOPK, 0).to(tl.int64)
-    e64 = e.to(tl.int64)
-    wg = w_ptr + e64 * stride_we
-    wu = wg + I * stride_wn
-    sg = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-    su = sg + NBI * stride_sn
-    if HAS_SHARED:  # the shared expert: an always-selected expert with its own tensors
-        if e == E_SHARED:
-            wg = sg_ptr
-            wu = su_ptr
-            sg = sgs_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-            su = sus_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kb in range(KB_TOTAL):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=rmask[:, None],
-                    other=0.0)
-        sa = tl.load(xs_ptr + tok * stride_xs + kb, mask=rmask, other=0.0)
-        g = tl.load(wg + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=(offs_n < I)[:, None], other=0.0)
-        u = tl.load(wu + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=(offs_n < I)[:, None], other=0.0)
-        acc_g = _swapped_block(acc_g, g, a, sa, tl.load(sg + kb), IEEE)
-        acc_u = _swapped_block(acc_u, u, a, sa, tl.load(su + kb), IEEE)
-    h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(H_DTYPE)
-    tl.store(h_ptr + slots[None, :].to(tl.int64) * stride_h + offs_n[:, None], h,
-             mask=rmask[None, :] & (offs_n < I)[:, None])
-
-
-@triton.jit
-def _moe_down_swapped_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, ids_ptr, te_ptr, rw_ptr, out_ptr,
-                             sd_ptr, sds_ptr,
-                             N, E_SHARED,
-                             stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn,
-                             stride_o,
-                             KB_TOTAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SCALE_N: tl.constexpr, HAS_SHARED: tl.constexpr,
-                             IEEE: tl.constexpr):
-    """``_moe_down_kernel``'s result (FP8, the intermediate quantized already, unused tiles
-    skipped), transposed as :func:`_moe_gate_up_swapped_kernel`: per assignment, times its
-    routing weight, into ``out [A, N]``."""
-    tile = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(te_ptr + tile)
-    if e < 0:
-        return
-    slots, aid, rmask, offs_n = _swapped_tile(ids_ptr, tile, nb, BLOCK_M, BLOCK_N)
-    e64 = e.to(tl.int64)
-    wd = w_ptr + e64 * stride_we
-    sd = ws_ptr + e64 * stride_se + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-    if HAS_SHARED:
-        if e == E_SHARED:
-            wd = sd_ptr
-            sd = sds_ptr + ((nb * BLOCK_N) // SCALE_N) * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kb in range(KB_TOTAL):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + slots[:, None].to(tl.int64) * stride_h + offs_k[None, :],
-                    mask=rmask[:, None], other=0.0)
-        sa = tl.load(hs_ptr + slots.to(tl.int64) * stride_hs + kb, mask=rmask, other=0.0)
-        w = tl.load(wd + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=(offs_n < N)[:, None], other=0.0)
-        acc = _swapped_block(acc, w, a, sa, tl.load(sd + kb), IEEE)
-    rw = tl.load(rw_ptr + tl.where(rmask, aid, 0), mask=rmask, other=0.0)
-    acc = acc * rw[None, :]
-    safe = tl.where(rmask, aid, 0).to(tl.int64)
-    tl.store(out_ptr + safe[None, :] * stride_o + offs_n[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (offs_n < N)[:, None])
-
-
 _gate_up_tuned = tuned(_moe_gate_up_kernel, ["I", "K", "BLOCK_M", "BLOCK_N", "FP8", "QUANT_A",
                                              "POW2", "HAS_SHARED", "SKIP_EMPTY", "QUANT_H"])
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -352,8 +238,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, do
 def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
                 gate_up_scale, down_scale, block, pow2_scale: bool = False,
                 shared=None, quantize=None, skip_empty: bool = False, x_quant=None,
-                h_quant: str | None = None, tile_n: tuple[int, int] | None = None,
-                swapped: bool = False) -> torch.Tensor:
+                h_quant: str | None = None, tile_n: tuple[int, int] | None = None) -> torch.Tensor:
     """Both grouped GEMMs over an aligned layout (``moe_align``'s contract, assignment ids
     ``t * k + j`` with ``k = topk_weights.shape[1]``): per-assignment outputs ``[T * k, D]`` in
     ``x.dtype``, each times its routing weight. ``quantize(a, bk, pow2) -> (q, s)`` (FP8
@@ -366,10 +251,7 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     ``"tile"`` the down GEMM's tiles (its K is only ``I``), ``"epilogue"`` the gate-up GEMM's
     epilogue (its N tile becomes the FP8 block; ``I`` a multiple of it); the same bits in
     each. ``tile_n``: the gate-up and down GEMMs' N tile caps (default 64, 128; each output
-    element's K order is the same under any, so they never change a bit). ``swapped``: for
-    the fused layer's calls (FP8, the shared expert, skipped empty tiles, 16-row tiles, both
-    activations quantized already, whole FP8 blocks) run the transposed kernels
-    (:func:`_moe_gate_up_swapped_kernel`; other bits, batch invariant as well)."""
+    element's K order is the same under any, so they never change a bit)."""
     T, D = x.shape
     k = topk_weights.shape[1]
     E, two_i, _ = gate_up.shape
@@ -427,11 +309,6 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
     kb1 = triton.cdiv(D, bk)
     # the specialization MOE_LAUNCHES was measured for (moe_layer's calls)
     measured = fp8 and shared is not None and skip_empty and block_m == FUSED_BLOCK_M
-    if (measured and swapped and not quant_x and not quant_h and not epilogue
-            and D % bk == 0 and I % bk == 0):
-        return _grouped_moe_swapped(xq, xs, sorted_ids, tile_expert, block_m,
-                                    topk_weights, gate_up, down, gus, dns, shared, k, bn, bk,
-                                    quant, pow2_scale, ieee, x.dtype)
     kernel, opts = _launch("gate_up", _moe_gate_up_kernel, _gate_up_tuned, x.device, I, D, T,
                            measured)
     kernel[(max_tiles, triton.cdiv(I, bn1))](
@@ -467,41 +344,3 @@ def grouped_moe(x, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down
         SKIP_EMPTY=skip_empty, **opts)
     return out
 
-
-# (block_n, num_warps, num_stages) of the transposed kernels: not measured yet
-# (benchmarks/bench_moe_swap_ab.py times the prototype they come from)
-SWAPPED_LAUNCHES = {"gate_up": (64, 4, 3), "down": (128, 4, 3)}
-
-
-def _grouped_moe_swapped(xq, xs, sorted_ids, tile_expert, block_m, topk_weights, gate_up, down,
-                         gus, dns, shared, k, bn, bk, quant, pow2_scale, ieee, dtype):
-    """:func:`grouped_moe` over the transposed kernels (its ``swapped`` case); ``bn`` x
-    ``bk``: the weights' FP8 scale blocks (a program's N tile stays inside one)."""
-    E, two_i, D = gate_up.shape
-    I = two_i // 2
-    max_tiles = tile_expert.numel()
-    h = torch.empty(max_tiles * block_m, I, device=xq.device, dtype=dtype)
-    bn1, nw1, ns1 = SWAPPED_LAUNCHES["gate_up"]
-    bn1 = _block_n(I, bn, bn1)
-    launch1 = {} if ieee or not xq.is_cuda else dict(num_warps=nw1, num_stages=ns1)
-    _moe_gate_up_swapped_kernel[(max_tiles, triton.cdiv(I, bn1))](
-        xq, xs, gate_up, gus, sorted_ids, tile_expert, h, shared.gate, shared.up,
-        shared.gate_scale, shared.up_scale, I, triton.cdiv(I, bn), E,
-        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gus.stride(0),
-        gus.stride(1), h.stride(0),
-        TOPK=k, KB_TOTAL=D // bk, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk, SCALE_N=bn,
-        HAS_SHARED=True, IEEE=ieee or not xq.is_cuda, H_DTYPE=_TL_DTYPES[dtype], **launch1)
-    hq, hs = quant(h, bk, pow2_scale)
-    hq = hq.contiguous()
-    out = torch.empty(topk_weights.numel(), D, device=xq.device, dtype=dtype)
-    rw = topk_weights.reshape(-1).float().contiguous()
-    bn2, nw2, ns2 = SWAPPED_LAUNCHES["down"]
-    bn2 = _block_n(D, bn, bn2)
-    launch2 = {} if ieee or not xq.is_cuda else dict(num_warps=nw2, num_stages=ns2)
-    _moe_down_swapped_kernel[(max_tiles, triton.cdiv(D, bn2))](
-        hq, hs, down, dns, sorted_ids, tile_expert, rw, out, shared.down, shared.down_scale,
-        D, E, hq.stride(0), hs.stride(0), down.stride(0), down.stride(1), dns.stride(0),
-        dns.stride(1), out.stride(0),
-        KB_TOTAL=I // bk, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk, SCALE_N=bn,
-        HAS_SHARED=True, IEEE=ieee or not xq.is_cuda, **launch2)
-    return out

@@ -407,8 +407,7 @@ def moe_layer(x: Tensor, router_weight: Tensor, router_bias: Tensor | None, cfg:
                     down_scale, block, pow2_scale, shared=shared,
                     quantize=quantize_act if prequant else None, skip_empty=True,
                     x_quant=x_quant, tile_n=tile_n,
-                    h_quant={"fused": "tile", "gate_up": "epilogue"}.get(qmode),
-                    swapped=switches.current().moe_gemm == "swapped")
+                    h_quant={"fused": "tile", "gate_up": "epilogue"}.get(qmode))
     if pending:
         return pending_combine(y, T, x.dtype)
     return combine(y, T, x.dtype, use_triton=True)

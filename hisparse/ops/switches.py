@@ -27,10 +27,6 @@ HISPARSE_MOE_ALIGN        experts, single               experts     the fused la
 (``moe_align``)
 HISPARSE_MOE_QUANT        router, fused, gate_up,       router      where the fused FP8 layer
 (``moe_quant``)           kernel                                    quantizes activations
-HISPARSE_MOE_GEMM         tiles, swapped                tiles       the fused FP8 layer's grouped
-(``moe_gemm``)                                                      GEMMs: token tiles on the
-                                                                    MMA's M side, or the weight
-                                                                    rows (other bits)
 HISPARSE_FP8_GEMM         auto, reference, triton,      auto        ``ops.gemm``'s backend (a
 (``fp8_gemm``)            triton_stream, triton_tile,               call's ``backend=`` wins)
                           scaled_mm
@@ -79,7 +75,6 @@ from dataclasses import dataclass
 TOPK_MODES = ("fused", "phased", "legacy")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
-MOE_GEMM_MODES = ("tiles", "swapped")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 ATTENTION_BACKENDS = ("auto", "triton", "flashmla", "reference")
 FLAG_VALUES = ("0", "1")
@@ -93,7 +88,6 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fused_moe": ("HISPARSE_FUSED_MOE", FLAG_VALUES),
     "moe_align": ("HISPARSE_MOE_ALIGN", MOE_ALIGN_MODES),
     "moe_quant": ("HISPARSE_MOE_QUANT", MOE_QUANT_MODES),
-    "moe_gemm": ("HISPARSE_MOE_GEMM", MOE_GEMM_MODES),
     "fp8_gemm": ("HISPARSE_FP8_GEMM", FP8_GEMM_BACKENDS),
     "triton_autotune": ("HISPARSE_TRITON_AUTOTUNE", FLAG_VALUES),
     "fp8_indexer": ("HISPARSE_FP8_INDEXER", FLAG_VALUES),
@@ -113,7 +107,6 @@ class KernelSwitches:
     fused_moe: bool = True
     moe_align: str = "experts"
     moe_quant: str = "router"
-    moe_gemm: str = "tiles"
     fp8_gemm: str = "auto"
     triton_autotune: bool = True
     fp8_indexer: bool = True

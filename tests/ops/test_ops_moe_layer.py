@@ -548,7 +548,7 @@ def test_the_layers_kernels_count_as_moe_in_the_kernel_profile():
 
     names = [n for mod in (_moe_layer_triton, _moe_triton) for n in vars(mod)
              if n.endswith("_kernel")]
-    assert len(names) == 10          # the swapped GEMMs among them
+    assert len(names) == 8
     assert {n: kernel_class(n) for n in names} == {n: "MoE" for n in names}
 
 
@@ -604,56 +604,3 @@ def test_gpu_layer_launches_never_change_a_bit(rank_layer, monkeypatch, T):
             M.MOE_LAUNCHES[(name, 256, 7168, M.t_bucket(T))] = (c.num_warps, c.num_stages)
             got = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
             assert torch.equal(got, base), (name, c)
-
-
-@pytest.mark.parametrize("pow2", [False, True])
-def test_layer_swapped_gemms_match_reference_and_are_batch_invariant(triton_cpu,
-                                                                     kernel_switches, pow2):
-    """``HISPARSE_MOE_GEMM=swapped`` (the transposed grouped GEMMs): the reference's result
-    within the FP8 tolerance, the tile-major kernels' within rounding, and each token's row
-    the same bits alone as in the batch."""
-    T, E, I, D, block = 9, 16, 64, 128, (32, 32)
-    gu, dn = _experts(E, I, D, seed=13)
-    gu_q, gu_s, dn_q, dn_s = _quantized(gu, dn, block)
-    rw, rb = _router(E, D, seed=14)
-    x = torch.randn(T, D)
-    r_gu, r_dn, sh = _split(gu_q, dn_q, (gu_s, dn_s))
-    kw = dict(gate_up_scale=gu_s[:-1], down_scale=dn_s[:-1], block=block, pow2_scale=pow2,
-              shared=sh)
-    tiles = moe_layer(x, rw, rb, CFG, r_gu, r_dn, **kw)
-    kernel_switches(moe_gemm="swapped")
-    got = moe_layer(x, rw, rb, CFG, r_gu, r_dn, **kw)
-    assert not torch.equal(got, torch.zeros_like(got)) and got.isfinite().all()
-    ids, w = route_reference(x, rw, rb, CFG, 1)
-    want = fused_moe_reference(x, ids.long(), w, gu_q, dn_q, gate_up_scale=gu_s,
-                               down_scale=dn_s, block=block, quantize_input=True,
-                               pow2_scale=pow2)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    torch.testing.assert_close(got, tiles, rtol=1e-5, atol=1e-5 * tiles.abs().max().item())
-    for a, b in ((0, 1), (3, 7)):
-        assert torch.equal(moe_layer(x[a:b], rw, rb, CFG, r_gu, r_dn, **kw), got[a:b]), (a, b)
-
-
-@pytest.mark.gpu
-def test_gpu_layer_swapped_gemms_match_and_are_batch_invariant(rank_layer, kernel_switches):
-    """The transposed grouped GEMMs at the rank's shapes: the reference within the FP8
-    tolerance at 1-96 tokens, each token's row the same bits in any batch, and a graph
-    replay the eager bits."""
-    args, kw, (gu_q, gu_s, dn_q, dn_s) = rank_layer
-    kernel_switches(moe_gemm="swapped")
-    x = torch.randn(96, 7168, device="cuda", dtype=torch.bfloat16)
-    full = moe_layer(x, *args[:2], RANK, *args[2:], **kw)
-    ids, w = route(x, args[0], args[1], RANK, 1)
-    want = fused_moe_reference(x, ids.long(), w, gu_q, dn_q, gate_up_scale=gu_s,
-                               down_scale=dn_s, block=(128, 128), quantize_input=True).float()
-    torch.testing.assert_close(full.float(), want, rtol=2e-2,
-                               atol=1e-2 * want.abs().max().item())
-    for a, b in ((0, 1), (0, 8), (5, 29), (40, 96)):
-        assert torch.equal(moe_layer(x[a:b], *args[:2], RANK, *args[2:], **kw), full[a:b])
-    xs = x[:24].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_layer(xs, *args[:2], RANK, *args[2:], **kw)
-    xs.copy_(x[24:48])
-    graph.replay()
-    assert torch.equal(out, full[24:48])
