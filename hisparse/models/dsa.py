@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..ops import glue, switches
 from ..ops._common import want_triton
-from ..ops.gemm import FP8_DTYPE, cdiv
+from ..ops.gemm import FP8_DTYPE, cdiv, fp32_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
 from ..ops.moe_layer import (
     MOE_LAYER_MAX_TOKENS,
@@ -152,8 +152,14 @@ class DSAIndexer(nn.Module):
                     self.k_norm.bias, self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved)
         wdt = self.weights_proj.weight.dtype
         xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
+        if wdt == torch.float32 and glue.fused(xw):
+            # batch invariant fp32 (cuBLAS picks its sgemm by shape), and with the fused sums
+            # its K-split partials are added by the FP8 query kernel: no reduction launch
+            w = fp32_linear(xw, self.weights_proj.weight, pending=fuses_sums(xw))
+        else:
+            w = self.weights_proj(xw)
         q = IndexerQueries(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim,
-                           self.interleaved, self.weights_proj(xw), self.weight_scale)
+                           self.interleaved, w, self.weight_scale)
         if glue.fused(q.q):
             return q, None, k
         return (*q.materialize(), k)

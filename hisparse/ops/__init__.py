@@ -19,6 +19,7 @@ from .gemm import (
     dequantize_fp8_weight,
     fp8_block_linear,
     fp8_block_linear_reference,
+    fp32_linear,
     quantize_fp8_act,
     quantize_fp8_weight,
 )
@@ -66,8 +67,8 @@ __all__ = [
     "quantize_write_mla_rows", "quantize_write_index_keys", "quantize_mla_rows_reference",
     "dequantize_mla_rows_reference", "quantize_index_keys_reference",
     "dequantize_index_keys_reference", "mla_row_bytes", "index_key_bytes", "FP8KeyLayout",
-    "fp8_block_linear", "fp8_block_linear_reference", "quantize_fp8_act", "quantize_fp8_weight",
-    "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
+    "fp8_block_linear", "fp8_block_linear_reference", "fp32_linear", "quantize_fp8_act",
+    "quantize_fp8_weight", "dequantize_fp8_weight", "fused_moe", "fused_moe_reference", "moe_align",
     "add_rms_norm", "write_mla_rows", "write_index_keys", "rope_heads", "mla_q_latent",
     "resident_rows",
 ]

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import bucket_of
+from ._common import bucket_of, interpreted
 from ._gemm_triton import _quant_rows, k_groups, quantize_fp8_act_triton
 from .block_fp8 import quantize_fp8_act
 from .pending import PendingSum
@@ -182,6 +182,43 @@ def _fp8_splitk_reduce_kernel(part_ptr, out_ptr, n_elem, stride_ps, PARTS: tl.co
                                 cache_modifier=".cg")
         total += gsum
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, ps, K, stride_x, stride_w,
+                    K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Split ``ps``'s partial ``x[rows, ps*K_SPLIT:(ps+1)*K_SPLIT] @ w[offs_n, ...]^T``
+    ``[BLOCK_T, BLOCK_N]`` in fp32 (K steps of ``BLOCK_K`` from zero in order; the router
+    GEMM's and :func:`fp32_linear_splitk`'s)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        offs_k = ps * K_SPLIT + kk + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _fp32_splitk_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_ps,
+                       K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``part[s, t, n]``: split ``s`` of ``x [T, K] @ w [N, K]^T`` (fp32 partials ``[S, T, N]``,
+    ``S = cdiv(K, K_SPLIT)``; 16-row token tiles whatever ``T``: a row's partials do not
+    depend on its batch)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ps = tl.program_id(2)
+    rmask = rows < T
+    nmask = offs_n < N
+    acc = _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, ps, K, stride_x, stride_w,
+                          K_SPLIT, BLOCK_K, BLOCK_T, BLOCK_N, PRECISION)
+    tl.store(part_ptr + ps * stride_ps + rows[:, None] * N + offs_n[None, :], acc,
+             mask=rmask[:, None] & nmask[None, :])
 
 
 @dataclass(frozen=True)
@@ -523,3 +560,53 @@ def _reduce_parts(dst: torch.Tensor, M: int, N: int, parts: int, gch: int,
     _fp8_splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
         dst, out, M * N, M * N, PARTS=parts, GCH=gch, BLOCK=REDUCE_BLOCK)
     return out
+
+
+@dataclass(frozen=True)
+class Fp32SplitConfig:
+    """Launch and numerics of :func:`fp32_linear_splitk`: ``k_split`` K per partial (a power of
+    two, a multiple of ``block_k``; it sets the summation order, so the bits), ``block_n``
+    outputs per program, ``num_warps``. Token tiles are always :data:`FP32_BLOCK_T` rows."""
+    k_split: int = 256
+    block_n: int = 32
+    block_k: int = 64
+    num_warps: int = 4
+
+
+FP32_BLOCK_T = 16
+FP32_SPLIT = Fp32SplitConfig()
+FP32_MAX_ROWS = 4096     # rows a call's partials cover (a prefill chunk: in row slices)
+
+
+def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
+                       config: Fp32SplitConfig = FP32_SPLIT) -> torch.Tensor | PendingSum:
+    """``x [T, K] @ w [N, K]^T`` in fp32 (both fp32, unit last stride): fixed K-split partials
+    ``[S, T, N]`` then their sum from zero in split order, so a row's result does not depend on
+    ``T`` (cuBLAS picks its kernel, and with it the summation, by shape). ``defer``: the
+    partials as a :class:`PendingSum` (one group of ``S``) for a consumer that sums them (up to
+    :data:`FP32_MAX_ROWS` rows; more: the summed tensor)."""
+    c = config
+    if c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k:
+        raise ValueError(f"{c}: k_split and block_k must be powers of two, k_split a multiple "
+                         f"of block_k")
+    T, K = x.shape
+    N = w.shape[0]
+    if T > FP32_MAX_ROWS:   # partials of a bounded size; rows are independent: the same bits
+        out = torch.empty(T, N, device=x.device, dtype=torch.float32)
+        for a in range(0, T, FP32_MAX_ROWS):
+            out[a:a + FP32_MAX_ROWS] = fp32_linear_splitk(x[a:a + FP32_MAX_ROWS], w,
+                                                          config=c)
+        return out
+    parts = triton.cdiv(K, c.k_split)
+    dst = torch.empty(parts, T, N, device=x.device, dtype=torch.float32)
+    if T:
+        _fp32_splitk_parts_kernel[(triton.cdiv(T, FP32_BLOCK_T), triton.cdiv(N, c.block_n), parts)](
+            x, w, dst, T, N, K, x.stride(0), w.stride(0), dst.stride(0),
+            K_SPLIT=c.k_split, BLOCK_T=FP32_BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
+            num_warps=c.num_warps)
+    reduce = functools.partial(_reduce_parts, dst, T, N, parts, parts, torch.float32)
+    if defer:
+        return PendingSum(dst, rows=T, cols=N, row_stride=N, part_stride=T * N, count=parts,
+                          group=parts, dtype=torch.float32, reduce=reduce)
+    return reduce()

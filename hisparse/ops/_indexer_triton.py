@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from ._common import check_rotation_dim, fp8_tile, interpreted, next_pow2
-from ._glue_triton import _rope_pair, _rope_src
+from ._glue_triton import _ordered_sum, _rope_pair, _rope_src
 from ._quant_triton import _TL_DTYPE, _e4m3_code, _hadamard, _pow2_scale
+from .pending import PendingSum
 
 
 @triton.jit
@@ -242,20 +243,22 @@ def _indexer_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, 
 
 @triton.jit
 def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, cos_ptr, sin_ptr, HI,
-                            stride_qt, stride_qh, stride_wt, stride_cs, w_scale,
+                            stride_qt, stride_qh, stride_wt, stride_wp, stride_cs, w_scale,
                             D: tl.constexpr, TILE: tl.constexpr,
                             NT: tl.constexpr, BLOCK_H: tl.constexpr, LOG_D: tl.constexpr,
                             ROT_SCALE: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
                             FOLD: tl.constexpr, H2: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            W_SCALE: tl.constexpr):
+                            W_SCALE: tl.constexpr, W_PARTS: tl.constexpr):
     """Token ``pid(0)``, heads ``pid(1) * BLOCK_H ..``: ``H2 > 0``: first the RoPE of each
     head's first ``2 * H2`` dims (bit for bit :func:`hisparse.ops.glue.rope_heads`: every
     product and sum rounded to ``DT``); each head rotated (the indexer rotation in ``DT``, bit
     for bit :func:`hisparse.ops.rotation.indexer_rotation`), then, with ``QUANT``, its e4m3
     codes ``[T, HI, D]`` and power-of-two scales ``[T, HI, NT]`` per (head, tile) (the keys'
     rule, bit for bit) and, ``FOLD`` (one tile), ``wq = w * scale`` (``W_SCALE``: ``(w *
-    w_scale) * scale``, the fp32 multiplies of ``(w.float() * w_scale)`` then the fold);
-    without, the rotated values ``[T, HI, D]`` in ``DT``."""
+    w_scale) * scale``, the fp32 multiplies of ``(w.float() * w_scale)`` then the fold;
+    ``W_PARTS > 0``: ``w`` is the sum of that many fp32 parts ``stride_wp`` apart, from zero
+    in order: a :class:`~hisparse.ops.pending.PendingSum` of one group); without, the rotated
+    values ``[T, HI, D]`` in ``DT``."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, NT)
@@ -284,7 +287,11 @@ def _indexer_queries_kernel(q_ptr, w_ptr, out_ptr, scale_ptr, wq_ptr, cos_ptr, s
         tl.store(scale_ptr + (t * HI + offs_h[:, None]) * NT + offs_i[None, :], scale,
                  mask=hmask[:, None])
         if FOLD:
-            w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32)
+            if W_PARTS > 0:
+                w = _ordered_sum(w_ptr + t * stride_wt + offs_h, hmask, stride_wp, W_PARTS,
+                                 W_PARTS, BLOCK_H)
+            else:
+                w = tl.load(w_ptr + t * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32)
             if W_SCALE:
                 w = w * w_scale
             tl.store(wq_ptr + t * HI + offs_h, w * tl.sum(scale, axis=1), mask=hmask)
@@ -317,16 +324,26 @@ def _queries(q, weights, quant: bool, rope=None, weight_scale=None):
             raise ValueError(f"quantize_queries: cos/sin must be [{T}, {rope_dim // 2}], got "
                              f"{tuple(cos.shape)} / {tuple(sin.shape)}")
         cos, sin, h2 = cos.contiguous(), sin.contiguous(), rope_dim // 2
+    if isinstance(weights, PendingSum):
+        if wq is None or weights.group != weights.count or weights.shape != (T, HI):
+            raise ValueError(f"quantize_queries: pending weights fold into one scale tile's "
+                             f"quantization as one group of [{T}, {HI}] parts only")
+        w_base, stride_wt, stride_wp, w_parts = (weights.base, weights.row_stride,
+                                                 weights.part_stride, weights.count)
+    else:
+        w_base, w_parts, stride_wp = (q if weights is None else weights), 0, 0
+        stride_wt = 0 if weights is None else weights.stride(0)
     if T:
         block_h = min(16, next_pow2(HI))
         _indexer_queries_kernel[(T, triton.cdiv(HI, block_h))](
-            q, q if weights is None else weights, out, out if scales is None else scales,
+            q, w_base, out, out if scales is None else scales,
             out if wq is None else wq, cos, sin, HI, q.stride(0), q.stride(1),
-            0 if weights is None else weights.stride(0), cos.stride(0),
+            stride_wt, stride_wp, cos.stride(0),
             1.0 if weight_scale is None else float(weight_scale), D=D, TILE=tile, NT=nt,
             BLOCK_H=block_h, LOG_D=D.bit_length() - 1, ROT_SCALE=D ** -0.5,
             DT=_TL_DTYPE[q.dtype], QUANT=quant, FOLD=quant and nt == 1, H2=h2,
-            INTERLEAVED=interleaved, W_SCALE=weight_scale is not None, num_warps=4)
+            INTERLEAVED=interleaved, W_SCALE=weight_scale is not None, W_PARTS=w_parts,
+            num_warps=4)
     return out, scales, wq
 
 
@@ -434,8 +451,12 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
         k_scale, stride_ksp = k_cache, 0
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
-    weights = weights.float()
     f8q = fp8 and fp8_query
+    if isinstance(weights, PendingSum):
+        if not (f8q and nt == 1):   # only the one-tile FP8 query kernel sums them
+            weights = weights.materialize()
+    else:
+        weights = weights.float()
     if (rope is not None or weight_scale is not None) and not (f8q and nt == 1):
         raise ValueError("indexer_keys: the queries' RoPE and weight scale fold into FP8 "
                          "queries of one scale tile only")

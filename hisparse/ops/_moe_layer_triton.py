@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._gemm_splitk_triton import _fp32_split_dot
 from ._gemm_triton import _act_tile_fp8, _quant_rows
 
 
@@ -51,15 +52,8 @@ def _moe_router_gemm_kernel(x_ptr, w_ptr, part_ptr, q_ptr, s_ptr, T, E, K, KB,
                 tl.store(s_ptr + rows * stride_s + kb, sa, mask=rmask & (rows * 0 + kb < KB))
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = offs_e < E
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for kk in range(0, K_SPLIT, BLOCK_K):
-        offs_k = ps * K_SPLIT + kk + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    acc = _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_e, emask, ps, K, stride_x, stride_w,
+                          K_SPLIT, BLOCK_K, BLOCK_T, BLOCK_E, PRECISION)
     tl.store(part_ptr + ps * stride_ps + rows[:, None] * E + offs_e[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
 

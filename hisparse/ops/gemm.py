@@ -187,3 +187,21 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     else:
         y = fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     return y.reshape(*lead, N)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False
+                ) -> torch.Tensor | PendingSum:
+    """``x [T, K] @ weight [N, K]^T``, both fp32 (the linears DeepSeek computes in fp32: the
+    indexer's ``weights_proj``), output ``[T, N]`` fp32. With Triton (CUDA, or forced): fixed
+    K-split partials summed in split order (:func:`_gemm_splitk_triton.fp32_linear_splitk`,
+    tf32x3 products on CUDA), so a row's result does not depend on the batch; ``pending``
+    returns the partials as a :class:`~hisparse.ops.pending.PendingSum` for a consumer that
+    sums them (the FP8 indexer query kernel). Otherwise ``F.linear`` (torch's fp32 GEMM)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"fp32_linear: x [T, K] and weight [N, K] must be fp32, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if not want_triton(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    from ._gemm_splitk_triton import fp32_linear_splitk
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return fp32_linear_splitk(x, weight.contiguous(), defer=pending)

@@ -53,6 +53,7 @@ import torch
 
 from . import glue, switches
 from ._common import fp8_tile, want_triton
+from .pending import PendingSum
 from .quant import (
     FP8KeyLayout,
     dequantize_index_keys_reference,
@@ -79,15 +80,18 @@ class IndexerQueries:
 
     ``q [T, Hi, Di]`` (``wq_b``'s output, unit last stride), ``cos`` / ``sin`` ``[T, rope_dim //
     2]``, ``interleaved`` (the RoPE convention), ``w [T, Hi]`` (``weights_proj``'s output) and
-    ``weight_scale`` (a float). The queries and weights are :meth:`materialize`'s: exactly
-    the ops the model ran before (``glue.rope_heads``, ``w.float() * weight_scale``)."""
+    ``weight_scale`` (a float). ``w`` may be a :class:`~hisparse.ops.pending.PendingSum`
+    (``weights_proj``'s fp32 split-K partials, :func:`hisparse.ops.fp32_linear`): the query
+    kernel sums them, the same additions as their own reduction. The queries and weights are
+    :meth:`materialize`'s: exactly the ops the model ran before (``glue.rope_heads``,
+    ``w.float() * weight_scale``)."""
 
     q: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     rope_dim: int
     interleaved: bool
-    w: torch.Tensor
+    w: torch.Tensor | PendingSum
     weight_scale: float
 
     @property
@@ -104,14 +108,20 @@ class IndexerQueries:
         return self.cos, self.sin, self.rope_dim, self.interleaved
 
     def __getitem__(self, rows: slice) -> IndexerQueries:
-        """Tokens ``rows`` (a slice)."""
+        """Tokens ``rows`` (a slice; pending weights stay pending when it takes every row)."""
+        w = self.w
+        if isinstance(w, PendingSum):
+            if range(*rows.indices(w.rows)) == range(w.rows):
+                return self
+            w = w.materialize()
         return IndexerQueries(self.q[rows], self.cos[rows], self.sin[rows], self.rope_dim,
-                              self.interleaved, self.w[rows], self.weight_scale)
+                              self.interleaved, w[rows], self.weight_scale)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [T, Hi, Di] roped in q's dtype, weights [T, Hi] fp32, every scale folded)``."""
+        w = self.w.materialize() if isinstance(self.w, PendingSum) else self.w
         return (glue.rope_heads(self.q, self.cos, self.sin, self.rope_dim, self.interleaved),
-                self.w.float() * self.weight_scale)
+                w.float() * self.weight_scale)
 
 
 def _folds(q: IndexerQueries, k_cache: torch.Tensor) -> bool:

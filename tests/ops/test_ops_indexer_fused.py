@@ -96,6 +96,35 @@ def test_queries_kernel_folds_rope_and_weight_scale(triton_cpu, poisoned_empty, 
     assert torch.equal(wq, (lazy.w * lazy.weight_scale) * ref_scales[..., 0])
 
 
+@pytest.mark.parametrize("T", [5, 18])
+def test_queries_kernel_sums_pending_weights(triton_cpu, poisoned_empty, T):
+    """``weights_proj``'s fp32 split-K partials left pending (:func:`hisparse.ops.fp32_linear`)
+    and summed by the query kernel == the summed weights, bit for bit; an
+    :class:`IndexerQueries` keeps them pending over all its rows and materializes a part."""
+    from hisparse.ops import fp32_linear
+    from hisparse.ops._indexer_triton import quantize_queries
+    from hisparse.ops.pending import PendingSum
+
+    Hi, D, rope = 16, 128, 64
+    base = _queries(T, Hi, D, rope, False, torch.bfloat16)
+    x = torch.randn(T, 600)
+    proj = torch.randn(Hi, 600) * 0.04
+    pending = fp32_linear(x, proj, pending=True)
+    assert isinstance(pending, PendingSum) and pending.count == 3
+    lazy = IndexerQueries(base.q, base.cos, base.sin, rope, False, pending, base.weight_scale)
+    summed = fp32_linear(x, proj)
+    got = quantize_queries(lazy.q, lazy.w, rope=lazy.rope, weight_scale=lazy.weight_scale)
+    want = quantize_queries(lazy.q, summed, rope=lazy.rope, weight_scale=lazy.weight_scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert lazy[0:T] is lazy and lazy[:] is lazy
+    part = lazy[1:4]
+    assert isinstance(part.w, torch.Tensor) and torch.equal(part.w, summed[1:4])
+    q, w = lazy.materialize()
+    assert torch.equal(w, summed * lazy.weight_scale)
+    with pytest.raises(ValueError, match="pending weights"):
+        quantize_queries(lazy.q[:2], pending, rope=lazy[:2].rope, weight_scale=1.0)
+
+
 def test_queries_kernel_refuses_a_fold_over_several_tiles(triton_cpu):
     from hisparse.ops._indexer_triton import quantize_queries
 
@@ -341,7 +370,9 @@ def test_dsa_indexer_hands_on_lazy_queries_only_with_the_glue_fused(triton_cpu, 
                                                                   arch):
     """``DSAIndexer.forward``: with the glue fused an :class:`IndexerQueries` (no weights)
     whose materialized values are the tensors it returns with ``HISPARSE_FUSED_GLUE=0`` (the
-    RoPE kernel equals its reference bit for bit); tensors as before otherwise."""
+    RoPE kernel equals its reference bit for bit; the fp32 ``weights_proj`` runs as
+    :func:`hisparse.ops.fp32_linear`'s fixed K split, torch's GEMM unfused: the same within
+    fp32 rounding); tensors as before otherwise."""
     from hisparse.models.config import DSAConfig
     from hisparse.models.dsa import DSAIndexer
     from hisparse.models.random_checkpoint import make_hf_config
@@ -360,4 +391,9 @@ def test_dsa_indexer_hands_on_lazy_queries_only_with_the_glue_fused(triton_cpu, 
         q, w, _ = ix(x, q_resid, cos, sin, x.float())
     assert isinstance(lazy, IndexerQueries) and w_none is None
     assert isinstance(q, torch.Tensor) and w.dtype == torch.float32
-    assert torch.equal(q2, q) and torch.equal(w2, w)
+    assert torch.equal(q2, q)
+    from hisparse.ops import fp32_linear
+    split = fp32_linear(x.float(), ix.weights_proj.weight)
+    assert torch.equal(w2, split * ix.weight_scale)
+    assert not torch.equal(split, torch.zeros_like(split))
+    torch.testing.assert_close(w2, w, rtol=1e-5, atol=1e-6 * w.abs().max().item())

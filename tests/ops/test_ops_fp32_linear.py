@@ -1,0 +1,90 @@
+"""``hisparse.ops.fp32_linear``: the fp32 linears DeepSeek keeps in fp32 (the indexer's
+``weights_proj``) as fixed K-split partials summed in split order (batch invariant), optionally
+left pending for the FP8 query kernel (:class:`hisparse.ops.pending.PendingSum`).
+
+CPU: the interpreter on fresh random data, outputs poisoned; GPU (``gpu``): a TP-8 rank's
+``weights_proj`` (64 heads from hidden 7168) at 1-96 tokens.
+"""
+
+import pytest
+import torch
+
+from hisparse.ops import fp32_linear
+from hisparse.ops.pending import PendingSum, pending_sum_reference
+
+
+def _inputs(T, N, K, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, K, device=device, generator=g)
+    x[:, :7] *= 64.0                    # a few large channels, as a normed hidden state has
+    w = torch.randn(N, K, device=device, generator=g) * K ** -0.5
+    return x, w
+
+
+@pytest.mark.parametrize("T,N,K", [(17, 40, 1000), (3, 64, 512), (1, 8, 300)])
+def test_matches_torch_and_is_batch_invariant(triton_cpu, poisoned_empty, T, N, K):
+    """fp32 within rounding of torch's GEMM (K not a multiple of the split: a masked tail; N
+    not a multiple of the program's block; T across a 16-row tile), and each row the same bits
+    alone or in a slice of the batch (at its place in a 16-row tile: the interpreter's numpy
+    dot may sum a row by its place; the GPU test moves rows)."""
+    x, w = _inputs(T, N, K)
+    got = fp32_linear(x, w)
+    assert got.shape == (T, N) and got.dtype == torch.float32 and got.isfinite().all()
+    want = x @ w.T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for a, b in ((0, 1), (0, (T + 1) // 2), (16, T)):
+        if a < b:
+            assert torch.equal(fp32_linear(x[a:b], w), got[a:b]), (a, b)
+
+
+def test_pending_partials_sum_to_the_same_bits(triton_cpu, poisoned_empty):
+    """``pending=True``: a :class:`PendingSum` of one group whose materialized value, and the
+    reference sum of its parts, are the summed call's bits."""
+    x, w = _inputs(9, 24, 700, seed=1)
+    p = fp32_linear(x, w, pending=True)
+    assert isinstance(p, PendingSum) and p.shape == (9, 24) and p.count == p.group == 3
+    want = fp32_linear(x, w)
+    assert torch.equal(p.materialize(), want)
+    assert torch.equal(pending_sum_reference(p), want)
+
+
+def test_long_inputs_run_in_row_slices(triton_cpu, monkeypatch):
+    """More rows than one call's partials cover: row slices, the same bits, never pending."""
+    from hisparse.ops import _gemm_splitk_triton as S
+
+    x, w = _inputs(40, 16, 300, seed=2)
+    whole = fp32_linear(x, w)
+    monkeypatch.setattr(S, "FP32_MAX_ROWS", 16)
+    got = fp32_linear(x, w, pending=True)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, whole)
+
+
+def test_torch_without_triton_and_bad_inputs():
+    x, w = _inputs(4, 8, 64, seed=3)
+    assert torch.equal(fp32_linear(x, w), torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="fp32_linear: x .* must be fp32"):
+        fp32_linear(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="fp32_linear"):
+        fp32_linear(x[None], w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 24, 96])
+def test_gpu_weights_proj_shape(T):
+    """The rank's ``weights_proj``: close to cuBLAS's fp32 GEMM, rows batch invariant, the
+    pending sum the summed bits, and a graph replay the eager bits."""
+    x, w = _inputs(96, 64, 7168, device="cuda", seed=4)
+    full = fp32_linear(x, w)
+    got = fp32_linear(x[:T], w)
+    assert torch.equal(got, full[:T])
+    assert torch.equal(fp32_linear(x[5:5 + T], w), full[5:5 + T])   # other tile places
+    want = torch.nn.functional.linear(x[:T].double(), w.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(fp32_linear(x[:T], w, pending=True).materialize(), got)
+    xs = x[:T].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp32_linear(xs, w)
+    xs.copy_(x[96 - T:])
+    graph.replay()
+    assert torch.equal(out, full[96 - T:])
