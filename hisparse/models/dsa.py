@@ -144,7 +144,9 @@ class DSAIndexer(nn.Module):
         where it can (:func:`hisparse.ops.indexer.indexer_topk`), else as
         :meth:`IndexerQueries.materialize`, the two ops this ran before. ``weights_proj`` runs
         in fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
-        (``x.float()``, made by the norm kernel) when given. ``q_raw`` / ``k_raw``: ``wq_b``'s
+        (``x.float()``, made by the norm kernel) when given; with the glue fused as
+        :func:`hisparse.ops.fp32_linear` (batch invariant; its partials pending with the fused
+        sums, for the query kernel to add). ``q_raw`` / ``k_raw``: ``wq_b``'s
         / ``wk``'s outputs when the attention computed them in its stacked GEMMs."""
         T = x.shape[0]
         q_raw = self.wq_b(q_resid) if q_raw is None else q_raw

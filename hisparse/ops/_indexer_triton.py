@@ -407,7 +407,9 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     ``rope = (cos, sin, rope_dim, interleaved)`` / ``weight_scale``: ``q`` and ``weights`` are
     ``wq_b``'s and ``weights_proj``'s outputs, their RoPE and scale still to apply, done in the
     query quantization (:func:`quantize_queries`; FP8 keys and queries of one tile only, else
-    a ``ValueError``). ``hist``: the next top-k's ``TopkScratch.hist[:T]``, zeroed by the
+    a ``ValueError``); ``weights`` may then be a :class:`~hisparse.ops.pending.PendingSum` of
+    one group (:func:`hisparse.ops.fp32_linear`'s partials), summed in that kernel (other
+    paths materialize it). ``hist``: the next top-k's ``TopkScratch.hist[:T]``, zeroed by the
     scoring kernel (then call :func:`hisparse.ops.topk.topk_select` with ``hist_zeroed``)."""
     T, HI, D = q.shape
     W = block_table.shape[1] * block_size
