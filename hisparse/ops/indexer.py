@@ -47,6 +47,7 @@ always.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +272,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
     else:  # bound the [Tc, W] int32 key buffer to ~512 MiB
         tc = max(1, min(T, (1 << 27) // max(1, W)))
         scratch = TopkScratch(min(T, tc), q.device)
+    if lazy and T > tc and isinstance(q.w, PendingSum):   # summed once, not once per pass
+        q = dataclasses.replace(q, w=q.w.materialize())
     for a in range(0, T, tc):
         b = min(T, a + tc)
         if workspace is None:

@@ -18,6 +18,7 @@ import torch
 
 from hisparse.ops import IndexerQueries, IndexerWorkspace, glue, indexer_topk, switches
 from hisparse.ops import quant as Q
+from hisparse.ops.pending import PendingSum
 from hisparse.ops.topk import TopkScratch, topk_select
 
 SENTINEL = -7
@@ -56,9 +57,11 @@ def _pages(D, bs, nblk, device="cpu"):
 
 
 def _unfused(lazy: IndexerQueries):
-    """Today's inputs: the roped queries (``glue.rope_heads``, its kernel) and scaled weights."""
+    """Today's inputs: the roped queries (``glue.rope_heads``, its kernel) and scaled weights
+    (pending ones summed by their own reduction)."""
+    w = lazy.w.materialize() if isinstance(lazy.w, PendingSum) else lazy.w
     return glue.rope_heads(lazy.q, lazy.cos, lazy.sin, lazy.rope_dim, lazy.interleaved), \
-        lazy.w.float() * lazy.weight_scale
+        w.float() * lazy.weight_scale
 
 
 def _poisoned_workspace(rows, W, device="cpu"):
@@ -103,7 +106,6 @@ def test_queries_kernel_sums_pending_weights(triton_cpu, poisoned_empty, T):
     :class:`IndexerQueries` keeps them pending over all its rows and materializes a part."""
     from hisparse.ops import fp32_linear
     from hisparse.ops._indexer_triton import quantize_queries
-    from hisparse.ops.pending import PendingSum
 
     Hi, D, rope = 16, 128, 64
     base = _queries(T, Hi, D, rope, False, torch.bfloat16)
@@ -134,14 +136,21 @@ def test_queries_kernel_refuses_a_fold_over_several_tiles(triton_cpu):
 
 
 # ----------------------------------------------------------------------------- indexer_topk
-@pytest.mark.parametrize("group,interleaved", [(1, False), (2, True)])
-def test_indexer_topk_fused_equals_unfused(triton_cpu, group, interleaved):
+@pytest.mark.parametrize("group,interleaved,pending", [(1, False, False), (2, True, False),
+                                                       (1, False, True)])
+def test_indexer_topk_fused_equals_unfused(triton_cpu, group, interleaved, pending):
     """``indexer_topk`` of an :class:`IndexerQueries` (fused queries, the scoring kernel
-    zeroing the top-k's poisoned histograms; 7 tokens over a 4-row workspace: two passes) ==
-    today's: the materialized queries, unfused glue (``hist.zero_()``), same keys, lengths
-    and selection (hot band included)."""
+    zeroing the top-k's poisoned histograms; 7 tokens over a 4-row workspace: two passes;
+    ``pending``: ``weights_proj``'s split-K partials as the weights) == today's: the
+    materialized queries, unfused glue (``hist.zero_()``), same keys, lengths and selection
+    (hot band included)."""
     T, Hi, D, rope, bs, P, R, topk = 7, 16, 128, 64, 16, 6, 3, 20
     lazy = _queries(T, Hi, D, rope, interleaved, torch.bfloat16)
+    if pending:
+        from hisparse.ops import fp32_linear
+        w = fp32_linear(torch.randn(T, 300), torch.randn(Hi, 300) * 0.05, pending=True)
+        lazy = IndexerQueries(lazy.q, lazy.cos, lazy.sin, rope, interleaved, w,
+                              lazy.weight_scale)
     pages = _pages(D, bs, R * P + 2)
     bt = torch.randperm(R * P + 2)[:R * P].view(R, P).to(torch.int32)
     bt[1, 2] = -1
