@@ -212,7 +212,7 @@ def _fp32_splitk_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_x, stride_
     depend on its batch)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ps = tl.program_id(2)
+    ps = tl.program_id(2).to(tl.int64)
     rmask = rows < T
     nmask = offs_n < N
     acc = _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, ps, K, stride_x, stride_w,

@@ -325,9 +325,10 @@ def _queries(q, weights, quant: bool, rope=None, weight_scale=None):
                              f"{tuple(cos.shape)} / {tuple(sin.shape)}")
         cos, sin, h2 = cos.contiguous(), sin.contiguous(), rope_dim // 2
     if isinstance(weights, PendingSum):
-        if wq is None or weights.group != weights.count or weights.shape != (T, HI):
+        if (wq is None or weights.group != weights.count or weights.shape != (T, HI)
+                or weights.bias is not None or weights.dtype != torch.float32):
             raise ValueError(f"quantize_queries: pending weights fold into one scale tile's "
-                             f"quantization as one group of [{T}, {HI}] parts only")
+                             f"quantization as one group of fp32 [{T}, {HI}] parts, no bias, only")
         w_base, stride_wt, stride_wp, w_parts = (weights.base, weights.row_stride,
                                                  weights.part_stride, weights.count)
     else:
@@ -456,7 +457,7 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     f8q = fp8 and fp8_query
     if isinstance(weights, PendingSum):
         if not (f8q and nt == 1):   # only the one-tile FP8 query kernel sums them
-            weights = weights.materialize()
+            weights = weights.materialize().float()
     else:
         weights = weights.float()
     if (rope is not None or weight_scale is not None) and not (f8q and nt == 1):

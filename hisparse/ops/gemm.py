@@ -197,7 +197,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False
     tf32x3 products on CUDA), so a row's result does not depend on the batch; ``pending``
     returns the partials as a :class:`~hisparse.ops.pending.PendingSum` for a consumer that
     sums them (the FP8 indexer query kernel). Otherwise ``F.linear`` (torch's fp32 GEMM)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1]):
         raise ValueError(f"fp32_linear: x [T, K] and weight [N, K] must be fp32, got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
     if not want_triton(x, weight):

@@ -112,7 +112,7 @@ class IndexerQueries:
         """Tokens ``rows`` (a slice; pending weights stay pending when it takes every row)."""
         w = self.w
         if isinstance(w, PendingSum):
-            if range(*rows.indices(w.rows)) == range(w.rows):
+            if isinstance(rows, slice) and range(*rows.indices(w.rows)) == range(w.rows):
                 return self
             w = w.materialize()
         return IndexerQueries(self.q[rows], self.cos[rows], self.sin[rows], self.rope_dim,

@@ -66,6 +66,8 @@ def test_torch_without_triton_and_bad_inputs():
         fp32_linear(x.bfloat16(), w)
     with pytest.raises(ValueError, match="fp32_linear"):
         fp32_linear(x[None], w)
+    with pytest.raises(ValueError, match="fp32_linear"):
+        fp32_linear(x, w[:, :32])          # K of the weight != K of x
 
 
 @pytest.mark.gpu

@@ -125,6 +125,9 @@ def test_queries_kernel_sums_pending_weights(triton_cpu, poisoned_empty, T):
     assert torch.equal(w, summed * lazy.weight_scale)
     with pytest.raises(ValueError, match="pending weights"):
         quantize_queries(lazy.q[:2], pending, rope=lazy[:2].rope, weight_scale=1.0)
+    with pytest.raises(ValueError, match="pending weights"):   # a bias the kernel would skip
+        quantize_queries(lazy.q, pending.with_bias(torch.ones(Hi)), rope=lazy.rope,
+                         weight_scale=1.0)
 
 
 def test_queries_kernel_refuses_a_fold_over_several_tiles(triton_cpu):
