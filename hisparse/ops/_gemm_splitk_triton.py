@@ -205,8 +205,9 @@ def _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, ps, K, stride_x, s
 
 @triton.jit
 def _fp32_splitk_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_ps,
-                       K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                              K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PRECISION: tl.constexpr):
     """``part[s, t, n]``: split ``s`` of ``x [T, K] @ w [N, K]^T`` (fp32 partials ``[S, T, N]``,
     ``S = cdiv(K, K_SPLIT)``; 16-row token tiles whatever ``T``: a row's partials do not
     depend on its batch)."""
@@ -572,6 +573,12 @@ class Fp32SplitConfig:
     block_k: int = 64
     num_warps: int = 4
 
+    def __post_init__(self) -> None:
+        k, bk = self.k_split, self.block_k
+        if k & (k - 1) or bk & (bk - 1) or k % bk:
+            raise ValueError(f"{self}: k_split and block_k must be powers of two, k_split a "
+                             f"multiple of block_k")
+
 
 FP32_BLOCK_T = 16
 FP32_SPLIT = Fp32SplitConfig()
@@ -586,9 +593,6 @@ def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
     partials as a :class:`PendingSum` (one group of ``S``) for a consumer that sums them (up to
     :data:`FP32_MAX_ROWS` rows; more: the summed tensor)."""
     c = config
-    if c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k:
-        raise ValueError(f"{c}: k_split and block_k must be powers of two, k_split a multiple "
-                         f"of block_k")
     T, K = x.shape
     N = w.shape[0]
     if T > FP32_MAX_ROWS:   # partials of a bounded size; rows are independent: the same bits
@@ -600,7 +604,8 @@ def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
     parts = triton.cdiv(K, c.k_split)
     dst = torch.empty(parts, T, N, device=x.device, dtype=torch.float32)
     if T:
-        _fp32_splitk_parts_kernel[(triton.cdiv(T, FP32_BLOCK_T), triton.cdiv(N, c.block_n), parts)](
+        grid = (triton.cdiv(T, FP32_BLOCK_T), triton.cdiv(N, c.block_n), parts)
+        _fp32_splitk_parts_kernel[grid](
             x, w, dst, T, N, K, x.stride(0), w.stride(0), dst.stride(0),
             K_SPLIT=c.k_split, BLOCK_T=FP32_BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
             PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",

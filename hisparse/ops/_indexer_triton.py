@@ -12,7 +12,7 @@ import triton.language as tl
 from ._common import check_rotation_dim, fp8_tile, interpreted, next_pow2
 from ._glue_triton import _ordered_sum, _rope_pair, _rope_src
 from ._quant_triton import _TL_DTYPE, _e4m3_code, _hadamard, _pow2_scale
-from .pending import PendingSum
+from .pending import PendingSum, summed
 
 
 @triton.jit
@@ -455,11 +455,8 @@ def indexer_keys(q, weights, k_cache, block_table, token_req, token_pos, block_s
     # the CPU interpreter's bf16 tl.dot is wrong (triton 3.9): upcast there too
     ieee = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or not q.is_cuda
     f8q = fp8 and fp8_query
-    if isinstance(weights, PendingSum):
-        if not (f8q and nt == 1):   # only the one-tile FP8 query kernel sums them
-            weights = weights.materialize().float()
-    else:
-        weights = weights.float()
+    if not (isinstance(weights, PendingSum) and f8q and nt == 1):
+        weights = summed(weights).float()   # only the one-tile FP8 query kernel sums parts
     if (rope is not None or weight_scale is not None) and not (f8q and nt == 1):
         raise ValueError("indexer_keys: the queries' RoPE and weight scale fold into FP8 "
                          "queries of one scale tile only")

@@ -54,7 +54,7 @@ import torch
 
 from . import glue, switches
 from ._common import fp8_tile, want_triton
-from .pending import PendingSum
+from .pending import PendingSum, summed
 from .quant import (
     FP8KeyLayout,
     dequantize_index_keys_reference,
@@ -110,19 +110,16 @@ class IndexerQueries:
 
     def __getitem__(self, rows: slice) -> IndexerQueries:
         """Tokens ``rows`` (a slice; pending weights stay pending when it takes every row)."""
-        w = self.w
-        if isinstance(w, PendingSum):
-            if isinstance(rows, slice) and range(*rows.indices(w.rows)) == range(w.rows):
-                return self
-            w = w.materialize()
+        if (isinstance(self.w, PendingSum) and isinstance(rows, slice)
+                and range(*rows.indices(self.w.rows)) == range(self.w.rows)):
+            return self
         return IndexerQueries(self.q[rows], self.cos[rows], self.sin[rows], self.rope_dim,
-                              self.interleaved, w[rows], self.weight_scale)
+                              self.interleaved, summed(self.w)[rows], self.weight_scale)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [T, Hi, Di] roped in q's dtype, weights [T, Hi] fp32, every scale folded)``."""
-        w = self.w.materialize() if isinstance(self.w, PendingSum) else self.w
         return (glue.rope_heads(self.q, self.cos, self.sin, self.rope_dim, self.interleaved),
-                w.float() * self.weight_scale)
+                summed(self.w).float() * self.weight_scale)
 
 
 def _folds(q: IndexerQueries, k_cache: torch.Tensor) -> bool:
@@ -273,7 +270,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
         tc = max(1, min(T, (1 << 27) // max(1, W)))
         scratch = TopkScratch(min(T, tc), q.device)
     if lazy and T > tc and isinstance(q.w, PendingSum):   # summed once, not once per pass
-        q = dataclasses.replace(q, w=q.w.materialize())
+        q = dataclasses.replace(q, w=summed(q.w))
     for a in range(0, T, tc):
         b = min(T, a + tc)
         if workspace is None:

@@ -101,6 +101,11 @@ class PendingSum:
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
+def summed(x: Tensor | PendingSum) -> Tensor:
+    """``x`` as a tensor: a :class:`PendingSum` materialized (its producer's reduction)."""
+    return x.materialize() if isinstance(x, PendingSum) else x
+
+
 def pending_sum_reference(p: PendingSum) -> Tensor:
     """The sum in torch, the same additions in the same order (the spec :meth:`PendingSum.
     materialize` and the fused norm both follow; torch's fp32 -> ``dtype`` cast rounds to
