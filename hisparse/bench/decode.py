@@ -288,8 +288,9 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
         llm.model_config, concurrency))[str(mode)]
     g = torch.Generator().manual_seed(0)
     req_ids = []
+    vocab = min(120000, llm.model_config.vocab_size)   # a rank's shape holds one vocab shard
     for _ in range(concurrency):
-        ids = torch.randint(2, 120000, (context,), generator=g).tolist()
+        ids = torch.randint(2, vocab, (context,), generator=g).tolist()
         req_ids.append(llm.add_request(
             {"prompt_token_ids": ids},
             SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True)))

@@ -18,10 +18,11 @@ tensor parallelism N holds, as vLLM / SGLang shard DeepSeek-V3.2: attention head
 intermediate are divided by N; the MLA latent (``q_a_proj``, ``kv_a_proj_with_mqa``: replicated),
 hidden size, experts count, router and the **indexer (replicated: ``wq_b``, ``wk`` and
 ``weights_proj`` are ``ReplicatedLinear`` in both engines, all ``index_n_heads`` heads on every
-rank)** stay whole. The vocabulary is also kept whole (real ranks hold ``vocab / N`` rows of the
-embedding and ``lm_head`` and all-gather logits: a rank here carries ~(N-1)/N x 1.85 GB more
-embedding/lm_head weights than a real one). The all-reduce after ``o_proj`` and after the MLP is
-not exercised.
+rank)** stay whole. The vocabulary is one rank's shard (``ceil(vocab / N)`` rows of the embedding
+and ``lm_head``, as :mod:`hisparse.models.tp` and both engines split it): the model's vocabulary
+*is* that shard, so its logits are ``[n, vocab / N]`` where a real rank's are all-gathered to
+``[n, vocab]``. Not exercised: the all-reduces after ``o_proj``, after the MLP and of the
+embedding, and the logits' all-gather.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ FP8_WEIGHT_SUFFIXES = (
 
 def tp_shard_overrides(config: dict[str, Any], tp: int) -> dict[str, Any]:
     """``config`` fields with :data:`TP_SPLIT_FIELDS` divided by ``tp`` (ValueError naming the
-    field that ``tp`` does not divide)."""
+    field that ``tp`` does not divide) and ``vocab_size`` the rows of one vocabulary shard
+    (:func:`hisparse.models.tp.vocab_shard_rows`)."""
+    from .tp import vocab_shard_rows
+
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp_rank_of must be a positive integer, got {tp!r}")
     out = dict(config)
@@ -102,6 +106,8 @@ def tp_shard_overrides(config: dict[str, Any], tp: int) -> dict[str, Any]:
         if v % tp:
             raise ValueError(f"tp_rank_of={tp} must divide {name} ({v})")
         out[name] = v // tp
+    if out.get("vocab_size"):
+        out["vocab_size"] = vocab_shard_rows(out["vocab_size"], tp)
     return out
 
 

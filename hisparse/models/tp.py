@@ -13,18 +13,26 @@ One rank of TP-N keeps (as vLLM / SGLang shard DeepSeek-V3.2; the same split as
   every rank's step is identical (one StepPlan, no all-to-all, no load imbalance across ranks);
   EP would save weight bandwidth per token at large batch but needs token dispatch.
 
+- the vocabulary, as vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead`` split it: rank ``r``
+  keeps rows ``[r*Vr, (r+1)*Vr)`` of the embedding and of ``lm_head``, ``Vr = ceil(V/N)`` (the
+  last shard zero-padded to ``Vr`` rows, so every rank holds the same shapes). The embedding
+  reads zeros for ids outside its rows and is **all-reduced** (one rank contributes each row:
+  the sum is that row, bit for bit); ``lm_head``'s ``[n, Vr]`` logits are **all-gathered** into
+  ``[n, V]`` on every rank (every rank runs the head; rank 0 alone samples).
+
 Replicated on every rank: ``q_a_proj``, ``kv_a_proj_with_mqa`` (so the MLA latent row written to
 the KV cache is whole and identical on every rank), the **indexer** (``wq_b``, ``wk``,
-``weights_proj``: all ``index_n_heads`` heads, so every rank selects the same top-k), norms,
-router, embeddings and ``lm_head`` (logits are computed whole; only rank 0 samples).
+``weights_proj``: all ``index_n_heads`` heads, so every rank selects the same top-k), norms and
+the router.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .dsa import DSAMLP, DSAForCausalLM, DSAMoE
+from .dsa import DSAMLP, DSAForCausalLM, DSAMoE, tp_all_reduce
 from .linear import FP8Linear
 
 
@@ -63,6 +71,78 @@ def _cols(lin: nn.Module, sl: slice, groups: int, keep_bias: bool) -> None:
     lin.in_features = w.shape[1]
     if getattr(lin, "bias", None) is not None and not keep_bias:
         lin.bias.data.zero_()
+
+
+def vocab_shard_rows(vocab_size: int, world: int) -> int:
+    """Rows of the embedding / ``lm_head`` one rank of TP-``world`` holds: ``ceil(V / world)``."""
+    return -(-vocab_size // world)
+
+
+def _vocab_rows(weight: Tensor, rank: int, world: int) -> Tensor:
+    """Rank ``rank``'s ``[Vr, H]`` rows of a ``[V, H]`` table, zero-padded past ``V``."""
+    rows = vocab_shard_rows(weight.shape[0], world)
+    part = weight.new_zeros(rows, weight.shape[1])
+    mine = weight[rank * rows:(rank + 1) * rows]
+    part[:mine.shape[0]] = mine
+    return part
+
+
+class VocabShardEmbedding(nn.Module):
+    """One rank's rows ``[start, start + Vr)`` of the token embedding. ``forward(ids [T])`` ->
+    ``[T, H]``: the rows of the ids this rank holds, zeros for the others, summed over
+    ``tp_group`` (the whole table's rows). Needs its group (RuntimeError)."""
+
+    def __init__(self, weight: Tensor, start: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.tp_group = None
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp_group is None:
+            raise RuntimeError("VocabShardEmbedding: the other ranks' rows are missing; "
+                               "set_tp_group first")
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return tp_all_reduce(h.masked_fill_(outside[:, None], 0), self.tp_group)
+
+
+class VocabShardHead(nn.Module):
+    """One rank's rows of ``lm_head`` (:class:`VocabShardEmbedding`'s rows). ``forward(x [n,
+    H])`` -> ``[n, vocab_size]`` in ``x``'s dtype: this rank's ``[n, Vr]`` logits all-gathered
+    over ``tp_group`` in rank order, the padding rows dropped. Needs its group (RuntimeError)."""
+
+    def __init__(self, weight: Tensor | nn.Parameter, vocab_size: int, world: int):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else \
+            nn.Parameter(weight, requires_grad=False)
+        self.vocab_size, self.world = vocab_size, world
+        self.tp_group = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp_group is None:
+            raise RuntimeError("VocabShardHead: the logits need the other ranks' rows; "
+                               "set_tp_group first")
+        import torch.distributed as dist
+
+        local = F.linear(x, self.weight)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local, group=self.tp_group)
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+def _shard_vocab(model: DSAForCausalLM, rank: int, world: int) -> None:
+    emb = model.model.embed_tokens
+    vocab = emb.weight.shape[0]
+    rows = vocab_shard_rows(vocab, world)
+    model.model.embed_tokens = VocabShardEmbedding(_vocab_rows(emb.weight.data, rank, world),
+                                                   rank * rows)
+    if model.config.tie_word_embeddings:
+        head_weight = model.model.embed_tokens.weight
+    else:
+        head_weight = _vocab_rows(model.lm_head.weight.data, rank, world)
+    model.lm_head = VocabShardHead(head_weight, vocab, world)
 
 
 def _shard_mlp(mlp: DSAMLP, rank: int, world: int) -> None:
@@ -106,12 +186,17 @@ def shard_model_(model: DSAForCausalLM, rank: int, world: int, group=None) -> DS
                 _shard_mlp(mlp.shared_experts, rank, world)
         else:
             _shard_mlp(mlp, rank, world)
+    _shard_vocab(model, rank, world)
     set_tp_group(model, group)
     return model
 
 
 def set_tp_group(model: DSAForCausalLM, group) -> None:
-    """Where the all-reduces after ``o_proj`` and after the (dense or MoE) MLP run."""
+    """Where the all-reduces after ``o_proj``, after the (dense or MoE) MLP and of a sharded
+    embedding run, and a sharded ``lm_head``'s all-gather."""
     for layer in model.model.layers:
         layer.self_attn.tp_group = group
         layer.mlp.tp_group = group     # a MoE's shared experts (a DSAMLP inside it) stay None
+    for m in (model.model.embed_tokens, model.lm_head):
+        if isinstance(m, (VocabShardEmbedding, VocabShardHead)):
+            m.tp_group = group

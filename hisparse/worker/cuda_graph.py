@@ -210,7 +210,7 @@ class SpecGraphs:
                              f"tokens, the largest bucket needs {B} x {self.k1} = {T}")
         dev, dtype = runner.device, self.model.dtype
         hidden_size = self.model.config.hidden_size
-        vocab = self.model.lm_head.out_features
+        vocab = self.model.config.vocab_size
         self.logits = torch.zeros(T, vocab, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(T, hidden_size, dtype=dtype, device=dev)
         self.topk = torch.full((T, self.ctx.index_topk), -1, dtype=torch.int32, device=dev)

@@ -171,7 +171,7 @@ def test_tp_shard_shapes(tp):
         "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
         "shared_experts.gate_proj.weight": 0, "shared_experts.up_proj.weight": 0,
         "shared_experts.down_proj.weight": 1, "experts.gate_up_proj": 1,
-        "experts.down_proj": 2,
+        "experts.down_proj": 2, "embed_tokens.weight": 0, "lm_head.weight": 0,
     }
     for name, shape in full.items():
         dim = next((d for suf, d in split.items() if name.endswith(suf)), None)
