@@ -118,8 +118,10 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     w = tl.exp(l - lmax_use)
     wsum = tl.sum(w, axis=0)
     offs_d = tl.arange(0, D_V)
+    # a chunk with lse -inf (nothing selected) has weight 0 and may not have stored its output
+    live = sm & (l > float("-inf"))
     po = tl.load(po_ptr + offs_s[:, None] * stride_pos + t.to(tl.int64) * stride_pot
-                 + h * stride_poh + offs_d[None, :], mask=sm[:, None], other=0.0)
+                 + h * stride_poh + offs_d[None, :], mask=live[:, None], other=0.0)
     empty = wsum == 0.0
     wsum_safe = tl.where(empty, 1.0, wsum)
     o = tl.sum(po * w[:, None], axis=0) / wsum_safe
@@ -311,53 +313,73 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                      H, K, N, qk_scale,
                      stride_qt, stride_qh, stride_row, stride_it,
                      stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                     K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
-                     TILE: tl.constexpr, NT: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                     K_PER_SPLIT: tl.constexpr, KPS_PAD: tl.constexpr, D_V: tl.constexpr,
+                     D_PE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
-    the tile's power-of-two scale (exact in bf16), rope read as bf16."""
+    the tile's power-of-two scale (exact in bf16), rope read as bf16. A chunk without a valid
+    index (a padding token's, a short request's tail) loads no query and runs no dot: it
+    stores its lse, ``-inf``, and its output only when it is the token's result (``DIRECT``,
+    one chunk: zeros); :func:`_combine_kernel` reads no output of a chunk whose lse is
+    ``-inf``. The bits are those of running it: an all-invalid block's update is the
+    identity (``alpha = 1``, ``p = 0``; the accumulator is never ``-0.0``); ``SKIP_EMPTY =
+    False`` runs such chunks (the tests' witness)."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = offs_h < H
     offs_d = tl.arange(0, D_V)
-    offs_p = tl.arange(0, D_PE)
-    offs_s = tl.arange(0, NT)
-    q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
-    q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
-    if IEEE:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     k_start = sp * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    offs_n = tl.arange(0, BLOCK_N)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
-    for i0 in range(0, K_PER_SPLIT, BLOCK_N):
-        valid, raw, sc, kp = _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_row, k_start + i0 + offs_n,
-                                       k_end, N, stride_row, offs_d, offs_s, offs_p, D_V, NT)
-        m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
-                                   D_V, TILE, NT, BLOCK_N, IEEE)
-
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    offs_c = tl.arange(0, KPS_PAD)
+    chunk = tl.load(idx_row + k_start + offs_c,
+                    mask=(offs_c < K_PER_SPLIT) & (k_start + offs_c < k_end), other=-1)
+    n_valid = tl.sum(((chunk >= 0) & (chunk < N)).to(tl.int32), axis=0)
+    if not SKIP_EMPTY:
+        n_valid += 1
     o_ptrs = o_ptr + sp.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot \
         + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
-    tl.store(lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h,
-             lse, mask=hm)
+    lse_ptrs = lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h
+    if n_valid > 0:
+        offs_p = tl.arange(0, D_PE)
+        offs_s = tl.arange(0, NT)
+        q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+        q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
+        q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
+        if IEEE:
+            q_nope = q_nope.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for i0 in range(0, K_PER_SPLIT, BLOCK_N):
+            valid, raw, sc, kp = _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_row,
+                                           k_start + i0 + offs_n, k_end, N, stride_row,
+                                           offs_d, offs_s, offs_p, D_V, NT)
+            m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc,
+                                       qk_scale, D_V, TILE, NT, BLOCK_N, IEEE)
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+        tl.store(lse_ptrs, lse, mask=hm)
+    else:
+        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hm)
+        if DIRECT:
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, D_V], o_ptr.dtype.element_ty), mask=hm[:, None])
 
 
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
-                                    lse=None):
-    """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout)."""
+                                    lse=None, skip_empty: bool = True):
+    """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout).
+    ``skip_empty``: chunks without a valid index do no work (speed only: the same bits)."""
     from ._common import fp8_tile, mla_row_bytes
 
     T, H, D = q.shape
@@ -396,8 +418,9 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
             qs, kv, kv.view(torch.float32), kv.view(torch.bfloat16), ids, po, pl,
             H, K, N, sm_scale * LOG2E,
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
-            K_PER_SPLIT=cfg.k_per_split, D_V=d_v, D_PE=d_pe, TILE=tile, NT=nt,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=is_fp32,
+            K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=d_v,
+            D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            IEEE=is_fp32, DIRECT=splits == 1, SKIP_EMPTY=bool(skip_empty),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

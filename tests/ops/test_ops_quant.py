@@ -250,6 +250,44 @@ def test_fp8_attention_batch_invariant_and_sliced_interpreter(triton_cpu, monkey
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), run.__name__
 
 
+def _with_empty_chunks(idx: torch.Tensor, pad_tokens: int) -> torch.Tensor:
+    """``idx`` with its last ``pad_tokens`` tokens all ``-1`` (padding), token 0's second
+    chunk-sized stretch all ``-1`` and token 2's first past ``N`` (invalid too)."""
+    from hisparse.ops._attention_triton import attn_config
+
+    idx = idx.clone()
+    kps = attn_config(16, idx.shape[1], True, not idx.is_cuda).k_per_split
+    idx[-pad_tokens:] = -1
+    idx[0, kps:2 * kps] = -1
+    idx[2, :kps] = 1 << 30
+    return idx
+
+
+def _check_skip_is_bit_neutral(q, rows, idx):
+    """Chunks with nothing to read skip their work: the same bits as running them, written
+    into poisoned outputs, with one chunk (the kernel writes the result) and several."""
+    from hisparse.ops._attention_triton import sparse_mla_attention_fp8_triton as run
+
+    for K in (idx.shape[1], 16):
+        i = idx[:, :K].contiguous()
+        outs = []
+        for skip in (True, False):
+            out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
+            lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+            outs.append(run(q, rows, i, 576 ** -0.5, out=out, lse=lse, skip_empty=skip))
+        (o, l), (o_run, l_run) = outs
+        assert torch.equal(o, o_run) and torch.equal(l, l_run), K
+        assert not torch.isnan(o).any() and (o[-1] == 0).all() and torch.isneginf(l[-1]).all()
+        ro, rl = ops.sparse_mla_attention_fp8_reference(q, rows, i, 576 ** -0.5)
+        assert (o.float() - ro.float()).abs().max() < 2e-2, K
+        assert torch.equal(torch.isneginf(l), torch.isneginf(rl)), K
+
+
+def test_fp8_attention_skips_empty_chunks_bit_neutral_interpreter(triton_cpu):
+    q, rows, idx = _fp8_case(5, 16, 90, 180, dtype=torch.bfloat16, seed=11)
+    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 2))
+
+
 def test_attn_config_depends_on_heads_and_indices_only():
     from hisparse.ops._attention_triton import MAX_SPLITS, AttnConfig, _check_config, attn_config
 
@@ -338,6 +376,13 @@ def test_gpu_fp8_attention_batch_invariant(H):
     # installed or not
     auto, _ = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5)
     assert torch.equal(auto, _fp8_triton(q, rows, idx)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_attention_skips_empty_chunks_bit_neutral():
+    """A 48-token bucket holding 33 requests: 15 padding tokens, chunks of -1 mid-list."""
+    q, rows, idx = _fp8_case(48, 16, 2048, 64 * 2048, device="cuda", seed=21)
+    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 15))
 
 
 @pytest.mark.gpu
