@@ -33,3 +33,15 @@ def test_every_bench_command_parses():
         with pytest.raises(SystemExit) as e:
             main(args)
         assert e.value.code == "hisparse bench needs a CUDA device", (args, e.value.code)
+
+
+def test_warm_up_runs_one_whole_prefill_chunk_of_the_largest_context():
+    """The warm-up compiles what the measured runs' prefill chunks run (the first measured
+    mode would otherwise pay for it in its whole-run figure), within an explicit arena."""
+    from hisparse.bench.decode import prefill_budget, warm_up_shape
+
+    for contexts in ([32768], [2048, 65536], [4096]):
+        ctx, n = warm_up_shape(contexts, None, 64)
+        assert ctx == max(contexts) and (n - 1) * ctx == prefill_budget(ctx), contexts
+    assert warm_up_shape([32768], 3 * 32776 // 64 + 1, 64) == (32768, 3)   # arena-bound
+    assert warm_up_shape([32768], 100, 64) == (4096, 4)     # the arena holds no request
