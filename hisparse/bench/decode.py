@@ -248,22 +248,14 @@ def prefill_budget(context: int) -> int:
     return max(16384, min(262144, 4 * context))
 
 
-def warm_up_shape(contexts: list[int], num_gpu_blocks: int | None, block_size: int,
-                  outputs: int = 8) -> tuple[int, int]:
-    """``(context, requests)`` of the warm-up run of each mode at the largest measured context:
-    one whole prefill chunk, then one request more, whose prefill shares a step with the
-    others' decode tokens (a token count off the chunk's multiples), as in the measured runs.
-    So the first measured mode does not compile the kernels of those shapes inside its timed
-    run while the modes after it find them compiled (the whole-run figures would favour the
-    later modes). An explicit arena (``num_gpu_blocks``) bounds the requests; one that cannot
-    hold one request warms up at 4,096 tokens."""
-    context = max(contexts)
-    n = max(1, prefill_budget(context) // context) + 1
-    if num_gpu_blocks is not None:
-        n = min(n, num_gpu_blocks * block_size // (context + outputs))
-        if n < 1:
-            return 4096, 4
-    return context, n
+def warm_up_requests(context: int, cap: int) -> int:
+    """Requests of the warm-up run of each mode (at the largest measured context): one whole
+    prefill chunk, then one request more, whose prefill shares a step with the others' decode
+    tokens (a token count off the chunk's multiples), as in the measured runs; at most ``cap``
+    (the measured points' bound), at least one. So the first measured mode does not compile
+    the kernels of those shapes inside its timed run while the modes after it find them
+    compiled (the whole-run figures would favour the later modes)."""
+    return max(1, min(prefill_budget(context) // context + 1, cap))
 
 
 def run_point(path: str, mode, topk_source: str, table, context: int, concurrency: int,
@@ -511,20 +503,23 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     host_modes = [m for m in a.modes.split(",") if m != "gpu-only"]
 
-    def host_cap_of(context: int) -> int:
-        """Requests of ``context`` tokens the host pool holds (the host modes' bound only)."""
-        if not host_modes:
-            return 1 << 20
-        cap = host_rows // (context + a.outputs + 64)
+    def cap_of(context: int) -> int:
+        """The most requests of ``context`` tokens a point runs: the host pool's bound (host
+        modes only) and, with an explicit arena, its hot buffers' and tail pages'."""
+        cap = host_rows // (context + a.outputs + 64) if host_modes else 1 << 20
         if cap < 1:
             p.error(f"--host-pool-gib {a.host_pool_gib}: holds no {context}-token request of "
                     f"modes {','.join(host_modes)}")
+        # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
+        # blocks, and 10% of the blocks stay free (the watermark).
+        if num_gpu_blocks is not None:
+            cap = min(cap, max(int(num_gpu_blocks * 0.9) // (2 * topk_k // block_size + 2), 1))
         return cap
 
     # compile every kernel before timing anything, the top-k source's and the profiler's
     # first use (CUPTI's start-up) included: else the first measured mode pays for them
-    warm_context, warm_requests = warm_up_shape(contexts, num_gpu_blocks, block_size)
-    warm_requests = min(warm_requests, host_cap_of(warm_context))
+    warm_context = max(contexts)
+    warm_requests = warm_up_requests(warm_context, cap_of(warm_context))
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
             run_point(path, modes[name], a.topk, tables[a.topk, warm_context], warm_context,
@@ -542,14 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump([asdict(x) for x in points], f, indent=1)
 
     for context in contexts:
-        host_cap = host_cap_of(context)
         if not host_modes and "max" in a.concurrency.split(","):
             p.error("--concurrency max is the host pool's limit: give numbers for gpu-only")
-        # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
-        # blocks, and 10% of the blocks stay free (the watermark).
-        cap = host_cap
-        if num_gpu_blocks is not None:
-            cap = min(cap, max(int(num_gpu_blocks * 0.9) // (2 * topk_k // block_size + 2), 1))
+        cap = cap_of(context)
         levels = sorted({cap if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
         table = tables[a.topk, context]

@@ -90,7 +90,9 @@ def _vocab_rows(weight: Tensor, rank: int, world: int) -> Tensor:
 class VocabShardEmbedding(nn.Module):
     """One rank's rows ``[start, start + Vr)`` of the token embedding. ``forward(ids [T])`` ->
     ``[T, H]``: the rows of the ids this rank holds, zeros for the others, summed over
-    ``tp_group`` (the whole table's rows). Needs its group (RuntimeError)."""
+    ``tp_group`` (the whole table's rows). Needs its group (RuntimeError). Ids are checked
+    against the vocabulary upstream (the input processor): one past it would read zeros on
+    every rank, not fail."""
 
     def __init__(self, weight: Tensor, start: int):
         super().__init__()

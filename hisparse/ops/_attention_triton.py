@@ -322,9 +322,10 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
     index (a padding token's, a short request's tail) loads no query and runs no dot: it
     stores its lse, ``-inf``, and its output only when it is the token's result (``DIRECT``,
     one chunk: zeros); :func:`_combine_kernel` reads no output of a chunk whose lse is
-    ``-inf``. The bits are those of running it: an all-invalid block's update is the
-    identity (``alpha = 1``, ``p = 0``; the accumulator is never ``-0.0``); ``SKIP_EMPTY =
-    False`` runs such chunks (the tests' witness)."""
+    ``-inf``. The bits are those of running it: every block of such a chunk leaves the running
+    max at ``-inf`` (so ``alpha = 0``, ``p = 0``), the sum at 0 and the accumulator at +0,
+    whose output is +0 and lse ``-inf``; ``SKIP_EMPTY = False`` runs such chunks (the tests'
+    witness)."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)

@@ -35,13 +35,11 @@ def test_every_bench_command_parses():
         assert e.value.code == "hisparse bench needs a CUDA device", (args, e.value.code)
 
 
-def test_warm_up_runs_one_whole_prefill_chunk_of_the_largest_context():
+def test_warm_up_runs_one_whole_prefill_chunk_then_a_mixed_one():
     """The warm-up compiles what the measured runs' prefill chunks run (the first measured
-    mode would otherwise pay for it in its whole-run figure), within an explicit arena."""
-    from hisparse.bench.decode import prefill_budget, warm_up_shape
+    mode would otherwise pay for it in its whole-run figure), within the points' bound."""
+    from hisparse.bench.decode import prefill_budget, warm_up_requests
 
-    for contexts in ([32768], [2048, 65536], [4096]):
-        ctx, n = warm_up_shape(contexts, None, 64)
-        assert ctx == max(contexts) and (n - 1) * ctx == prefill_budget(ctx), contexts
-    assert warm_up_shape([32768], 3 * 32776 // 64 + 1, 64) == (32768, 3)   # arena-bound
-    assert warm_up_shape([32768], 100, 64) == (4096, 4)     # the arena holds no request
+    for ctx in (2048, 4096, 32768, 65536):
+        assert (warm_up_requests(ctx, 1 << 20) - 1) * ctx == prefill_budget(ctx), ctx
+    assert warm_up_requests(32768, 3) == 3 and warm_up_requests(32768, 0) == 1

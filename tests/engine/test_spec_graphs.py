@@ -134,7 +134,8 @@ def test_bucket_choice():
     for bad in (0, BUCKETS[-1] + 1):
         with pytest.raises(ValueError, match="no batch bucket"):
             bucket_for(bad)
-    assert [max_bucket(n) for n in (1, 3, 8, 100, 512, 4096)] == [1, 4, 8, 112, 512, 512]
+    assert [max_bucket(n) for n in (1, 3, 8, 100, 129, 512, 4096)] == \
+        [1, 4, 8, 112, 192, 512, 512]
 
 
 def test_union_sizes_count_distinct_selections():

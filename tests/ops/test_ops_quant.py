@@ -263,11 +263,27 @@ def _with_empty_chunks(idx: torch.Tensor, pad_tokens: int) -> torch.Tensor:
     return idx
 
 
-def _check_skip_is_bit_neutral(q, rows, idx):
-    """Chunks with nothing to read skip their work: the same bits as running them, written
-    into poisoned outputs, with one chunk (the kernel writes the result) and several."""
-    from hisparse.ops._attention_triton import sparse_mla_attention_fp8_triton as run
+class _NanEmpty:
+    """``torch`` as ``hisparse.ops._attention_triton`` sees it, with ``empty`` NaN-filled: the
+    chunk partials start as garbage, which the merge must not read where nothing was stored."""
 
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kw):
+        t = torch.empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def _check_skip_is_bit_neutral(q, rows, idx, monkeypatch):
+    """Chunks with nothing to read skip their work: the same bits as running them, written
+    into poisoned outputs from poisoned chunk partials, with one chunk (the kernel writes the
+    result) and several."""
+    from hisparse.ops import _attention_triton as AT
+
+    monkeypatch.setattr(AT, "torch", _NanEmpty())
+    run = AT.sparse_mla_attention_fp8_triton
     for K in (idx.shape[1], 16):
         i = idx[:, :K].contiguous()
         outs = []
@@ -283,9 +299,9 @@ def _check_skip_is_bit_neutral(q, rows, idx):
         assert torch.equal(torch.isneginf(l), torch.isneginf(rl)), K
 
 
-def test_fp8_attention_skips_empty_chunks_bit_neutral_interpreter(triton_cpu):
+def test_fp8_attention_skips_empty_chunks_bit_neutral_interpreter(triton_cpu, monkeypatch):
     q, rows, idx = _fp8_case(5, 16, 90, 180, dtype=torch.bfloat16, seed=11)
-    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 2))
+    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 2), monkeypatch)
 
 
 def test_attn_config_depends_on_heads_and_indices_only():
@@ -379,10 +395,10 @@ def test_gpu_fp8_attention_batch_invariant(H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_attention_skips_empty_chunks_bit_neutral():
+def test_gpu_fp8_attention_skips_empty_chunks_bit_neutral(monkeypatch):
     """A 48-token bucket holding 33 requests: 15 padding tokens, chunks of -1 mid-list."""
     q, rows, idx = _fp8_case(48, 16, 2048, 64 * 2048, device="cuda", seed=21)
-    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 15))
+    _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 15), monkeypatch)
 
 
 @pytest.mark.gpu
