@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests fused step moe rank glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests fused buckets step moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -72,6 +72,21 @@ for section in "$@"; do
       if [ -n "${OLD:-}" ]; then
         run bits 240 python3 benchmarks/bits_vs_revision.py "$OLD"
       fi ;;
+    buckets) # the tenth session's finer graph buckets and attention empty-chunk skip against
+             # the tree before them (BASE: a directory holding `git archive e5a4684` unpacked;
+             # the device copy has no .git), same call: GPU-only at its 32k maximum (33
+             # requests: the 40-token graph now, 48 before) and 24 x 32k (~6 min)
+      base=${BASE:?buckets: BASE=dir of git archive e5a4684}
+      for tree in new base; do
+        dir=$PWD; [ $tree = base ] && dir=$(cd "$base" && pwd)
+        (
+          cd "$dir" && export PYTHONPATH=$dir
+          run buckets_$tree 200 python3 -m hisparse.cli bench \
+            --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+            --modes gpu-only,hisparse --host-pool-gib 64 --profile-kernels 5 --contexts 32768 \
+            --concurrency 24,max --outputs 128 --out "$out/buckets_$tree"
+        )
+      done ;;
     step)    # issue 25: the real rank's GPU step by kernel class, gpu-only, at the three points
              # the targets name (~4 min). For a same-run baseline run it again in a tree of the
              # base commit (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 step)
@@ -137,7 +152,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests step moe rank glm gemm pinned disagg nixl kernels"\
-            "serve)"; exit 2 ;;
+    *) echo "unknown section $section (tests fused buckets step moe rank glm gemm pinned disagg"\
+            "nixl kernels serve)"; exit 2 ;;
   esac
 done
