@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hisparse.ops._attention_triton import AttnConfig, _attn_fp8_kernel, attn_config  # noqa: E402
+from hisparse.ops._common import next_pow2  # noqa: E402
 
 POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx_ptr="*i32",
                 o_ptr="*fp32", lse_ptr="*fp32")
@@ -34,8 +35,9 @@ def resources(cfg: AttnConfig, arch: int) -> dict:
     """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128) and read
     its resource usage from the cubin."""
     names = _attn_fp8_kernel.arg_names
-    const = dict(K_PER_SPLIT=cfg.k_per_split, D_V=512, D_PE=64, TILE=128, NT=4,
-                 BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=False)
+    const = dict(K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=512,
+                 D_PE=64, TILE=128, NT=4, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                 IEEE=False, DIRECT=False, SKIP_EMPTY=True)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     # as a real launch specializes them: pointers, the strides and K are multiples of 16

@@ -1,7 +1,9 @@
 """Triton exact top-k (imported lazily by topk.py): a radix select over 8-bit digits.
 
 Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of the row's first
-``lengths[t]`` columns, the same chunks in every phase), ``_topk_select_kernel`` runs these
+``lengths[t]`` columns, the same chunks in every phase; up to ``LIVE_MAX_ROWS`` rows the
+launch's programs are spread over the rows with ``lengths > 0`` only, so a padded batch's real
+rows get the padding's programs: :func:`_live_rows`), ``_topk_select_kernel`` runs these
 phases: all in one launch (``fused``, the default on CUDA: the row's programs wait for each
 other between phases on an arrival counter), or one launch per phase (``phased``; always under
 the interpreter, which runs programs one after the other):
@@ -47,6 +49,7 @@ STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 *
 BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase arrivals ]
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
+LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
 
 
 @triton.jit
@@ -182,8 +185,8 @@ def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexp
 
 
 @triton.jit
-def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stride_k, stride_s,
-                LEVEL: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLITS, stride_k,
+                stride_s, LEVEL: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                 STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     prefix = tl.full([], -1, tl.int64)
@@ -205,11 +208,11 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stri
             start += BLOCK
     offs_b = tl.arange(0, NB)
     tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0, sem="relaxed")
-    tl.store(split_ptr + (row * SPLITS + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
+    tl.store(split_ptr + (slot0 + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
 
 
 @triton.jit
-def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
+def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, slot0, W, K, SPLITS,
                    stride_k, stride_s, stride_o, LEVELS: tl.constexpr, NB: tl.constexpr,
                    BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
                    STAGES: tl.constexpr, MAXS: tl.constexpr):
@@ -217,7 +220,7 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, 
     level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
-    s_row = split_ptr + (row * SPLITS).to(tl.int64) * stride_s
+    s_row = split_ptr + slot0.to(tl.int64) * stride_s
     dig = (prefix & (NB - 1)).to(tl.int32)
     lv = tl.maximum(level - 1, 0)
     s2 = tl.arange(0, MAXS)
@@ -296,36 +299,74 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 
 
 @triton.jit
+def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
+    """The programs of a launch over the rows with a non-empty prefix (``lengths > 0``; a
+    graph bucket's padding rows are empty): ``SPLITS = min(MOST, PROGRAMS // live rows)``
+    programs per live row, program ``pid`` serving split ``pid % SPLITS`` of the ``pid //
+    SPLITS``-th live row (its split slots from ``pid - sp``). Returns ``(row, sp, slot0,
+    SPLITS, active, empty_row)``: ``active`` false past the live rows' programs;
+    ``empty_row``, the ``pid``-th empty row (-1 none), is this program's to fill with -1."""
+    offs = tl.arange(0, TPAD)
+    live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0
+    empty = (offs < T) & (~live)
+    n_live = tl.sum(live.to(tl.int32), 0)
+    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
+    ordinal = pid // splits
+    sp = pid % splits
+    row = tl.sum(tl.where(live & (tl.cumsum(live.to(tl.int32), 0) == ordinal + 1), offs, 0), 0)
+    empty_row = tl.sum(tl.where(empty & (tl.cumsum(empty.to(tl.int32), 0) == pid + 1),
+                                offs + 1, 0), 0) - 1
+    return row, sp, ordinal * splits, splits, ordinal < n_live, empty_row
+
+
+@triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
-                        W, K, SPLITS, stride_k, stride_h, stride_s, stride_o, stride_q,
+                        T, W, K, SPLITS, MOST, stride_k, stride_h, stride_s, stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
-                        CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr):
+                        CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
+                        LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
-    sort, merge) of program ``(row, split)`` = ``(pid // SPLITS, pid % SPLITS)``, a row
-    barrier between two phases of one launch."""
+    sort, merge) of program ``(row, split)``, a row barrier between two phases of one launch.
+    ``LIVE``: the launch's ``T * SPLITS`` programs serve the non-empty rows only
+    (:func:`_live_rows`: a padded batch's real rows get the padding's programs; ``FILL``, the
+    launch that ends the ranking, writes the empty rows' ``-1``); else ``(pid // SPLITS, pid
+    % SPLITS)``, every row, empty or not."""
     pid = tl.program_id(0)
-    row = pid // SPLITS
-    sp = pid % SPLITS
-    h_row = hist_ptr + row * stride_h
-    for phase in tl.static_range(FIRST, LAST + 1):
-        if phase > FIRST:
-            _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
-        if phase < LEVELS:
-            _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, W, K, SPLITS, stride_k,
-                        stride_s, phase, NB, BLOCK, STATE, FOR_LOOP, STAGES)
-        elif phase == LEVELS:
-            _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, W, K, SPLITS,
-                           stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP,
-                           STAGES, MAXS)
-        elif phase == LEVELS + 1:
-            _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
-                              stride_k, stride_o, stride_q, NB, CH, C)
-        else:
-            _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
-                         NB, CH, LOG_CH, C, CPAD)
+    if LIVE:
+        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, T * SPLITS,
+                                                               MOST, TPAD)
+        if FILL:
+            if empty_row >= 0:
+                for c in tl.static_range(C):
+                    j = c * CH + tl.arange(0, CH)
+                    tl.store(out_ptr + empty_row.to(tl.int64) * stride_o + j,
+                             tl.full([CH], -1, tl.int32), mask=j < K)
+    else:
+        row = pid // SPLITS
+        sp = pid % SPLITS
+        slot0 = row * SPLITS
+        active = pid >= 0
+    if active:
+        h_row = hist_ptr + row * stride_h
+        for phase in tl.static_range(FIRST, LAST + 1):
+            if phase > FIRST:
+                _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
+            if phase < LEVELS:
+                _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLITS,
+                            stride_k, stride_s, phase, NB, BLOCK, STATE, FOR_LOOP, STAGES)
+            elif phase == LEVELS:
+                _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, slot0,
+                               W, K, SPLITS, stride_k, stride_s, stride_o, LEVELS, NB, BLOCK,
+                               STATE, FOR_LOOP, STAGES, MAXS)
+            elif phase == LEVELS + 1:
+                _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
+                                  stride_k, stride_o, stride_q, NB, CH, C)
+            else:
+                _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
+                             stride_q, NB, CH, LOG_CH, C, CPAD)
 
 
 @triton.jit
@@ -408,20 +449,29 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if not hist_zeroed:
         hist.zero_()
     sh = scratch.split_hist
-    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, W, k, splits, keys.stride(0),
-            hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
+    # programs over the live rows (a batch's padding rows are empty): up to the per-row cap
+    # the launch would have given a full row, or the caller's own split count
+    live = T <= LIVE_MAX_ROWS
+    most = splits if cfg.splits is not None else max(1, min(
+        LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS, triton.cdiv(max(W, 1), cfg.block)))
+    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most,
+            keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
-                  SPIN=SPIN_POLLS, num_warps=cfg.warps)
+                  SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
+                  num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (T * splits,)
+    # the empty rows' -1 come from the launch that ends the ranking (legacy: _sort_kernel)
+    fill = live and mode != "legacy"
     if fused:
-        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, **common, **sort)
+        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, FILL=fill, **common, **sort)
     else:
         unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
         for phase in range(last + 1):
-            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, **common,
+            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase,
+                                      FILL=fill and phase == last, **common,
                                       **(sort if phase > RADIX_LEVELS else unused))
     if mode == "legacy":
         kpad = max(16, next_pow2(k))

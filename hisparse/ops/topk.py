@@ -122,7 +122,11 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         scratch: the Triton path's :class:`TopkScratch` (``rows >= T``); required for CUDA-graph
             capture; without one each call allocates its own.
         splits: programs per row (``1..MAX_SPLITS``, ``T * splits <= rows + SPLIT_SLOTS`` of
-            the scratch; default: enough to fill the GPU); replaces ``launch.splits``.
+            the scratch; default: enough to fill the GPU); replaces ``launch.splits``. The
+            launch's ``T * splits`` programs serve the non-empty rows (up to ``T =
+            LIVE_MAX_ROWS``): by default the empty ones' programs (a graph bucket's padding)
+            go to them, up to the per-row cap a full launch has; a given ``splits`` stays
+            the most a row gets.
         launch: the Triton path's :class:`TopkLaunch` (speed hints; default ``TopkLaunch()``).
             ``k > SORT_COLS`` runs the ``legacy`` ranking.
         hist_zeroed: Triton path with ``scratch``: ``scratch.hist[:T]`` was zeroed by an

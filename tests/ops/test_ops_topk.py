@@ -160,6 +160,27 @@ def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, ca
     assert torch.equal(got, topk_select_reference(keys, lens, k))
 
 
+@pytest.mark.parametrize("mode", ["fused", "legacy"])
+@pytest.mark.parametrize("lengths", [[150, 0, 97, 0, 0, 1, 0, 0], [150, 0, 0, 0, 0, 0, 0, 120],
+                                     [0, 0, 0, 0], [0, 120, 0]])
+def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, kernel_switches,
+                                                                   mode, lengths):
+    """Empty rows (a graph bucket's padding) take no program: the launch's programs serve the
+    live rows (here 8 programs over 1-3 live rows: 2-4 splits each where the caller's
+    launch gave one), the empty rows still come out all -1 into a poisoned output."""
+    from hisparse.ops._topk_triton import LIVE_MAX_ROWS
+
+    kernel_switches(topk=mode)
+    T, W, k = len(lengths), 150, 40
+    assert T <= LIVE_MAX_ROWS
+    keys, lens = make_keys(T, W, 7, lengths, seed=T + sum(lengths))
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(T, "cpu"),
+                      launch=TopkLaunch(block=16, sort_chunk=16))
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+    assert (got[lens == 0] == -1).all()
+
+
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
     keys, lens = make_keys(2, 40, 5, [40, 20], seed=1)
     with pytest.raises(ValueError, match="sort_chunk"):
