@@ -321,7 +321,8 @@ def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
 
 @triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
-                        T, W, K, SPLITS, MOST, stride_k, stride_h, stride_s, stride_o, stride_q,
+                        T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s, stride_o,
+                        stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
@@ -330,13 +331,13 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                         LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge) of program ``(row, split)``, a row barrier between two phases of one launch.
-    ``LIVE``: the launch's ``T * SPLITS`` programs serve the non-empty rows only
-    (:func:`_live_rows`: a padded batch's real rows get the padding's programs; ``FILL``, the
-    launch that ends the ranking, writes the empty rows' ``-1``); else ``(pid // SPLITS, pid
-    % SPLITS)``, every row, empty or not."""
+    ``LIVE``: ``PROGRAMS`` programs (at most the launch's; a fused launch's all resident) serve
+    the non-empty rows only (:func:`_live_rows`: a padded batch's real rows get the padding's
+    programs; ``FILL``, the launch that ends the ranking, writes the empty rows' ``-1``); else
+    ``(pid // SPLITS, pid % SPLITS)``, every row, empty or not."""
     pid = tl.program_id(0)
     if LIVE:
-        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, T * SPLITS,
+        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, PROGRAMS,
                                                                MOST, TPAD)
         if FILL:
             if empty_row >= 0:
@@ -450,11 +451,17 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         hist.zero_()
     sh = scratch.split_hist
     # programs over the live rows (a batch's padding rows are empty): up to the per-row cap
-    # the launch would have given a full row, or the caller's own split count
+    # a full launch has, or the caller's own split count; a fused launch of its own splits
+    # spreads all the programs that are resident at once (each its own split slot), a row's
+    # programs adjacent, the grid at least one program a row
     live = T <= LIVE_MAX_ROWS
     most = splits if cfg.splits is not None else max(1, min(
         LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS, triton.cdiv(max(W, 1), cfg.block)))
-    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most,
+    programs = T * splits
+    if live and fused and cfg.splits is None:
+        programs = max(1, min(cfg.per_sm * _num_sms(keys.device.index or 0),
+                              scratch.split_hist.shape[0]))
+    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
             keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
@@ -462,7 +469,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                   num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
-    grid = (T * splits,)
+    grid = (max(T, programs) if live else T * splits,)
     # the empty rows' -1 come from the launch that ends the ranking (legacy: _sort_kernel)
     fill = live and mode != "legacy"
     if fused:

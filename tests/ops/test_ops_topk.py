@@ -162,23 +162,34 @@ def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, ca
 
 @pytest.mark.parametrize("mode", ["fused", "legacy"])
 @pytest.mark.parametrize("lengths", [[150, 0, 97, 0, 0, 1, 0, 0], [150, 0, 0, 0, 0, 0, 0, 120],
-                                     [0, 0, 0, 0], [0, 120, 0]])
+                                     [0, 0, 0, 0], [0, 120, 0], [150, 97, 120], [150]])
 def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, kernel_switches,
                                                                    mode, lengths):
-    """Empty rows (a graph bucket's padding) take no program: the launch's programs serve the
-    live rows (here 8 programs over 1-3 live rows: 2-4 splits each where the caller's
-    launch gave one), the empty rows still come out all -1 into a poisoned output."""
+    """Empty rows (a graph bucket's padding) take no program: the launch's T programs serve
+    the live rows (here 1-3 live rows of up to 8: 2-4 splits each where the caller's launch
+    gave one), each live row's splits in consecutive split slots from 0 (the slots past them
+    keep a marker), the empty rows still come out all -1 into a poisoned output."""
+    import triton
+
+    from hisparse.ops._common import MAX_SPLITS
     from hisparse.ops._topk_triton import LIVE_MAX_ROWS
 
     kernel_switches(topk=mode)
-    T, W, k = len(lengths), 150, 40
+    T, W, k, block = len(lengths), 150, 40, 16
     assert T <= LIVE_MAX_ROWS
     keys, lens = make_keys(T, W, 7, lengths, seed=T + sum(lengths))
     out = torch.full((T, k), SENTINEL, dtype=torch.int32)
-    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(T, "cpu"),
-                      launch=TopkLaunch(block=16, sort_chunk=16))
+    scratch = TopkScratch(T, "cpu")
+    scratch.split_hist.fill_(-5)
+    got = topk_select(keys, lens, k, out=out, scratch=scratch,
+                      launch=TopkLaunch(block=block, sort_chunk=16))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
     assert (got[lens == 0] == -1).all()
+    n_live = int((lens > 0).sum())
+    most = min(MAX_SPLITS if mode == "fused" else 16, triton.cdiv(W, block))
+    used = n_live * min(most, T // max(n_live, 1))      # the interpreter: one program a row
+    assert (scratch.split_hist[used:] == -5).all()
+    assert used == 0 or (scratch.split_hist[:used] != -5).any()
 
 
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
