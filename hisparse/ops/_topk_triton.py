@@ -460,7 +460,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     programs = T * splits
     if live and fused and cfg.splits is None:
         programs = max(1, min(cfg.per_sm * _num_sms(keys.device.index or 0),
-                              scratch.split_hist.shape[0]))
+                              scratch.split_hist.shape[0], T * most))
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
             keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
