@@ -396,6 +396,17 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
+    """The most programs a row of ``W`` columns gets by default: one block each at least."""
+    most = LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS
+    return max(1, min(most, triton.cdiv(max(W, 1), cfg.block)))
+
+
+def _resident(device: torch.device, cfg: TopkLaunch) -> int:
+    """Programs of a fused launch resident at once: ``per_sm`` on every SM."""
+    return cfg.per_sm * _num_sms(device.index or 0)
+
+
 def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots: int,
                    mode: str, fused: bool) -> int:
     """Programs per row within the scratch's ``slots`` split histograms (a fused launch:
@@ -403,16 +414,15 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
     splits = cfg.splits
     if splits is None:
         if device.type == "cuda":
-            splits = triton.cdiv(cfg.per_sm * _num_sms(device.index or 0), T)
+            splits = triton.cdiv(_resident(device, cfg), T)
         else:   # the interpreter's cost is per program and per block
             splits = 1
-        most = LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS
-        splits = max(1, min(splits, most, triton.cdiv(max(W, 1), cfg.block), slots // T))
+        splits = max(1, min(splits, _row_cap(W, cfg, mode), slots // T))
     if not 1 <= splits <= MAX_SPLITS or T * splits > slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
                          f"<= {slots} (the scratch's split histograms), got {splits}")
     if fused and device.type == "cuda" and splits > 1:
-        cap = cfg.per_sm * _num_sms(device.index or 0)
+        cap = _resident(device, cfg)
         if cfg.splits is None:
             splits = max(1, min(splits, cap // T))
         elif T * splits > cap:
@@ -455,12 +465,11 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     # spreads all the programs that are resident at once (each its own split slot), a row's
     # programs adjacent, the grid at least one program a row
     live = T <= LIVE_MAX_ROWS
-    most = splits if cfg.splits is not None else max(1, min(
-        LEGACY_SPLITS if mode == "legacy" else MAX_SPLITS, triton.cdiv(max(W, 1), cfg.block)))
+    most = splits if cfg.splits is not None else _row_cap(W, cfg, mode)
     programs = T * splits
     if live and fused and cfg.splits is None:
-        programs = max(1, min(cfg.per_sm * _num_sms(keys.device.index or 0),
-                              scratch.split_hist.shape[0], T * most))
+        programs = max(1, min(_resident(keys.device, cfg), scratch.split_hist.shape[0],
+                              T * most))
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
             keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,

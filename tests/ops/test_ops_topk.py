@@ -172,7 +172,7 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     import triton
 
     from hisparse.ops._common import MAX_SPLITS
-    from hisparse.ops._topk_triton import LIVE_MAX_ROWS
+    from hisparse.ops._topk_triton import LEGACY_SPLITS, LIVE_MAX_ROWS
 
     kernel_switches(topk=mode)
     T, W, k, block = len(lengths), 150, 40, 16
@@ -186,7 +186,7 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     assert torch.equal(got, topk_select_reference(keys, lens, k))
     assert (got[lens == 0] == -1).all()
     n_live = int((lens > 0).sum())
-    most = min(MAX_SPLITS if mode == "fused" else 16, triton.cdiv(W, block))
+    most = min(MAX_SPLITS if mode == "fused" else LEGACY_SPLITS, triton.cdiv(W, block))
     used = n_live * min(most, T // max(n_live, 1))      # the interpreter: one program a row
     assert (scratch.split_hist[used:] == -5).all()
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
