@@ -81,11 +81,19 @@ def load_baseline(path: str):
     return mod.resolve_rows_triton
 
 
+def legacy_map(ws: ResolveWorkspace) -> None:
+    """A kernel from before the epoch-tagged map (``ae322f2`` and older) reads a
+    workspace whose map is all -1 between calls."""
+    ws.position_map.fill_(-1)
+
+
 def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
         table: torch.Tensor, host: torch.Tensor) -> dict:
     gen = torch.Generator().manual_seed(0)
     b = build(R, ctx, scenario, gen, host)
     ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
+    if variant == "baseline":
+        legacy_map(ws)
     req = torch.arange(R, dtype=torch.int32, device="cuda")
     streams = table.shape[0]
     steps = [table[torch.arange(R) % streams, 0, s].contiguous().cuda()

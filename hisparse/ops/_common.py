@@ -110,6 +110,23 @@ USE_COUNT_CAP = 1 << 20   # saturation of the per-slot use count
 MISS_COPY_SPLIT = 16      # miss-gather programs per request group (a power of two)
 
 
+def position_map_shift(hot_buffer_size: int) -> int:
+    """Bits of a resolver position-map entry that hold its value; the bits above hold the call
+    (epoch) that wrote it, so a call never resets the map: an entry of an older epoch reads as
+    unmapped (``-1``). Values lie in ``[-2 - H, 4H)``, stored plus ``H + 2``."""
+    return (5 * max(1, int(hot_buffer_size)) + 1).bit_length()
+
+
+def position_map_max_epoch(hot_buffer_size: int) -> int:
+    """The last epoch before a row of the map is cleared and its epochs start again at 1
+    (entries are non-negative int32: epoch << shift stays below 2**31)."""
+    shift = position_map_shift(hot_buffer_size)
+    if shift > 30:
+        raise ValueError(f"resolve_rows: hot_buffer_size {hot_buffer_size} is too large for "
+                         f"the resolver's int32 position map")
+    return (1 << (31 - shift)) - 1
+
+
 def check_prefetch_plan(plan: torch.Tensor | None, prefetch: int, T: int, R: int) -> None:
     """``resolve_rows``' ``prefetch_plan``: None, or contiguous int64 ``[2, >= min(T, R),
     prefetch]`` (host rows, arena rows per request group); ``ValueError`` otherwise."""

@@ -2,9 +2,9 @@
 
 ``_resolve_kernel``: one program per request group (grid = T; non-leader tokens exit at once).
 A group with no usable hot slot writes its resident rows (and ``-1``) and stops; a group whose
-walk (B, B2) finds no hot lookup and no hot or servable band row unmaps its keys and stops
-(nothing else changes). Otherwise phases, separated by CTA barriers (global writes of a CTA are
-visible to the CTA after ``bar.sync``):
+walk (B, B2) finds no hot lookup and no hot or servable band row stops there (nothing else
+changes). Otherwise phases, separated by CTA barriers (global writes of a CTA are visible to
+the CTA after ``bar.sync``):
 
 A  map the usable hot slots' keys into a per-group position map ``M[g, pos] = slot``;
 B  walk the group's entries (token, then k, in blocks): resident rows are written out; a mapped
@@ -15,8 +15,14 @@ C  walk the LRU once: candidates (usable, not hit) get ordinals by prefix sum; t
 D  load the misses: keys updated, the (host row, arena row) pairs to copy written to the
    group's copy list and its length to the group's ``copy_count`` row; write the outputs of hot
    lookups;
-E  copy the new LRU order back and reset the touched entries of ``M`` to -1 (``M`` is a persistent
-   scratch that is all -1 between calls, so no per-call memset).
+E  copy the new LRU order back.
+
+``M`` is persistent and never reset: each entry carries the epoch of the call that wrote it
+(row ``g``'s epoch advances once a call; :func:`_map_get` reads an older entry as unmapped),
+so no pass clears what a call touched (measured on the H200: those passes were a quarter of
+a program's 40 us). Loads whose address is known are not masked by another load's result
+(a slot's key is read whatever its block; the masks are applied to the values), so a phase
+waits on fewer dependent round trips.
 
 ``_resolve_gather_kernel`` (grid ``(groups, MISS_COPY_SPLIT)``, launched right after on the same
 stream): program ``(g, s)`` reads and zeroes ``copy_count[g, s]`` and copies its contiguous share
@@ -35,15 +41,36 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MISS_COPY_SPLIT, PROTECT_USES, USE_COUNT_CAP, check_prefetch_plan, next_pow2
+from ._common import (
+    MISS_COPY_SPLIT,
+    PROTECT_USES,
+    USE_COUNT_CAP,
+    check_prefetch_plan,
+    next_pow2,
+    position_map_max_epoch,
+    position_map_shift,
+)
+
+
+@triton.jit
+def _map_get(ptrs, mask, ep, SHIFT: tl.constexpr, BIAS: tl.constexpr):
+    """The position-map values at ``ptrs`` written by this call (epoch ``ep``); ``-1`` for an
+    entry of an earlier call and for masked lanes."""
+    w = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    return tl.where((w >> SHIFT) == ep, (w & ((1 << SHIFT) - 1)) - BIAS, -1)
+
+
+@triton.jit
+def _map_put(ptrs, value, mask, ep, SHIFT: tl.constexpr, BIAS: tl.constexpr):
+    tl.store(ptrs, (ep << SHIFT) | (value + BIAS), mask=mask)
 
 
 @triton.jit
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, out_ptr, cnt_ptr,
-                    m_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
+                    m_ptr, ep_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
                     band_ptr, flags_ptr, plan_ptr, cr_ptr, cc_ptr,
-                    T, P, HB, G_MAX,
+                    T, P, HB, G_MAX, M_W,
                     stride_topk, stride_res, stride_host, stride_hot, stride_keys, stride_lru,
                     stride_out, stride_m, stride_scr,
                     stride_band, stride_flags, plan_half, PLAN_W, stride_cr, copy_half, stride_cc,
@@ -54,7 +81,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     PF: tl.constexpr, FLAGS: tl.constexpr, COUNT_PF: tl.constexpr,
                     PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
                     BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                    COPY_PF: tl.constexpr):
+                    COPY_PF: tl.constexpr, SHIFT: tl.constexpr, BIAS: tl.constexpr,
+                    EPOCH_MAX: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -141,15 +169,27 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     n_bad += tl.sum((im & ((s < 0) | (s >= H))).to(tl.int32))
                 tl.atomic_add(cnt_ptr + 2, n_bad.to(tl.int64))
         else:
-            # ---- A: map usable slots' keys
+            # ---- epoch: this call's tag for row g of the map (a wrapped epoch clears the row)
+            ep = tl.load(ep_ptr + g) + 1
+            if ep > EPOCH_MAX:
+                c0 = ep * 0
+                while c0 < M_W:
+                    offs = c0 + offs_k
+                    tl.store(m_row + offs, tl.zeros([BLOCK_K], tl.int32), mask=offs < M_W)
+                    c0 += BLOCK_K
+                tl.debug_barrier()
+                ep = ep * 0 + 1
+            tl.store(ep_ptr + g, ep)
+
+            # ---- A: map usable slots' keys (a slot's key is read whatever its block: the
+            # loads run side by side, not one after the other)
             for h0 in range(0, H, BLOCK_H):
                 j = h0 + offs_h
                 jm = j < H
                 blk = tl.load(hot_row + j // PAGE, mask=jm & ((j // PAGE) < HB), other=-1)
-                usable = jm & (blk >= 0)
-                key = tl.load(keys_row + j, mask=usable, other=-1)
-                ok = usable & (key >= 0) & (key < s_max)
-                tl.store(m_row + key, j, mask=ok)
+                key = tl.load(keys_row + j, mask=jm, other=-1)
+                ok = jm & (blk >= 0) & (key >= 0) & (key < s_max)
+                _map_put(m_row + key, j, ok, ep, SHIFT, BIAS)
             tl.debug_barrier()
 
             # ---- B: lookups in first-reference order
@@ -168,15 +208,16 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     row = tl.where(resident, res * PAGE + pos % PAGE, -1)
                     tl.store(out_ptr + tt * stride_out + kk, row, mask=km)
                     nonres = valid & (res < 0)
-                    mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                    mval = _map_get(m_row + pos, valid, ep, SHIFT, BIAS)
                     hit_first = nonres & (mval >= 0) & (mval < H)
-                    tl.store(m_row + pos, mval + H, mask=hit_first)
+                    _map_put(m_row + pos, mval + H, hit_first, ep, SHIFT, BIAS)
                     n_hit += tl.sum(hit_first.to(tl.int32))
-                    hb = tl.load(host_row + page, mask=nonres & (mval == -1), other=-1)
+                    hb = tl.load(host_row + page, mask=valid, other=-1)
                     miss_first = nonres & (mval == -1) & (hb >= 0) & ((hb * 0 + n_usable) > 0)
                     mi = miss_first.to(tl.int32)
                     ordl = n_miss + tl.cumsum(mi, 0) - 1
-                    tl.store(m_row + pos, -2 - ordl, mask=miss_first)
+                    # ordinals past H are never loaded (n_load <= H): stored as H
+                    _map_put(m_row + pos, -2 - tl.minimum(ordl, H), miss_first, ep, SHIFT, BIAS)
                     tl.store(mp_row + ordl, pos, mask=miss_first & (ordl < H))
                     n_miss += tl.sum(mi)
                     tl.debug_barrier()
@@ -198,18 +239,20 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         valid = bm & (pos >= 0) & (page < P)
                         res = tl.load(res_row + page, mask=valid, other=-1)
                         nonres = valid & (res < 0)
-                        mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                        mval = _map_get(m_row + pos, valid, ep, SHIFT, BIAS)
                         held = nonres & (mval >= 0) & (mval < H)
                         hi = held.to(tl.int32)
                         bord = n_bh + tl.cumsum(hi, 0) - 1
-                        tl.store(m_row + pos, 2 * H + mval, mask=held)
+                        _map_put(m_row + pos, 2 * H + mval, held, ep, SHIFT, BIAS)
                         tl.store(bo_row + mval, bord, mask=held)
                         n_bh += tl.sum(hi)
-                        hb = tl.load(host_row + page, mask=nonres & (mval == -1), other=-1)
+                        hb = tl.load(host_row + page, mask=valid, other=-1)
                         bmiss = nonres & (mval == -1) & (hb >= 0) & ((hb * 0 + n_usable) > 0)
                         mi = bmiss.to(tl.int32)
                         mord = n_bm + tl.cumsum(mi, 0) - 1
-                        tl.store(m_row + pos, 3 * H + mord, mask=bmiss)
+                        # only "a band miss" is read back from the map: ordinals capped below 4H
+                        _map_put(m_row + pos, 3 * H + tl.minimum(mord, H - 1), bmiss, ep, SHIFT,
+                                 BIAS)
                         tl.store(bp_row + mord, pos, mask=bmiss & (mord < H))
                         n_bm += tl.sum(mi)
                         tl.debug_barrier()
@@ -218,13 +261,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
             if (n_hit + n_miss + n_bh + n_bm) == 0:
                 # no hot lookup hit or missed and no band row is hot or servable: keys, LRU
                 # and flags stay as they are and phase B already wrote every output (resident
-                # rows, -1 for the unservable); unmap the keys phase A mapped
-                for h0 in range(0, H, BLOCK_H):
-                    j = h0 + offs_h
-                    jm = j < H
-                    blk = tl.load(hot_row + j // PAGE, mask=jm & ((j // PAGE) < HB), other=-1)
-                    key = tl.load(keys_row + j, mask=jm & (blk >= 0), other=-1)
-                    tl.store(m_row + key, -1, mask=jm & (blk >= 0) & (key >= 0) & (key < s_max))
+                # rows, -1 for the unservable); what A mapped expires with this call's epoch
                 if PLAN:       # the group's prefetch plan row is written whole: all -1
                     offs_p = tl.arange(0, BLOCK_P)
                     prow = plan_ptr + g.to(tl.int64) * PLAN_W + offs_p
@@ -255,16 +292,16 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         s_ok = im & (s >= 0) & (s < H)
                         blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
                         usable = s_ok & (blk >= 0)
-                        key = tl.load(keys_row + s, mask=usable, other=-1)
-                        mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max),
-                                     other=-1, volatile=True)
+                        key = tl.where(usable, tl.load(keys_row + s, mask=s_ok, other=-1), -1)
+                        mk = _map_get(m_row + key, usable & (key >= 0) & (key < s_max), ep,
+                                      SHIFT, BIAS)
                         keyed = usable & (key >= 0)
                         referenced = keyed & (mk >= H) & (mk < 2 * H)
                         bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
                         cand = usable & (~referenced)
                         nb = cand & (~bandheld)
                         if FLAGS:
-                            st = tl.load(flags_row + s, mask=nb, other=0)
+                            st = tl.load(flags_row + s, mask=s_ok, other=0)
                             n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
                         else:
                             n_low += tl.sum(nb.to(tl.int32))
@@ -301,9 +338,9 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     n_bad += tl.sum((im & (~s_ok)).to(tl.int32))
                     blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
                     usable = s_ok & (blk >= 0)
-                    key = tl.load(keys_row + s, mask=usable, other=-1)
-                    mk = tl.load(m_row + key, mask=usable & (key >= 0) & (key < s_max), other=-1,
-                                 volatile=True)
+                    key = tl.where(usable, tl.load(keys_row + s, mask=s_ok, other=-1), -1)
+                    mk = _map_get(m_row + key, usable & (key >= 0) & (key < s_max), ep, SHIFT,
+                                  BIAS)
                     keyed = usable & (key >= 0)
                     referenced = keyed & (mk >= H) & (mk < 2 * H)
                     bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
@@ -311,7 +348,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     nb = cand & (~bandheld)
                     ci = cand.to(tl.int32)
                     if FLAGS:
-                        st = tl.load(flags_row + s, mask=usable, other=0)
+                        st = tl.load(flags_row + s, mask=s_ok, other=0)
                     else:
                         st = s * 0
                     low = nb & ((st >> 1) < PROTECT)
@@ -353,8 +390,6 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     tl.store(nl_row + newpos, s, mask=im)
                     tl.store(v_row + cord, s, mask=loaded)
                     tl.store(pv_row + pord, s, mask=pf)
-                    # the evicted key is referenced by no entry of this group: safe to unmap now
-                    tl.store(m_row + key, -1, mask=(loaded | pf) & (key >= 0) & (key < s_max))
                     if FLAGS:
                         n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
                         newst = tl.where(pf, 1, tl.where(loaded, 2,
@@ -438,7 +473,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         valid = km & (pos >= 0) & (page < P)
                         res = tl.load(res_row + page, mask=valid, other=-1)
                         nonres = valid & (res < 0)
-                        mval = tl.load(m_row + pos, mask=nonres, other=-1, volatile=True)
+                        mval = _map_get(m_row + pos, valid, ep, SHIFT, BIAS)
                         is_hit = nonres & (mval >= H) & (mval < 2 * H)
                         mord = -2 - mval
                         is_miss = nonres & (mval <= -2) & (mord < n_load)
@@ -451,32 +486,13 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     tt += 1
                 tl.debug_barrier()
 
-                # ---- E: commit LRU, reset the position map
+                # ---- E: commit the new LRU order (the map needs no reset: the next call's
+                # epoch expires every entry of this one)
                 for h0 in range(0, H, BLOCK_H):
                     i = h0 + offs_h
                     im = i < H
                     s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
                     tl.store(lru_row + i, s, mask=im)
-                    blk = tl.load(hot_row + i // PAGE, mask=im & ((i // PAGE) < HB), other=-1)
-                    key = tl.load(keys_row + i, mask=im & (blk >= 0), other=-1, volatile=True)
-                    tl.store(m_row + key, -1, mask=im & (blk >= 0) & (key >= 0) & (key < s_max))
-                tt = t
-                while tt < t + n:
-                    for k0 in range(0, K, BLOCK_K):
-                        kk = k0 + offs_k
-                        km = kk < K
-                        pos = tl.load(topk_ptr + tt * stride_topk + kk, mask=km, other=-1)
-                        valid = km & (pos >= 0) & (pos < s_max)
-                        tl.store(m_row + pos, -1, mask=valid)
-                    tt += 1
-                if NB > 0:
-                    tt = t
-                    while tt < t + n:
-                        for b0 in range(0, NB, BLOCK_B):
-                            bb = b0 + tl.arange(0, BLOCK_B)
-                            pos = tl.load(band_ptr + tt * stride_band + bb, mask=bb < NB, other=-1)
-                            tl.store(m_row + pos, -1, mask=(bb < NB) & (pos >= 0) & (pos < s_max))
-                        tt += 1
                 tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
                 tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
                 if COUNT_BAD:
@@ -634,7 +650,7 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
                      if 1 << i <= MISS_COPY_SPLIT]:
         raise ValueError(f"resolve_rows: split must be a power of two in [1, "
                          f"{MISS_COPY_SPLIT}], got {split!r}")
-    m, scr = workspace.position_map, workspace.scratch
+    m, ep, scr = workspace.position_map, workspace.map_epoch, workspace.scratch
     cr, cc = workspace.copy_rows, workspace.copy_count
     g_max = m.shape[0]
     if block_k is None:
@@ -652,11 +668,11 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     plan = prefetch_plan is not None and prefetch > 0
     _resolve_kernel[(T,)](
         topk, token_req, resident_block_table, host_block_table, hot_block_table,
-        hot_keys, hot_lru, out, counters, m, scr[0], scr[1], scr[2],
+        hot_keys, hot_lru, out, counters, m, ep, scr[0], scr[1], scr[2],
         scr[3], scr[4], scr[5], band if band is not None else topk,
         hot_flags if hot_flags is not None else hot_keys,
         prefetch_plan if prefetch_plan is not None else counters, cr, cc,
-        T, P, HB, g_max,
+        T, P, HB, g_max, m.shape[1],
         topk.stride(0), resident_block_table.stride(0), host_block_table.stride(0),
         hot_block_table.stride(0), hot_keys.stride(0), hot_lru.stride(0), out.stride(0),
         m.stride(0), scr.stride(1),
@@ -671,7 +687,8 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
         BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split, BLOCK_S=max(2, split),
-        COPY_PF=prefetch > 0 and not plan, num_warps=num_warps,
+        COPY_PF=prefetch > 0 and not plan, SHIFT=position_map_shift(H), BIAS=H + 2,
+        EPOCH_MAX=position_map_max_epoch(H), num_warps=num_warps,
     )
     _resolve_gather_kernel[(groups, split)](
         cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), cc.stride(0), arena_rw, host_rw,

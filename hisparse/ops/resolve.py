@@ -92,6 +92,7 @@ from ._common import (
     PROTECT_USES,
     USE_COUNT_CAP,
     check_prefetch_plan,
+    position_map_shift,
     want_triton,
 )
 
@@ -124,8 +125,11 @@ def hot_policy_params(name: str, index_topk: int,
 class ResolveWorkspace:
     """Device state of the Triton resolver, owned by the caller and allocated once.
 
-    ``position_map [max_groups, max_positions]`` int32 is all ``-1`` between calls (each call
-    resets what it touched); ``scratch [6, max_groups, hot_buffer_size]`` int32 (victims, miss
+    ``position_map [max_groups, max_positions]`` int32 and ``map_epoch [max_groups]`` int32:
+    row ``g`` belongs to the call's ``g``-th request group; each call advances that row's epoch
+    and tags what it writes with it, so an entry of an earlier call reads as unmapped and no
+    call resets the map (:func:`~hisparse.ops._common.position_map_shift`; a row is cleared
+    when its epoch wraps); ``scratch [6, max_groups, hot_buffer_size]`` int32 (victims, miss
     positions, new LRU order, band ordinals, band-miss positions, prefetch targets);
     ``copy_rows [2, max_groups, hot_buffer_size]`` int64 (per group, the host rows and arena rows
     the miss gather moves; ``-1`` skip) and ``copy_count [max_groups, MISS_COPY_SPLIT]`` int32,
@@ -143,14 +147,21 @@ class ResolveWorkspace:
         self.max_groups = max(1, int(max_groups))
         self.max_positions = max(1, int(max_positions))
         self.hot_buffer_size = max(1, int(hot_buffer_size))
-        self.position_map = torch.full((self.max_groups, self.max_positions), -1,
-                                       dtype=torch.int32, device=self.device)
+        self.position_map = torch.zeros((self.max_groups, self.max_positions),
+                                        dtype=torch.int32, device=self.device)
+        self.map_epoch = torch.zeros(self.max_groups, dtype=torch.int32, device=self.device)
         self.scratch = torch.empty((6, self.max_groups, self.hot_buffer_size), dtype=torch.int32,
                                    device=self.device)
         self.copy_rows = torch.empty((2, self.max_groups, self.hot_buffer_size),
                                      dtype=torch.int64, device=self.device)
         self.copy_count = torch.zeros((self.max_groups, MISS_COPY_SPLIT), dtype=torch.int32,
                                       device=self.device)
+
+    def map_is_clean(self, hot_buffer_size: int) -> bool:
+        """Every entry reads as unmapped in each row's next call (no entry carries an epoch
+        beyond its row's): what a call must leave behind (tests)."""
+        written = self.position_map >> position_map_shift(hot_buffer_size)
+        return bool((written <= self.map_epoch[:, None]).all())
 
     def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:
         if (groups > self.max_groups or positions > self.max_positions

@@ -461,7 +461,7 @@ def test_workspace_is_never_reallocated(triton_cpu):
         assert torch.equal(o, o_ref)
         assert (ws.position_map.data_ptr(), ws.scratch.data_ptr(), ws.copy_rows.data_ptr(),
                 ws.copy_count.data_ptr()) == ptrs
-        assert (ws.position_map == -1).all()       # left clean for the next call
+        assert ws.map_is_clean(H)       # left clean for the next call
         assert (ws.copy_count == 0).all()          # every copy list consumed by the gather
     assert int(b.counters[0][1]) > 0               # misses went through the gather
     small = ResolveWorkspace(1, P * BS, H, "cpu")
@@ -471,6 +471,40 @@ def test_workspace_is_never_reallocated(triton_cpu):
     import hisparse.ops._resolve_triton as kernel_module
     assert not any(isinstance(v, dict) for k, v in vars(kernel_module).items()
                    if k.isupper() or k.startswith("_S")), "no module-global scratch"
+
+
+def test_position_map_epoch_wrap_clears_the_row(triton_cpu):
+    """The position map is never reset: entries carry the epoch of the call that wrote them.
+    A row whose epoch wraps is cleared first, so an entry written long ago with epoch 1 is
+    not read as mapped by the call that reuses epoch 1; before the wrap, entries of older
+    epochs are not read either. Every call equals the reference, workspace left clean."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._common import position_map_max_epoch, position_map_shift
+    R, P, H = 3, 8, 48
+    b = Batch(R=R, P=P, H=H, seed=51, resident_frac=0.25)
+    ref = b.clone()
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    g = torch.Generator().manual_seed(51)
+    shift, top = position_map_shift(H), position_map_max_epoch(H)
+    # stale entries of every kind (slots, hits, misses, band marks) tagged epoch 1
+    stale = torch.randint(0, 5 * H + 2, ws.position_map.shape, generator=g, dtype=torch.int32)
+    ws.position_map.copy_((1 << shift) | stale)
+    ws.map_epoch.fill_(top - 1)
+    epochs = []
+    for step in range(4):                      # epochs top, then 1 (cleared), 2, 3
+        req = torch.tensor([2, 0, 1], dtype=torch.int32)
+        topk = torch.stack([rand_sel(g, 12, 0, P * BS) for _ in range(3)])
+        o1 = resolve_rows(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                          b.arena_all[0], b.host_all[0], BS, b.counters[0], workspace=ws)
+        o2 = ref.resolve("reference", topk, req)
+        assert torch.equal(o1, o2), step
+        assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+        assert torch.equal(b.counters[0], ref.counters[0])
+        assert torch.equal(b.arena_all, ref.arena_all)
+        epochs.append(ws.map_epoch.tolist())
+        assert ws.map_is_clean(H)
+    assert epochs == [[top] * 3, [1] * 3, [2] * 3, [3] * 3]
+    assert int(b.counters[0][1]) > 0 and int(b.counters[0][0]) > 0      # misses, then hits
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
@@ -519,7 +553,7 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
         if PF:
             assert torch.equal(plan, ref_plan)
             assert (plan[:, [0, 2, 3]] == -1).all()   # groups of slots 1, 3 and 2
-        assert (ws.copy_count == 0).all() and (ws.position_map == -1).all()
+        assert (ws.copy_count == 0).all() and ws.map_is_clean(H)
     c = b.counters[0].tolist()
     assert c[1] > 16 and c[2] == 3 * 3               # misses beyond the split; corrupt x steps
 
@@ -589,7 +623,7 @@ def test_gpu_graphs_captured_ascending_replay_in_any_order():
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.counters[0], ref.counters[0])
-        assert (ws.position_map == -1).all()
+        assert ws.map_is_clean(H)
 
 
 # ---------------------------------------------------------------- policies (issue 15)
