@@ -81,7 +81,7 @@ for section in "$@"; do
         dir=$PWD; [ $tree = base ] && dir=$(cd "$base" && pwd)
         (
           cd "$dir" && export PYTHONPATH=$dir
-          run buckets_$tree 200 python3 -m hisparse.cli bench \
+          run buckets_$tree 300 python3 -m hisparse.cli bench \
             --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
             --modes gpu-only,hisparse --host-pool-gib 64 --profile-kernels 5 --contexts 32768 \
             --concurrency 24,max --outputs 128 --out "$out/buckets_$tree"

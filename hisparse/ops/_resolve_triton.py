@@ -66,6 +66,12 @@ def _map_put(ptrs, value, mask, ep, SHIFT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _field(packed, AT: tl.constexpr):
+    """The 16-bit count at bit ``AT`` of packed int64 counts (one prefix sum serves several)."""
+    return ((packed >> AT) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
 def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     keys_ptr, lru_ptr, out_ptr, cnt_ptr,
                     m_ptr, ep_ptr, v_ptr, mp_ptr, nl_ptr, bo_ptr, bp_ptr, pv_ptr,
@@ -82,7 +88,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     PROTECT: tl.constexpr, COUNT_CAP: tl.constexpr, PLAN: tl.constexpr,
                     BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
                     COPY_PF: tl.constexpr, SHIFT: tl.constexpr, BIAS: tl.constexpr,
-                    EPOCH_MAX: tl.constexpr):
+                    EPOCH_MAX: tl.constexpr, BLOCK_W: tl.constexpr):
     # Loop bounds are constexpr (K, H) or ``while`` conditions: the Triton interpreter (3.6)
     # cannot use a tensor-valued ``range`` bound.
     t = tl.program_id(0)
@@ -171,7 +177,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
         else:
             # ---- epoch: this call's tag for row g of the map (a wrapped epoch clears the row)
             ep = tl.load(ep_ptr + g) + 1
-            if ep > EPOCH_MAX:
+            if (ep > EPOCH_MAX) | (ep < 1):      # wrapped (or a corrupt epoch)
                 c0 = ep * 0
                 while c0 < M_W:
                     offs = c0 + offs_k
@@ -183,8 +189,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 
             # ---- A: map usable slots' keys (a slot's key is read whatever its block: the
             # loads run side by side, not one after the other)
-            for h0 in range(0, H, BLOCK_H):
-                j = h0 + offs_h
+            for h0 in range(0, H, BLOCK_W):
+                j = h0 + tl.arange(0, BLOCK_W)
                 jm = j < H
                 blk = tl.load(hot_row + j // PAGE, mask=jm & ((j // PAGE) < HB), other=-1)
                 key = tl.load(keys_row + j, mask=jm, other=-1)
@@ -284,11 +290,16 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 n_low = n_hit * 0
                 n_pfc = n_hit * 0
                 if SCORE or (PF > 0):
+                    # one packed reduction a block (16-bit fields); the next block's LRU
+                    # entries load one pass ahead
                     cand_run = n_hit * 0
+                    s_next = tl.load(lru_row + offs_h, mask=offs_h < H, other=0)
                     for h0 in range(0, H, BLOCK_H):
                         i = h0 + offs_h
                         im = i < H
-                        s = tl.load(lru_row + i, mask=im, other=0)
+                        s = s_next
+                        nxt = i + BLOCK_H
+                        s_next = tl.load(lru_row + nxt, mask=nxt < H, other=0)
                         s_ok = im & (s >= 0) & (s < H)
                         blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
                         usable = s_ok & (blk >= 0)
@@ -302,13 +313,21 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         nb = cand & (~bandheld)
                         if FLAGS:
                             st = tl.load(flags_row + s, mask=s_ok, other=0)
-                            n_low += tl.sum((nb & ((st >> 1) < PROTECT)).to(tl.int32))
+                            low = nb & ((st >> 1) < PROTECT)
                         else:
-                            n_low += tl.sum(nb.to(tl.int32))
-                        cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
-                        n_pfc += tl.sum((nb & (cord >= n_load)).to(tl.int32))
-                        cand_run += tl.sum(cand.to(tl.int32))
-                        n_nb += tl.sum(nb.to(tl.int32))
+                            low = nb
+                        if SCORE:       # n_pfc follows from n_nb below
+                            pfc = nb & (~nb)
+                        else:
+                            cord = cand_run + tl.cumsum(cand.to(tl.int32), 0) - 1
+                            pfc = nb & (cord >= n_load)
+                        counts = (low.to(tl.int64) | (nb.to(tl.int64) << 16)
+                                  | (cand.to(tl.int64) << 32) | (pfc.to(tl.int64) << 48))
+                        total = tl.sum(counts, 0)
+                        n_low += _field(total, 0)
+                        n_nb += _field(total, 16)
+                        cand_run += _field(total, 32)
+                        n_pfc += _field(total, 48)
                     if SCORE:
                         n_pfc = tl.maximum(n_nb - n_load, 0)
                 n_pf = n_hit * 0
@@ -319,7 +338,10 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 n_bhk = n_hit * 0
                 if SCORE:
                     n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
-                # ---- C: one LRU walk: victims, prefetch targets and new order
+                # ---- C: one LRU walk: victims, prefetch targets and new order. The counts
+                # known before the victims share one prefix sum (16-bit fields of an int64: a
+                # block counts at most BLOCK_H <= 1024 of each); the next block's LRU entries
+                # are loaded while this block works
                 u_total = H - n_hit - n_load - n_pf - n_bhk
                 cand_run = 0
                 low_run = 0
@@ -329,13 +351,15 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 hit_run = 0
                 n_bad = 0
                 n_used = n_hit * 0
+                s_next = tl.load(lru_row + offs_h, mask=offs_h < H, other=0)
                 for h0 in range(0, H, BLOCK_H):
                     i = h0 + offs_h
                     im = i < H
-                    s = tl.load(lru_row + i, mask=im, other=0)
+                    s = s_next
+                    nxt = i + BLOCK_H
+                    s_next = tl.load(lru_row + nxt, mask=nxt < H, other=0)
                     # an LRU entry outside [0, H) is corrupt: never read or written through, counted
                     s_ok = im & (s >= 0) & (s < H)
-                    n_bad += tl.sum((im & (~s_ok)).to(tl.int32))
                     blk = tl.load(hot_row + s // PAGE, mask=s_ok & ((s // PAGE) < HB), other=-1)
                     usable = s_ok & (blk >= 0)
                     key = tl.where(usable, tl.load(keys_row + s, mask=s_ok, other=-1), -1)
@@ -346,36 +370,46 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     bandheld = keyed & (mk >= 2 * H) & (mk < 3 * H)
                     cand = usable & (~referenced)
                     nb = cand & (~bandheld)
-                    ci = cand.to(tl.int32)
                     if FLAGS:
                         st = tl.load(flags_row + s, mask=s_ok, other=0)
                     else:
                         st = s * 0
                     low = nb & ((st >> 1) < PROTECT)
                     high = nb & (~low)
+                    later = (referenced.to(tl.int64) << 32) | ((im & (~s_ok)).to(tl.int64) << 48)
                     # score: outside the band first (rarely used, then used), then band rows,
                     # worst rank first
                     if SCORE:
+                        counts = low.to(tl.int64) | (high.to(tl.int64) << 16) | later
+                        c1 = tl.cumsum(counts, 0)
                         bo = tl.load(bo_row + s, mask=cand & bandheld, other=0, volatile=True)
-                        low_ord = low_run + tl.cumsum(low.to(tl.int32), 0) - 1
-                        high_ord = n_low + high_run + tl.cumsum(high.to(tl.int32), 0) - 1
+                        low_ord = low_run + _field(c1, 0) - 1
+                        high_ord = n_low + high_run + _field(c1, 16) - 1
                         cord = tl.where(bandheld, n_nb + n_bh - 1 - bo,
                                         tl.where(low, low_ord, high_ord))
                     else:
-                        cord = cand_run + tl.cumsum(ci, 0) - 1
+                        counts = cand.to(tl.int64) | later
+                        c1 = tl.cumsum(counts, 0)
+                        cord = cand_run + _field(c1, 0) - 1
+                    hord = hit_run + _field(c1, 32) - 1
+                    total = tl.sum(counts, 0)
                     loaded = cand & (cord < n_load)
                     pfc = nb & (~loaded)
-                    pord = pf_run + tl.cumsum(pfc.to(tl.int32), 0) - 1
-                    pf = pfc & (pord < n_pf)
+                    if PF > 0:
+                        pfi = pfc.to(tl.int32)
+                        pord = pf_run + tl.cumsum(pfi, 0) - 1
+                        pf = pfc & (pord < n_pf)
+                        pf_run += tl.sum(pfi)
+                    else:
+                        pord = cord * 0
+                        pf = cand & (~cand)
                     if SCORE:
                         bhk = cand & bandheld & (~loaded)
                     else:
                         bhk = cand & (~cand)
                     untouched = im & (~referenced) & (~loaded) & (~pf) & (~bhk)
                     ui = untouched.to(tl.int32)
-                    hi = referenced.to(tl.int32)
                     uord = unt_run + tl.cumsum(ui, 0) - 1
-                    hord = hit_run + tl.cumsum(hi, 0) - 1
                     if SCORE:
                         kpos = u_total + n_bhk - 1 - bo
                     else:
@@ -389,18 +423,21 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
                     tl.store(nl_row + newpos, s, mask=im)
                     tl.store(v_row + cord, s, mask=loaded)
-                    tl.store(pv_row + pord, s, mask=pf)
+                    if PF > 0:
+                        tl.store(pv_row + pord, s, mask=pf)
                     if FLAGS:
                         n_used += tl.sum((referenced & ((st & 1) != 0)).to(tl.int32))
                         newst = tl.where(pf, 1, tl.where(loaded, 2,
                                                          tl.minimum((st >> 1) + 1, COUNT_CAP) * 2))
                         tl.store(flags_row + s, newst.to(st.dtype), mask=referenced | loaded | pf)
-                    cand_run += tl.sum(ci)
-                    low_run += tl.sum(low.to(tl.int32))
-                    high_run += tl.sum(high.to(tl.int32))
-                    pf_run += tl.sum(pfc.to(tl.int32))
+                    if SCORE:
+                        low_run += _field(total, 0)
+                        high_run += _field(total, 16)
+                    else:
+                        cand_run += _field(total, 0)
+                    hit_run += _field(total, 32)
+                    n_bad += _field(total, 48)
                     unt_run += tl.sum(ui)
-                    hit_run += tl.sum(hi)
                 tl.debug_barrier()
 
                 # ---- D1: new keys of the loaded (and prefetched) slots; the (host row, arena row)
@@ -488,8 +525,8 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 
                 # ---- E: commit the new LRU order (the map needs no reset: the next call's
                 # epoch expires every entry of this one)
-                for h0 in range(0, H, BLOCK_H):
-                    i = h0 + offs_h
+                for h0 in range(0, H, BLOCK_W):
+                    i = h0 + tl.arange(0, BLOCK_W)
                     im = i < H
                     s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
                     tl.store(lru_row + i, s, mask=im)
@@ -618,7 +655,9 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     call (checked; never grown: a captured graph keeps the addresses it saw). Speed knobs for
     benchmarks (results do not depend on them): ``split``, gather programs per request group, a
     power of two in ``[1, MISS_COPY_SPLIT]``; ``block_h``, slots per pass of the resolver's
-    walks over the hot buffer (a power of two >= 32; default ``min(1024, H)`` rounded up);
+    walks over the hot buffer (a power of two in [32, 32768]; default ``min(1024, H)`` rounded
+    up); ``block_k``, entries per pass of the walks over the selections (default ``min(2048,
+    K)`` rounded up);
     ``num_warps`` of the resolver."""
     T, K = topk.shape
     R, P = resident_block_table.shape
@@ -639,6 +678,9 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
             continue
         if x.stride(-1) != 1:
             raise ValueError(f"resolve_rows: {name} must have a contiguous last dimension")
+    if host_block_table.shape[0] < R or host_block_table.shape[1] < P:
+        raise ValueError(f"resolve_rows: host_block_table {tuple(host_block_table.shape)} must "
+                         f"cover the resident block table's {R} requests x {P} pages")
     arena_w, arena_rw = _words(arena)
     host_w, host_rw = _words(host)
     words = arena.shape[-1] * arena.element_size() // 4
@@ -654,11 +696,13 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
     cr, cc = workspace.copy_rows, workspace.copy_count
     g_max = m.shape[0]
     if block_k is None:
-        block_k = min(1024, max(32, next_pow2(K)))
+        block_k = min(2048, max(32, next_pow2(K)))
     if block_h is None:
         block_h = min(1024, max(32, next_pow2(H)))
-    elif block_h < 32 or block_h & (block_h - 1):
-        raise ValueError(f"resolve_rows: block_h must be a power of two >= 32, got {block_h}")
+    elif block_h < 32 or block_h > 32768 or block_h & (block_h - 1):
+        # phase C counts a block in 16-bit fields
+        raise ValueError(f"resolve_rows: block_h must be a power of two in [32, 32768], "
+                         f"got {block_h}")
     nb = 0 if band is None else band.shape[1]
     if band is not None and band.shape[0] != T:
         raise ValueError(f"resolve_rows: band must be [T={T}, P], got {tuple(band.shape)}")
@@ -683,12 +727,13 @@ def resolve_rows_triton(topk, token_req, resident_block_table, host_block_table,
         K=K, H=H, PAGE=block_size, BLOCK_K=block_k, BLOCK_H=block_h,
         BLOCK_HB=max(2, next_pow2(triton.cdiv(H, block_size))),
         COUNT_BAD=counters.numel() >= 3, NB=nb,
-        BLOCK_B=min(1024, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
+        BLOCK_B=min(2048, max(32, next_pow2(max(nb, 1)))), SCORE=(policy == "score" and nb > 0),
         PF=prefetch, FLAGS=hot_flags is not None, COUNT_PF=counters.numel() >= 5,
         PROTECT=PROTECT_USES, COUNT_CAP=USE_COUNT_CAP, PLAN=plan,
         BLOCK_P=max(2, next_pow2(max(plan_w, 1))), SPLIT=split, BLOCK_S=max(2, split),
-        COPY_PF=prefetch > 0 and not plan, SHIFT=position_map_shift(H), BIAS=H + 2,
-        EPOCH_MAX=position_map_max_epoch(H), num_warps=num_warps,
+        COPY_PF=prefetch > 0 and not plan, SHIFT=position_map_shift(workspace.hot_buffer_size),
+        BIAS=H + 2, EPOCH_MAX=position_map_max_epoch(workspace.hot_buffer_size),
+        BLOCK_W=min(4096, max(32, next_pow2(H))), num_warps=num_warps,
     )
     _resolve_gather_kernel[(groups, split)](
         cr, cc, arena_w, host_w, cr.stride(1), cr.stride(0), cc.stride(0), arena_rw, host_rw,

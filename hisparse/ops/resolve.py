@@ -157,10 +157,11 @@ class ResolveWorkspace:
         self.copy_count = torch.zeros((self.max_groups, MISS_COPY_SPLIT), dtype=torch.int32,
                                       device=self.device)
 
-    def map_is_clean(self, hot_buffer_size: int) -> bool:
+    def map_is_clean(self) -> bool:
         """Every entry reads as unmapped in each row's next call (no entry carries an epoch
-        beyond its row's): what a call must leave behind (tests)."""
-        written = self.position_map >> position_map_shift(hot_buffer_size)
+        beyond its row's): what a call must leave behind (tests). The map's layout follows
+        the workspace's ``hot_buffer_size``, whatever a call's ``H``."""
+        written = self.position_map >> position_map_shift(self.hot_buffer_size)
         return bool((written <= self.map_epoch[:, None]).all())
 
     def check(self, groups: int, positions: int, hot_buffer_size: int, device) -> None:

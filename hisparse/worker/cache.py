@@ -165,7 +165,8 @@ class StepWorkspace:
 
     def data_ptrs(self) -> tuple[int, ...]:
         """Addresses of every buffer (tests check they never change)."""
-        ptrs = (self.resolve.position_map.data_ptr(), self.resolve.scratch.data_ptr(),
+        ptrs = (self.resolve.position_map.data_ptr(), self.resolve.map_epoch.data_ptr(),
+                self.resolve.scratch.data_ptr(),
                 *self.indexer.data_ptrs())
         if self.prefetch_plans is not None:
             ptrs += (self.prefetch_plans.data_ptr(),)

@@ -461,7 +461,7 @@ def test_workspace_is_never_reallocated(triton_cpu):
         assert torch.equal(o, o_ref)
         assert (ws.position_map.data_ptr(), ws.scratch.data_ptr(), ws.copy_rows.data_ptr(),
                 ws.copy_count.data_ptr()) == ptrs
-        assert ws.map_is_clean(H)       # left clean for the next call
+        assert ws.map_is_clean()       # left clean for the next call
         assert (ws.copy_count == 0).all()          # every copy list consumed by the gather
     assert int(b.counters[0][1]) > 0               # misses went through the gather
     small = ResolveWorkspace(1, P * BS, H, "cpu")
@@ -502,17 +502,77 @@ def test_position_map_epoch_wrap_clears_the_row(triton_cpu):
         assert torch.equal(b.counters[0], ref.counters[0])
         assert torch.equal(b.arena_all, ref.arena_all)
         epochs.append(ws.map_epoch.tolist())
-        assert ws.map_is_clean(H)
+        assert ws.map_is_clean()
     assert epochs == [[top] * 3, [1] * 3, [2] * 3, [3] * 3]
     assert int(b.counters[0][1]) > 0 and int(b.counters[0][0]) > 0      # misses, then hits
+
+
+def test_position_map_layout_follows_the_workspace_not_the_call(triton_cpu):
+    """One workspace serves calls with a smaller hot buffer than it was sized for: the map's
+    epoch field sits where the workspace's size puts it, so an entry a large-H call wrote is
+    never read as the current epoch by a small-H call (a review's counterexample: H = 200,
+    then calls elsewhere, then H = 16 served nothing)."""
+    from hisparse.ops import ResolveWorkspace
+    R, P = 1, 8
+    ws = ResolveWorkspace(R, P * BS, 200, "cpu")
+    g = torch.Generator().manual_seed(71)
+    for step, H in enumerate((200, 16, 16, 16, 16, 16, 16, 16, 16, 200, 16)):
+        b = Batch(R=R, P=P, H=H, seed=71 + step)
+        ref = b.clone()
+        topk = rand_sel(g, 10, 0, P * BS)[None]
+        req = torch.zeros(1, dtype=torch.int32)
+        o1 = resolve_rows(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                          b.arena_all[0], b.host_all[0], BS, b.counters[0], workspace=ws)
+        o2 = ref.resolve("reference", topk, req)
+        assert torch.equal(o1, o2), (step, H)
+        assert torch.equal(b.counters[0], ref.counters[0]) and int(b.counters[0][1]) == 10
+        assert ws.map_is_clean()
+
+
+def test_score_victims_run_past_the_rarely_used_rows(triton_cpu):
+    """Score policy with more misses than rarely used unreferenced rows outside the band: the
+    victims are every rarely used row, then the often used ones in LRU order, never a band
+    row; the kernel equals the reference in every state (the phase-C ordinals of the often
+    used class start after the rarely used count)."""
+    R, P, H = 2, 10, 32
+    b = Batch(R=R, P=P, H=H, seed=61)               # nothing resident: every lookup is hot
+    for x in b.counters:
+        x.resize_(5).zero_()
+    g = torch.Generator().manual_seed(61)
+    hot_pos = [torch.randperm(H, generator=g).to(torch.int32) for _ in range(R)]
+    for r in range(R):
+        b.keys[0][r] = hot_pos[r]                   # warm: slot j holds position hot_pos[r][j]
+    flags = torch.zeros(R, H, dtype=torch.int32)
+    flags[torch.rand(R, H, generator=g) < 0.5] = (PROTECT_USES + 1) << 1
+    ref = b.clone()
+    flags_r = flags.clone()
+    topk, band = [], []
+    for r in range(R):
+        perm = hot_pos[r][torch.randperm(H, generator=g)]
+        new = H + torch.randperm(P * BS - H, generator=g)[:15].to(torch.int32)
+        topk.append(torch.cat([perm[:8], new]))     # 8 hits, 15 misses
+        band.append(perm[8:12].clone())             # 4 band-held rows
+    topk, band = torch.stack(topk), torch.stack(band)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    # rarely used slots outside the hits and the band (slot j holds position hot_pos[r][j])
+    low = [sum(1 for j in range(H) if int(hot_pos[r][j]) not in set(topk[r, :8].tolist())
+               | set(band[r].tolist()) and int(flags[r, j]) >> 1 < PROTECT_USES)
+           for r in range(R)]
+    o1 = policy_resolve(b, "triton", topk, band, req, flags, "score", 0)
+    o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, "score", 0)
+    assert torch.equal(o1, o2)
+    assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
+    assert torch.equal(flags, flags_r) and torch.equal(b.counters[0], ref.counters[0])
+    assert torch.equal(b.arena_all, ref.arena_all)
+    assert all(0 < n < 15 for n in low)             # the victims ran into the often used rows
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
     """A batch mixing host-read requests with requests that lease no hot block (their slots'
     stale keys and corrupt LRU entries included) and a host-read request whose selections are
-    all resident (no hot lookup: its mapped keys must be unmapped): the Triton path equals the
-    reference in outputs, keys, LRU, flags, counters (corrupt entries counted), arena and
+    all resident (no hot lookup: what it mapped must expire with the call): the Triton path
+    equals the reference in outputs, keys, LRU, flags, counters (corrupt entries counted), arena and
     prefetch plan (the groups without hot lookups have plan rows of -1), with misses larger than
     the gather's split, and leaves the workspace clean."""
     from hisparse.ops import ResolveWorkspace
@@ -553,7 +613,7 @@ def test_mixed_batch_groups_without_hot_slots(triton_cpu, prefetch):
         if PF:
             assert torch.equal(plan, ref_plan)
             assert (plan[:, [0, 2, 3]] == -1).all()   # groups of slots 1, 3 and 2
-        assert (ws.copy_count == 0).all() and ws.map_is_clean(H)
+        assert (ws.copy_count == 0).all() and ws.map_is_clean()
     c = b.counters[0].tolist()
     assert c[1] > 16 and c[2] == 3 * 3               # misses beyond the split; corrupt x steps
 
@@ -589,12 +649,18 @@ def test_speed_knobs_do_not_change_results(triton_cpu, split, block_h):
 @pytest.mark.gpu
 def test_gpu_graphs_captured_ascending_replay_in_any_order():
     """Regression (issue 10): capture one graph per batch size in ascending order, all sharing
-    one workspace, then replay them in random order against the reference."""
+    one workspace, then replay them in random order against the reference. The map starts
+    full of stale entries of epoch 1 with every row's epoch two calls from its wrap, so the
+    replays clear rows on the device (the clear's barrier before phase A included)."""
     from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._common import position_map_max_epoch, position_map_shift
     R, K, H, P = 16, 256, 512, 64
     b = Batch(R=R, P=P, H=H, seed=23, resident_frac=0.2, device="cuda", pin=True)
     ref = b.clone()
     ws = ResolveWorkspace(R, P * BS, H, "cuda")
+    stale = torch.randint(0, 5 * H + 2, ws.position_map.shape, dtype=torch.int32, device="cuda")
+    ws.position_map.copy_((1 << position_map_shift(H)) | stale)
+    ws.map_epoch.fill_(position_map_max_epoch(H) - 2)
     g = torch.Generator().manual_seed(23)
     graphs = {}
     for T in (1, 2, 4, 8, 16):
@@ -623,7 +689,7 @@ def test_gpu_graphs_captured_ascending_replay_in_any_order():
         assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
         assert torch.equal(b.arena_all, ref.arena_all)
         assert torch.equal(b.counters[0], ref.counters[0])
-        assert ws.map_is_clean(H)
+        assert ws.map_is_clean()
 
 
 # ---------------------------------------------------------------- policies (issue 15)
