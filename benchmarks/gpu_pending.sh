@@ -3,7 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests fused buckets step moe rank glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests resolver rankmax fused buckets step moe rank glm gemm pinned disagg nixl
+#            kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -127,6 +128,28 @@ for section in "$@"; do
         --json "$out/nixl_vram.json"
       grep -hv "NIXL INFO" "$out/nixl_host.log" "$out/nixl_vram.log" >"$out/nixl_table.txt"
       cat "$out/nixl_table.txt" ;;
+    resolver) # issue 24 item 3: the eleventh session's resolver rebuild (epoch-tagged map, loads
+             # side by side, packed prefix sums) against the kernel before it, same call: its
+             # GPU tests, the phase probe of both kernels, the bench's scenarios (~3 min).
+             # RESOLVE_BASE: `git show ae322f2:hisparse/ops/_resolve_triton.py` saved here
+             # (the device's copy has no history; carry its directory)
+      base=${RESOLVE_BASE:?resolver: RESOLVE_BASE=file of the kernel module at ae322f2}
+      GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
+        tests/engine/test_hot_policy.py tests/bench/test_band_replay.py tests/engine/test_spec_gpu.py
+        tests/engine/test_soak.py tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
+        tests/engine/test_engine_switches.py tests/engine/test_disagg_gpu.py" bash "$0" "$out" tests
+      run phases_base 60 python3 benchmarks/probe_resolver_phases.py --source "$base" \
+        --requests 8,42 --scenarios steady,cold2 --out "$out/phases_base.json"
+      run phases_new 60 python3 benchmarks/probe_resolver_phases.py --requests 8,42 \
+        --scenarios steady,cold2 --out "$out/phases_new.json"
+      run bench_resolver 90 python3 benchmarks/bench_resolver.py --baseline "$base" --splits 16 \
+        --out "$out/bench_resolver.json" ;;
+    rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
+             # profile (whole-run figures under the current warm-up; ~5 min)
+      run rankmax 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
+        --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \
+        --out "$out/rankmax" ;;
     kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
@@ -152,7 +175,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests fused buckets step moe rank glm gemm pinned disagg"\
-            "nixl kernels serve)"; exit 2 ;;
+    *) echo "unknown section $section (tests resolver rankmax fused buckets step moe rank glm gemm"\
+            "pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done
