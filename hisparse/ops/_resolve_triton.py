@@ -340,7 +340,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     n_bhk = n_bh - tl.maximum(tl.minimum(n_load - n_nb, n_bh), 0)
                 # ---- C: one LRU walk: victims, prefetch targets and new order. The counts
                 # known before the victims share one prefix sum (16-bit fields of an int64: a
-                # block counts at most BLOCK_H <= 1024 of each); the next block's LRU entries
+                # block counts at most BLOCK_H <= 32768 of each); the next block's LRU entries
                 # are loaded while this block works
                 u_total = H - n_hit - n_load - n_pf - n_bhk
                 cand_run = 0

@@ -92,6 +92,7 @@ from ._common import (
     PROTECT_USES,
     USE_COUNT_CAP,
     check_prefetch_plan,
+    position_map_max_epoch,
     position_map_shift,
     want_triton,
 )
@@ -147,6 +148,7 @@ class ResolveWorkspace:
         self.max_groups = max(1, int(max_groups))
         self.max_positions = max(1, int(max_positions))
         self.hot_buffer_size = max(1, int(hot_buffer_size))
+        position_map_max_epoch(self.hot_buffer_size)       # the map's layout fits (or raises)
         self.position_map = torch.zeros((self.max_groups, self.max_positions),
                                         dtype=torch.int32, device=self.device)
         self.map_epoch = torch.zeros(self.max_groups, dtype=torch.int32, device=self.device)
