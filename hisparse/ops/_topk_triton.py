@@ -50,6 +50,8 @@ BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase 
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
+ROW_BLOCK = 4096        # columns per step of a row program (HISPARSE_TOPK=row) on the GPU
+ROW_WARPS = 16          # warps of a row program
 
 
 @triton.jit
@@ -371,24 +373,55 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
 
 
 @triton.jit
-def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
-                 NB: tl.constexpr, KPAD: tl.constexpr):
-    """The former ranking (``HISPARSE_TOPK=legacy``): one program per row sorts its whole
-    selection."""
-    row = tl.program_id(0)
-    total = tl.sum(tl.load(hist_ptr + row * stride_h + tl.arange(0, NB)), 0)
+def _sort_selection(k_row, h_row, o_row, K, NB: tl.constexpr, KPAD: tl.constexpr):
+    """One program sorts a row's whole selection in place: the ``min(K, valid)`` collected
+    columns of ``o_row`` by key descending, ties by the lower column, ``-1`` after them."""
+    total = tl.sum(tl.load(h_row + tl.arange(0, NB), cache_modifier=".cg"), 0)
     n_sel = tl.minimum(total, K)
     j = tl.arange(0, KPAD)
     m = j < n_sel
-    o_row = out_ptr + row.to(tl.int64) * stride_o
-    col = tl.load(o_row + j, mask=m, other=0)
-    key = tl.load(keys_ptr + row.to(tl.int64) * stride_k + col, mask=m, other=0)
+    col = tl.load(o_row + j, mask=m, other=0, cache_modifier=".cg")
+    key = tl.load(k_row + col, mask=m, other=0)
     packed = (key.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))    # ties: lower col
     none = tl.full([KPAD], -9223372036854775808, tl.int64)
     packed = tl.sort(tl.where(m, packed, none), descending=True)
     res = (4294967295 - (packed & 4294967295)).to(tl.int32)
     res = tl.where(packed == none, -1, res)
     tl.store(o_row + j, res, mask=j < K)
+
+
+@triton.jit
+def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
+                 NB: tl.constexpr, KPAD: tl.constexpr):
+    """The former ranking (``HISPARSE_TOPK=legacy``): one program per row sorts its whole
+    selection."""
+    row = tl.program_id(0)
+    _sort_selection(keys_ptr + row.to(tl.int64) * stride_k, hist_ptr + row * stride_h,
+                    out_ptr + row.to(tl.int64) * stride_o, K, NB, KPAD)
+
+
+@triton.jit
+def _topk_row_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K,
+                     stride_k, stride_h, stride_s, stride_o,
+                     LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                     STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+                     MAXS: tl.constexpr, KPAD: tl.constexpr):
+    """``HISPARSE_TOPK=row``: one program per row runs every phase (the histograms, the
+    collect, then one sort of the whole selection), its phases separated by CTA barriers
+    only: no program waits on another (the published DSA top-k kernels give a row one CTA of
+    many warps; a fused launch's rows wait at ``LEVELS + 2`` arrival counters)."""
+    row = tl.program_id(0)
+    h_row = hist_ptr + row * stride_h
+    for level in tl.static_range(LEVELS):
+        _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k,
+                    stride_s, level, NB, BLOCK, STATE, FOR_LOOP, STAGES)
+        tl.debug_barrier()
+    _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, 0, row, W, K, 1,
+                   stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP, STAGES,
+                   MAXS)
+    tl.debug_barrier()
+    _sort_selection(keys_ptr + row.to(tl.int64) * stride_k, h_row,
+                    out_ptr + row.to(tl.int64) * stride_o, K, NB, KPAD)
 
 
 @functools.cache
@@ -453,6 +486,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     C = triton.cdiv(k, ch)
     if mode != "legacy" and C * ch > sq.shape[1]:
         mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
+    if mode == "row":
+        return _topk_rows(keys, lengths.to(torch.int32), k, out, scratch, cfg, hist_zeroed)
     fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
     splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
@@ -493,4 +528,22 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         kpad = max(16, next_pow2(k))
         _sort_kernel[(T,)](keys, hist, out, k, keys.stride(0), hist.stride(0), out.stride(0),
                            NB=RADIX_BINS, KPAD=kpad, num_warps=8 if kpad >= 2048 else 4)
+    return out
+
+
+def _topk_rows(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
+               scratch: TopkScratch, cfg: TopkLaunch, hist_zeroed: bool) -> torch.Tensor:
+    """``HISPARSE_TOPK=row``: one launch, one program a row (``splits`` ignored), its
+    selection sorted in registers (``k <= SORT_COLS``; larger ``k`` runs ``legacy``)."""
+    T, W = keys.shape
+    hist = scratch.hist[:T]
+    if not hist_zeroed:
+        hist.zero_()
+    sh = scratch.split_hist
+    block = cfg.block if interpreted() or not keys.is_cuda else max(cfg.block, ROW_BLOCK)
+    _topk_row_kernel[(T,)](keys, lengths, hist, sh, out, W, k, keys.stride(0), hist.stride(0),
+                           sh.stride(0), out.stride(0), LEVELS=RADIX_LEVELS, NB=RADIX_BINS,
+                           BLOCK=block, STATE=STATE_OFFSET, FOR_LOOP=not interpreted(),
+                           STAGES=2, MAXS=MAX_SPLITS, KPAD=max(16, next_pow2(k)),
+                           num_warps=ROW_WARPS)
     return out

@@ -16,7 +16,10 @@ is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalize
 (:mod:`hisparse.ops._topk_triton`), all exact and equal: ``fused`` (default) one kernel per call,
 the row's programs meeting between phases; ``phased`` the same phases one launch each;
 ``legacy`` the former path (four histogram launches, a collect, then one program per row
-sorting the whole selection: ~30 us whatever the batch).
+sorting the whole selection: ~30 us whatever the batch); ``row`` one launch of one program per
+row (16 warps, 4,096 columns a step on the GPU) running every phase and one sort of the whole
+selection, no program waiting on another (the design of the published DSA top-k kernels: not
+yet measured on the GPU, not the default).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ SORT_CASES = [
 
 # the interpreter runs "fused" as one launch per phase ("phased"): the GPU tests cover both
 @pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
-                         + [("legacy", SORT_CASES[0])])
+                         + [("legacy", SORT_CASES[0])] + [("row", c) for c in SORT_CASES])
 def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, case):
     k, distinct, lengths, chunk = case
     kernel_switches(topk=mode)
@@ -190,6 +190,27 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     used = n_live * min(most, T // max(n_live, 1))      # the interpreter: one program a row
     assert (scratch.split_hist[used:] == -5).all()
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
+
+
+@pytest.mark.parametrize("k", [7, 40, 130, 151])
+def test_triton_row_mode_later_digits_decide(triton_cpu, kernel_switches, k):
+    """HISPARSE_TOPK=row (one program a row, every phase, one sort): rows decided by the later
+    digits, tied blocks, invalid columns, a row shorter than k, an empty row and a row of
+    equal keys give the reference's selection and order; the scratch is reused (zeroed by
+    each call)."""
+    kernel_switches(topk="row")
+    T, W = 7, 150
+    keys = bucket_keys(T, W, seed=k)
+    keys[4, ::7] = INT32_MIN
+    keys[6] = 12345
+    lens = torch.tensor([150, 150, 131, 150, 97, 0, 150], dtype=torch.int32)
+    scratch = TopkScratch(T, "cpu")
+    for block in (16, 64):
+        out = torch.full((T, k), SENTINEL, dtype=torch.int32)
+        got = topk_select(keys, lens, k, out=out, scratch=scratch,
+                          launch=TopkLaunch(block=block))
+        assert torch.equal(got, topk_select_reference(keys, lens, k)), block
+    assert got[6].tolist() == list(range(min(k, W))) + [-1] * (k - min(k, W))
 
 
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
@@ -285,7 +306,7 @@ GPU_SHAPES = [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048), (64, 32768
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
+@pytest.mark.parametrize("mode,T,W,k", [(m, *s) for m in ("fused", "row") for s in GPU_SHAPES]
                          + [(m, *s) for m in ("phased", "legacy") for s in GPU_SHAPES[:2]])
 @pytest.mark.parametrize("distinct", [3, 1 << 30])
 def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
@@ -323,7 +344,7 @@ def test_gpu_batch_invariant():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fused", "phased"])
+@pytest.mark.parametrize("mode", ["fused", "phased", "row"])
 def test_gpu_cuda_graph_buckets(kernel_switches, mode):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections."""
