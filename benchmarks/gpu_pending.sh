@@ -3,8 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests resolver rankmax fused buckets step moe rank glm gemm pinned disagg nixl
-#            kernels serve
+#   SECTION: tests resolver topkrow rankmax fused buckets step moe rank glm gemm pinned disagg
+#            nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -144,6 +144,11 @@ for section in "$@"; do
         --scenarios steady,cold2 --out "$out/phases_new.json"
       run bench_resolver 90 python3 benchmarks/bench_resolver.py --baseline "$base" --splits 16 \
         --out "$out/bench_resolver.json" ;;
+    topkrow) # issue 24 item 1: HISPARSE_TOPK=row (one program a row, opt-in) beside the fused
+             # launch: its GPU tests, then the isolated table and the sweeps (~5 min)
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py" bash "$0" "$out" tests
+      HISPARSE_TRITON_AUTOTUNE=0 run topk 240 python3 benchmarks/bench_topk.py \
+        --only topk,topk-sweep --out "$out/bench_topk.json" ;;
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
              # profile (whole-run figures under the current warm-up; ~5 min)
       run rankmax 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
@@ -175,7 +180,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests resolver rankmax fused buckets step moe rank glm gemm"\
-            "pinned disagg nixl kernels serve)"; exit 2 ;;
+    *) echo "unknown section $section (tests resolver topkrow rankmax fused buckets step moe rank"\
+            "glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done
