@@ -16,6 +16,7 @@ pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``
   (HiSparse at 24 requests on the real rank, where no lookup was a hot one, is one of these two
   or a mix).
 
+``--policy score+prefetch``: the engine's default hot policy, with a band (class ``Policy``).
 ``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
 program moves a group's misses). ``--configs BLOCK_H:WARPS,...``: also time the resolver with
 those slots per pass over the hot buffer and warps (default 1024:8), at split 16.
@@ -87,8 +88,34 @@ def legacy_map(ws: ResolveWorkspace) -> None:
     ws.position_map.fill_(-1)
 
 
+class Policy:
+    """The hot policy a run resolves under: ``lru`` (what ``--topk synthetic:0.8`` benches
+    run: that source has no band), or the engine's default ``score+prefetch`` with a band of
+    ``K`` next-ranked positions a token (another stream's selections of the same step: some
+    held in the hot buffer, some not) and ``PREFETCH`` rows prefetched a call, copied by the
+    miss gather. ``steps(R, s)``: the band of step ``s``; ``kw(band, flags)``: the resolver's
+    keyword arguments."""
+
+    PREFETCH = K // 64      # hot_policy_params: index_topk // 64
+
+    def __init__(self, name: str, table: torch.Tensor) -> None:
+        if name not in ("lru", "score+prefetch"):
+            raise ValueError(f"--policy must be lru or score+prefetch, got {name!r}")
+        self.name, self.table = name, table
+
+    def steps(self, R: int, s: int) -> torch.Tensor | None:
+        if self.name == "lru":
+            return None
+        return self.table[(torch.arange(R) + 1) % self.table.shape[0], 0, s].contiguous().cuda()
+
+    def kw(self, band: torch.Tensor | None, flags: torch.Tensor | None) -> dict:
+        if self.name == "lru":
+            return {}
+        return dict(band=band, policy="score", prefetch=self.PREFETCH, hot_flags=flags)
+
+
 def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
-        table: torch.Tensor, host: torch.Tensor) -> dict:
+        table: torch.Tensor, host: torch.Tensor, policy: Policy | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     b = build(R, ctx, scenario, gen, host)
     ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
@@ -100,6 +127,11 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
              for s in range(WARM + TIMED)]
     topk = steps[0].clone()
     out = torch.empty_like(topk)
+    policy = policy or Policy("lru", table)
+    bands = [policy.steps(R, s) for s in range(WARM + TIMED)]
+    band = bands[0].clone() if bands[0] is not None else None
+    flags = torch.zeros((R, H), dtype=torch.int32, device="cuda") if band is not None else None
+    kw = {**kw, **policy.kw(band, flags)}
     cold = torch.tensor([0, 1], device="cuda")
 
     def call():
@@ -114,6 +146,8 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
     times, hits, misses = [], 0, 0
     for i, sel in enumerate(steps):
         topk.copy_(sel)
+        if band is not None:
+            band.copy_(bands[i])
         if scenario == "cold2" and i >= WARM:
             b["keys"][cold] = -1
         c0 = b["counters"].clone()
@@ -144,10 +178,12 @@ def main() -> None:
     p.add_argument("--scenarios", default="steady,cold2,mixed,resident,leased")
     p.add_argument("--configs", default="", help="BLOCK_H:WARPS,... resolver configs to try")
     p.add_argument("--baseline", default=None, help="another _resolve_triton.py to time")
+    p.add_argument("--policy", default="lru", help="lru or score+prefetch (class Policy)")
     p.add_argument("--out", default=None, help="JSON file")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     table = topk_table("synthetic:0.8", 1, a.context, WARM + TIMED, K)
+    policy = Policy(a.policy, table)
     variants = [(f"split {n}", resolve_rows_triton, {"split": int(n)})
                 for n in a.splits.split(",")]
     for cfg in filter(None, a.configs.split(",")):
@@ -164,7 +200,8 @@ def main() -> None:
     for scenario in a.scenarios.split(","):
         rows = []
         for name, fn, kw in variants:
-            r = run(a.requests, a.context, scenario, name, fn, kw, table, host)
+            r = run(a.requests, a.context, scenario, name, fn, kw, table, host, policy)
+            r["policy"] = a.policy
             rows.append(r)
             print(f"{scenario:<9} {name:<9}: {r['us']:8.1f} us per layer call, "
                   f"{r['misses_per_request']:6.1f} misses per request (hit rate "

@@ -130,7 +130,8 @@ for section in "$@"; do
       cat "$out/nixl_table.txt" ;;
     resolver) # issue 24 item 3: the eleventh session's resolver rebuild (epoch-tagged map, loads
              # side by side, packed prefix sums) against the kernel before it, same call: its
-             # GPU tests, the phase probe of both kernels, the bench's scenarios (~3 min).
+             # GPU tests, the phase probe of both kernels and the bench's scenarios under lru
+             # and score+prefetch (~5 min).
              # RESOLVE_BASE: `git show ae322f2:hisparse/ops/_resolve_triton.py` saved here
              # (the device's copy has no history; carry its directory)
       base=${RESOLVE_BASE:?resolver: RESOLVE_BASE=file of the kernel module at ae322f2}
@@ -138,12 +139,15 @@ for section in "$@"; do
         tests/engine/test_hot_policy.py tests/bench/test_band_replay.py tests/engine/test_spec_gpu.py
         tests/engine/test_soak.py tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_engine_switches.py tests/engine/test_disagg_gpu.py" bash "$0" "$out" tests
-      run phases_base 60 python3 benchmarks/probe_resolver_phases.py --source "$base" \
-        --requests 8,42 --scenarios steady,cold2 --out "$out/phases_base.json"
-      run phases_new 60 python3 benchmarks/probe_resolver_phases.py --requests 8,42 \
-        --scenarios steady,cold2 --out "$out/phases_new.json"
-      run bench_resolver 90 python3 benchmarks/bench_resolver.py --baseline "$base" --splits 16 \
-        --out "$out/bench_resolver.json" ;;
+      for policy in lru score+prefetch; do     # the benches' policy, the engine's default
+        run phases_base_$policy 60 python3 benchmarks/probe_resolver_phases.py --source "$base" \
+          --requests 8,42 --scenarios steady,cold2 --policy $policy \
+          --out "$out/phases_base_$policy.json"
+        run phases_new_$policy 60 python3 benchmarks/probe_resolver_phases.py --requests 8,42 \
+          --scenarios steady,cold2 --policy $policy --out "$out/phases_new_$policy.json"
+        run bench_resolver_$policy 90 python3 benchmarks/bench_resolver.py --baseline "$base" \
+          --splits 16 --policy $policy --out "$out/bench_resolver_$policy.json"
+      done ;;
     topkrow) # issue 24 item 1: HISPARSE_TOPK=row (one program a row, opt-in) beside the fused
              # launch: its GPU tests, then the isolated table and the sweeps (~5 min)
       GPU_TEST_FILES="tests/ops/test_ops_topk.py" bash "$0" "$out" tests

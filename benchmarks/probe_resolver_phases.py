@@ -83,7 +83,8 @@ def load_instrumented(src: Path = SRC):
     return mod.resolve_rows_triton, names, "ep_ptr" not in text
 
 
-def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bool) -> dict:
+def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bool,
+        policy: br.Policy) -> dict:
     gen = torch.Generator().manual_seed(0)
     b = br.build(R, ctx, scenario, gen, host)
     b["counters"] = torch.zeros(16 + R * 2 * SLOTS, dtype=torch.int64, device="cuda")
@@ -95,10 +96,14 @@ def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bo
              for s in range(br.WARM + br.TIMED)]
     topk = steps[0].clone()
     out = torch.empty_like(topk)
+    bands = [policy.steps(R, s) for s in range(br.WARM + br.TIMED)]
+    band = bands[0].clone() if bands[0] is not None else None
+    flags = torch.zeros((R, br.H), dtype=torch.int32, device="cuda") if band is not None else None
+    kw = policy.kw(band, flags)
 
     def call():
         resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"], b["arena"],
-                b["host"], br.BS, b["counters"], ws, out=out)
+                b["host"], br.BS, b["counters"], ws, out=out, **kw)
 
     call()
     torch.cuda.synchronize()
@@ -109,6 +114,8 @@ def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bo
     spans, span_us, kernel_us = [], [], []
     for i, sel in enumerate(steps):
         topk.copy_(sel)
+        if band is not None:
+            band.copy_(bands[i])
         b["counters"][16:] = 0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -145,18 +152,20 @@ def main() -> None:
     p.add_argument("--scenarios", default="steady,leased")
     p.add_argument("--source", default=str(SRC),
                    help="another version of _resolve_triton.py to instrument (a baseline)")
+    p.add_argument("--policy", default="lru", help="lru or score+prefetch (bench_resolver.Policy)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     resolve, names, legacy = load_instrumented(Path(a.source))
     table = topk_table("synthetic:0.8", 1, a.context, br.WARM + br.TIMED, br.K)
+    policy = br.Policy(a.policy, table)
     reqs = [int(x) for x in a.requests.split(",")]
     host = torch.empty((max(reqs) * br.pages(a.context) * br.BS, br.ROW), dtype=torch.uint8,
                        pin_memory=True)
     rows = []
     for scenario in a.scenarios.split(","):
         for R in reqs:
-            r = run(R, a.context, scenario, resolve, names, table, host, legacy)
-            r["source"] = a.source
+            r = run(R, a.context, scenario, resolve, names, table, host, legacy, policy)
+            r["source"], r["policy"] = a.source, a.policy
             rows.append(r)
             ph = "  ".join(f"{n} {u:.1f}" for n, u in r["phase_us"].items() if u is not None)
             print(f"{scenario:<8} R={R:<3} graph {r['kernel_us']:7.1f} us (resolver + gather), "
