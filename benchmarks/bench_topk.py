@@ -122,7 +122,7 @@ def bench_topk(res, shapes, table_width):
               f"{t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}", flush=True)
 
 
-ROW_BLOCKS = (4096, 8192, 16384)      # a row program's columns a step (HISPARSE_TOPK=row)
+ROW_BLOCKS = (4096, 8192)      # a row program's columns a step (16384 spills on SM90)
 SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
          TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048))

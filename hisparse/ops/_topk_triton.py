@@ -6,7 +6,8 @@ launch's programs are spread over the rows with ``lengths > 0`` only, so a padde
 rows get the padding's programs: :func:`_live_rows`), ``_topk_select_kernel`` runs these
 phases: all in one launch (``fused``, the default on CUDA: the row's programs wait for each
 other between phases on an arrival counter), or one launch per phase (``phased``; always under
-the interpreter, which runs programs one after the other):
+the interpreter, which runs programs one after the other); ``row`` (opt-in) runs phases 0-4
+in one program a row and sorts its whole selection at once (``_topk_row_kernel``):
 
 0-3. Histogram of digit ``level`` (bits ``31-8l..24-8l`` of the key with its sign bit flipped,
    i.e. unsigned order) over the valid columns whose higher digits equal the threshold prefix
@@ -467,7 +468,8 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
 def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
                        scratch: TopkScratch, mode: str, cfg: TopkLaunch,
                        hist_zeroed: bool = False) -> torch.Tensor:
-    """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring).
+    """The Triton top-k (``mode``: ``fused``, ``phased``, ``legacy`` or ``row``; module
+    docstring).
     ``hist_zeroed``: ``scratch.hist[:T]`` is zero already (the scoring kernel's work): no fill."""
     T, W = keys.shape
     if keys.stride(1) != 1:
@@ -533,8 +535,10 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
 
 def _topk_rows(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
                scratch: TopkScratch, cfg: TopkLaunch, hist_zeroed: bool) -> torch.Tensor:
-    """``HISPARSE_TOPK=row``: one launch, one program a row (``splits`` ignored), its
-    selection sorted in registers (``k <= SORT_COLS``; larger ``k`` runs ``legacy``)."""
+    """``HISPARSE_TOPK=row``: one launch, one program a row, its selection sorted in registers
+    (``k <= SORT_COLS``; larger ``k`` runs ``legacy``). Of the launch hints only ``block``
+    counts, and on the GPU at least :data:`ROW_BLOCK` (``splits``, ``warps``, ``per_sm`` and
+    ``sort_chunk`` shape the other modes' launches)."""
     T, W = keys.shape
     hist = scratch.hist[:T]
     if not hist_zeroed:

@@ -322,6 +322,24 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 16, 100, 2048])
+@pytest.mark.parametrize("W", [4095, 4097, 5000])
+def test_gpu_row_mode_small_k_and_short_rows(kernel_switches, W, k):
+    """HISPARSE_TOPK=row: a 16-warp program with few sort slots, rows just under and over one
+    step of 4,096 columns, heavy ties, a scratch whose histograms hold garbage, repeated (the
+    phases' order inside each program) at more rows than SMs."""
+    kernel_switches(topk="row")
+    T = 300
+    keys, lens = _gpu_rows(T, W, k, seed=W + k, distinct=3)
+    scratch = TopkScratch(T, "cuda")
+    want = topk_select_reference(keys, lens, k)
+    for i in range(20):
+        scratch.hist.random_(-2 ** 20, 2 ** 20)
+        out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+        assert torch.equal(topk_select(keys, lens, k, out=out, scratch=scratch), want), i
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
                                     TopkLaunch(per_sm=4)])
