@@ -529,16 +529,28 @@ def test_position_map_layout_follows_the_workspace_not_the_call(triton_cpu):
         assert ws.map_is_clean()
 
 
-def test_score_victims_run_past_the_rarely_used_rows(triton_cpu):
-    """Score policy with more misses than rarely used unreferenced rows outside the band: the
-    victims are every rarely used row, then the often used ones in LRU order, never a band
-    row; the kernel equals the reference in every state (the phase-C ordinals of the often
-    used class start after the rarely used count)."""
-    R, P, H = 2, 10, 32
-    b = Batch(R=R, P=P, H=H, seed=61)               # nothing resident: every lookup is hot
+# (policy, prefetch, H, block_h, band misses): one pass or three passes over the hot buffer
+# (the packed counts carried from pass to pass), the count pass (C0) of the score policy and
+# of lru with prefetch, whose prefetch targets are bound by the candidates left after the
+# victims when the band offers more misses than that
+@pytest.mark.parametrize("policy,prefetch,H,block_h,band_misses", [
+    ("score", 0, 32, None, 6), ("score", 0, 96, 32, 6), ("score", 4, 96, 32, 6),
+    ("lru", 4, 96, 32, 6), ("lru", 40, 96, 32, 36)])
+def test_victims_run_past_the_rarely_used_rows(triton_cpu, policy, prefetch, H, block_h,
+                                               band_misses):
+    """More misses than rarely used unreferenced rows outside the band: under the score
+    policy the victims are every rarely used row, then the often used ones in LRU order,
+    never a band row; the Triton kernel (``block_h`` slots a pass) equals the reference in
+    every state (the phase-C ordinals of the often used class start after the rarely used
+    count; with prefetch, the targets follow the victims)."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._resolve_triton import resolve_rows_triton
+    R, P = 2, 16
+    n_hit, n_band, n_miss = H // 4, H // 8, H // 2 - 1
+    b = Batch(R=R, P=P, H=H, seed=61 + H)           # nothing resident: every lookup is hot
     for x in b.counters:
         x.resize_(5).zero_()
-    g = torch.Generator().manual_seed(61)
+    g = torch.Generator().manual_seed(61 + H)
     hot_pos = [torch.randperm(H, generator=g).to(torch.int32) for _ in range(R)]
     for r in range(R):
         b.keys[0][r] = hot_pos[r]                   # warm: slot j holds position hot_pos[r][j]
@@ -546,25 +558,35 @@ def test_score_victims_run_past_the_rarely_used_rows(triton_cpu):
     flags[torch.rand(R, H, generator=g) < 0.5] = (PROTECT_USES + 1) << 1
     ref = b.clone()
     flags_r = flags.clone()
+    flags_before = flags.clone()
     topk, band = [], []
     for r in range(R):
         perm = hot_pos[r][torch.randperm(H, generator=g)]
-        new = H + torch.randperm(P * BS - H, generator=g)[:15].to(torch.int32)
-        topk.append(torch.cat([perm[:8], new]))     # 8 hits, 15 misses
-        band.append(perm[8:12].clone())             # 4 band-held rows
+        new = H + torch.randperm(P * BS - H, generator=g)[:n_miss + band_misses].to(torch.int32)
+        topk.append(torch.cat([perm[:n_hit], new[:n_miss]]))
+        band.append(torch.cat([perm[n_hit:n_hit + n_band], new[n_miss:]]))  # held + misses
     topk, band = torch.stack(topk), torch.stack(band)
     req = torch.tensor([0, 1], dtype=torch.int32)
-    # rarely used slots outside the hits and the band (slot j holds position hot_pos[r][j])
-    low = [sum(1 for j in range(H) if int(hot_pos[r][j]) not in set(topk[r, :8].tolist())
-               | set(band[r].tolist()) and int(flags[r, j]) >> 1 < PROTECT_USES)
-           for r in range(R)]
-    o1 = policy_resolve(b, "triton", topk, band, req, flags, "score", 0)
-    o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, "score", 0)
+    ws = ResolveWorkspace(R, P * BS, H, "cpu")
+    o1 = resolve_rows_triton(topk, req, b.res, b.hostbt, b.hot, b.keys[0], b.lru[0],
+                             b.arena_all[0], b.host_all[0], BS, b.counters[0], ws, band=band,
+                             policy=policy, prefetch=prefetch, hot_flags=flags,
+                             block_h=block_h)
+    o2 = policy_resolve(ref, "reference", topk, band, req, flags_r, policy, prefetch)
     assert torch.equal(o1, o2)
     assert torch.equal(b.keys[0], ref.keys[0]) and torch.equal(b.lru[0], ref.lru[0])
     assert torch.equal(flags, flags_r) and torch.equal(b.counters[0], ref.counters[0])
     assert torch.equal(b.arena_all, ref.arena_all)
-    assert all(0 < n < 15 for n in low)             # the victims ran into the often used rows
+    if prefetch:
+        n_pf = int(ref.counters[0][3])
+        assert n_pf > 0                             # prefetch targets were chosen
+        if band_misses > 30:                        # bound by the candidates left
+            assert n_pf < R * min(prefetch, band_misses), n_pf
+    # rarely used slots outside the hits and the band (slot j holds position hot_pos[r][j])
+    taken = [set(topk[r, :n_hit].tolist()) | set(band[r, :n_band].tolist()) for r in range(R)]
+    low = [sum(1 for j in range(H) if int(hot_pos[r][j]) not in taken[r]
+               and int(flags_before[r, j]) >> 1 < PROTECT_USES) for r in range(R)]
+    assert all(0 < n < n_miss for n in low), (low, n_miss)   # victims ran into often used rows
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
