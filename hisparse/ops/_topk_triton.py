@@ -402,27 +402,138 @@ def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
 
 
 @triton.jit
-def _topk_row_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, W, K,
-                     stride_k, stride_h, stride_s, stride_o,
+def _split_block(base, o_row, c_row, start, hi, b0, n_gt, n_cand, NB: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """A row program's level-1 step over one block: the columns whose top digit is above the
+    threshold digit ``b0`` go to ``out`` slots ``n_gt..`` (selected whatever the later digits),
+    those equal to it to the candidate list at ``n_cand..`` (both in column order); returns
+    the new counts and the candidates' level-1 digit histogram."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    ok = m & (s != -2147483648)
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
+    d0 = (u >> 24).to(tl.int32)
+    gt = ok & (d0 > b0)
+    eq = ok & (d0 == b0)
+    gi = gt.to(tl.int32)
+    ei = eq.to(tl.int32)
+    tl.store(o_row + n_gt + tl.cumsum(gi, 0) - 1, offs, mask=gt)
+    tl.store(c_row + n_cand + tl.cumsum(ei, 0) - 1, offs, mask=eq)
+    h = tl.histogram(((u >> 16) & 0xFF).to(tl.int32), NB, mask=eq)
+    return n_gt + tl.sum(gi, 0), n_cand + tl.sum(ei, 0), h
+
+
+@triton.jit
+def _candidate_keys(k_row, c_row, j, n_cand):
+    """Candidates ``j`` (``< n_cand``): (valid, column, unsigned-order key)."""
+    m = j < n_cand
+    col = tl.load(c_row + j, mask=m, other=0, cache_modifier=".cg")
+    s = tl.load(k_row + col, mask=m, other=-2147483648)
+    return m, col, (s ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _candidate_hist(k_row, c_row, n_cand, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Digit ``LEVEL`` histogram of the candidates whose higher digits equal ``prefix``."""
+    acc = tl.zeros([NB], dtype=tl.int32)
+    j0 = n_cand * 0
+    while j0 < n_cand:
+        m, col, u = _candidate_keys(k_row, c_row, j0 + tl.arange(0, BLOCK), n_cand)
+        ok = m & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
+        acc += tl.histogram(((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32), NB, mask=ok)
+        j0 += BLOCK
+    return acc
+
+
+@triton.jit
+def _candidate_collect(k_row, c_row, o_row, n_cand, n_gt, prefix, shift, cgt, need,
+                       BLOCK: tl.constexpr):
+    """The selected candidates into ``out``: those above ``prefix`` at the resolved level
+    after the ``n_gt`` columns the level-1 step placed (slots up to ``cgt``), then the first
+    ``need`` equal to it, by column (candidates are in column order)."""
+    ties = n_cand * 0
+    j0 = n_cand * 0
+    while j0 < n_cand:
+        m, col, u = _candidate_keys(k_row, c_row, j0 + tl.arange(0, BLOCK), n_cand)
+        pref = u.to(tl.int64) >> shift
+        gt = (m & (pref > prefix)).to(tl.int32)
+        tie = (m & (pref == prefix)).to(tl.int32)
+        tl.store(o_row + n_gt + tl.cumsum(gt, 0) - 1, col, mask=gt > 0)
+        rank = ties + tl.cumsum(tie, 0) - 1
+        tl.store(o_row + cgt + rank, col, mask=(tie > 0) & (rank < need))
+        n_gt += tl.sum(gt, 0)
+        ties += tl.sum(tie, 0)
+        j0 += BLOCK
+
+
+@triton.jit
+def _topk_row_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, cand_ptr, W, K, CAP,
+                     stride_k, stride_h, stride_s, stride_o, stride_c,
                      LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                      STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                      MAXS: tl.constexpr, KPAD: tl.constexpr):
-    """``HISPARSE_TOPK=row``: one program per row runs every phase (the histograms, the
-    collect, then one sort of the whole selection), its phases separated by CTA barriers
-    only: no program waits on another (the published DSA top-k kernels give a row one CTA of
-    many warps; a fused launch's rows wait at ``LEVELS + 2`` arrival counters)."""
+    """``HISPARSE_TOPK=row``: one program per row runs every phase, separated by CTA barriers
+    only (no program waits on another: the published DSA top-k kernels give a row one CTA of
+    many warps; a fused launch's rows wait at ``LEVELS + 2`` arrival counters), then sorts the
+    whole selection at once. Level 0 reads the row; when the threshold is not resolved there
+    and its top-digit bucket holds at most ``CAP`` columns, level 1 reads the row once more,
+    placing the columns above the bucket and keeping the bucket's columns aside, and the later
+    levels and the collect walk those candidates only; otherwise every level and the collect
+    read the row (the ``phased`` passes with one split)."""
     row = tl.program_id(0)
     h_row = hist_ptr + row * stride_h
-    for level in tl.static_range(LEVELS):
-        _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k,
-                    stride_s, level, NB, BLOCK, STATE, FOR_LOOP, STAGES)
-        tl.debug_barrier()
-    _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, 0, row, W, K, 1,
-                   stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP, STAGES,
-                   MAXS)
+    k_row = keys_ptr + row.to(tl.int64) * stride_k
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    c_row = cand_ptr + row.to(tl.int64) * stride_c
+    offs_b = tl.arange(0, NB)
+    _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k, stride_s,
+                0, NB, BLOCK, STATE, FOR_LOOP, STAGES)
     tl.debug_barrier()
-    _sort_selection(keys_ptr + row.to(tl.int64) * stride_k, h_row,
-                    out_ptr + row.to(tl.int64) * stride_o, K, NB, KPAD)
+    level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
+    b0 = pre.to(tl.int32)
+    n_bucket = tl.load(h_row + b0, mask=done == 0, other=0, cache_modifier=".cg")
+    if (done == 0) & (n_bucket <= CAP):
+        _store_state(h_row, 0, level, pre, cgt, need, done, STATE)
+        lo, hi = _row_span(len_ptr, row, 0, W, 1, BLOCK)
+        n_gt = cgt * 0
+        n_cand = cgt * 0
+        acc = tl.zeros([NB], dtype=tl.int32)
+        if FOR_LOOP:
+            for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+                n_gt, n_cand, h = _split_block(k_row, o_row, c_row, start, hi, b0, n_gt, n_cand,
+                                               NB, BLOCK)
+                acc += h
+        else:
+            start = lo
+            while start < hi:
+                n_gt, n_cand, h = _split_block(k_row, o_row, c_row, start, hi, b0, n_gt, n_cand,
+                                               NB, BLOCK)
+                acc += h
+                start += BLOCK
+        tl.store(h_row + NB + offs_b, acc)
+        tl.debug_barrier()
+        for lv in tl.static_range(2, LEVELS):
+            level, pre, cgt, need, done = _state_after(h_row, K, lv - 1, NB, STATE)
+            _store_state(h_row, lv - 1, level, pre, cgt, need, done, STATE)
+            acc = _candidate_hist(k_row, c_row, tl.where(done != 0, 0, n_cand), pre, lv, NB,
+                                  BLOCK)
+            tl.store(h_row + lv * NB + offs_b, acc)
+            tl.debug_barrier()
+        level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
+        _candidate_collect(k_row, c_row, o_row, n_cand, n_gt, pre, (32 - 8 * level).to(tl.int64),
+                           cgt, need, BLOCK)
+    else:
+        for lv in tl.static_range(1, LEVELS):
+            _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k,
+                        stride_s, lv, NB, BLOCK, STATE, FOR_LOOP, STAGES)
+            tl.debug_barrier()
+        _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, 0, row, W, K, 1,
+                       stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP,
+                       STAGES, MAXS)
+    tl.debug_barrier()
+    _sort_selection(k_row, h_row, o_row, K, NB, KPAD)
 
 
 @functools.cache
@@ -543,10 +654,11 @@ def _topk_rows(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
     hist = scratch.hist[:T]
     if not hist_zeroed:
         hist.zero_()
-    sh = scratch.split_hist
+    sh, cand = scratch.split_hist, scratch.candidates
     block = cfg.block if interpreted() or not keys.is_cuda else max(cfg.block, ROW_BLOCK)
-    _topk_row_kernel[(T,)](keys, lengths, hist, sh, out, W, k, keys.stride(0), hist.stride(0),
-                           sh.stride(0), out.stride(0), LEVELS=RADIX_LEVELS, NB=RADIX_BINS,
+    _topk_row_kernel[(T,)](keys, lengths, hist, sh, out, cand, W, k, cand.shape[1],
+                           keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
+                           cand.stride(0), LEVELS=RADIX_LEVELS, NB=RADIX_BINS,
                            BLOCK=block, STATE=STATE_OFFSET, FOR_LOOP=not interpreted(),
                            STAGES=2, MAXS=MAX_SPLITS, KPAD=max(16, next_pow2(k)),
                            num_warps=ROW_WARPS)

@@ -18,8 +18,9 @@ the row's programs meeting between phases; ``phased`` the same phases one launch
 ``legacy`` the former path (four histogram launches, a collect, then one program per row
 sorting the whole selection: ~30 us whatever the batch); ``row`` one launch of one program per
 row (16 warps, 4,096 columns a step on the GPU) running every phase and one sort of the whole
-selection, no program waiting on another (the design of the published DSA top-k kernels: not
-yet measured on the GPU, not the default).
+selection, no program waiting on another, the later levels walking the top digit's threshold
+bucket kept aside (:data:`ROW_CANDIDATES` columns at most) instead of the row (the design of
+the published DSA top-k kernels: not yet measured on the GPU, not the default).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
+ROW_CANDIDATES = 8192       # a row program's threshold-bucket columns (HISPARSE_TOPK=row)
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,17 @@ class TopkScratch:
     them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
     split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
     read by each call); ``stalls [1]`` counts a fused launch's row barriers that gave up
-    waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
+    waiting (a bug if ever nonzero: that call's result is not to be trusted); ``candidates
+    [rows, row_candidates]`` int32, the columns of a row's top-digit threshold bucket that a row
+    program (``HISPARSE_TOPK=row``) walks instead of the whole row when they fit (written
+    before they are read by each call)."""
 
-    def __init__(self, rows: int, device: torch.device | str) -> None:
+    def __init__(self, rows: int, device: torch.device | str,
+                 row_candidates: int = ROW_CANDIDATES) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
+        self.candidates = torch.empty((self.rows, max(1, int(row_candidates))),
+                                      dtype=torch.int32, device=dev)
         self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
                                 device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
@@ -103,11 +111,11 @@ class TopkScratch:
         self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
     ROW_BYTES = (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
-                 + 8 * SORT_COLS)
+                 + 8 * SORT_COLS + 4 * ROW_CANDIDATES)
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
-                self.stalls.data_ptr())
+                self.stalls.data_ptr(), self.candidates.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,

@@ -192,19 +192,23 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
 
 
+# candidates kept aside: as many as fit (every bucket), 40 (some rows' buckets only), 1 (none:
+# every level reads the row)
+@pytest.mark.parametrize("cap", [None, 40, 1])
 @pytest.mark.parametrize("k", [7, 40, 130, 151])
-def test_triton_row_mode_later_digits_decide(triton_cpu, kernel_switches, k):
+def test_triton_row_mode_later_digits_decide(triton_cpu, kernel_switches, k, cap):
     """HISPARSE_TOPK=row (one program a row, every phase, one sort): rows decided by the later
     digits, tied blocks, invalid columns, a row shorter than k, an empty row and a row of
-    equal keys give the reference's selection and order; the scratch is reused (zeroed by
-    each call)."""
+    equal keys give the reference's selection and order, whether the later levels walk the
+    top digit's bucket kept aside or the whole row; the scratch is reused (zeroed by each
+    call)."""
     kernel_switches(topk="row")
     T, W = 7, 150
     keys = bucket_keys(T, W, seed=k)
     keys[4, ::7] = INT32_MIN
     keys[6] = 12345
     lens = torch.tensor([150, 150, 131, 150, 97, 0, 150], dtype=torch.int32)
-    scratch = TopkScratch(T, "cpu")
+    scratch = TopkScratch(T, "cpu") if cap is None else TopkScratch(T, "cpu", row_candidates=cap)
     for block in (16, 64):
         out = torch.full((T, k), SENTINEL, dtype=torch.int32)
         got = topk_select(keys, lens, k, out=out, scratch=scratch,
