@@ -150,7 +150,7 @@ class IndexerWorkspace:
     @staticmethod
     def default_rows(max_tokens: int, max_positions: int, budget_bytes: int = 1 << 28) -> int:
         """Rows for ``max_tokens`` per call within ``budget_bytes`` (256 MiB by default)."""
-        row_bytes = 4 * max(1, int(max_positions)) + 4 + TopkScratch.ROW_BYTES
+        row_bytes = 4 * max(1, int(max_positions)) + 4 + TopkScratch.row_bytes()
         return max(1, min(int(max_tokens), budget_bytes // row_bytes))
 
     def data_ptrs(self) -> tuple[int, ...]:

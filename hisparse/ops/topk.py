@@ -37,7 +37,7 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
-ROW_CANDIDATES = 8192       # a row program's threshold-bucket columns (HISPARSE_TOPK=row)
+ROW_CANDIDATES = 32768      # a row program's threshold-bucket columns (HISPARSE_TOPK=row)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,12 @@ def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> 
     return out
 
 
+def row_candidates_default() -> int:
+    """A scratch's candidate columns a row: :data:`ROW_CANDIDATES` under ``HISPARSE_TOPK=row``,
+    else one (no other mode reads them)."""
+    return ROW_CANDIDATES if switches.current().topk == "row" else 1
+
+
 class TopkScratch:
     """Device scratch of the Triton top-k for up to ``rows`` rows a call, allocated once (a CUDA
     graph keeps the addresses it captured): per row the four global digit histograms, a slot
@@ -95,14 +101,17 @@ class TopkScratch:
     waiting (a bug if ever nonzero: that call's result is not to be trusted); ``candidates
     [rows, row_candidates]`` int32, the columns of a row's top-digit threshold bucket that a row
     program (``HISPARSE_TOPK=row``) walks instead of the whole row when they fit (written
-    before they are read by each call)."""
+    before they are read by each call; a bucket that does not fit costs speed, never
+    exactness). ``row_candidates`` (default :func:`row_candidates`): one column unless the row
+    mode is the one in force when the scratch is made (the engine reads the switches once, at
+    start-up)."""
 
     def __init__(self, rows: int, device: torch.device | str,
-                 row_candidates: int = ROW_CANDIDATES) -> None:
+                 row_candidates: int | None = None) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
-        self.candidates = torch.empty((self.rows, max(1, int(row_candidates))),
-                                      dtype=torch.int32, device=dev)
+        n = row_candidates_default() if row_candidates is None else int(row_candidates)
+        self.candidates = torch.empty((self.rows, max(1, n)), dtype=torch.int32, device=dev)
         self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
                                 device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
@@ -110,8 +119,12 @@ class TopkScratch:
         self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
         self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    ROW_BYTES = (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
-                 + 8 * SORT_COLS + 4 * ROW_CANDIDATES)
+    @staticmethod
+    def row_bytes(row_candidates: int | None = None) -> int:
+        """Bytes a row of the scratch takes (``row_candidates`` as in the constructor)."""
+        n = row_candidates_default() if row_candidates is None else int(row_candidates)
+        return (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
+                + 8 * SORT_COLS + 4 * max(1, n))
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
