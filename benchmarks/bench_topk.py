@@ -38,6 +38,7 @@ from hisparse.ops import switches  # noqa: E402
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
+    ROW_CANDIDATES,
     TopkLaunch,
     TopkScratch,
     orderable_keys,
@@ -80,10 +81,23 @@ def _topk_inputs(ctx, T, W):
     return keys, lens
 
 
+def _scratch(T):
+    """One scratch for every mode (with the row mode's candidates: a scratch made under another
+    mode has none)."""
+    return TopkScratch(T, "cuda", row_candidates=ROW_CANDIDATES)
+
+
+def _sweep_case(ctx, T, k):
+    """(keys, lengths, scratch, out, reference) of one sweep shape."""
+    keys, lens = _topk_inputs(ctx, T, ctx)
+    out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+    return keys, lens, _scratch(T), out, topk_select_reference(keys, lens, k)
+
+
 def _topk_case(ctx, T, table_width, k):
     W = max(ctx, table_width)
     keys, lens = _topk_inputs(ctx, T, W)
-    scratch = TopkScratch(T, "cuda")
+    scratch = _scratch(T)
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     want = topk_select_reference(keys[:, :ctx], lens, k)
     t = {}
@@ -135,10 +149,7 @@ def sweep_topk(res, shapes):
     names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}" for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
-        keys, lens = _topk_inputs(ctx, T, ctx)
-        scratch = TopkScratch(T, "cuda")
-        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-        want = topk_select_reference(keys, lens, k)
+        keys, lens, scratch, out, want = _sweep_case(ctx, T, k)
         ts = []
         for cfg in SWEEP:
             ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg))
@@ -151,10 +162,7 @@ def sweep_topk(res, shapes):
     print("\ntop-k row programs (HISPARSE_TOPK=row) by columns a step, us")
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{b:>8}" for b in ROW_BLOCKS))
     for ctx, T, k in shapes:
-        keys, lens = _topk_inputs(ctx, T, ctx)
-        scratch = TopkScratch(T, "cuda")
-        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-        want = topk_select_reference(keys, lens, k)
+        keys, lens, scratch, out, want = _sweep_case(ctx, T, k)
         ts = []
         for b in ROW_BLOCKS:
             cfg = TopkLaunch(block=b)
