@@ -150,7 +150,8 @@ for section in "$@"; do
       done ;;
     topkrow) # issue 24 item 1: HISPARSE_TOPK=row (one program a row, opt-in) beside the fused
              # launch: its GPU tests, then the isolated table and the sweeps (~5 min)
-      GPU_TEST_FILES="tests/ops/test_ops_topk.py" bash "$0" "$out" tests
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/engine/test_engine_switches.py" \
+        bash "$0" "$out" tests
       HISPARSE_TRITON_AUTOTUNE=0 run topk 240 python3 benchmarks/bench_topk.py \
         --only topk,topk-sweep --out "$out/bench_topk.json" ;;
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel

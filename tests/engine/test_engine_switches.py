@@ -113,6 +113,30 @@ def test_gpu_eager_and_replayed_steps_keep_the_start_switches(tmp_path, monkeypa
         llm.shutdown()
 
 
+@pytest.mark.gpu
+def test_gpu_row_topk_engine_gives_the_fused_tokens(tmp_path, monkeypatch):
+    """An engine started under HISPARSE_TOPK=row (its top-k scratch then holds the row
+    programs' candidates) decodes, through its captured graphs, the greedy tokens of one
+    started under the default fused top-k: the selections are exact either way."""
+    geo = dict(PRODUCTION_GEOMETRY, index_topk=64)
+    path = make_random_checkpoint(tmp_path, "deepseek_v32", seed=6, hidden_size=256,
+                                  num_attention_heads=16, num_key_value_heads=16,
+                                  q_lora_rank=128, num_hidden_layers=2, **geo)
+    batch = prompts(4, 100, 300, seed=6)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = {}
+    for mode in ("fused", "row"):
+        monkeypatch.setenv("HISPARSE_TOPK", mode)
+        llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
+                  max_num_seqs=4, max_num_batched_tokens=256)
+        try:
+            assert llm.switches.topk == mode and llm.runner.graphs is not None
+            got[mode] = tokens(llm.generate(batch, sp))
+        finally:
+            llm.shutdown()
+    assert got["row"] == got["fused"]
+
+
 def test_an_engine_started_beside_a_live_one_under_other_switches_is_warned(dsv32_path,
                                                                            monkeypatch, caplog):
     first = tiny(dsv32_path)
