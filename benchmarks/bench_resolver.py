@@ -114,6 +114,50 @@ class Policy:
         return dict(band=band, policy="score", prefetch=self.PREFETCH, hot_flags=flags)
 
 
+class Replay:
+    """One layer's resolver call over a :func:`build` state, captured in a CUDA graph as the
+    engine runs it (compiled outside the capture by a first eager call), and the steps'
+    selections (and band, under ``score+prefetch``) to feed its static inputs: what
+    :func:`run` and ``probe_resolver_phases.py`` time."""
+
+    def __init__(self, R: int, b: dict, ws: ResolveWorkspace, resolve, kw: dict,
+                 table: torch.Tensor, policy: Policy) -> None:
+        self.steps = [table[torch.arange(R) % table.shape[0], 0, s].contiguous().cuda()
+                      for s in range(WARM + TIMED)]
+        self.bands = [policy.steps(R, s) for s in range(WARM + TIMED)]
+        topk = self.steps[0].clone()
+        band = self.bands[0].clone() if self.bands[0] is not None else None
+        flags = torch.zeros((R, H), dtype=torch.int32, device="cuda") if band is not None else None
+        self.topk, self.band, out = topk, band, torch.empty_like(topk)
+        req = torch.arange(R, dtype=torch.int32, device="cuda")
+        kw = {**kw, **policy.kw(band, flags)}
+
+        def call():
+            resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"],
+                    b["arena"], b["host"], BS, b["counters"], ws, out=out, **kw)
+
+        call()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            call()
+
+    def feed(self, i: int) -> None:
+        """Step ``i``'s selections (and band) into the graph's inputs."""
+        self.topk.copy_(self.steps[i])
+        if self.band is not None:
+            self.band.copy_(self.bands[i])
+
+    def timed(self) -> float:
+        """One replay, us."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+
 def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
         table: torch.Tensor, host: torch.Tensor, policy: Policy | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
@@ -121,43 +165,17 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
     ws = ResolveWorkspace(R, b["P"] * BS, H, "cuda")
     if variant == "baseline":
         legacy_map(ws)
-    req = torch.arange(R, dtype=torch.int32, device="cuda")
-    streams = table.shape[0]
-    steps = [table[torch.arange(R) % streams, 0, s].contiguous().cuda()
-             for s in range(WARM + TIMED)]
-    topk = steps[0].clone()
-    out = torch.empty_like(topk)
-    policy = policy or Policy("lru", table)
-    bands = [policy.steps(R, s) for s in range(WARM + TIMED)]
-    band = bands[0].clone() if bands[0] is not None else None
-    flags = torch.zeros((R, H), dtype=torch.int32, device="cuda") if band is not None else None
-    kw = {**kw, **policy.kw(band, flags)}
+    replay = Replay(R, b, ws, resolve, kw, table, policy or Policy("lru", table))
     cold = torch.tensor([0, 1], device="cuda")
-
-    def call():
-        resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"], b["arena"],
-                b["host"], BS, b["counters"], ws, out=out, **kw)
-
-    call()                                   # compile outside the capture (a cold fill)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
     times, hits, misses = [], 0, 0
-    for i, sel in enumerate(steps):
-        topk.copy_(sel)
-        if band is not None:
-            band.copy_(bands[i])
+    for i in range(WARM + TIMED):
+        replay.feed(i)
         if scenario == "cold2" and i >= WARM:
             b["keys"][cold] = -1
         c0 = b["counters"].clone()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
+        us = replay.timed()
         if i >= WARM:
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(us)
             d = (b["counters"] - c0).tolist()
             hits, misses = hits + d[0], misses + d[1]
     assert int(b["counters"][2]) == 0

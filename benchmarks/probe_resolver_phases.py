@@ -91,40 +91,16 @@ def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bo
     ws = ResolveWorkspace(R, b["P"] * br.BS, br.H, "cuda")
     if legacy:
         br.legacy_map(ws)
-    req = torch.arange(R, dtype=torch.int32, device="cuda")
-    steps = [table[torch.arange(R) % table.shape[0], 0, s].contiguous().cuda()
-             for s in range(br.WARM + br.TIMED)]
-    topk = steps[0].clone()
-    out = torch.empty_like(topk)
-    bands = [policy.steps(R, s) for s in range(br.WARM + br.TIMED)]
-    band = bands[0].clone() if bands[0] is not None else None
-    flags = torch.zeros((R, br.H), dtype=torch.int32, device="cuda") if band is not None else None
-    kw = policy.kw(band, flags)
-
-    def call():
-        resolve(topk, req, b["res"], b["hostbt"], b["hot"], b["keys"], b["lru"], b["arena"],
-                b["host"], br.BS, b["counters"], ws, out=out, **kw)
-
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    replay = br.Replay(R, b, ws, resolve, {}, table, policy)
     per_phase: dict[str, list[float]] = {n: [] for n in names[:-1]}
     spans, span_us, kernel_us = [], [], []
-    for i, sel in enumerate(steps):
-        topk.copy_(sel)
-        if band is not None:
-            band.copy_(bands[i])
+    for i in range(br.WARM + br.TIMED):
+        replay.feed(i)
         b["counters"][16:] = 0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
+        us = replay.timed()
         if i < br.WARM:
             continue
-        kernel_us.append(start.elapsed_time(end) * 1e3)
+        kernel_us.append(us)
         st = b["counters"][16:].view(R, SLOTS, 2)[:, :len(names)].cpu()
         for r in range(R):
             c, g = st[r, :, 0], st[r, :, 1]

@@ -85,20 +85,29 @@ def test_an_override_at_the_start_is_what_the_engine_and_its_tp_ranks_run(dsv32_
             llm.shutdown()
 
 
+def _gpu_checkpoint(tmp_path, seed):
+    """A 2-layer V3.2-shaped random checkpoint whose requests outgrow its top-k (64)."""
+    geo = dict(PRODUCTION_GEOMETRY, index_topk=64)
+    return make_random_checkpoint(tmp_path, "deepseek_v32", seed=seed, hidden_size=256,
+                                  num_attention_heads=16, num_key_value_heads=16,
+                                  q_lora_rank=128, num_hidden_layers=2, **geo)
+
+
+def _gpu_engine(path):
+    return LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
+               max_num_seqs=4, max_num_batched_tokens=256)
+
+
 @pytest.mark.gpu
 def test_gpu_eager_and_replayed_steps_keep_the_start_switches(tmp_path, monkeypatch, seen):
     """CUDA, decode graphs captured at the start: variables flipped afterwards (each picks other
     kernels: reference GEMMs, unfused glue and MoE, the legacy top-k, untuned GEMMs) change
     neither the eager (prefill) nor the replayed (decode) steps: the same greedy tokens, and
     every op read the start's switches."""
-    geo = dict(PRODUCTION_GEOMETRY, index_topk=64)
-    path = make_random_checkpoint(tmp_path, "deepseek_v32", seed=5, hidden_size=256,
-                                  num_attention_heads=16, num_key_value_heads=16,
-                                  q_lora_rank=128, num_hidden_layers=2, **geo)
+    path = _gpu_checkpoint(tmp_path, seed=5)
     batch = prompts(4, 100, 200, seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
-              max_num_seqs=4, max_num_batched_tokens=256)
+    llm = _gpu_engine(path)
     try:
         assert llm.runner.graphs is not None and llm.runner.graphs.capture
         want = tokens(llm.generate(batch, sp))
@@ -118,17 +127,13 @@ def test_gpu_row_topk_engine_gives_the_fused_tokens(tmp_path, monkeypatch):
     """An engine started under HISPARSE_TOPK=row (its top-k scratch then holds the row
     programs' candidates) decodes, through its captured graphs, the greedy tokens of one
     started under the default fused top-k: the selections are exact either way."""
-    geo = dict(PRODUCTION_GEOMETRY, index_topk=64)
-    path = make_random_checkpoint(tmp_path, "deepseek_v32", seed=6, hidden_size=256,
-                                  num_attention_heads=16, num_key_value_heads=16,
-                                  q_lora_rank=128, num_hidden_layers=2, **geo)
+    path = _gpu_checkpoint(tmp_path, seed=6)
     batch = prompts(4, 100, 300, seed=6)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = {}
     for mode in ("fused", "row"):
         monkeypatch.setenv("HISPARSE_TOPK", mode)
-        llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
-                  max_num_seqs=4, max_num_batched_tokens=256)
+        llm = _gpu_engine(path)
         try:
             assert llm.switches.topk == mode and llm.runner.graphs is not None
             got[mode] = tokens(llm.generate(batch, sp))
