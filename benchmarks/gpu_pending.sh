@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests resolver topkrow rankmax fused buckets step moe rank glm gemm pinned disagg
+#   SECTION: tests resolver topkrow rankmax attnprobe fused buckets step moe rank glm gemm pinned disagg
 #            nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -160,6 +160,19 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
         --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \
         --out "$out/rankmax" ;;
+    attnprobe) # issue 25: where the FP8 attention's time goes at 16 heads (variants leaving a
+             # stage out, the merge alone; ~2 min), then, where ncu reads the counters
+             # (Firecracker machines, H200.md), its occupancy and stall reasons at 96 x 2k
+      run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
+        --out "$out/attn_stages.json"
+      if command -v ncu >/dev/null; then
+        run attn_ncu 240 ncu --clock-control none --kernel-name regex:_attn_fp8 \
+          --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+          --section LaunchStats --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis \
+          python3 benchmarks/probe_attention_stages.py --once 96x2048
+        grep -vE "^==PROF==" "$out/attn_ncu.log" | tail -n 120 >"$out/attn_ncu.txt"
+      fi ;;
     kernels) # issues 24/25: the new kernels against the old ones in one run (first configs,
              # no autotuning, so both sides compile once): FP8 linears (stream vs tile vs
              # scaled_mm vs bf16), the whole MoE layer (fused vs HISPARSE_FUSED_MOE=0), the
@@ -185,7 +198,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests resolver topkrow rankmax fused buckets step moe rank"\
+    *) echo "unknown section $section (tests resolver topkrow rankmax attnprobe fused buckets step moe rank"\
             "glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,158 @@
+"""Where the FP8 sparse attention kernel's time goes, by leaving stages out (H200; issue 25).
+
+    PYTHONPATH=. python benchmarks/probe_attention_stages.py [--points 8x32768,24x32768,96x2048]
+        [--out F.json]
+    PYTHONPATH=. python benchmarks/probe_attention_stages.py --once 96x2048   # one call, for ncu
+
+At 16 heads the kernel (``_attn_fp8_kernel``, one program per token x 64-index chunk) runs at
+~0.15 of HBM bandwidth at 96 tokens x 2048 indices (187 us a layer call, the ninth session),
+about one wave of two programs an SM every ~16 us whatever the token count. Without hardware
+counters (H200.md: gVisor has none), this probe times variants of the kernel that leave one
+stage out and reports each against the whole kernel, in the same process: the value dot
+(``no_pv``), the logit dots (``no_qk``), the tile-scale multiply and its reshape
+(``no_scale``), the partial outputs' store (``no_store``), and both dots (``loads``: gather and
+dequantize only, the rows summed so the loads stay live). The merge kernel is timed alone on the partials of the same call. The
+variants are copies of ``hisparse/ops/_attention_triton.py`` made at run time with one source
+edit each (the package's kernel is not changed); an edit that no longer matches the source
+stops the probe, and the unedited copy must give the package's bits.
+
+``--once TxC`` runs the package's kernel a few times at one point and exits: the command for
+``ncu --clock-control none --kernel-name regex:_attn_fp8 --launch-skip 3 --launch-count 1
+--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ops import timeit_graph  # noqa: E402
+
+from hisparse.ops import quantize_mla_rows_reference  # noqa: E402
+from hisparse.ops import _attention_triton as AT  # noqa: E402
+
+SRC = Path(AT.__file__)
+HEADS, K = 16, 2048
+
+# variant -> (text in the source, its replacement); each must match exactly once
+EDITS: dict[str, tuple[str, str]] = {
+    "no_pv": ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
+              "acc = acc * alpha[:, None]"),
+    "no_qk": ("s = tl.dot(q_nope, tl.trans(kn))\n        s = tl.dot(q_pe, tl.trans(kp), s)",
+              "s = tl.zeros([q_nope.shape[0], BLOCK_N], tl.float32)"),
+    "no_scale": ("kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])\n"
+                 "                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
+                 "kn = f8.to(tl.bfloat16)"),
+    "no_store": ("tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])\n"
+                 "        tl.store(lse_ptrs, lse, mask=hm)",
+                 "tl.store(lse_ptrs, lse + tl.sum(o, axis=1) * 0.0, mask=hm)"),
+}
+# the gather and dequantization alone: no dot, the rows summed into the output (kept live)
+SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
+            "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")
+COMBOS = {"loads": ("no_qk", "sum_rows")}
+
+
+def variant_module(names: tuple[str, ...]):
+    """A copy of the attention module with the edits ``names`` applied."""
+    text = SRC.read_text()
+    for name in names:
+        old, new = SUM_ROWS if name == "sum_rows" else EDITS[name]
+        if text.count(old) != 1:
+            raise SystemExit(f"edit {name!r} no longer matches {SRC} once: update EDITS")
+        text = text.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"_attn_{'_'.join(names) or 'copy'}.py"
+    path.write_text(text)
+    name = f"hisparse.ops._attn_{'_'.join(names) or 'copy'}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "hisparse.ops"
+    sys.modules[name] = mod             # the module's dataclasses look themselves up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def inputs(T: int, context: int):
+    """Queries, FP8 rows and indices as a decode step reads them: token ``t`` selects K
+    distinct rows of its own ``context`` rows, in random order."""
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + context)
+    kv = torch.randn(T * context, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv8 = quantize_mla_rows_reference(kv, 512)
+    local = torch.rand(T, context, device="cuda", generator=g).argsort(dim=1)[:, :K]
+    idx = (local + torch.arange(T, device="cuda")[:, None] * context).int()
+    q = torch.randn(T, HEADS, 576, device="cuda", generator=g).to(torch.bfloat16)
+    return q, kv8, idx
+
+
+def combine_only_us(T: int) -> float:
+    """The merge kernel alone over ``T`` tokens' chunk partials of the default plan."""
+    cfg = AT.attn_config(HEADS, K, True, False)
+    S = cfg.splits(K)
+    po = torch.randn(S, T, HEADS, 512, device="cuda")
+    pl = torch.randn(S, T, HEADS, device="cuda")
+    out = torch.empty(T, HEADS, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(T, HEADS, device="cuda")
+
+    def run():
+        AT._combine_kernel[(T, HEADS)](
+            po, pl, out, lse, HEADS, S, po.stride(0), po.stride(1), po.stride(2),
+            pl.stride(0), pl.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            D_V=512, BLOCK_S=max(2, AT.next_pow2(S)), num_warps=4)
+    return timeit_graph(run) * 1e6
+
+
+def probe(T: int, context: int, variants: dict[str, object]) -> dict:
+    q, kv8, idx = inputs(T, context)
+    scale = 576 ** -0.5
+    want = AT.sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
+    got = variants["whole"].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
+    if not torch.equal(want, got):
+        raise SystemExit("the unedited copy differs from the package's kernel")
+    us = {name: timeit_graph(lambda m=m: m.sparse_mla_attention_fp8_triton(q, kv8, idx, scale))
+          * 1e6 for name, m in variants.items()}
+    kv_bytes = T * K * kv8.shape[1]
+    return {"tokens": T, "context": context, "us": us, "combine_us": combine_only_us(T),
+            "kv_gb_s": kv_bytes / (us["whole"] * 1e-6) / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", default="8x32768,24x32768,42x32768,96x2048",
+                    help="TOKENSxCONTEXT,...")
+    ap.add_argument("--once", default=None, help="TxC: run the package's kernel 5 times, exit")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.once:
+        T, C = (int(v) for v in args.once.split("x"))
+        q, kv8, idx = inputs(T, C)
+        for _ in range(5):
+            AT.sparse_mla_attention_fp8_triton(q, kv8, idx, 576 ** -0.5)
+        torch.cuda.synchronize()
+        return
+    variants = {"whole": variant_module(())}
+    for name in EDITS:
+        variants[name] = variant_module((name,))
+    for name, parts in COMBOS.items():
+        variants[name] = variant_module(parts)
+    rows = []
+    print(f"{'point':>9} " + " ".join(f"{n:>9}" for n in variants) + "   combine  KV GB/s")
+    for point in args.points.split(","):
+        T, C = (int(v) for v in point.split("x"))
+        r = probe(T, C, variants)
+        rows.append(r)
+        print(f"{point:>9} " + " ".join(f"{r['us'][n]:9.1f}" for n in variants)
+              + f" {r['combine_us']:9.1f} {r['kv_gb_s']:8.0f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
