@@ -160,9 +160,14 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
         --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \
         --out "$out/rankmax" ;;
-    attnprobe) # issue 25: where the FP8 attention's time goes at 16 heads (variants leaving a
-             # stage out, the merge alone; ~2 min), then, where ncu reads the counters
-             # (Firecracker machines, H200.md), its occupancy and stall reasons at 96 x 2k
+    attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
+             # built): the GPU tests of the files it touches (~3 min), where its time goes at
+             # 16 heads (variants leaving a stage out, the kernel before it, the merge alone;
+             # ~2 min), then, where ncu reads counters (Firecracker machines, H200.md), its
+             # occupancy and stall reasons at 96 x 2k
+      GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
+        tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
+        tests/engine/test_soak.py" bash "$0" "$out" tests
       run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
       if command -v ncu >/dev/null; then

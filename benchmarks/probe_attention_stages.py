@@ -1,22 +1,23 @@
 """Where the FP8 sparse attention kernel's time goes, by leaving stages out (H200; issue 25).
 
-    PYTHONPATH=. python benchmarks/probe_attention_stages.py [--points 8x32768,24x32768,96x2048]
+    PYTHONPATH=. python benchmarks/probe_attention_stages.py [--points 8x32768,96x2048]
         [--out F.json]
-    PYTHONPATH=. python benchmarks/probe_attention_stages.py --once 96x2048   # one call, for ncu
+    PYTHONPATH=. python benchmarks/probe_attention_stages.py --once 96x2048   # for ncu
 
-At 16 heads the kernel (``_attn_fp8_kernel``, one program per token x 64-index chunk) runs at
-~0.15 of HBM bandwidth at 96 tokens x 2048 indices (187 us a layer call, the ninth session),
-about one wave of two programs an SM every ~16 us whatever the token count. Without hardware
-counters (H200.md: gVisor has none), this probe times variants of the kernel that leave one
-stage out and reports each against the whole kernel, in the same process: the value dot
-(``no_pv``), the logit dots (``no_qk``), the tile-scale multiply and its reshape
-(``no_scale``), the partial outputs' store (``no_store``), and both dots (``loads``: gather and
-dequantize only, the rows summed so the loads stay live). The merge kernel is timed alone on the partials of the same call. The
-variants are copies of ``hisparse/ops/_attention_triton.py`` made at run time with one source
-edit each (the package's kernel is not changed); an edit that no longer matches the source
-stops the probe, and the unedited copy must give the package's bits.
+At 16 heads the kernel (``_attn_fp8_kernel``, one program per token x 64-index chunk) ran at
+~0.15 of HBM bandwidth at 96 tokens x 2048 indices (187 us a layer call, ninth session): about
+one wave of two programs an SM every ~16 us whatever the token count. Without hardware counters
+(H200.md: gVisor machines have none) this probe times copies of the kernel with one stage left
+out, against the whole kernel in the same process: the kernel as it was before ``_one_copy``
+(``remat``: the dequantized tile recomputed for each dot), the value dot (``no_pv``), the logit
+dots (``no_qk``), the tile-scale multiply and its reshape (``no_scale``), the partial outputs'
+store (``no_store``), and the gather and dequantization alone (``loads``: no dot, the rows
+summed so the loads stay live). The merge kernel is timed alone on partials of the same shape.
+Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
+package's kernel is not changed); an edit that no longer matches stops the probe, and the
+unedited copy must give the package's bits.
 
-``--once TxC`` runs the package's kernel a few times at one point and exits: the command for
+``--once TxC`` runs the package's kernel five times at one point and exits: the command for
 ``ncu --clock-control none --kernel-name regex:_attn_fp8 --launch-skip 3 --launch-count 1
 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats``.
 """
@@ -36,14 +37,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ops import timeit_graph  # noqa: E402
 
-from hisparse.ops import quantize_mla_rows_reference  # noqa: E402
 from hisparse.ops import _attention_triton as AT  # noqa: E402
+from hisparse.ops import quantize_mla_rows_reference  # noqa: E402
 
 SRC = Path(AT.__file__)
 HEADS, K = 16, 2048
 
 # variant -> (text in the source, its replacement); each must match exactly once
 EDITS: dict[str, tuple[str, str]] = {
+    # the kernel before `_one_copy`: the compiler recomputes the dequantized tile per dot
+    "remat": ("        kn = _one_copy(kn)\n", ""),
     "no_pv": ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
               "acc = acc * alpha[:, None]"),
     "no_qk": ("s = tl.dot(q_nope, tl.trans(kn))\n        s = tl.dot(q_pe, tl.trans(kp), s)",
@@ -116,10 +119,13 @@ def probe(T: int, context: int, variants: dict[str, object]) -> dict:
     got = variants["whole"].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
     if not torch.equal(want, got):
         raise SystemExit("the unedited copy differs from the package's kernel")
+    # same operands for the same dots: expected bit-identical (reported, not required)
+    remat = variants["remat"].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
     us = {name: timeit_graph(lambda m=m: m.sparse_mla_attention_fp8_triton(q, kv8, idx, scale))
           * 1e6 for name, m in variants.items()}
     kv_bytes = T * K * kv8.shape[1]
     return {"tokens": T, "context": context, "us": us, "combine_us": combine_only_us(T),
+            "remat_bits_equal": bool(torch.equal(remat, want)),
             "kv_gb_s": kv_bytes / (us["whole"] * 1e-6) / 1e9}
 
 
@@ -143,13 +149,15 @@ def main() -> None:
     for name, parts in COMBOS.items():
         variants[name] = variant_module(parts)
     rows = []
-    print(f"{'point':>9} " + " ".join(f"{n:>9}" for n in variants) + "   combine  KV GB/s")
+    print(f"{'point':>9} " + " ".join(f"{n:>9}" for n in variants)
+          + "   combine  KV GB/s  remat bits")
     for point in args.points.split(","):
         T, C = (int(v) for v in point.split("x"))
         r = probe(T, C, variants)
         rows.append(r)
         print(f"{point:>9} " + " ".join(f"{r['us'][n]:9.1f}" for n in variants)
-              + f" {r['combine_us']:9.1f} {r['kv_gb_s']:8.0f}", flush=True)
+              + f" {r['combine_us']:9.1f} {r['kv_gb_s']:8.0f}  "
+              + ("equal" if r["remat_bits_equal"] else "DIFFER"), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -284,6 +284,18 @@ def _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_ptr, kk, k_end, N, stride_row,
 
 
 @triton.jit
+def _one_copy(x):
+    """``x`` unchanged, through an opaque PTX move the compiler may neither duplicate nor
+    move: a value both dots read is then computed once, not once per dot operand layout.
+    Without it Triton 3.6 recomputes the dequantized tile from the raw bytes in each dot's
+    layout (SM90 SASS at the 16-head plan: 4,168 instructions a warp, 255 registers and 32
+    stack bytes, against 2,360, 189 and none with it; benchmarks/probe_attention_stages.py).
+    Compiled code only (the interpreter has no PTX)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
                D_V: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -298,6 +310,7 @@ def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
     else:
         kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
                         * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
+        kn = _one_copy(kn)
         s = tl.dot(q_nope, tl.trans(kn))
         s = tl.dot(q_pe, tl.trans(kp), s)
     m_new, alpha, p, l_i = _softmax_step(s, valid, m_i, l_i, qk_scale)
