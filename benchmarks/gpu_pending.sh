@@ -3,8 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests resolver topkrow rankmax attnprobe fused buckets step moe rank glm gemm pinned disagg
-#            nixl kernels serve
+#   SECTION: tests owed resolver topkrow attnprobe rankmax fused buckets step moe rank glm gemm
+#            pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -24,8 +24,23 @@ run() {   # run NAME LIMIT_S CMD...: log to OUTDIR/NAME.log, print its last line
   tail -n 12 "$out/$name.log"
 }
 
+skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TESTS=1: `owed` ran them
+  if [ "${SKIP_TESTS:-0}" = 1 ]; then elapsed "tests skipped (SKIP_TESTS=1)"
+  else bash "$0" "$out" tests; fi
+}
+
 for section in "$@"; do
   case $section in
+    owed)    # the GPU tests of every GPU-path change not yet run on a GPU, in one pass (the
+             # union of the resolver, topkrow and attnprobe sections' files, ~5 min); then run
+             # those sections with SKIP_TESTS=1
+      GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
+        tests/engine/test_hot_policy.py tests/bench/test_band_replay.py
+        tests/engine/test_spec_gpu.py tests/engine/test_soak.py tests/engine/test_engine_gpu.py
+        tests/worker/test_cuda_graph_gpu.py tests/engine/test_engine_switches.py
+        tests/engine/test_disagg_gpu.py tests/ops/test_ops_topk.py tests/ops/test_ops_quant.py
+        tests/ops/test_ops_attention.py tests/ops/test_ops_indexer_fused.py" \
+        bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
       # GPU_TEST_FILES="a.py b.py": only those files
@@ -138,7 +153,7 @@ for section in "$@"; do
       GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
         tests/engine/test_hot_policy.py tests/bench/test_band_replay.py tests/engine/test_spec_gpu.py
         tests/engine/test_soak.py tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
-        tests/engine/test_engine_switches.py tests/engine/test_disagg_gpu.py" bash "$0" "$out" tests
+        tests/engine/test_engine_switches.py tests/engine/test_disagg_gpu.py" skip_or_test
       for policy in lru score+prefetch; do     # the benches' policy, the engine's default
         run phases_base_$policy 60 python3 benchmarks/probe_resolver_phases.py --source "$base" \
           --requests 8,42 --scenarios steady,cold2 --policy $policy \
@@ -151,7 +166,7 @@ for section in "$@"; do
     topkrow) # issue 24 item 1: HISPARSE_TOPK=row (one program a row, opt-in) beside the fused
              # launch: its GPU tests, then the isolated table and the sweeps (~5 min)
       GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/engine/test_engine_switches.py" \
-        bash "$0" "$out" tests
+        skip_or_test
       HISPARSE_TRITON_AUTOTUNE=0 run topk 240 python3 benchmarks/bench_topk.py \
         --only topk,topk-sweep --out "$out/bench_topk.json" ;;
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
@@ -167,7 +182,7 @@ for section in "$@"; do
              # occupancy and stall reasons at 96 x 2k
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
-        tests/engine/test_soak.py" bash "$0" "$out" tests
+        tests/engine/test_soak.py" skip_or_test
       run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
       if command -v ncu >/dev/null; then
@@ -203,7 +218,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests resolver topkrow rankmax attnprobe fused buckets step moe rank"\
-            "glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
+    *) echo "unknown section $section (tests owed resolver topkrow attnprobe rankmax fused buckets step moe"\
+            "rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done
