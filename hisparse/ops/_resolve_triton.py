@@ -351,6 +351,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                 hit_run = 0
                 n_bad = 0
                 n_used = n_hit * 0
+                n_found = n_hit * 0
                 s_next = tl.load(lru_row + offs_h, mask=offs_h < H, other=0)
                 for h0 in range(0, H, BLOCK_H):
                     i = h0 + offs_h
@@ -423,6 +424,7 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     newpos = tl.minimum(tl.maximum(newpos, 0), H - 1)
                     tl.store(nl_row + newpos, s, mask=im)
                     tl.store(v_row + cord, s, mask=loaded)
+                    n_found += tl.sum(loaded.to(tl.int32))
                     if PF > 0:
                         tl.store(pv_row + pord, s, mask=pf)
                     if FLAGS:
@@ -439,6 +441,10 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                     n_bad += _field(total, 48)
                     unt_run += tl.sum(ui)
                 tl.debug_barrier()
+                # corrupt LRU entries can hide candidates: a walk that listed fewer victims than
+                # n_load loads nothing and keeps the old order (no victim from stale scratch)
+                intact = n_found == n_load
+                n_load = tl.where(intact, n_load, 0)
 
                 # ---- D1: new keys of the loaded (and prefetched) slots; the (host row, arena row)
                 # pairs to copy go to the group's copy list for the gather kernel: demand misses
@@ -529,11 +535,12 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
 
                 # ---- E: commit the new LRU order (the map needs no reset: the next call's
                 # epoch expires every entry of this one)
-                for h0 in range(0, H, BLOCK_W):
-                    i = h0 + tl.arange(0, BLOCK_W)
-                    im = i < H
-                    s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
-                    tl.store(lru_row + i, s, mask=im)
+                if intact:
+                    for h0 in range(0, H, BLOCK_W):
+                        i = h0 + tl.arange(0, BLOCK_W)
+                        im = i < H
+                        s = tl.load(nl_row + i, mask=im, other=0, volatile=True)
+                        tl.store(lru_row + i, s, mask=im)
                 tl.atomic_add(cnt_ptr, n_hit.to(tl.int64))
                 tl.atomic_add(cnt_ptr + 1, n_miss.to(tl.int64))
                 if COUNT_BAD:

@@ -65,12 +65,10 @@ every forward).
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
 ``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
-hit, the new LRU order is unspecified but stays a list of in-range writes.) Not covered: a step
-whose misses outnumber the unreferenced usable slots the corrupt LRU still lists (the reference
-raises there; the Triton kernel sizes its victims from the usable slots, so victims past the
-listed ones come from unwritten scratch: such misses may be served from a wrong slot, never
-from a row outside the hot buffer). The engine never writes such entries: a nonzero
-``counters[2]`` is a bug upstream.
+hit, the new LRU order is unspecified but stays a list of in-range writes.) A step whose misses
+outnumber the unreferenced usable slots the corrupt LRU still lists (the reference raises) loads
+nothing in the Triton kernel: its misses get ``-1``, the LRU order stays as it was. The engine
+never writes such entries: a nonzero ``counters[2]`` is a bug upstream.
 
 Padding tokens (``token_req == -1``) output a row of ``-1`` and touch nothing. Within one token's
 row positions must be unique (the indexer guarantees it). ``hot_keys`` must be reset to ``-1``

@@ -1106,3 +1106,37 @@ def test_verify_group_union_larger_than_hot_buffer_fails_and_changes_nothing():
                                b.arena_all[0], b.host_all[0], BS, b.counters[0])
     assert torch.equal(b.keys[0], keys) and torch.equal(b.lru[0], lru)
     assert torch.equal(b.arena_all, arena) and torch.equal(b.counters[0], counters)
+
+
+def test_corrupt_lru_with_more_misses_than_listed_slots_loads_nothing(triton_cpu):
+    """Corrupt LRU (slot 7 replaced by 99) and 10 misses for 8 slots: the kernel sizes its
+    victims from the usable slots (8) but the walk lists 7, so an eighth victim would come from
+    unwritten scratch (poisoned here, far out of range). The step loads nothing instead: every
+    miss gets -1, no key changes, the LRU order stays, nothing is copied."""
+    from hisparse.ops import ResolveWorkspace
+    from hisparse.ops._resolve_triton import resolve_rows_triton
+
+    bs, H, P = 4, 8, 8
+    res = torch.full((1, P), -1, dtype=torch.int32)
+    host_bt = torch.arange(P, dtype=torch.int32).view(1, P)
+    hot_bt = torch.tensor([[100, 101]], dtype=torch.int32)            # 2 blocks x 4 slots
+    keys = torch.full((1, H), -1, dtype=torch.int32)
+    lru = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 99]], dtype=torch.int32)
+    arena = torch.zeros(102 * bs, 4)
+    host = torch.arange(P * bs, dtype=torch.float32)[:, None].repeat(1, 4)
+    topk = torch.arange(10, dtype=torch.int32).view(1, 10)
+    counters = torch.zeros(3, dtype=torch.int64)
+    ws = ResolveWorkspace(1, P * bs, H, "cpu")
+    ws.scratch.fill_(10 ** 6)
+    out = resolve_rows_triton(topk, torch.zeros(1, dtype=torch.int32), res, host_bt, hot_bt, keys,
+                              lru, arena, host, bs, counters, ws)
+    assert out[0].tolist() == [-1] * 10
+    assert keys[0].tolist() == [-1] * H
+    assert lru[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 99]
+    assert not arena.any()
+    assert counters[2] == 1 and counters[1] == 10
+    # the same state without the corrupt entry loads every slot
+    lru[0, 7] = 7
+    out = resolve_rows_triton(topk, torch.zeros(1, dtype=torch.int32), res, host_bt, hot_bt, keys,
+                              lru, arena, host, bs, counters, ws)
+    assert sum(r >= 0 for r in out[0].tolist()) == H and sorted(lru[0].tolist()) == list(range(H))
