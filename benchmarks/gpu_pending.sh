@@ -178,13 +178,17 @@ for section in "$@"; do
     attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
              # built): the GPU tests of the files it touches (~3 min), where its time goes at
              # 16 heads (variants leaving a stage out, the kernel before it, the merge alone;
-             # ~2 min), then, where ncu reads counters (Firecracker machines, H200.md), its
-             # occupancy and stall reasons at 96 x 2k
+             # ~2 min), the 16-head plan grid (~1.5 min), then, where ncu reads counters
+             # (Firecracker machines, H200.md), its occupancy and stall reasons at 96 x 2k
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_soak.py" skip_or_test
       run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
+      # the plan grid again: one copy of the tile changes each plan's registers and shared
+      # memory (benchmarks/attention_resources.py), so the best plan may move
+      run attn_plans 150 python3 benchmarks/bench_attention_plans.py \
+        --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json"
       if command -v ncu >/dev/null; then
         run attn_ncu 240 ncu --clock-control none --kernel-name regex:_attn_fp8 \
           --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
