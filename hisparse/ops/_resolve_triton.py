@@ -521,10 +521,6 @@ def _resolve_kernel(topk_ptr, req_ptr, res_bt_ptr, host_bt_ptr, hot_bt_ptr,
                         mord = -2 - mval
                         is_miss = nonres & (mval <= -2) & (mord < n_load)
                         slot_m = tl.load(v_row + mord, mask=is_miss, other=0, volatile=True)
-                        # a victim always lies in [0, H) unless corrupt LRU entries left fewer
-                        # candidates than n_load assumes (the contract's fail-safe note):
-                        # then an unwritten scratch entry is never a row
-                        is_miss = is_miss & (slot_m >= 0) & (slot_m < H)
                         slot = tl.where(is_hit, mval - H, slot_m)
                         served = is_hit | is_miss
                         ab = tl.load(hot_row + slot // PAGE, mask=served, other=-1)
