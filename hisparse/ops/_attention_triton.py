@@ -290,7 +290,10 @@ def _one_copy(x):
     Without it Triton 3.6 recomputes the dequantized tile from the raw bytes in each dot's
     layout (SM90 SASS at the 16-head plan: 4,168 instructions a warp, 255 registers and 32
     stack bytes, against 2,360, 189 and none with it; benchmarks/attention_resources.py).
-    Compiled code only (the interpreter has no PTX)."""
+    The dots then take their operands in another register layout (the same values at other
+    lanes of each MMA), so the last bits may differ from a kernel without it; every batch runs
+    the same code, so batch invariance holds. Compiled code only (the interpreter has no
+    PTX)."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
                                      is_pure=False, pack=2)
 

@@ -67,8 +67,10 @@ not a candidate, keeps its place among the untouched entries of the new order, a
 ``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
 hit, the new LRU order is unspecified but stays a list of in-range writes.) A step whose misses
 outnumber the unreferenced usable slots the corrupt LRU still lists (the reference raises) loads
-nothing in the Triton kernel: its misses get ``-1``, the LRU order stays as it was. The engine
-never writes such entries: a nonzero ``counters[2]`` is a bug upstream.
+nothing in the Triton kernel: its misses get ``-1``, the LRU order stays as it was (the use
+flags of the slots it would have loaded still read "just loaded"). Duplicate in-range LRU
+entries or keys are not detected (the op trusts them, like the keys). The engine never writes
+such entries: a nonzero ``counters[2]`` is a bug upstream.
 
 Padding tokens (``token_req == -1``) output a row of ``-1`` and touch nothing. Within one token's
 row positions must be unique (the indexer guarantees it). ``hot_keys`` must be reset to ``-1``
