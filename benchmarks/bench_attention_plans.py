@@ -9,7 +9,8 @@ contiguous) of which it selects 2048 distinct ones in random order (the pool is 
 516 MB a layer at 24 x 32k, past the L2 as in the real rank).
 
 Usage (repository root, CUDA): ``PYTHONPATH=. python benchmarks/bench_attention_plans.py
-[--shapes 16x8,16x24,16x42,16x96,64x8,64x64,128x8,128x64] [--context 32768] [--out plans.json]``
+[--shapes 16x8,16x24,16x42,16x96,64x8,64x64,128x8,128x64] [--context 32768] [--plans 64/4/2/64,...]
+[--out plans.json]``
 (~70 s)
 """
 from __future__ import annotations
@@ -47,7 +48,12 @@ def former_config(T: int, H: int) -> AttnConfig:
     return AttnConfig(bh, bn, nw, ns, triton.cdiv(triton.cdiv(K, splits), bn) * bn)
 
 
-def plans(H: int) -> list[AttnConfig]:
+def plans(H: int, only: str | None = None) -> list[AttnConfig]:
+    """The grid timed at ``H`` heads, or ``only``'s plans (``"bn/warps/stages/kps,..."``, the
+    names the table prints)."""
+    if only:
+        bh = 16 if H <= 16 else 32 if H <= 32 else 64
+        return [AttnConfig(bh, *(int(v) for v in p.split("/"))) for p in only.split(",")]
     if H <= 16:
         # 8 warps too: at 4 warps the 64-row block spills (benchmarks/attention_resources.py)
         return [AttnConfig(16, bn, nw, ns, kps) for kps, bn, nw, ns in
@@ -66,7 +72,7 @@ def indices(T: int, context: int | None) -> torch.Tensor:
 
 
 def bench_shape(H: int, T: int, kvb: torch.Tensor, kv8: torch.Tensor,
-                context: int | None = None) -> dict:
+                context: int | None = None, only: str | None = None) -> dict:
     """us per call of every plan at ``H`` heads x ``T`` tokens (and the bf16 kernel at 16)."""
     scale = 576 ** -0.5
     idx = indices(T, context)
@@ -78,7 +84,7 @@ def bench_shape(H: int, T: int, kvb: torch.Tensor, kv8: torch.Tensor,
     except Exception as e:  # noqa: BLE001  (flash_mla missing or refusing the shape)
         print(f"  flashmla H={H}: {type(e).__name__}: {str(e)[:120]}")
     named = {"former": former_config(T, H), "default": attn_config(H, K, True, False)}
-    for c in plans(H):
+    for c in plans(H, only):
         named.setdefault(f"{c.block_n}/{c.num_warps}/{c.num_stages}/{c.k_per_split}", c)
     for name, c in named.items():
         row["us"][name] = timeit_graph(
@@ -98,6 +104,8 @@ def main() -> None:
                     help="HxT: heads x tokens")
     ap.add_argument("--context", type=int, default=None,
                     help="each token's indices within its own CONTEXT rows (a decode step)")
+    ap.add_argument("--plans", default=None,
+                    help="bn/warps/stages/kps,... instead of the grid (each compiles once)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
@@ -106,7 +114,7 @@ def main() -> None:
     kv8 = quantize_mla_rows_reference(kvb, 512)
     res = []
     for H, T in shapes:
-        row = bench_shape(H, T, kvb, kv8, args.context)
+        row = bench_shape(H, T, kvb, kv8, args.context, args.plans)
         res.append(row)
         us = row["us"]
         best = min((k for k in us if k not in ("former", "default")), key=us.get)

@@ -178,7 +178,7 @@ for section in "$@"; do
     attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
              # built): the GPU tests of the files it touches (~3 min), where its time goes at
              # 16 heads (variants leaving a stage out, the kernel before it with a bits check,
-             # the merge alone; ~2 min), the 16-head plan grid (~1.5 min)
+             # the merge alone; ~2 min), eight 16-head plans (~1.5 min: each compiles once)
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_soak.py" skip_or_test
@@ -187,7 +187,9 @@ for section in "$@"; do
       # the plan grid again: one copy of the tile changes each plan's registers and shared
       # memory (benchmarks/attention_resources.py), so the best plan may move
       run attn_plans 150 python3 benchmarks/bench_attention_plans.py \
-        --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json" ;;
+        --shapes 16x8,16x24,16x42,16x96 --context 32768 \
+        --plans 64/4/3/64,64/8/2/64,64/4/2/128,64/4/3/128,32/4/3/128,32/4/3/256,64/4/3/256 \
+        --out "$out/attn_plans.json" ;;
     attnncu) # issue 25: the FP8 attention's occupancy and stall reasons at 96 x 2k from ncu,
              # where ncu reads hardware counters (Firecracker machines; on gVisor it cannot:
              # H200.md), checked first on one small kernel (~2.5 min)
