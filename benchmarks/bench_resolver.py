@@ -28,14 +28,18 @@ before the split) on the same inputs; ratios are printed against it, else agains
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from hisparse.bench.decode import topk_table
-from hisparse.ops import ResolveWorkspace
-from hisparse.ops._resolve_triton import resolve_rows_triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_copy import load_ops_module  # noqa: E402
+
+from hisparse.bench.decode import topk_table  # noqa: E402
+from hisparse.ops import ResolveWorkspace  # noqa: E402
+from hisparse.ops._resolve_triton import resolve_rows_triton  # noqa: E402
 
 K, H, BS, ROW = 2048, 4096, 64, 656
 WARM, TIMED = 6, 8
@@ -76,10 +80,7 @@ def build(R: int, ctx: int, scenario: str, gen: torch.Generator, host: torch.Ten
 def load_baseline(path: str):
     """``resolve_rows_triton`` of another version of the kernel module, imported inside
     ``hisparse.ops`` (its relative imports resolve against this tree's package)."""
-    spec = importlib.util.spec_from_file_location("hisparse.ops._resolve_triton_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.resolve_rows_triton
+    return load_ops_module("_resolve_triton_baseline", path=path).resolve_rows_triton
 
 
 def legacy_map(ws: ResolveWorkspace) -> None:

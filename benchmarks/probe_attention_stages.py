@@ -25,17 +25,16 @@ unedited copy must give the package's bits.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ops import timeit_graph  # noqa: E402
+from kernel_copy import load_ops_module  # noqa: E402
 
 from hisparse.ops import _attention_triton as AT  # noqa: E402
 from hisparse.ops import quantize_mla_rows_reference  # noqa: E402
@@ -72,15 +71,7 @@ def variant_module(names: tuple[str, ...]):
         if text.count(old) != 1:
             raise SystemExit(f"edit {name!r} no longer matches {SRC} once: update EDITS")
         text = text.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / f"_attn_{'_'.join(names) or 'copy'}.py"
-    path.write_text(text)
-    name = f"hisparse.ops._attn_{'_'.join(names) or 'copy'}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "hisparse.ops"
-    sys.modules[name] = mod             # the module's dataclasses look themselves up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_ops_module(f"_attn_{'_'.join(names) or 'copy'}", text=text)
 
 
 def inputs(T: int, context: int):

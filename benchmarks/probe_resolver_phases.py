@@ -17,17 +17,16 @@ a copy made at run time: the package's kernel is not changed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_resolver as br  # noqa: E402
+from kernel_copy import load_ops_module  # noqa: E402
 
 from hisparse.bench.decode import topk_table  # noqa: E402
 from hisparse.ops import ResolveWorkspace  # noqa: E402
@@ -74,12 +73,7 @@ def instrumented_source(src: Path = SRC) -> tuple[str, list[str]]:
 
 def load_instrumented(src: Path = SRC):
     text, names = instrumented_source(src)
-    # Triton reads a jit function's source from its file: write the copy to one
-    path = Path(tempfile.mkdtemp()) / "_resolve_phases.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("hisparse.ops._resolve_phases", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_ops_module("_resolve_phases", text=text)
     return mod.resolve_rows_triton, names, "ep_ptr" not in text
 
 

@@ -102,9 +102,9 @@ class TopkScratch:
     [rows, row_candidates]`` int32, the columns of a row's top-digit threshold bucket that a row
     program (``HISPARSE_TOPK=row``) walks instead of the whole row when they fit (written
     before they are read by each call; a bucket that does not fit costs speed, never
-    exactness). ``row_candidates`` (default :func:`row_candidates`): one column unless the row
-    mode is the one in force when the scratch is made (the engine reads the switches once, at
-    start-up)."""
+    exactness). ``row_candidates`` (default :func:`row_candidates_default`): one column
+    unless the row mode is the one in force when the scratch is made (the engine reads the
+    switches once, at start-up)."""
 
     def __init__(self, rows: int, device: torch.device | str,
                  row_candidates: int | None = None) -> None:
