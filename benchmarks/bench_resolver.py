@@ -129,8 +129,12 @@ class Replay:
         topk = self.steps[0].clone()
         band = self.bands[0].clone() if self.bands[0] is not None else None
         flags = torch.zeros((R, H), dtype=torch.int32, device="cuda") if band is not None else None
-        self.topk, self.band, out = topk, band, torch.empty_like(topk)
+        out = torch.empty_like(topk)
         req = torch.arange(R, dtype=torch.int32, device="cuda")
+        # the graph replays raw addresses and keeps no tensor alive: every input and output
+        # it touches lives on self (freed, the next allocation would take their memory: the
+        # request ids became a probe's clock stamps, an illegal address on the next replay)
+        self.topk, self.band, self.flags, self.out, self.req = topk, band, flags, out, req
         kw = {**kw, **policy.kw(band, flags)}
 
         def call():
@@ -149,6 +153,12 @@ class Replay:
         if self.band is not None:
             self.band.copy_(self.bands[i])
 
+    def check(self) -> None:
+        """The graph's request ids are intact (nothing reused their memory)."""
+        want = torch.arange(self.req.numel(), dtype=torch.int32, device=self.req.device)
+        if not torch.equal(self.req, want):
+            raise RuntimeError("bench_resolver: the graph's request ids were overwritten")
+
     def timed(self) -> float:
         """One replay, us."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -159,6 +169,13 @@ class Replay:
         return start.elapsed_time(end) * 1e3
 
 
+def scenario_step(b: dict, scenario: str, i: int) -> None:
+    """The scenario's change to the state before step ``i``'s replay: under ``cold2`` the hot
+    keys of requests 0 and 1 are forgotten every timed step (all their lookups miss)."""
+    if scenario == "cold2" and i >= WARM:
+        b["keys"][:2] = -1
+
+
 def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
         table: torch.Tensor, host: torch.Tensor, policy: Policy | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
@@ -167,12 +184,10 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
     if variant == "baseline":
         legacy_map(ws)
     replay = Replay(R, b, ws, resolve, kw, table, policy or Policy("lru", table))
-    cold = torch.tensor([0, 1], device="cuda")
     times, hits, misses = [], 0, 0
     for i in range(WARM + TIMED):
         replay.feed(i)
-        if scenario == "cold2" and i >= WARM:
-            b["keys"][cold] = -1
+        scenario_step(b, scenario, i)
         c0 = b["counters"].clone()
         us = replay.timed()
         if i >= WARM:
@@ -180,6 +195,7 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
             d = (b["counters"] - c0).tolist()
             hits, misses = hits + d[0], misses + d[1]
     assert int(b["counters"][2]) == 0
+    replay.check()
     times.sort()
     us = times[len(times) // 2]
     miss_rows = misses / TIMED

@@ -7,8 +7,9 @@ The resolver is one program per request group walking phases A-E one after anoth
 request count. This probe times each phase inside the program: it loads the kernel module's
 source, inserts a read of the SM cycle counter (``%clock64``) before every phase marker
 comment (``# ---- X``) and after the last counter update, stores the stamps past the counters
-(``counters[16 + 16 * t + i]``), and runs the bench's scenarios (``bench_resolver.build``) in a
-CUDA graph as the engine does. It reports, per phase, the median over group leaders of the
+(``counters[16 + 2 * SLOTS * t + 2 * i]``, then the ``%globaltimer`` stamp), and runs the
+bench's scenarios (``bench_resolver.build`` and ``scenario_step``) in a CUDA graph as the
+engine does. It reports, per phase, the median over group leaders of the
 cycles from that stamp to the next, and the program's whole span, in cycles and in us (the
 span in ``%globaltimer`` ns over its span in cycles gives the clock). The instrumented kernel is
 a copy made at run time: the package's kernel is not changed.
@@ -90,6 +91,7 @@ def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bo
     spans, span_us, kernel_us = [], [], []
     for i in range(br.WARM + br.TIMED):
         replay.feed(i)
+        br.scenario_step(b, scenario, i)
         b["counters"][16:] = 0
         us = replay.timed()
         if i < br.WARM:
@@ -105,6 +107,7 @@ def run(R: int, ctx: int, scenario: str, resolve, names, table, host, legacy: bo
             seen = [j for j in range(len(names)) if c[j] != 0]
             for a, z in zip(seen, seen[1:]):
                 per_phase[names[a]].append(int(c[z] - c[a]))
+    replay.check()
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
     span_c, span_t = med(spans), med(span_us)
     ghz = span_c / (span_t * 1e3) if span_c and span_t else None
