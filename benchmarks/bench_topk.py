@@ -9,10 +9,10 @@ Top-k (``--only topk``): per shape ``ctx x rows x k`` (every row ``ctx`` long), 
 (``torch.topk`` sorted over int64 ``(key << 32) | ~col`` keys, as ``indexer_topk`` ran it before
 the radix select: ``torch`` over the row's length, ``torch@W`` over ``--table-width`` columns,
 the width it really ran over) against ``ops.topk.topk_select`` under each ``HISPARSE_TOPK``
-mode (``legacy``: the former radix select's launches; ``phased``; ``fused``; ``row``), all
-checked equal to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints at
-a few shapes (pick the default from it), then the row programs' columns a step. Times are per
-call from CUDA graphs of 10 back-to-back calls (as the engine replays them).
+mode (``legacy``: the former radix select's launches; ``phased``; ``fused``), all checked equal
+to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints at a few shapes
+(pick the default from it). Times are per call from CUDA graphs of 10 back-to-back calls (as the
+engine replays them).
 
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
 64 heads, D 128, page 64, one token per request (``group 1``) and MTP pairs (``group 2``: two
@@ -38,7 +38,6 @@ from hisparse.ops import switches  # noqa: E402
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
-    ROW_CANDIDATES,
     TopkLaunch,
     TopkScratch,
     orderable_keys,
@@ -63,7 +62,7 @@ def pack(keys, lengths):
     return torch.where(valid, packed, torch.full_like(packed, -(2**63)))
 
 
-MODES = ("legacy", "phased", "fused", "row")
+MODES = ("legacy", "phased", "fused")
 
 
 def _timed_select(keys, lens, k, out, scratch, mode, launch=None):
@@ -81,23 +80,10 @@ def _topk_inputs(ctx, T, W):
     return keys, lens
 
 
-def _scratch(T):
-    """One scratch for every mode (with the row mode's candidates: a scratch made under another
-    mode has none)."""
-    return TopkScratch(T, "cuda", row_candidates=ROW_CANDIDATES)
-
-
-def _sweep_case(ctx, T, k):
-    """(keys, lengths, scratch, out, reference) of one sweep shape."""
-    keys, lens = _topk_inputs(ctx, T, ctx)
-    out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-    return keys, lens, _scratch(T), out, topk_select_reference(keys, lens, k)
-
-
 def _topk_case(ctx, T, table_width, k):
     W = max(ctx, table_width)
     keys, lens = _topk_inputs(ctx, T, W)
-    scratch = _scratch(T)
+    scratch = TopkScratch(T, "cuda")
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     want = topk_select_reference(keys[:, :ctx], lens, k)
     t = {}
@@ -119,24 +105,22 @@ def bench_topk(res, shapes, table_width):
     print(f"\ntop-k: us per call (graph replay), x{LAYERS} layers = ms per step. torch: "
           f"torch.topk over the row's length; torch@W: over the table width (the issue's "
           f"baseline); legacy: the former radix select (HISPARSE_TOPK=legacy); phased / fused: "
-          f"the new phases, one launch each / one launch; row: one program a row "
-          f"(HISPARSE_TOPK=row); bw: row bytes / fused time / {HBM_GBS / 1000:.1f} TB/s")
+          f"the new phases, one launch each / one launch; bw: row bytes / fused time / "
+          f"{HBM_GBS / 1000:.1f} TB/s")
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'torch':>7} {'torch@W':>7} {'legacy':>7} "
-          f"{'phased':>7} {'fused':>7} {'row':>7} | {'f/torch@W':>9} {'r/torch@W':>9} "
-          f"{'f/legacy':>8} {'bw':>5} | step ms legacy -> fused")
+          f"{'phased':>7} {'fused':>7} | {'f/torch@W':>9} {'f/legacy':>8} {'bw':>5} | "
+          f"step ms legacy -> fused")
     for ctx, T, k in shapes:
         W, t = _topk_case(ctx, T, table_width, k)
         bw = T * ctx * 4 / t["fused"] / 1e9 / HBM_GBS
         res.append(dict(bench="topk", ctx=ctx, rows=T, k=k, table_width=W, hbm_fraction=bw,
                         **{f"{n}_us": v * 1e6 for n, v in t.items()}))
         print(f"  {ctx:>6} {T:>4} {k:>4} | {t['torch'] * 1e6:7.1f} {t['torch_table'] * 1e6:7.1f} "
-              f"{t['legacy'] * 1e6:7.1f} {t['phased'] * 1e6:7.1f} {t['fused'] * 1e6:7.1f} "
-              f"{t['row'] * 1e6:7.1f} | {t['fused'] / t['torch_table']:9.3f} "
-              f"{t['row'] / t['torch_table']:9.3f} {t['fused'] / t['legacy']:8.3f} {bw:5.3f} | "
+              f"{t['legacy'] * 1e6:7.1f} {t['phased'] * 1e6:7.1f} {t['fused'] * 1e6:7.1f} | "
+              f"{t['fused'] / t['torch_table']:9.3f} {t['fused'] / t['legacy']:8.3f} {bw:5.3f} | "
               f"{t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}", flush=True)
 
 
-ROW_BLOCKS = (4096, 8192)      # a row program's columns a step (16384 spills on SM90)
 SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
          TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048))
@@ -149,7 +133,10 @@ def sweep_topk(res, shapes):
     names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}" for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
-        keys, lens, scratch, out, want = _sweep_case(ctx, T, k)
+        keys, lens = _topk_inputs(ctx, T, ctx)
+        scratch = TopkScratch(T, "cuda")
+        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+        want = topk_select_reference(keys, lens, k)
         ts = []
         for cfg in SWEEP:
             ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg))
@@ -159,19 +146,6 @@ def sweep_topk(res, shapes):
         best = min(ts)
         print(f"  {ctx:>6} {T:>4} {k:>4} | " + " ".join(
             f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
-    print("\ntop-k row programs (HISPARSE_TOPK=row) by columns a step, us")
-    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{b:>8}" for b in ROW_BLOCKS))
-    for ctx, T, k in shapes:
-        keys, lens, scratch, out, want = _sweep_case(ctx, T, k)
-        ts = []
-        for b in ROW_BLOCKS:
-            cfg = TopkLaunch(block=b)
-            ts.append(_timed_select(keys, lens, k, out, scratch, "row", cfg))
-            assert torch.equal(out, want), (ctx, T, k, b)
-            res.append(dict(bench="topk_row_sweep", ctx=ctx, rows=T, k=k, block=b,
-                            us=ts[-1] * 1e6))
-        print(f"  {ctx:>6} {T:>4} {k:>4} | " + " ".join(f"{t * 1e6:8.1f}" for t in ts),
-              flush=True)
 
 
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):

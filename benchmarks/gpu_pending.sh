@@ -3,8 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver topkrow attnprobe attnncu rankmax fused buckets step moe rank
-#            glm gemm pinned disagg nixl kernels serve
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step moe rank glm
+#            gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -32,8 +32,8 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 for section in "$@"; do
   case $section in
     owed)    # the GPU tests of every GPU-path change not yet run on a GPU, in one pass (the
-             # union of the resolver, topkrow and attnprobe sections' files, ~5 min); then run
-             # those sections with SKIP_TESTS=1
+             # resolver and attnprobe sections' files, the top-k's and the fused indexer's,
+             # ~5 min); then run those sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
         tests/engine/test_hot_policy.py tests/bench/test_band_replay.py
         tests/engine/test_spec_gpu.py tests/engine/test_soak.py tests/engine/test_engine_gpu.py
@@ -163,12 +163,6 @@ for section in "$@"; do
         run bench_resolver_$policy 90 python3 benchmarks/bench_resolver.py --baseline "$base" \
           --splits 16 --policy $policy --out "$out/bench_resolver_$policy.json"
       done ;;
-    topkrow) # issue 24 item 1: HISPARSE_TOPK=row (one program a row, opt-in) beside the fused
-             # launch: its GPU tests, then the isolated table and the sweeps (~5 min)
-      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/engine/test_engine_switches.py" \
-        skip_or_test
-      HISPARSE_TRITON_AUTOTUNE=0 run topk 240 python3 benchmarks/bench_topk.py \
-        --only topk,topk-sweep --out "$out/bench_topk.json" ;;
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
              # profile (whole-run figures under the current warm-up; ~5 min)
       run rankmax 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
@@ -230,7 +224,7 @@ for section in "$@"; do
              # Poisson, guidellm against the hisparse server (~5-6 min; carry .whl-serve too)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
-    *) echo "unknown section $section (tests owed resolver topkrow attnprobe attnncu rankmax fused buckets"\
+    *) echo "unknown section $section (tests owed resolver attnprobe attnncu rankmax fused buckets"\
             "step moe rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done

@@ -6,8 +6,7 @@ launch's programs are spread over the rows with ``lengths > 0`` only, so a padde
 rows get the padding's programs: :func:`_live_rows`), ``_topk_select_kernel`` runs these
 phases: all in one launch (``fused``, the default on CUDA: the row's programs wait for each
 other between phases on an arrival counter), or one launch per phase (``phased``; always under
-the interpreter, which runs programs one after the other); ``row`` (opt-in) runs phases 0-4
-in one program a row and sorts its whole selection at once (``_topk_row_kernel``):
+the interpreter, which runs programs one after the other):
 
 0-3. Histogram of digit ``level`` (bits ``31-8l..24-8l`` of the key with its sign bit flipped,
    i.e. unsigned order) over the valid columns whose higher digits equal the threshold prefix
@@ -51,8 +50,6 @@ BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase 
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
-ROW_BLOCK = 4096        # columns per step of a row program (HISPARSE_TOPK=row) on the GPU
-ROW_WARPS = 16          # warps of a row program
 
 
 @triton.jit
@@ -401,141 +398,6 @@ def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
                     out_ptr + row.to(tl.int64) * stride_o, K, NB, KPAD)
 
 
-@triton.jit
-def _split_block(base, o_row, c_row, start, hi, b0, n_gt, n_cand, NB: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """A row program's level-1 step over one block: the columns whose top digit is above the
-    threshold digit ``b0`` go to ``out`` slots ``n_gt..`` (selected whatever the later digits),
-    those equal to it to the candidate list at ``n_cand..`` (both in column order); returns
-    the new counts and the candidates' level-1 digit histogram."""
-    offs = start + tl.arange(0, BLOCK)
-    m = offs < hi
-    s = tl.load(base + offs, mask=m, other=-2147483648)
-    ok = m & (s != -2147483648)
-    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
-    d0 = (u >> 24).to(tl.int32)
-    gt = ok & (d0 > b0)
-    eq = ok & (d0 == b0)
-    gi = gt.to(tl.int32)
-    ei = eq.to(tl.int32)
-    tl.store(o_row + n_gt + tl.cumsum(gi, 0) - 1, offs, mask=gt)
-    tl.store(c_row + n_cand + tl.cumsum(ei, 0) - 1, offs, mask=eq)
-    h = tl.histogram(((u >> 16) & 0xFF).to(tl.int32), NB, mask=eq)
-    return n_gt + tl.sum(gi, 0), n_cand + tl.sum(ei, 0), h
-
-
-@triton.jit
-def _candidate_keys(k_row, c_row, j, n_cand):
-    """Candidates ``j`` (``< n_cand``): (valid, column, unsigned-order key)."""
-    m = j < n_cand
-    col = tl.load(c_row + j, mask=m, other=0, cache_modifier=".cg")
-    s = tl.load(k_row + col, mask=m, other=-2147483648)
-    return m, col, (s ^ -2147483648).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _candidate_hist(k_row, c_row, n_cand, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Digit ``LEVEL`` histogram of the candidates whose higher digits equal ``prefix``."""
-    acc = tl.zeros([NB], dtype=tl.int32)
-    j0 = n_cand * 0
-    while j0 < n_cand:
-        m, col, u = _candidate_keys(k_row, c_row, j0 + tl.arange(0, BLOCK), n_cand)
-        ok = m & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
-        acc += tl.histogram(((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32), NB, mask=ok)
-        j0 += BLOCK
-    return acc
-
-
-@triton.jit
-def _candidate_collect(k_row, c_row, o_row, n_cand, n_gt, prefix, shift, cgt, need,
-                       BLOCK: tl.constexpr):
-    """The selected candidates into ``out``: those above ``prefix`` at the resolved level
-    after the ``n_gt`` columns the level-1 step placed (slots up to ``cgt``), then the first
-    ``need`` equal to it, by column (candidates are in column order)."""
-    ties = n_cand * 0
-    j0 = n_cand * 0
-    while j0 < n_cand:
-        m, col, u = _candidate_keys(k_row, c_row, j0 + tl.arange(0, BLOCK), n_cand)
-        pref = u.to(tl.int64) >> shift
-        gt = (m & (pref > prefix)).to(tl.int32)
-        tie = (m & (pref == prefix)).to(tl.int32)
-        tl.store(o_row + n_gt + tl.cumsum(gt, 0) - 1, col, mask=gt > 0)
-        rank = ties + tl.cumsum(tie, 0) - 1
-        tl.store(o_row + cgt + rank, col, mask=(tie > 0) & (rank < need))
-        n_gt += tl.sum(gt, 0)
-        ties += tl.sum(tie, 0)
-        j0 += BLOCK
-
-
-@triton.jit
-def _topk_row_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, cand_ptr, W, K, CAP,
-                     stride_k, stride_h, stride_s, stride_o, stride_c,
-                     LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                     STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
-                     MAXS: tl.constexpr, KPAD: tl.constexpr):
-    """``HISPARSE_TOPK=row``: one program per row runs every phase, separated by CTA barriers
-    only (no program waits on another: the published DSA top-k kernels give a row one CTA of
-    many warps; a fused launch's rows wait at ``LEVELS + 2`` arrival counters), then sorts the
-    whole selection at once. Level 0 reads the row; when the threshold is not resolved there
-    and its top-digit bucket holds at most ``CAP`` columns, level 1 reads the row once more,
-    placing the columns above the bucket and keeping the bucket's columns aside, and the later
-    levels and the collect walk those candidates only; otherwise every level and the collect
-    read the row (the ``phased`` passes with one split)."""
-    row = tl.program_id(0)
-    h_row = hist_ptr + row * stride_h
-    k_row = keys_ptr + row.to(tl.int64) * stride_k
-    o_row = out_ptr + row.to(tl.int64) * stride_o
-    c_row = cand_ptr + row.to(tl.int64) * stride_c
-    offs_b = tl.arange(0, NB)
-    _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k, stride_s,
-                0, NB, BLOCK, STATE, FOR_LOOP, STAGES)
-    tl.debug_barrier()
-    level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
-    b0 = pre.to(tl.int32)
-    n_bucket = tl.load(h_row + b0, mask=done == 0, other=0, cache_modifier=".cg")
-    if (done == 0) & (n_bucket <= CAP):
-        _store_state(h_row, 0, level, pre, cgt, need, done, STATE)
-        lo, hi = _row_span(len_ptr, row, 0, W, 1, BLOCK)
-        n_gt = cgt * 0
-        n_cand = cgt * 0
-        acc = tl.zeros([NB], dtype=tl.int32)
-        if FOR_LOOP:
-            for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-                n_gt, n_cand, h = _split_block(k_row, o_row, c_row, start, hi, b0, n_gt, n_cand,
-                                               NB, BLOCK)
-                acc += h
-        else:
-            start = lo
-            while start < hi:
-                n_gt, n_cand, h = _split_block(k_row, o_row, c_row, start, hi, b0, n_gt, n_cand,
-                                               NB, BLOCK)
-                acc += h
-                start += BLOCK
-        tl.store(h_row + NB + offs_b, acc)
-        tl.debug_barrier()
-        for lv in tl.static_range(2, LEVELS):
-            level, pre, cgt, need, done = _state_after(h_row, K, lv - 1, NB, STATE)
-            _store_state(h_row, lv - 1, level, pre, cgt, need, done, STATE)
-            acc = _candidate_hist(k_row, c_row, tl.where(done != 0, 0, n_cand), pre, lv, NB,
-                                  BLOCK)
-            tl.store(h_row + lv * NB + offs_b, acc)
-            tl.debug_barrier()
-        level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
-        _candidate_collect(k_row, c_row, o_row, n_cand, n_gt, pre, (32 - 8 * level).to(tl.int64),
-                           cgt, need, BLOCK)
-    else:
-        for lv in tl.static_range(1, LEVELS):
-            _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, 0, row, W, K, 1, stride_k,
-                        stride_s, lv, NB, BLOCK, STATE, FOR_LOOP, STAGES)
-            tl.debug_barrier()
-        _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, 0, row, W, K, 1,
-                       stride_k, stride_s, stride_o, LEVELS, NB, BLOCK, STATE, FOR_LOOP,
-                       STAGES, MAXS)
-    tl.debug_barrier()
-    _sort_selection(k_row, h_row, o_row, K, NB, KPAD)
-
-
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -579,8 +441,7 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
 def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
                        scratch: TopkScratch, mode: str, cfg: TopkLaunch,
                        hist_zeroed: bool = False) -> torch.Tensor:
-    """The Triton top-k (``mode``: ``fused``, ``phased``, ``legacy`` or ``row``; module
-    docstring).
+    """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring).
     ``hist_zeroed``: ``scratch.hist[:T]`` is zero already (the scoring kernel's work): no fill."""
     T, W = keys.shape
     if keys.stride(1) != 1:
@@ -599,8 +460,6 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     C = triton.cdiv(k, ch)
     if mode != "legacy" and C * ch > sq.shape[1]:
         mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
-    if mode == "row":
-        return _topk_rows(keys, lengths.to(torch.int32), k, out, scratch, cfg, hist_zeroed)
     fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
     splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
@@ -643,23 +502,3 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                            NB=RADIX_BINS, KPAD=kpad, num_warps=8 if kpad >= 2048 else 4)
     return out
 
-
-def _topk_rows(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
-               scratch: TopkScratch, cfg: TopkLaunch, hist_zeroed: bool) -> torch.Tensor:
-    """``HISPARSE_TOPK=row``: one launch, one program a row, its selection sorted in registers
-    (``k <= SORT_COLS``; larger ``k`` runs ``legacy``). Of the launch hints only ``block``
-    counts, and on the GPU at least :data:`ROW_BLOCK` (``splits``, ``warps``, ``per_sm`` and
-    ``sort_chunk`` shape the other modes' launches)."""
-    T, W = keys.shape
-    hist = scratch.hist[:T]
-    if not hist_zeroed:
-        hist.zero_()
-    sh, cand = scratch.split_hist, scratch.candidates
-    block = cfg.block if interpreted() or not keys.is_cuda else max(cfg.block, ROW_BLOCK)
-    _topk_row_kernel[(T,)](keys, lengths, hist, sh, out, cand, W, k, cand.shape[1],
-                           keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
-                           cand.stride(0), LEVELS=RADIX_LEVELS, NB=RADIX_BINS,
-                           BLOCK=block, STATE=STATE_OFFSET, FOR_LOOP=not interpreted(),
-                           STAGES=2, MAXS=MAX_SPLITS, KPAD=max(16, next_pow2(k)),
-                           num_warps=ROW_WARPS)
-    return out

@@ -10,7 +10,7 @@ variable (field)          values                        default     what it pick
 ========================  ============================  ==========  ===========================
 HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CPU tensors too
 (``force_triton``)                                                  (the interpreter tests)
-HISPARSE_TOPK (``topk``)  fused, phased, legacy, row    fused       :mod:`~hisparse.ops.topk`'s
+HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
 (``fused_glue``)                                                    reference (``ops.glue``), the
@@ -72,7 +72,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-TOPK_MODES = ("fused", "phased", "legacy", "row")
+TOPK_MODES = ("fused", "phased", "legacy")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")

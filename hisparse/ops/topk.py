@@ -16,11 +16,7 @@ is the key of no fp32 value (it would be a negative NaN, and NaN is canonicalize
 (:mod:`hisparse.ops._topk_triton`), all exact and equal: ``fused`` (default) one kernel per call,
 the row's programs meeting between phases; ``phased`` the same phases one launch each;
 ``legacy`` the former path (four histogram launches, a collect, then one program per row
-sorting the whole selection: ~30 us whatever the batch); ``row`` one launch of one program per
-row (16 warps, 4,096 columns a step on the GPU) running every phase and one sort of the whole
-selection, no program waiting on another, the later levels walking the top digit's threshold
-bucket kept aside (:data:`ROW_CANDIDATES` columns at most) instead of the row (the design of
-the published DSA top-k kernels: not yet measured on the GPU, not the default).
+sorting the whole selection: ~30 us whatever the batch).
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
-ROW_CANDIDATES = 32768      # a row program's threshold-bucket columns (HISPARSE_TOPK=row)
 
 
 @dataclass(frozen=True)
@@ -83,12 +78,6 @@ def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> 
     return out
 
 
-def row_candidates_default() -> int:
-    """A scratch's candidate columns a row: :data:`ROW_CANDIDATES` under ``HISPARSE_TOPK=row``,
-    else one (no other mode reads them)."""
-    return ROW_CANDIDATES if switches.current().topk == "row" else 1
-
-
 class TopkScratch:
     """Device scratch of the Triton top-k for up to ``rows`` rows a call, allocated once (a CUDA
     graph keeps the addresses it captured): per row the four global digit histograms, a slot
@@ -98,20 +87,11 @@ class TopkScratch:
     them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
     split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
     read by each call); ``stalls [1]`` counts a fused launch's row barriers that gave up
-    waiting (a bug if ever nonzero: that call's result is not to be trusted); ``candidates
-    [rows, row_candidates]`` int32, the columns of a row's top-digit threshold bucket that a row
-    program (``HISPARSE_TOPK=row``) walks instead of the whole row when they fit (written
-    before they are read by each call; a bucket that does not fit costs speed, never
-    exactness). ``row_candidates`` (default :func:`row_candidates_default`): one column
-    unless the row mode is the one in force when the scratch is made (the engine reads the
-    switches once, at start-up)."""
+    waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
 
-    def __init__(self, rows: int, device: torch.device | str,
-                 row_candidates: int | None = None) -> None:
+    def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
-        n = row_candidates_default() if row_candidates is None else int(row_candidates)
-        self.candidates = torch.empty((self.rows, max(1, n)), dtype=torch.int32, device=dev)
         self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
                                 device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
@@ -120,15 +100,14 @@ class TopkScratch:
         self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
     @staticmethod
-    def row_bytes(row_candidates: int | None = None) -> int:
-        """Bytes a row of the scratch takes (``row_candidates`` as in the constructor)."""
-        n = row_candidates_default() if row_candidates is None else int(row_candidates)
+    def row_bytes() -> int:
+        """Bytes a row of the scratch takes (``hist``, ``sorted`` and one ``split_hist`` slot)."""
         return (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
-                + 8 * SORT_COLS + 4 * max(1, n))
+                + 8 * SORT_COLS)
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
-                self.stalls.data_ptr(), self.candidates.data_ptr())
+                self.stalls.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,

@@ -122,26 +122,6 @@ def test_gpu_eager_and_replayed_steps_keep_the_start_switches(tmp_path, monkeypa
         llm.shutdown()
 
 
-@pytest.mark.gpu
-def test_gpu_row_topk_engine_gives_the_fused_tokens(tmp_path, monkeypatch):
-    """An engine started under HISPARSE_TOPK=row (its top-k scratch then holds the row
-    programs' candidates) decodes, through its captured graphs, the greedy tokens of one
-    started under the default fused top-k: the selections are exact either way."""
-    path = _gpu_checkpoint(tmp_path, seed=6)
-    batch = prompts(4, 100, 300, seed=6)
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    got = {}
-    for mode in ("fused", "row"):
-        monkeypatch.setenv("HISPARSE_TOPK", mode)
-        llm = _gpu_engine(path)
-        try:
-            assert llm.switches.topk == mode and llm.runner.graphs is not None
-            got[mode] = tokens(llm.generate(batch, sp))
-        finally:
-            llm.shutdown()
-    assert got["row"] == got["fused"]
-
-
 def test_an_engine_started_beside_a_live_one_under_other_switches_is_warned(dsv32_path,
                                                                            monkeypatch, caplog):
     first = tiny(dsv32_path)

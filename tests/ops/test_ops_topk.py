@@ -148,7 +148,7 @@ SORT_CASES = [
 
 # the interpreter runs "fused" as one launch per phase ("phased"): the GPU tests cover both
 @pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
-                         + [("legacy", SORT_CASES[0])] + [("row", c) for c in SORT_CASES])
+                         + [("legacy", SORT_CASES[0])])
 def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, case):
     k, distinct, lengths, chunk = case
     kernel_switches(topk=mode)
@@ -190,78 +190,6 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     used = n_live * min(most, T // max(n_live, 1))      # the interpreter: one program a row
     assert (scratch.split_hist[used:] == -5).all()
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
-
-
-# candidates kept aside: as many as fit (every bucket), 40 (some rows' buckets only), 1 (none:
-# every level reads the row)
-@pytest.mark.parametrize("cap", [None, 40, 1])
-@pytest.mark.parametrize("k", [7, 40, 130, 151])
-def test_triton_row_mode_later_digits_decide(triton_cpu, kernel_switches, k, cap):
-    """HISPARSE_TOPK=row (one program a row, every phase, one sort): rows decided by the later
-    digits, tied blocks, invalid columns, a row shorter than k, an empty row and a row of
-    equal keys give the reference's selection and order, whether the later levels walk the
-    top digit's bucket kept aside or the whole row; the scratch is reused (zeroed by each
-    call)."""
-    kernel_switches(topk="row")
-    T, W = 7, 150
-    keys = bucket_keys(T, W, seed=k)
-    keys[4, ::7] = INT32_MIN
-    keys[6] = 12345
-    lens = torch.tensor([150, 150, 131, 150, 97, 0, 150], dtype=torch.int32)
-    scratch = TopkScratch(T, "cpu") if cap is None else TopkScratch(T, "cpu", row_candidates=cap)
-    for block in (16, 64):
-        out = torch.full((T, k), SENTINEL, dtype=torch.int32)
-        got = topk_select(keys, lens, k, out=out, scratch=scratch,
-                          launch=TopkLaunch(block=block))
-        assert torch.equal(got, topk_select_reference(keys, lens, k)), block
-    assert got[6].tolist() == list(range(min(k, W))) + [-1] * (k - min(k, W))
-
-
-def _top_bucket(keys, lens, k):
-    """Columns of each row's top-digit threshold bucket (0 when level 0 resolves the row)."""
-    sizes = []
-    for t in range(keys.shape[0]):
-        row = keys[t, :max(0, int(lens[t]))]
-        row = row[row != INT32_MIN].long()
-        if row.numel() <= k:
-            sizes.append(0)
-            continue
-        d0 = ((row + 2**31) >> 24).tolist()
-        hist = [d0.count(b) for b in range(256)]
-        above, b = 0, 255
-        while above + hist[b] < k:
-            above, b = above + hist[b], b - 1
-        sizes.append(0 if above + hist[b] == k else hist[b])
-    return sizes
-
-
-def test_triton_row_mode_bucket_at_the_cap_and_no_write_past_it(triton_cpu, kernel_switches):
-    """A bucket of exactly the candidate capacity walks the candidates, one more than it reads
-    the row, both exact; no row writes past its own candidate columns (a guard band of
-    sentinels around each row's stays)."""
-    kernel_switches(topk="row")
-    T, W, k = 5, 150, 7
-    keys = bucket_keys(T, W, seed=k)
-    lens = torch.tensor([150, 150, 131, 150, 97], dtype=torch.int32)
-    want = topk_select_reference(keys, lens, k)
-    sizes = sorted({n for n in _top_bucket(keys, lens, k) if n > 1})
-    assert sizes, "no row left to the later levels"
-    for cap in [c for n in sizes for c in (n - 1, n)]:
-        scratch = TopkScratch(T, "cpu", row_candidates=cap)
-        guarded = torch.full((T, cap + 16), -5, dtype=torch.int32)
-        scratch.candidates = guarded[:, :cap]
-        got = topk_select(keys, lens, k, scratch=scratch)
-        assert torch.equal(got, want), cap
-        assert (guarded[:, cap:] == -5).all(), cap
-
-
-def test_row_candidates_sized_for_the_mode_in_force(kernel_switches):
-    from hisparse.ops.topk import ROW_CANDIDATES
-    kernel_switches(topk="fused")
-    assert TopkScratch(3, "cpu").candidates.shape == (3, 1)
-    kernel_switches(topk="row")
-    assert TopkScratch(3, "cpu").candidates.shape == (3, ROW_CANDIDATES)
-    assert TopkScratch.row_bytes() - TopkScratch.row_bytes(1) == 4 * (ROW_CANDIDATES - 1)
 
 
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
@@ -357,7 +285,7 @@ GPU_SHAPES = [(8, 32768, 2048), (24, 32768, 4096), (1, 131072, 2048), (64, 32768
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,T,W,k", [(m, *s) for m in ("fused", "row") for s in GPU_SHAPES]
+@pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
                          + [(m, *s) for m in ("phased", "legacy") for s in GPU_SHAPES[:2]])
 @pytest.mark.parametrize("distinct", [3, 1 << 30])
 def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
@@ -370,26 +298,6 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
         got = topk_select(keys, lens, k, out=out, scratch=scratch)
         assert torch.equal(got, want)
     assert scratch.stalls.item() == 0           # no row barrier gave up waiting
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cap", [None, 1, 1024])
-@pytest.mark.parametrize("k", [1, 16, 100, 2048])
-@pytest.mark.parametrize("W", [4095, 4097, 5000, 32768])
-def test_gpu_row_mode_small_k_and_short_rows(kernel_switches, W, k, cap):
-    """HISPARSE_TOPK=row: a 16-warp program with few sort slots, rows just under and over one
-    step of 4,096 columns and long ones, heavy ties, candidate lists that hold every bucket,
-    some or none (the row read at every level), a scratch whose histograms hold garbage,
-    repeated (the phases' order inside each program) at more rows than SMs."""
-    kernel_switches(topk="row")
-    T = 300
-    keys, lens = _gpu_rows(T, W, k, seed=W + k, distinct=3 if W < 32768 else 1 << 20)
-    scratch = TopkScratch(T, "cuda", row_candidates=cap)
-    want = topk_select_reference(keys, lens, k)
-    for i in range(20 if W < 32768 else 3):
-        scratch.hist.random_(-2 ** 20, 2 ** 20)
-        out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
-        assert torch.equal(topk_select(keys, lens, k, out=out, scratch=scratch), want), i
 
 
 @pytest.mark.gpu
@@ -415,7 +323,7 @@ def test_gpu_batch_invariant():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fused", "phased", "row"])
+@pytest.mark.parametrize("mode", ["fused", "phased"])
 def test_gpu_cuda_graph_buckets(kernel_switches, mode):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections."""
