@@ -11,8 +11,9 @@ one wave of two programs an SM every ~16 us whatever the token count. Without ha
 out, against the whole kernel in the same process: the kernel as it was before ``_one_copy``
 (``remat``: the dequantized tile recomputed for each dot), the value dot (``no_pv``), the logit
 dots (``no_qk``), the tile-scale multiply and its reshape (``no_scale``), the partial outputs'
-store (``no_store``), and the gather and dequantization alone (``loads``: no dot, the rows
-summed so the loads stay live). The merge kernel is timed alone on partials of the same shape.
+store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth session)
+and the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
+live). The merge kernel is timed alone on partials of the same shape.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
 package's kernel is not changed); an edit that no longer matches stops the probe, and the
 unedited copy must give the package's bits.
@@ -56,6 +57,9 @@ EDITS: dict[str, tuple[str, str]] = {
     "no_store": ("tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])\n"
                  "        tl.store(lse_ptrs, lse, mask=hm)",
                  "tl.store(lse_ptrs, lse + tl.sum(o, axis=1) * 0.0, mask=hm)"),
+    # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
+    "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",
+                      "po_dtype = torch.float32"),
 }
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
@@ -87,10 +91,10 @@ def inputs(T: int, context: int):
 
 
 def combine_only_us(T: int) -> float:
-    """The merge kernel alone over ``T`` tokens' chunk partials of the default plan."""
+    """The merge kernel alone over ``T`` tokens' chunk partials (bf16) of the default plan."""
     cfg = AT.attn_config(HEADS, K, True, False)
     S = cfg.splits(K)
-    po = torch.randn(S, T, HEADS, 512, device="cuda")
+    po = torch.randn(S, T, HEADS, 512, device="cuda", dtype=torch.bfloat16)
     pl = torch.randn(S, T, HEADS, device="cuda")
     out = torch.empty(T, HEADS, 512, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(T, HEADS, device="cuda")

@@ -121,7 +121,7 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     # a chunk with lse -inf (nothing selected) has weight 0 and may not have stored its output
     live = sm & (l > float("-inf"))
     po = tl.load(po_ptr + offs_s[:, None] * stride_pos + t.to(tl.int64) * stride_pot
-                 + h * stride_poh + offs_d[None, :], mask=live[:, None], other=0.0)
+                 + h * stride_poh + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     empty = wsum == 0.0
     wsum_safe = tl.where(empty, 1.0, wsum)
     o = tl.sum(po * w[:, None], axis=0) / wsum_safe
@@ -197,13 +197,17 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) ->
     ``(chunk, token)`` of ``pl``), then merge the chunks into ``out``/``lse``. One chunk: the
     kernel writes ``out`` directly. Several: over token slices whose partials fit
     :data:`PARTIAL_BYTES` (a 2048-token prefill chunk at 16 heads x 32 chunks would need
-    2 GiB); tokens are independent, so the slicing changes no bit."""
+    2 GiB); tokens are independent, so the slicing changes no bit. A chunk's normalized
+    output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the merge sums in
+    fp32): the partials are as many bytes as the rows gathered at 16 heads, and half of them
+    is ~20% of a decode step's attention (docs/BENCHMARKS.md, thirteenth session)."""
     T, H, d_v = out.shape
     if splits == 1:
         launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)))
         return
-    step = max(1, min(T, PARTIAL_BYTES // (splits * H * (d_v + 1) * 4)))
-    po = torch.empty((splits, step, H, d_v), dtype=torch.float32, device=out.device)
+    po_dtype = out.dtype if out.element_size() == 2 else torch.float32
+    step = max(1, min(T, PARTIAL_BYTES // (splits * H * (d_v * po_dtype.itemsize + 4))))
+    po = torch.empty((splits, step, H, d_v), dtype=po_dtype, device=out.device)
     pl = torch.empty((splits, step, H), dtype=torch.float32, device=out.device)
     strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
     for a in range(0, T, step):
