@@ -30,8 +30,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from hisparse.ops._attention_triton import AttnConfig, _attn_fp8_kernel, attn_config  # noqa: E402
 from hisparse.ops._common import next_pow2  # noqa: E402
 
+# o_ptr: the chunks' partial outputs, bf16 as the engine stores them (a bf16 output)
 POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx_ptr="*i32",
-                o_ptr="*fp32", lse_ptr="*fp32")
+                o_ptr="*bf16", lse_ptr="*fp32")
 
 
 def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None) -> dict:

@@ -135,6 +135,7 @@ class Replay:
         # it touches lives on self (freed, the next allocation would take their memory: the
         # request ids became a probe's clock stamps, an illegal address on the next replay)
         self.topk, self.band, self.flags, self.out, self.req = topk, band, flags, out, req
+        self.state, self.ws = b, ws
         kw = {**kw, **policy.kw(band, flags)}
 
         def call():

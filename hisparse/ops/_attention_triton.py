@@ -197,10 +197,11 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) ->
     ``(chunk, token)`` of ``pl``), then merge the chunks into ``out``/``lse``. One chunk: the
     kernel writes ``out`` directly. Several: over token slices whose partials fit
     :data:`PARTIAL_BYTES` (a 2048-token prefill chunk at 16 heads x 32 chunks would need
-    2 GiB); tokens are independent, so the slicing changes no bit. A chunk's normalized
-    output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the merge sums in
-    fp32): the partials are as many bytes as the rows gathered at 16 heads, and half of them
-    is ~20% of a decode step's attention (docs/BENCHMARKS.md, thirteenth session)."""
+    1 GiB of bf16 partials); tokens are independent, so the slicing changes no bit. A chunk's
+    normalized output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the
+    merge sums in fp32): in fp32 the partials were as many bytes as the rows gathered at 16
+    heads, their store and merge ~40% of the kernel's time at 96 x 2k (docs/BENCHMARKS.md,
+    thirteenth session)."""
     T, H, d_v = out.shape
     if splits == 1:
         launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)))
