@@ -31,9 +31,9 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 
 for section in "$@"; do
   case $section in
-    owed)    # the GPU tests of every GPU-path change not yet run on a GPU, in one pass (the
-             # resolver and attnprobe sections' files, the top-k's and the fused indexer's,
-             # ~5 min); then run those sections with SKIP_TESTS=1
+    owed)    # the GPU tests of the GPU-path changes not yet run on a GPU, in one pass (~5
+             # min; the list as the thirteenth session ran it, every file passing: put the
+             # next unrun change's files here); then run its sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
         tests/engine/test_hot_policy.py tests/bench/test_band_replay.py
         tests/engine/test_spec_gpu.py tests/engine/test_soak.py tests/engine/test_engine_gpu.py
