@@ -20,6 +20,8 @@ pinned host pool, the selections of ``--topk synthetic:0.8`` (``hisparse bench``
 ``--splits``: miss-gather programs per request group; ``1`` is the pre-split placement (one
 program moves a group's misses). ``--configs BLOCK_H:WARPS,...``: also time the resolver with
 those slots per pass over the hot buffer and warps (default 1024:8), at split 16.
+Each run first prints the rate of one contiguous pinned -> GPU copy of a steady step's miss
+bytes (``cudaMemcpyAsync``): the link's ceiling for the gather's ``GB/s of missed rows``.
 ``--baseline FILE``: also time another version of ``hisparse/ops/_resolve_triton.py`` (e.g.
 ``git show 986c8d9:hisparse/ops/_resolve_triton.py > .bench_base/resolve_base.py``: the kernel
 before the split) on the same inputs; ratios are printed against it, else against split 1.
@@ -206,6 +208,24 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
                 miss_gb_s=miss_rows * ROW / (us * 1e-6) / 1e9 if miss_rows else None)
 
 
+def dma_ceiling_gb_s(host: torch.Tensor, nbytes: int, reps: int = 7) -> float:
+    """GB/s of one ``cudaMemcpyAsync`` of ``nbytes`` contiguous pinned bytes to the GPU
+    (median of ``reps``): the link's rate, the ceiling the miss gather's scattered SM loads of
+    host rows are read against."""
+    src = host.view(-1)[:nbytes]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return nbytes / sorted(times)[reps // 2] / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=42)
@@ -232,7 +252,11 @@ def main() -> None:
     # the pinned pool (contents do not matter for the timing), shared by every run
     host = torch.empty((a.requests * pages(a.context) * BS, ROW), dtype=torch.uint8,
                        pin_memory=True)
-    res = []
+    # the bytes of a steady step's misses (~190 rows a request), contiguous
+    ceiling = dma_ceiling_gb_s(host, min(host.numel(), a.requests * 192 * ROW))
+    print(f"pinned -> GPU cudaMemcpyAsync, contiguous, a step's miss bytes: {ceiling:.1f} GB/s",
+          flush=True)
+    res = [dict(scenario="dma_ceiling", requests=a.requests, gb_s=ceiling)]
     for scenario in a.scenarios.split(","):
         rows = []
         for name, fn, kw in variants:
