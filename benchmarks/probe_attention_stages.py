@@ -11,8 +11,9 @@ one wave of two programs an SM every ~16 us whatever the token count. Without ha
 out, against the whole kernel in the same process: the kernel as it was before ``_one_copy``
 (``remat``: the dequantized tile recomputed for each dot), the value dot (``no_pv``), the logit
 dots (``no_qk``), the tile-scale multiply and its reshape (``no_scale``), the partial outputs'
-store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth session)
-and the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
+store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth session),
+e4m3 -> bf16 by integer operations in inline PTX (``asm_convert``, with a bits check) and
+the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
 live). The merge kernel is timed alone on partials of the same shape.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
 package's kernel is not changed); an edit that no longer matches stops the probe, and the
@@ -60,7 +61,28 @@ EDITS: dict[str, tuple[str, str]] = {
     # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
     "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",
                       "po_dtype = torch.float32"),
+    # e4m3 -> bf16 in integer operations, four bytes a register, off the conversion pipe (256
+    # single-value F2F.BF16.F16 a thread in the kernel): exponent and mantissa shifted left 4
+    # into a bf16 lane, the sign to bit 15, read as bf16 = the value times 2^-120 (subnormals
+    # too); times the tile scale times 2^120 (exact while the scale is at most 2^7: a kernel
+    # made of this needs a guard). SM90 compile (Triton 3.9): 2,464 instructions a warp, no F2F
+    # (the kernel: 2,320 with 256 F2F and 128 F2FP). Expected bit-equal to the kernel.
+    "asm_convert": (
+        "kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])\n"
+        "                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
+        "k120 = tl.inline_asm_elementwise(\n"
+        "            \"{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $2, 0, 0x4140; \"\n"
+        "            \"prmt.b32 hi, $2, 0, 0x4342; shl.b32 a, lo, 4; and.b32 a, a, 0x07F007F0; \"\n"
+        "            \"shl.b32 b, lo, 8; and.b32 b, b, 0x80008000; or.b32 $0, a, b; \"\n"
+        "            \"shl.b32 a, hi, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, hi, 8; \"\n"
+        "            \"and.b32 b, b, 0x80008000; or.b32 $1, a, b; }\",\n"
+        "            \"=r,=r,r\", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)\n"
+        "        kn = tl.reshape(tl.reshape(k120, [BLOCK_N, NT, TILE])\n"
+        "                        * (sc * 1.329227995784916e36).to(tl.bfloat16)[:, :, None],\n"
+        "                        [BLOCK_N, D_V])"),
 }
+# the variants whose bits should equal the kernel's (reported, not required)
+BITS = ("remat", "asm_convert")
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
             "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")
@@ -114,14 +136,17 @@ def probe(T: int, context: int, variants: dict[str, object]) -> dict:
     got = variants["whole"].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
     if not torch.equal(want, got):
         raise SystemExit("the unedited copy differs from the package's kernel")
-    # the same values into the same MMAs, at other lanes of each (the operand layout's kWidth
-    # is 2, not 4): whether the sums keep their bits is what this reports
-    remat = variants["remat"].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0]
+    # remat: the same values into the same MMAs, at other lanes of each (the operand layout's
+    # kWidth is 2, not 4); asm_convert: the same tile by other instructions. Whether the
+    # outputs keep their bits is what this reports
+    bits = {name: bool(torch.equal(
+        variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0], want))
+        for name in BITS}
     us = {name: timeit_graph(lambda m=m: m.sparse_mla_attention_fp8_triton(q, kv8, idx, scale))
           * 1e6 for name, m in variants.items()}
     kv_bytes = T * K * kv8.shape[1]
     return {"tokens": T, "context": context, "us": us, "combine_us": combine_only_us(T),
-            "remat_bits_equal": bool(torch.equal(remat, want)),
+            "bits_equal": bits,
             "kv_gb_s": kv_bytes / (us["whole"] * 1e-6) / 1e9}
 
 
@@ -146,14 +171,15 @@ def main() -> None:
         variants[name] = variant_module(parts)
     rows = []
     print(f"{'point':>9} " + " ".join(f"{n:>9}" for n in variants)
-          + "   combine  KV GB/s  remat bits")
+          + "   combine  KV GB/s  " + "  ".join(f"{n} bits" for n in BITS))
     for point in args.points.split(","):
         T, C = (int(v) for v in point.split("x"))
         r = probe(T, C, variants)
         rows.append(r)
         print(f"{point:>9} " + " ".join(f"{r['us'][n]:9.1f}" for n in variants)
               + f" {r['combine_us']:9.1f} {r['kv_gb_s']:8.0f}  "
-              + ("equal" if r["remat_bits_equal"] else "DIFFER"), flush=True)
+              + "  ".join(f"{'equal' if r['bits_equal'][n] else 'DIFFER':>{len(n) + 5}}"
+                          for n in BITS), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
