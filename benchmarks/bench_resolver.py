@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import timeit_graph  # noqa: E402
 from kernel_copy import load_ops_module  # noqa: E402
 
 from hisparse.bench.decode import topk_table  # noqa: E402
@@ -208,22 +209,13 @@ def run(R: int, ctx: int, scenario: str, variant: str, resolve, kw: dict,
                 miss_gb_s=miss_rows * ROW / (us * 1e-6) / 1e9 if miss_rows else None)
 
 
-def dma_ceiling_gb_s(host: torch.Tensor, nbytes: int, reps: int = 7) -> float:
-    """GB/s of one ``cudaMemcpyAsync`` of ``nbytes`` contiguous pinned bytes to the GPU
-    (median of ``reps``): the link's rate, the ceiling the miss gather's scattered SM loads of
-    host rows are read against."""
+def dma_ceiling_gb_s(host: torch.Tensor, nbytes: int) -> float:
+    """GB/s of one ``cudaMemcpyAsync`` of ``nbytes`` contiguous pinned bytes to the GPU (timed
+    as the resolver is, in a CUDA graph): the link's bulk rate, which the miss gather's
+    scattered SM loads of host rows are read against."""
     src = host.view(-1)[:nbytes]
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return nbytes / sorted(times)[reps // 2] / 1e9
+    return nbytes / timeit_graph(lambda: dst.copy_(src, non_blocking=True)) / 1e9
 
 
 def main() -> None:
