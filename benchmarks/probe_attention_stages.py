@@ -12,7 +12,8 @@ out, against the whole kernel in the same process: the kernel as it was before `
 (``remat``: the dequantized tile recomputed for each dot), the value dot (``no_pv``), the logit
 dots (``no_qk``), the tile-scale multiply and its reshape (``no_scale``), the partial outputs'
 store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth session),
-e4m3 -> bf16 by integer operations in inline PTX (``asm_convert``, with a bits check) and
+e4m3 -> bf16 by integer operations in inline PTX (``asm_convert``, exact for tile scales up
+to 2^7; ``asm_exact``, for every scale, one more multiply a value; both with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
 live). The merge kernel is timed alone on partials of the same shape.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
@@ -81,8 +82,16 @@ EDITS: dict[str, tuple[str, str]] = {
         "                        * (sc * 1.329227995784916e36).to(tl.bfloat16)[:, :, None],\n"
         "                        [BLOCK_N, D_V])"),
 }
+# asm_convert exact for every tile scale, as a kernel made of it needs: the scale split in
+# two bf16 factors, min(s, 2^7) * 2^120 and max(s / 2^7, 1) (both exact: powers of two), so
+# each value takes one more bf16 multiply
+_ASM_OLD, _ASM_NEW = EDITS["asm_convert"]
+EDITS["asm_exact"] = (_ASM_OLD, _ASM_NEW.replace(
+    "* (sc * 1.329227995784916e36).to(tl.bfloat16)[:, :, None]",
+    "* (tl.minimum(sc, 128.0) * 1.329227995784916e36).to(tl.bfloat16)[:, :, None]\n"
+    "                        * tl.maximum(sc * 0.0078125, 1.0).to(tl.bfloat16)[:, :, None]"))
 # the variants whose bits should equal the kernel's (reported, not required)
-BITS = ("remat", "asm_convert")
+BITS = ("remat", "asm_convert", "asm_exact")
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
             "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")

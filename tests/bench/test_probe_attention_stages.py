@@ -29,7 +29,8 @@ def test_asm_convert_is_the_e4m3_value_times_two_to_minus_120(load_bench):
     """The ``asm_convert`` variant's PTX, run here on every e4m3 code four at a time (the
     packing the kernel sees: element 0 in the low byte, elements 0-1 in ``$0``): each bf16 lane
     times 2^120 is the e4m3 value, and times the tile scale times 2^120 in bf16 it is the
-    kernel's product, bit for bit, for scales 2^-40..2^7."""
+    kernel's product, bit for bit, for scales 2^-40..2^7; ``asm_exact``'s two factors give it
+    for every scale the quantizer makes."""
     import re
 
     import torch
@@ -65,4 +66,15 @@ def test_asm_convert_is_the_e4m3_value_times_two_to_minus_120(load_bench):
         scale = torch.tensor(2.0 ** e)
         want = e4m3.to(torch.bfloat16) * scale.to(torch.bfloat16)
         got = k120 * (scale * 1.329227995784916e36).to(torch.bfloat16)   # 2^120
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16)), e
+    # asm_exact: the scale in two bf16 factors, exact for every scale the quantizer makes
+    # (2^-13 .. 2^120: ops.quant.pow2_scale over bf16 rows)
+    text = probe.EDITS["asm_exact"][1]
+    assert "tl.minimum(sc, 128.0) * 1.329227995784916e36" in text
+    assert "tl.maximum(sc * 0.0078125, 1.0)" in text
+    for e in range(-13, 121):
+        scale = torch.tensor(2.0 ** e)
+        want = e4m3.to(torch.bfloat16) * scale.to(torch.bfloat16)
+        got = (k120 * (torch.clamp(scale, max=128.0) * 2.0 ** 120).to(torch.bfloat16)) \
+            * torch.clamp(scale * 0.0078125, min=1.0).to(torch.bfloat16)
         assert torch.equal(want.view(torch.int16), got.view(torch.int16)), e
