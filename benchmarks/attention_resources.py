@@ -35,13 +35,15 @@ POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx
                 o_ptr="*bf16", lse_ptr="*fp32")
 
 
-def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None) -> dict:
-    """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128) and read
-    its resource usage from the cubin."""
+def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
+              int_cvt: bool = False) -> dict:
+    """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128; ``int_cvt``:
+    ``HISPARSE_FP8_CONVERT=int``'s dequantization) and read its resource usage from the
+    cubin."""
     names = _attn_fp8_kernel.arg_names
     const = dict(K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=512,
                  D_PE=64, TILE=128, NT=4, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                 IEEE=False, DIRECT=False, SKIP_EMPTY=True)
+                 IEEE=False, DIRECT=False, SKIP_EMPTY=True, INT_CVT=int_cvt)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     # as a real launch specializes them: pointers, the strides and K are multiples of 16
@@ -81,10 +83,11 @@ def main() -> None:
           f"{'registers':>9} {'spill B':>7} {'smem B':>7} {'SASS/warp':>9}")
     # a register cap on the default plan: its shared memory (84 KB) holds an SM at two
     # programs whatever the registers, so a cap only trades registers for spills
-    runs = [(c, None) for c in dict.fromkeys(plans)] + [(default, cap) for cap in (168, 128)]
-    for c, cap in runs:
+    runs = [(c, None, False) for c in dict.fromkeys(plans)] + [(default, None, True)] \
+        + [(default, cap, False) for cap in (168, 128)]
+    for c, cap, int_cvt in runs:
         try:
-            r = resources(c, args.arch, cap)
+            r = resources(c, args.arch, cap, int_cvt)
         except Exception as e:  # noqa: BLE001  (ptxas refuses a cap below what a dot needs)
             print(f"{c.block_n:>10} {c.num_warps:>5} {c.num_stages:>6} {c.k_per_split:>13} "
                   f"{cap or '-':>7}  does not compile: {str(e).splitlines()[0][:60]}")
@@ -92,7 +95,8 @@ def main() -> None:
         print(f"{c.block_n:>10} {c.num_warps:>5} {c.num_stages:>6} {c.k_per_split:>13} "
               f"{cap or '-':>7} {r['registers']:>9} {r['stack_bytes']:>7} "
               f"{r['shared_bytes']:>7} {r['instructions']:>9}"
-              + ("   (default)" if c == default and cap is None else ""), flush=True)
+              + ("   (int convert)" if int_cvt
+                 else "   (default)" if c == default and cap is None else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ one wave of two programs an SM every ~16 us whatever the token count. Without ha
 out, against the whole kernel in the same process: the kernel as it was before ``_one_copy``
 (``remat``: the dequantized tile recomputed for each dot), the value dot (``no_pv``), the logit
 dots (``no_qk``), the tile-scale multiply and its reshape (``no_scale``), the partial outputs'
-store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth session),
-e4m3 -> bf16 by integer operations in inline PTX (``asm_convert``, exact for tile scales up
-to 2^7; ``asm_exact``, for every scale, one more multiply a value; both with a bits check) and
+store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirteenth
+session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert``: e4m3 ->
+bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
 live). The merge kernel is timed alone on partials of the same shape.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
@@ -40,7 +40,7 @@ from bench_ops import timeit_graph  # noqa: E402
 from kernel_copy import load_ops_module  # noqa: E402
 
 from hisparse.ops import _attention_triton as AT  # noqa: E402
-from hisparse.ops import quantize_mla_rows_reference  # noqa: E402
+from hisparse.ops import quantize_mla_rows_reference, switches  # noqa: E402
 
 SRC = Path(AT.__file__)
 HEADS, K = 16, 2048
@@ -54,7 +54,7 @@ EDITS: dict[str, tuple[str, str]] = {
     "no_qk": ("s = tl.dot(q_nope, tl.trans(kn))\n        s = tl.dot(q_pe, tl.trans(kp), s)",
               "s = tl.zeros([q_nope.shape[0], BLOCK_N], tl.float32)"),
     "no_scale": ("kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])\n"
-                 "                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
+                 "                            * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
                  "kn = f8.to(tl.bfloat16)"),
     "no_store": ("tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])\n"
                  "        tl.store(lse_ptrs, lse, mask=hm)",
@@ -62,36 +62,11 @@ EDITS: dict[str, tuple[str, str]] = {
     # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
     "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",
                       "po_dtype = torch.float32"),
-    # e4m3 -> bf16 in integer operations, four bytes a register, off the conversion pipe (256
-    # single-value F2F.BF16.F16 a thread in the kernel): exponent and mantissa shifted left 4
-    # into a bf16 lane, the sign to bit 15, read as bf16 = the value times 2^-120 (subnormals
-    # too); times the tile scale times 2^120 (exact while the scale is at most 2^7: a kernel
-    # made of this needs a guard). SM90 compile (Triton 3.9): 2,464 instructions a warp, no F2F
-    # (the kernel: 2,320 with 256 F2F and 128 F2FP). Expected bit-equal to the kernel.
-    "asm_convert": (
-        "kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])\n"
-        "                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
-        "k120 = tl.inline_asm_elementwise(\n"
-        "            \"{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $2, 0, 0x4140; \"\n"
-        "            \"prmt.b32 hi, $2, 0, 0x4342; shl.b32 a, lo, 4; and.b32 a, a, 0x07F007F0; \"\n"
-        "            \"shl.b32 b, lo, 8; and.b32 b, b, 0x80008000; or.b32 $0, a, b; \"\n"
-        "            \"shl.b32 a, hi, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, hi, 8; \"\n"
-        "            \"and.b32 b, b, 0x80008000; or.b32 $1, a, b; }\",\n"
-        "            \"=r,=r,r\", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)\n"
-        "        kn = tl.reshape(tl.reshape(k120, [BLOCK_N, NT, TILE])\n"
-        "                        * (sc * 1.329227995784916e36).to(tl.bfloat16)[:, :, None],\n"
-        "                        [BLOCK_N, D_V])"),
 }
-# asm_convert exact for every tile scale, as a kernel made of it needs: the scale split in
-# two bf16 factors, min(s, 2^7) * 2^120 and max(s / 2^7, 1) (both exact: powers of two), so
-# each value takes one more bf16 multiply
-_ASM_OLD, _ASM_NEW = EDITS["asm_convert"]
-EDITS["asm_exact"] = (_ASM_OLD, _ASM_NEW.replace(
-    "* (sc * 1.329227995784916e36).to(tl.bfloat16)[:, :, None]",
-    "* (tl.minimum(sc, 128.0) * 1.329227995784916e36).to(tl.bfloat16)[:, :, None]\n"
-    "                        * tl.maximum(sc * 0.0078125, 1.0).to(tl.bfloat16)[:, :, None]"))
 # the variants whose bits should equal the kernel's (reported, not required)
-BITS = ("remat", "asm_convert", "asm_exact")
+BITS = ("remat", "int_convert")
+# variants of the unedited module under kernel switches
+SWITCHED = {"int_convert": {"fp8_convert": "int"}}
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
             "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")
@@ -138,6 +113,12 @@ def combine_only_us(T: int) -> float:
     return timeit_graph(run) * 1e6
 
 
+def run_variant(variants: dict[str, object], name: str, q, kv8, idx, scale):
+    """One call of variant ``name``'s kernel (under its switches when it has any)."""
+    with switches.override(**SWITCHED.get(name, {})):
+        return variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)
+
+
 def probe(T: int, context: int, variants: dict[str, object]) -> dict:
     q, kv8, idx = inputs(T, context)
     scale = 576 ** -0.5
@@ -146,13 +127,12 @@ def probe(T: int, context: int, variants: dict[str, object]) -> dict:
     if not torch.equal(want, got):
         raise SystemExit("the unedited copy differs from the package's kernel")
     # remat: the same values into the same MMAs, at other lanes of each (the operand layout's
-    # kWidth is 2, not 4); asm_convert: the same tile by other instructions. Whether the
+    # kWidth is 2, not 4); int_convert: the same tile by other instructions. Whether the
     # outputs keep their bits is what this reports
-    bits = {name: bool(torch.equal(
-        variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)[0], want))
-        for name in BITS}
-    us = {name: timeit_graph(lambda m=m: m.sparse_mla_attention_fp8_triton(q, kv8, idx, scale))
-          * 1e6 for name, m in variants.items()}
+    bits = {name: bool(torch.equal(run_variant(variants, name, q, kv8, idx, scale)[0], want))
+            for name in BITS}
+    us = {name: timeit_graph(lambda n=name: run_variant(variants, n, q, kv8, idx, scale)) * 1e6
+          for name in variants}
     kv_bytes = T * K * kv8.shape[1]
     return {"tokens": T, "context": context, "us": us, "combine_us": combine_only_us(T),
             "bits_equal": bits,
@@ -176,6 +156,8 @@ def main() -> None:
     variants = {"whole": variant_module(())}
     for name in EDITS:
         variants[name] = variant_module((name,))
+    for name in SWITCHED:
+        variants[name] = variants["whole"]
     for name, parts in COMBOS.items():
         variants[name] = variant_module(parts)
     rows = []

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import switches
 from ._common import next_pow2
 
 LOG2E = 1.4426950408889634
@@ -303,21 +304,58 @@ def _one_copy(x):
                                      is_pure=False, pack=2)
 
 
+# e4m3 -> bf16 of four bytes (``$2``, element 0 in the low byte) into two bf16 pairs (``$0``:
+# elements 0-1, ``$1``: 2-3) by integer operations: each byte's exponent and mantissa shifted
+# left 4 into its bf16 lane, the sign to bit 15. Read as bf16 each lane is the e4m3 value times
+# 2^-120 (e4m3's exponent bias 7 against bf16's 127; its subnormals land on bf16 subnormals of
+# the same scaled value). e4m3fn's NaN code (never stored: the quantizer saturates) is not kept.
+E4M3_BF16_PTX = tl.constexpr(
+    "{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $2, 0, 0x4140; prmt.b32 hi, $2, 0, 0x4342; "
+    "shl.b32 a, lo, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, lo, 8; and.b32 b, b, 0x80008000; "
+    "or.b32 $0, a, b; shl.b32 a, hi, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, hi, 8; "
+    "and.b32 b, b, 0x80008000; or.b32 $1, a, b; }")
+TWO_POW_120 = tl.constexpr(1.329227995784916e36)
+
+
+@triton.jit
+def _e4m3_tiles_bf16(raw, sc, BLOCK_N: tl.constexpr, NT: tl.constexpr, TILE: tl.constexpr,
+                     D_V: tl.constexpr):
+    """``raw [BLOCK_N, D_V]`` e4m3 bytes (uint8) times their tiles' power-of-two scales ``sc
+    [BLOCK_N, NT]`` fp32, as bf16: the bits of ``e4m3.to(bf16) * sc.to(bf16)`` without the
+    conversion instructions (SM90 runs one ``F2F.BF16.F16`` a value on its narrow conversion
+    pipe: 256 a thread at the 16-head plan). :data:`E4M3_BF16_PTX` gives the value times
+    2^-120; two bf16 factors, ``min(sc, 2^7) * 2^120`` and ``max(sc / 2^7, 1)``, restore it
+    exactly for every scale the quantizer makes (2^-13 .. 2^120: each product is a power-of-two
+    multiple of a 4-bit-mantissa value, kept exact while it stays in bf16's range, as the
+    plain product is). Compiled code only (the interpreter has no PTX)."""
+    k120 = tl.inline_asm_elementwise(E4M3_BF16_PTX, "=r,=r,r", [raw], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
+    return tl.reshape(tl.reshape(k120, [BLOCK_N, NT, TILE])
+                      * (tl.minimum(sc, 128.0) * TWO_POW_120).to(tl.bfloat16)[:, :, None]
+                      * tl.maximum(sc * 0.0078125, 1.0).to(tl.bfloat16)[:, :, None],
+                      [BLOCK_N, D_V])
+
+
 @triton.jit
 def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
                D_V: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-               BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """The online-softmax update of one gathered block: returns (m_i, l_i, acc)."""
-    f8 = raw.to(tl.float8e4nv, bitcast=True)
+               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INT_CVT: tl.constexpr):
+    """The online-softmax update of one gathered block: returns (m_i, l_i, acc).
+    ``INT_CVT``: the tile dequantized by :func:`_e4m3_tiles_bf16` (the same bits)."""
     if IEEE:
+        f8 = raw.to(tl.float8e4nv, bitcast=True)
         kn = tl.reshape(tl.reshape(f8.to(tl.float32), [BLOCK_N, NT, TILE])
                         * sc[:, :, None], [BLOCK_N, D_V])
         kp = kp.to(tl.float32)
         s = tl.dot(q_nope, tl.trans(kn), input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(kp), s, input_precision="ieee")
     else:
-        kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
-                        * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
+        if INT_CVT:
+            kn = _e4m3_tiles_bf16(raw, sc, BLOCK_N, NT, TILE, D_V)
+        else:
+            f8 = raw.to(tl.float8e4nv, bitcast=True)
+            kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])
+                            * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])
         kn = _one_copy(kn)
         s = tl.dot(q_nope, tl.trans(kn))
         s = tl.dot(q_pe, tl.trans(kp), s)
@@ -337,7 +375,7 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                      K_PER_SPLIT: tl.constexpr, KPS_PAD: tl.constexpr, D_V: tl.constexpr,
                      D_PE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr, INT_CVT: tl.constexpr):
     """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
     the tile's power-of-two scale (exact in bf16), rope read as bf16. A chunk without a valid
     index (a padding token's, a short request's tail) loads no query and runs no dot: it
@@ -346,7 +384,7 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
     ``-inf``. The bits are those of running it: every block of such a chunk leaves the running
     max at ``-inf`` (so ``alpha = 0``, ``p = 0``), the sum at 0 and the accumulator at +0,
     whose output is +0 and lse ``-inf``; ``SKIP_EMPTY = False`` runs such chunks (the tests'
-    witness)."""
+    witness). ``INT_CVT``: :func:`_fp8_block`'s."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -384,7 +422,7 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                                            k_start + i0 + offs_n, k_end, N, stride_row,
                                            offs_d, offs_s, offs_p, D_V, NT)
             m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc,
-                                       qk_scale, D_V, TILE, NT, BLOCK_N, IEEE)
+                                       qk_scale, D_V, TILE, NT, BLOCK_N, IEEE, INT_CVT)
 
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -401,7 +439,9 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
                                     lse=None, skip_empty: bool = True):
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout).
-    ``skip_empty``: chunks without a valid index do no work (speed only: the same bits)."""
+    ``skip_empty``: chunks without a valid index do no work (speed only: the same bits).
+    ``HISPARSE_FP8_CONVERT=int`` (:mod:`~hisparse.ops.switches`): the rows dequantized by
+    integer operations (speed only: the same bits; compiled code)."""
     from ._common import fp8_tile, mla_row_bytes
 
     T, H, D = q.shape
@@ -433,6 +473,7 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
     cfg = config or attn_config(H, K, True, is_fp32)
     _check_config(cfg, fp8=True)
     splits = cfg.splits(K)
+    int_cvt = not is_fp32 and switches.current().fp8_convert == "int"
 
     def launch(tokens, po, pl, strides):
         qs, ids = q[tokens], indices[tokens]
@@ -442,7 +483,7 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
             K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=d_v,
             D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            IEEE=is_fp32, DIRECT=splits == 1, SKIP_EMPTY=bool(skip_empty),
+            IEEE=is_fp32, DIRECT=splits == 1, SKIP_EMPTY=bool(skip_empty), INT_CVT=int_cvt,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

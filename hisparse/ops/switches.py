@@ -36,6 +36,10 @@ HISPARSE_FP8_INDEXER      ``0``, ``1``                  ``1``       ``0``: FP8 k
 (``fp8_indexer``)                                                   against unquantized queries
 HISPARSE_ATTENTION        auto, triton, flashmla,       auto        a forced backend (CUDA,
 (``attention``)           reference                                 ``backend="auto"`` calls)
+HISPARSE_FP8_CONVERT      native, int                   native      the Triton FP8 attention's
+(``fp8_convert``)                                                   e4m3 -> bf16: conversion
+                                                                    instructions, or integer
+                                                                    ones (the same bits)
 ========================  ============================  ==========  ===========================
 
 **When they are read.** Once per process: on the first :func:`current`, and again by
@@ -77,6 +81,7 @@ MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 ATTENTION_BACKENDS = ("auto", "triton", "flashmla", "reference")
+FP8_CONVERT_MODES = ("native", "int")
 FLAG_VALUES = ("0", "1")
 
 # field -> (variable, allowed values: a mode tuple, or FLAG_VALUES for a bool field)
@@ -92,6 +97,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "triton_autotune": ("HISPARSE_TRITON_AUTOTUNE", FLAG_VALUES),
     "fp8_indexer": ("HISPARSE_FP8_INDEXER", FLAG_VALUES),
     "attention": ("HISPARSE_ATTENTION", ATTENTION_BACKENDS),
+    "fp8_convert": ("HISPARSE_FP8_CONVERT", FP8_CONVERT_MODES),
 }
 
 
@@ -111,6 +117,7 @@ class KernelSwitches:
     triton_autotune: bool = True
     fp8_indexer: bool = True
     attention: str = "auto"
+    fp8_convert: str = "native"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
