@@ -3,8 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step moe rank glm
-#            gemm pinned disagg nixl kernels serve
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert cut36
+#            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
 # runs past its time limit is stopped and the next one starts. sgl-flash-mla is used when
@@ -112,6 +112,29 @@ for section in "$@"; do
       run step2k 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
         --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/step2k" ;;
+    convert) # issue 25: the FP8 attention's integer e4m3 -> bf16 (HISPARSE_FP8_CONVERT=int,
+             # fourteenth session, CPU-built): its GPU bits test, the stages probe (isolated,
+             # bits compared), then 2k x 96 on the rank with it (~4 min on an H200)
+      GPU_TEST_FILES="tests/ops/test_ops_attention_convert.py tests/ops/test_ops_quant.py" \
+        skip_or_test
+      run attn_stages 120 python3 benchmarks/probe_attention_stages.py \
+        --out "$out/attn_stages.json"
+      HISPARSE_FP8_CONVERT=int run step2k_int 150 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+        --concurrency 96 --outputs 256 --out "$out/step2k_int" ;;
+    cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
+             # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes, this tree and
+             # HISPARSE_FP8_CONVERT=int (~4 min); a base tree the same way for a same-run
+             # baseline (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 cut36)
+      run cut36 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --layers 36 --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only \
+        --host-pool-gib 1 --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 128 \
+        --out "$out/cut36"
+      HISPARSE_FP8_CONVERT=int run cut36_int 150 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --layers 36 --kv-cache-dtype fp8 \
+        --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 --profile-kernels 5 \
+        --contexts 2048 --concurrency 96 --outputs 128 --out "$out/cut36_int" ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
              # 1-512 tokens (~1.5 min; bench_moe_launch.py prints MOE_LAUNCHES to paste)
       run moe_launch 150 python3 benchmarks/bench_moe_launch.py --out "$out/moe_launch.json" ;;
@@ -225,6 +248,6 @@ for section in "$@"; do
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
     *) echo "unknown section $section (tests owed resolver attnprobe attnncu rankmax fused buckets"\
-            "step moe rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
+            "step convert cut36 moe rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done
