@@ -113,28 +113,36 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
         --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/step2k" ;;
     convert) # issue 25: the FP8 attention's integer e4m3 -> bf16 (HISPARSE_FP8_CONVERT=int,
-             # fourteenth session, CPU-built): its GPU bits test, the stages probe (isolated,
-             # bits compared), then 2k x 96 on the rank with it (~4 min on an H200)
+             # fourteenth session, CPU-built): its GPU bits tests, the stages probe (isolated,
+             # bits compared), then 2k x 96 on the rank without and with it (~6 min, H200)
       GPU_TEST_FILES="tests/ops/test_ops_attention_convert.py tests/ops/test_ops_quant.py" \
         skip_or_test
-      run attn_stages 120 python3 benchmarks/probe_attention_stages.py \
+      run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
-      HISPARSE_FP8_CONVERT=int run step2k_int 150 python3 -m hisparse.cli bench \
-        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-        --concurrency 96 --outputs 256 --out "$out/step2k_int" ;;
+      for cvt in native int; do
+        HISPARSE_FP8_CONVERT=$cvt run step2k_$cvt 150 python3 -m hisparse.cli bench \
+          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+          --concurrency 96 --outputs 256 --out "$out/step2k_$cvt"
+      done ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
-             # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes, this tree and
-             # HISPARSE_FP8_CONVERT=int (~4 min); a base tree the same way for a same-run
-             # baseline (git archive REV | tar x -C base; cd base; gpu_pending.sh OUT2 cut36)
-      run cut36 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --layers 36 --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only \
-        --host-pool-gib 1 --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 128 \
-        --out "$out/cut36"
-      HISPARSE_FP8_CONVERT=int run cut36_int 150 python3 -m hisparse.cli bench \
-        --model-shape deepseek-v3.2-tp8-rank --layers 36 --kv-cache-dtype fp8 \
-        --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 --profile-kernels 5 \
-        --contexts 2048 --concurrency 96 --outputs 128 --out "$out/cut36_int" ;;
+             # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
+             # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding
+             # `git archive 3753608` unpacked: the device copy has no .git), the tree before
+             # the bf16 partials, same call (~6 min)
+      runs="native:$PWD int:$PWD"
+      [ -n "${BASE:-}" ] && runs="$runs base:$(cd "$BASE" && pwd)"
+      for r in $runs; do
+        name=${r%%:*}; dir=${r#*:}
+        (
+          cd "$dir" && export PYTHONPATH=$dir
+          [ "$name" = int ] && export HISPARSE_FP8_CONVERT=int
+          run cut36_$name 150 python3 -m hisparse.cli bench \
+            --model-shape deepseek-v3.2-tp8-rank --layers 36 --kv-cache-dtype fp8 \
+            --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 --profile-kernels 5 \
+            --contexts 2048 --concurrency 96 --outputs 128 --out "$out/cut36_$name"
+        )
+      done ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
              # 1-512 tokens (~1.5 min; bench_moe_launch.py prints MOE_LAUNCHES to paste)
       run moe_launch 150 python3 benchmarks/bench_moe_launch.py --out "$out/moe_launch.json" ;;

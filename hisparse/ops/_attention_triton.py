@@ -308,7 +308,8 @@ def _one_copy(x):
 # elements 0-1, ``$1``: 2-3) by integer operations: each byte's exponent and mantissa shifted
 # left 4 into its bf16 lane, the sign to bit 15. Read as bf16 each lane is the e4m3 value times
 # 2^-120 (e4m3's exponent bias 7 against bf16's 127; its subnormals land on bf16 subnormals of
-# the same scaled value). e4m3fn's NaN code (never stored: the quantizer saturates) is not kept.
+# the same scaled value). e4m3fn's NaN codes (0x7F / 0xFF, stored only for a NaN input) come
+# out finite: the one difference from the conversion instructions.
 E4M3_BF16_PTX = tl.constexpr(
     "{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $2, 0, 0x4140; prmt.b32 hi, $2, 0, 0x4342; "
     "shl.b32 a, lo, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, lo, 8; and.b32 b, b, 0x80008000; "
@@ -321,7 +322,8 @@ TWO_POW_120 = tl.constexpr(1.329227995784916e36)
 def _e4m3_tiles_bf16(raw, sc, BLOCK_N: tl.constexpr, NT: tl.constexpr, TILE: tl.constexpr,
                      D_V: tl.constexpr):
     """``raw [BLOCK_N, D_V]`` e4m3 bytes (uint8) times their tiles' power-of-two scales ``sc
-    [BLOCK_N, NT]`` fp32, as bf16: the bits of ``e4m3.to(bf16) * sc.to(bf16)`` without the
+    [BLOCK_N, NT]`` fp32, as bf16: the bits of ``e4m3.to(bf16) * sc.to(bf16)`` (every finite
+    code) without the
     conversion instructions (SM90 runs one ``F2F.BF16.F16`` a value on its narrow conversion
     pipe: 256 a thread at the 16-head plan). :data:`E4M3_BF16_PTX` gives the value times
     2^-120; two bf16 factors, ``min(sc, 2^7) * 2^120`` and ``max(sc / 2^7, 1)``, restore it

@@ -13,6 +13,7 @@ import torch
 
 from hisparse.ops import _attention_triton as AT
 from hisparse.ops import quant as Q
+from hisparse.ops._attention_triton import _e4m3_tiles_bf16
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -62,9 +63,11 @@ def test_int_convert_is_the_product_for_every_code_and_scale():
     e4m3 = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert torch.equal(k120.float() * 2.0 ** 120, e4m3.float())
     # the kernel's two factors (its source is what this checks against)
-    src = inspect.getsource(AT._e4m3_tiles_bf16.fn)
-    assert "(tl.minimum(sc, 128.0) * TWO_POW_120).to(tl.bfloat16)" in src
-    assert "tl.maximum(sc * 0.0078125, 1.0).to(tl.bfloat16)" in src
+    src = "".join(inspect.getsource(AT._e4m3_tiles_bf16.fn).split())
+    # (k120 * first) * second, left to right: the first product stays in range
+    assert ("tl.reshape(k120,[BLOCK_N,NT,TILE])*(tl.minimum(sc,128.0)*TWO_POW_120)"
+            ".to(tl.bfloat16)[:,:,None]*tl.maximum(sc*0.0078125,1.0).to(tl.bfloat16)"
+            "[:,:,None]") in src
     assert AT.TWO_POW_120.value == 2.0 ** 120
     # every scale ops.quant.pow2_scale makes from bf16 rows: 2^-13 .. 2^120
     lo = int(torch.log2(Q.pow2_scale(torch.tensor([0.0]))).item())
@@ -79,10 +82,45 @@ def test_int_convert_is_the_product_for_every_code_and_scale():
 
 
 @pytest.mark.gpu
+def test_gpu_int_convert_helper_every_code_and_scale():
+    """``_e4m3_tiles_bf16`` compiled: every finite e4m3 code at every scale 2^-13..2^120 (a
+    tile of 127 codes per scale and half), bit for bit against ``e4m3.to(bf16) * scale`` (the
+    factors' grouping, bf16 subnormal lanes and the packing order on the hardware)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tiles(raw_ptr, sc_ptr, out_ptr, BLOCK_N: tl.constexpr, NT: tl.constexpr,
+               TILE: tl.constexpr, D_V: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        c = tl.arange(0, D_V)[None, :]
+        sc = tl.load(sc_ptr + r * NT + tl.arange(0, NT)[None, :])
+        kn = _e4m3_tiles_bf16(tl.load(raw_ptr + r * D_V + c), sc, BLOCK_N, NT, TILE, D_V)
+        tl.store(out_ptr + r * D_V + c, kn)
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    halves = [torch.cat([codes[:127], codes[:1]]), torch.cat([codes[127:], codes[:1]])]
+    exps = list(range(-13, 121))
+    tiles = [(h, e) for e in exps for h in halves]
+    n_rows = 128                                   # 4 tiles a row; 268 tiles padded to 512
+    raw = torch.zeros(n_rows * 4, 128, dtype=torch.uint8)
+    sc = torch.ones(n_rows * 4)
+    for i, (h, e) in enumerate(tiles):
+        raw[i], sc[i] = h, 2.0 ** e
+    raw, sc = raw.reshape(n_rows, 512).cuda(), sc.reshape(n_rows, 4).cuda()
+    out = torch.full((n_rows, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _tiles[(n_rows // 16,)](raw, sc, out, BLOCK_N=16, NT=4, TILE=128, D_V=512, num_warps=4)
+    want = (raw.view(torch.float8_e4m3fn).to(torch.bfloat16).reshape(n_rows, 4, 128)
+            * sc.to(torch.bfloat16)[:, :, None]).reshape(n_rows, 512)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 64])
-def test_gpu_int_convert_bits_equal_native(H, kernel_switches):
-    """Rows over 2^-13 .. ~2^23 tile scales (queries scaled so the logits stay finite) and
-    padding indices: the same outputs and lse, bit for bit, with either conversion."""
+def test_gpu_int_convert_bits_equal_native(H, kernel_switches, monkeypatch):
+    """Rows over 2^-13 .. 2^24 tile scales (queries scaled so the logits stay finite) and
+    padding indices: the same outputs and lse, bit for bit, with either conversion, each launch
+    seen to take its path (the switch reaches the kernel)."""
     g = torch.Generator().manual_seed(H)
     N, T = 8192, 24
     magnitude = torch.logspace(-6, 9, N)[torch.randperm(N, generator=g)]
@@ -94,8 +132,21 @@ def test_gpu_int_convert_bits_equal_native(H, kernel_switches):
     idx = torch.randint(0, N, (T, 2048), generator=g).to(torch.int32)
     idx[torch.rand(T, 2048, generator=g) < 0.2] = -1
     idx = idx.cuda()
+    kernel = AT._attn_fp8_kernel
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["INT_CVT"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(AT, "_attn_fp8_kernel", Recorder())
+    kernel_switches(fp8_convert="native")
     native = AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5)
     kernel_switches(fp8_convert="int")
     conv = AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5)
+    assert launched == [False, True]
     assert torch.isfinite(native[0]).all()
     assert torch.equal(native[0], conv[0]) and torch.equal(native[1], conv[1])
