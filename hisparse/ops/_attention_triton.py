@@ -323,13 +323,12 @@ def _e4m3_tiles_bf16(raw, sc, BLOCK_N: tl.constexpr, NT: tl.constexpr, TILE: tl.
                      D_V: tl.constexpr):
     """``raw [BLOCK_N, D_V]`` e4m3 bytes (uint8) times their tiles' power-of-two scales ``sc
     [BLOCK_N, NT]`` fp32, as bf16: the bits of ``e4m3.to(bf16) * sc.to(bf16)`` (every finite
-    code) without the
-    conversion instructions (SM90 runs one ``F2F.BF16.F16`` a value on its narrow conversion
-    pipe: 256 a thread at the 16-head plan). :data:`E4M3_BF16_PTX` gives the value times
-    2^-120; two bf16 factors, ``min(sc, 2^7) * 2^120`` and ``max(sc / 2^7, 1)``, restore it
-    exactly for every scale the quantizer makes (2^-13 .. 2^120: each product is a power-of-two
-    multiple of a 4-bit-mantissa value, kept exact while it stays in bf16's range, as the
-    plain product is). Compiled code only (the interpreter has no PTX)."""
+    code) without the conversion instructions (SM90 runs one ``F2F.BF16.F16`` a value on its
+    narrow conversion pipe: 256 a thread at the 16-head plan). :data:`E4M3_BF16_PTX` gives
+    the value times 2^-120; two bf16 factors, ``min(sc, 2^7) * 2^120`` and ``max(sc / 2^7,
+    1)``, restore it exactly for every scale the quantizer makes (2^-13 .. 2^120: each product
+    is a power-of-two multiple of a 4-bit-mantissa value, kept exact while it stays in bf16's
+    range, as the plain product is). Compiled code only (the interpreter has no PTX)."""
     k120 = tl.inline_asm_elementwise(E4M3_BF16_PTX, "=r,=r,r", [raw], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
     return tl.reshape(tl.reshape(k120, [BLOCK_N, NT, TILE])
