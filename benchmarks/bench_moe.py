@@ -558,7 +558,7 @@ def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dic
 
 
 def _router_str(c) -> str:
-    return (f"s{c.k_split}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
+    return (f"s{c.k_split}/t{c.block_t}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
             f"/t{c.route_tokens}w{c.route_warps}")
 
 
@@ -606,9 +606,9 @@ def print_router(rows: list[dict], configs) -> None:
     from hisparse.ops.moe_layer import ROUTER_CONFIG
 
     names = [_router_str(c) for c in configs]
-    print(f"\nrouter GEMM (+ x quant) + routing alone, us per call; launch = K split / experts "
-          f"per program / K step / GEMM warps / routing tokens + warps per program (default: "
-          f"{_router_str(ROUTER_CONFIG)})")
+    print(f"\nrouter GEMM (+ x quant) + routing alone, us per call; launch = K split / tokens / "
+          f"experts per program / K step / GEMM warps / routing tokens + warps per program "
+          f"(default: {_router_str(ROUTER_CONFIG)})")
     for i, n in enumerate(names):
         print(f"  [{i}] {n}")
     print(f"{'T':>4} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(names))) + " | best")
@@ -699,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         one = dict(route_tokens=1, route_warps=1)
         configs = [ROUTER_CONFIG, RouterConfig(**one), RouterConfig(route_tokens=2, route_warps=2),
                    RouterConfig(block_e=64, **one), RouterConfig(block_e=16, **one),
-                   RouterConfig(k_split=256, **one)]
+                   RouterConfig(k_split=256, **one), RouterConfig(block_t=32),
+                   RouterConfig(block_t=64, gemm_warps=4), RouterConfig(block_t=64, block_e=64,
+                                                                         gemm_warps=8)]
         if a.smoke:
             configs = [RouterConfig(k_split=64, block_k=32, block_e=8), RouterConfig(**one)]
         out["router"] = bench_router(device, moe_batches, configs, a.smoke)

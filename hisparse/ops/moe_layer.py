@@ -60,7 +60,6 @@ from .pending import PendingSum
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
 # weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
 MOE_LAYER_MAX_TOKENS = 512
-_ROUTER_BLOCK_T = 16      # fixed token tile: a row's MMA shape does not depend on T
 
 
 @dataclass(frozen=True)
@@ -68,11 +67,14 @@ class RouterConfig:
     """Launches of the router GEMM and the routing kernel, the same for every ``T`` (so a
     row's bits do not depend on its batch). ``k_split``: K per fp32 partial (the split count
     depends on ``D`` only; a power of two, a multiple of ``block_k`` and of the FP8 block);
-    ``block_e`` experts per GEMM program, ``block_k`` its K step, ``gemm_warps``;
+    ``block_t`` tokens per GEMM program (fixed whatever ``T``: a row's MMA shape does not
+    depend on its batch; wider tiles re-read the fp32 weight less), ``block_e`` experts per
+    GEMM program, ``block_k`` its K step, ``gemm_warps``;
     ``route_tokens`` per routing program and ``route_warps`` (one warp per token: its
     top-k reductions stay in the warp). ``k_split`` and ``block_k`` change the logits'
     summation order (a few fp32 ulps), the rest never changes a bit."""
     k_split: int = 512
+    block_t: int = 16
     block_e: int = 32
     block_k: int = 64
     gemm_warps: int = 4
@@ -214,9 +216,10 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
     from ._moe_layer_triton import _moe_route_kernel, _moe_router_gemm_kernel
 
     if (c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k
-            or c.block_e & (c.block_e - 1) or c.route_tokens & (c.route_tokens - 1)):
-        raise ValueError(f"{c}: k_split, block_k, block_e and route_tokens must be powers of "
-                         f"two, k_split a multiple of block_k")
+            or c.block_e & (c.block_e - 1) or c.route_tokens & (c.route_tokens - 1)
+            or c.block_t & (c.block_t - 1) or c.block_t < 16):
+        raise ValueError(f"{c}: k_split, block_k, block_e, block_t and route_tokens must be "
+                         f"powers of two, block_t >= 16, k_split a multiple of block_k")
     splits = cdiv(D, c.k_split)
     part = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)
     x, weight = x.contiguous(), weight.contiguous()
@@ -227,10 +230,10 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         xs = torch.empty(T, kb, device=x.device, dtype=torch.float32)
     else:
         qbk, pow2, kb, xq, xs = c.k_split, False, 1, part, part
-    _moe_router_gemm_kernel[(cdiv(T, _ROUTER_BLOCK_T), cdiv(E, c.block_e), splits)](
+    _moe_router_gemm_kernel[(cdiv(T, c.block_t), cdiv(E, c.block_e), splits)](
         x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
         xq.stride(0), xs.stride(0),
-        K_SPLIT=c.k_split, BLOCK_T=_ROUTER_BLOCK_T, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
+        K_SPLIT=c.k_split, BLOCK_T=c.block_t, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
         PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
         QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared

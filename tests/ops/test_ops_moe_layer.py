@@ -105,11 +105,14 @@ def test_route_config_is_checked(triton_cpu):
         route(torch.randn(2, 64), w, b, cfg, config=RouterConfig(k_split=96))
     with pytest.raises(ValueError, match="k_split=64"):
         route(torch.randn(2, 64), w, b, cfg, config=RouterConfig(k_split=64, block_k=128))
+    with pytest.raises(ValueError, match="block_t=24"):
+        route(torch.randn(2, 64), w, b, cfg, config=RouterConfig(k_split=64, block_t=24))
 
 
-def test_route_under_other_launches(triton_cpu):
-    c = RouterConfig(k_split=64, block_k=32, block_e=8, route_tokens=2)
-    T, E, D = 7, 16, 200
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_route_under_other_launches(triton_cpu, block_t):
+    c = RouterConfig(k_split=64, block_t=block_t, block_k=32, block_e=8, route_tokens=2)
+    T, E, D = 37, 16, 200      # a partial last token tile at either width
     w, b = _router(E, D, seed=1)
     x = torch.randn(T, D).bfloat16()
     ids, wt = route(x, w, b, CFG, 1, config=c)
@@ -351,7 +354,8 @@ def test_gpu_route_matches_reference(T):
     want_ids, want_w = route_reference(x, w, b, RANK, 1)
     # every launch (the benchmark's candidates): exact logits, so the same choice
     for c in (None, RouterConfig(route_tokens=1, route_warps=1), RouterConfig(block_e=64),
-              RouterConfig(k_split=256, block_k=128, gemm_warps=8), RouterConfig(block_e=16)):
+              RouterConfig(k_split=256, block_k=128, gemm_warps=8), RouterConfig(block_e=16),
+              RouterConfig(block_t=32), RouterConfig(block_t=64, block_e=64, gemm_warps=8)):
         ids, wt = route(x, w, b, RANK, 1, config=c)
         assert torch.equal(ids, want_ids), c
         torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
