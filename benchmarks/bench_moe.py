@@ -696,14 +696,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.router_sweep:
         from hisparse.ops.moe_layer import ROUTER_CONFIG, RouterConfig
 
-        one = dict(route_tokens=1, route_warps=1)
-        configs = [ROUTER_CONFIG, RouterConfig(**one), RouterConfig(route_tokens=2, route_warps=2),
-                   RouterConfig(block_e=64, **one), RouterConfig(block_e=16, **one),
-                   RouterConfig(k_split=256, **one), RouterConfig(block_t=32),
-                   RouterConfig(block_t=64, gemm_warps=4), RouterConfig(block_t=64, block_e=64,
-                                                                         gemm_warps=8)]
+        four = dict(route_tokens=4, route_warps=4)   # the former default's routing launch
+        configs = [ROUTER_CONFIG, RouterConfig(block_e=32, **four), RouterConfig(block_e=32),
+                   RouterConfig(route_tokens=2, route_warps=2), RouterConfig(block_e=16),
+                   RouterConfig(k_split=256), RouterConfig(block_t=32),
+                   RouterConfig(block_t=64, block_e=32), RouterConfig(block_t=64, gemm_warps=8)]
         if a.smoke:
-            configs = [RouterConfig(k_split=64, block_k=32, block_e=8), RouterConfig(**one)]
+            configs = [RouterConfig(k_split=64, block_k=32, block_e=8),
+                       RouterConfig(block_e=32, **four)]
         out["router"] = bench_router(device, moe_batches, configs, a.smoke)
         print_router(out["router"], configs)
     if a.sweep:

@@ -58,7 +58,7 @@ from .pending import PendingSum
 
 # Steps of up to this many tokens run fused (decode and the lossless contract's batch-invariant
 # sizes): every alignment program histograms all assignments and the router GEMM re-reads its
-# weight per 16 tokens, both fine here, both worse than the unfused path for prefill-sized steps.
+# weight per token tile, both fine here, both worse than the unfused path for prefill-sized steps.
 MOE_LAYER_MAX_TOKENS = 512
 
 
@@ -72,16 +72,20 @@ class RouterConfig:
     GEMM program, ``block_k`` its K step, ``gemm_warps``;
     ``route_tokens`` per routing program and ``route_warps`` (one warp per token: its
     top-k reductions stay in the warp). ``k_split`` and ``block_k`` change the logits'
-    summation order (a few fp32 ulps), the rest never changes a bit."""
+    summation order (a few fp32 ulps), ``block_t`` may (another MMA shape); the rest never
+    changes a bit."""
     k_split: int = 512
     block_t: int = 16
-    block_e: int = 32
+    block_e: int = 64
     block_k: int = 64
     gemm_warps: int = 4
-    route_tokens: int = 4
-    route_warps: int = 4
+    route_tokens: int = 1
+    route_warps: int = 1
 
 
+# Defaults: the fastest bit-neutral launch of the router sweep (H100, 2026-12-06, `bench_moe.py
+# --router-sweep --moe-batches 8,24,96`): 13.2 / 13.6 / 20.5 us at 8 / 24 / 96 tokens against
+# 13.9 / 15.6 / 26.0 for the former 32 experts a program and 4 tokens of 4 warps a route program
 ROUTER_CONFIG = RouterConfig()
 
 
