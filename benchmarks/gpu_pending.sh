@@ -31,15 +31,15 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 
 for section in "$@"; do
   case $section in
-    owed)    # the GPU tests of the GPU-path changes not yet run on a GPU, in one pass (~5
-             # min; the list as the thirteenth session ran it, every file passing: put the
-             # next unrun change's files here); then run its sections with SKIP_TESTS=1
-      GPU_TEST_FILES="tests/ops/test_ops_resolve.py tests/engine/test_capacity.py
-        tests/engine/test_hot_policy.py tests/bench/test_band_replay.py
-        tests/engine/test_spec_gpu.py tests/engine/test_soak.py tests/engine/test_engine_gpu.py
-        tests/worker/test_cuda_graph_gpu.py tests/engine/test_engine_switches.py
-        tests/engine/test_disagg_gpu.py tests/ops/test_ops_topk.py tests/ops/test_ops_quant.py
-        tests/ops/test_ops_attention.py tests/ops/test_ops_indexer_fused.py" \
+    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
+             # min; the fifteenth session ran this list on an H100, every file passing: put
+             # the next unrun change's files here); then run its sections with SKIP_TESTS=1
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_moe_layer.py
+        tests/engine/test_soak.py tests/ops/test_ops_indexer_fused.py
+        tests/engine/test_engine_gpu.py tests/ops/test_ops_quant.py
+        tests/worker/test_cuda_graph_gpu.py tests/ops/test_ops_gemm_splitk.py
+        tests/engine/test_engine_switches.py tests/ops/test_ops_attention.py
+        tests/ops/test_ops_attention_convert.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
