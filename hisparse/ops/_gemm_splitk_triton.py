@@ -456,11 +456,14 @@ def splitk_configs(M: int) -> list[SplitKConfig]:
                SplitKConfig(bt, 128, 4, 3), SplitKConfig(bt, 64, 4, 3, "group"),
                SplitKConfig(bt, 64, 4, 3, "all"), SplitKConfig(bt, 64, 4, 4, "all")]
         return out + ([SplitKConfig(bt, 64, 4, 3, "chunk", "kernel")] if bt == 64 else [])
-    # 128-token tiles: above 64 rows one weight tile feeds every row (read once per launch)
-    big = [(64, 64, 4, "chunk"), (64, 128, 8, "chunk"), (64, 64, 4, "group"),
-           (64, 128, 8, "group"), (64, 128, 8, "all"), (128, 128, 8, "all"),
-           (128, 64, 4, "chunk"), (128, 64, 8, "group")]
-    return ([SplitKConfig(bt, bn, w, 3, level, "kernel") for bt, bn, w, level in big]
+    # 128-token tiles: above 64 rows one weight tile feeds every row (read once per launch;
+    # 128 x 128 spills: 91-397 us at 96 rows on an H100, dropped);
+    # 5-6 stages: more bytes in flight where few programs walk long K ranges (each K block's
+    # MMA is waited for before its scaled add, so a program's own loads are its only overlap)
+    big = [(64, 64, 4, 3, "chunk"), (64, 128, 8, 3, "chunk"), (64, 64, 4, 3, "group"),
+           (64, 128, 8, 3, "group"), (64, 128, 8, 3, "all"), (128, 64, 4, 3, "chunk"),
+           (128, 64, 8, 3, "group"), (64, 64, 4, 5, "group"), (64, 64, 4, 6, "all")]
+    return ([SplitKConfig(bt, bn, w, st, level, "kernel") for bt, bn, w, st, level in big]
             + [SplitKConfig(64, 64, 4, 3, "group")])
 
 
