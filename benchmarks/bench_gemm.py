@@ -12,7 +12,9 @@ Columns: ``default`` the new kernel's default launch for M (µs); ``best`` the f
 of the sweep (``_gemm_splitk_triton.splitk_configs``; every launch gives the same bits) and its
 fraction of the read-only HBM bandwidth measured in the same run (weight + activation + output
 bytes / time); ``stream`` the old kernel's default (µs); ``bf16`` ``torch.mm`` of the same
-shape (twice the weight bytes); ``x old`` = stream / best. Times are per call from CUDA graphs
+shape (twice the weight bytes); ``w8a16`` the split-K kernel with ``mma="bf16"`` (weights
+dequantized to bf16 per tile, activations unquantized: other bits) at its fastest launch of the
+same sweep; ``x old`` = stream / best. Times are per call from CUDA graphs
 (``bench_ops.timeit_graph``) of back-to-back calls that rotate through weight copies larger
 than L2 (every call reads HBM, as the engine's 61 layers do). The footer estimates one decode
 step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old (and, with every
@@ -31,6 +33,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -190,6 +193,16 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
                     row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
                     continue
                 row["configs"][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
+            row["w8a16"] = {}   # mma="bf16" per launch (quant unused: one entry a launch)
+            for cfg in dict.fromkeys(replace(c, quant="kernel")
+                                     for c in [default] + G.splitk_configs(M)):
+                try:
+                    t = _time(lambda p, c=cfg, x=x: G.fp8_block_linear_splitk(
+                        x, p[0], p[1], (128, 128), torch.bfloat16, config=c, mma="bf16"), fp8)
+                except Exception as e:  # noqa: BLE001 - a launch that does not build is data
+                    row["w8a16"][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                    continue
+                row["w8a16"][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
             row["stream_us"] = 1e6 * _time(lambda p, x=x: fp8_block_linear(
                 x, p[0], p[1], backend="triton_stream"), fp8)
             row["bf16_us"] = 1e6 * _time(lambda p, x=x: torch.mm(x, p.t()), bf16)
@@ -208,8 +221,11 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
     return rows
 
 
-def best(row: dict) -> tuple[str, float]:
-    ok = {k: v["us"] for k, v in row["configs"].items() if "us" in v}
+def best(row: dict, kind: str = "configs") -> tuple[str, float]:
+    """The fastest launch of ``row[kind]`` (``configs``: the FP8-MMA kernel; ``w8a16``)."""
+    ok = {k: v["us"] for k, v in row.get(kind, {}).items() if "us" in v}
+    if not ok:
+        return "-", math.nan
     k = min(ok, key=ok.get)
     return k, ok[k]
 
@@ -217,8 +233,10 @@ def best(row: dict) -> tuple[str, float]:
 def print_row(r: dict, header: bool) -> None:
     if header:
         print(f"\n{'linear':>14} {'N x K':>11} {'M':>4} S/G  | {'default':>7} | {'best':>7} "
-              f"{'frac':>5} {'(launch)':<28} | {'stream':>7} | {'bf16':>6} | x old", flush=True)
+              f"{'frac':>5} {'(launch)':<28} | {'stream':>7} | {'bf16':>6} | {'w8a16':>6} "
+              f"{'(launch)':<26} | x old", flush=True)
     k, t = best(r)
+    wk, wt = best(r, "w8a16")
     d = r["configs"].get(r["default"], {}).get("us", float("nan"))
     frac = r["configs"][k]["frac_read_bw"]
     extra = ""
@@ -227,7 +245,7 @@ def print_row(r: dict, header: bool) -> None:
     sg = f"{r['chunks']}/{r['groups']}"
     print(f"{r['op']:>14} {r['N']:>5}x{r['K']:<5} {r['M']:>4} {sg:<5}| {d:7.1f} | "
           f"{t:7.1f} {frac:5.2f} {k:<28} | {r['stream_us']:7.1f} | {r['bf16_us']:6.1f} | "
-          f"{r['stream_us'] / t:4.2f}x{extra}", flush=True)
+          f"{wt:6.1f} {wk:<26} | {r['stream_us'] / t:4.2f}x{extra}", flush=True)
 
 
 def print_footer(rows: list[dict]) -> None:
@@ -239,12 +257,13 @@ def print_footer(rows: list[dict]) -> None:
                    for r in mine)
         old = sum(r["stream_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
         bf = sum(r["bf16_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
+        w8 = sum(best(r, "w8a16")[1] * RANK_LINEARS[r["op"]][2] for r in mine)
         unst = ""
         if all(any(r["op"] == op for r in mine) for op in UNSTACKED):
             us = sum(best(r)[1] * UNSTACKED.get(r["op"], 0) for r in mine)
             unst = f"  unstacked best {us:8.0f}"
         print(f"  M={M:>4}: new best {new:8.0f}  new default {dflt:8.0f}  stream {old:8.0f}  "
-              f"bf16 {bf:8.0f}{unst}")
+              f"bf16 {bf:8.0f}  w8a16 best {w8:8.0f}{unst}")
     print("\nSPLITK_TABLE = {  # (N, K, m_bucket): launch, from this run")
     for r in rows:
         c = G.SplitKConfig.parse(best(r)[0])

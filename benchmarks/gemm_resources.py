@@ -10,10 +10,12 @@ many ``wgmma.wait_group 0`` follow them (a wait for every MMA group just issued:
 MMAs run one at a time), and the deepest ``cp.async.wait_group`` (loads a program keeps in
 flight).
 
-Found (fifteenth session, Triton 3.9): every launch waits for each K block's four
+Found (fifteenth session, Triton 3.9): every FP8 launch waits for each K block's four
 ``m64nNk32`` MMAs before the block's scaled add (``acc += dot * (s_w * s_a)``); Triton makes a
 dot asynchronous only as a loop-carried accumulator (``acc = tl.dot(a, b, acc)``), which the
-per-block scales rule out (unrolling two blocks a step gives two synchronous dots).
+per-block scales rule out (unrolling two blocks a step gives two synchronous dots). The W8A16
+kernel (``--mma bf16``) is that accumulator: ``wgmma.wait_group 1`` in its K loop (one block's
+MMAs in flight while the next issue), ``wait_group 0`` once after it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from hisparse.ops._gemm_splitk_triton import (  # noqa: E402
     LEVELS,
     SplitKConfig,
     _fp8_splitk_kernel,
+    _w8a16_splitk_kernel,
     splitk_configs,
 )
 
@@ -41,17 +44,21 @@ POINTERS = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp3
                 out_ptr="*fp32")
 
 
-def resources(cfg: SplitKConfig, arch: int, block: int = 128) -> dict:
-    """Compile ``_fp8_splitk_kernel`` for ``cfg`` (activations pre-quantized, one weight scale a
-    tile) and read its resources from the cubin and its MMA waits from the PTX."""
-    names = _fp8_splitk_kernel.arg_names
+def resources(cfg: SplitKConfig, arch: int, block: int = 128, mma: str = "fp8") -> dict:
+    """Compile the split-K kernel of ``mma`` for ``cfg`` (``fp8``: activations pre-quantized;
+    ``bf16``: :func:`_w8a16_splitk_kernel`, bf16 activations; one weight scale a tile) and read
+    its resources from the cubin and its MMA waits from the PTX."""
+    kernel = _fp8_splitk_kernel if mma == "fp8" else _w8a16_splitk_kernel
+    names = kernel.arg_names
     const = dict(BPG=1, LEVEL=LEVELS.index(cfg.level), BLOCK_T=cfg.block_t,
-                 BLOCK_N=cfg.block_n, BLOCK_K=block, SCALE_N=block, QUANT_A=False, POW2=False)
-    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
+                 BLOCK_N=cfg.block_n, BLOCK_K=block, SCALE_N=block)
+    const.update(QUANT_A=False, POW2=False) if mma == "fp8" else const.update(IEEE=False)
+    pointers = POINTERS if mma == "fp8" else dict(POINTERS, x_ptr="*bf16")
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
     # as a real launch specializes them: pointers, strides, N and K are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n in POINTERS or n.startswith("stride") or n in ("N", "K")}
-    k = triton.compile(ASTSource(_fp8_splitk_kernel, sig, const, attrs),
+    k = triton.compile(ASTSource(kernel, sig, const, attrs),
                        target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
@@ -77,16 +84,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=96, help="M: the candidates of its bucket")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--mma", choices=("fp8", "bf16", "both"), default="both",
+                    help="fp8: the default kernel; bf16: HISPARSE_FP8_GEMM=triton_w8a16's")
     args = ap.parse_args()
-    print(f"{'launch':>28} {'registers':>9} {'spill B':>7} {'smem B':>7} {'wgmma':>5} "
+    mmas = ("fp8", "bf16") if args.mma == "both" else (args.mma,)
+    print(f"{'mma':>4} {'launch':>28} {'registers':>9} {'spill B':>7} {'smem B':>7} {'wgmma':>5} "
           f"{'wait 0':>6} {'wait >0':>7} {'cp.async groups ahead':>21}")
-    for cfg in splitk_configs(args.rows):
-        if cfg.quant != "kernel":
-            continue
-        r = resources(cfg, args.arch)
-        print(f"{str(cfg):>28} {r['registers']:>9} {r['stack_bytes']:>7} {r['shared_bytes']:>7} "
-              f"{r['mmas']:>5} {r['mma_waits_0']:>6} {r['mma_waits_other']:>7} "
-              f"{r['loads_in_flight']:>21}", flush=True)
+    for mma in mmas:
+        for cfg in splitk_configs(args.rows):
+            if cfg.quant != "kernel":
+                continue
+            r = resources(cfg, args.arch, mma=mma)
+            print(f"{mma:>4} {str(cfg):>28} {r['registers']:>9} {r['stack_bytes']:>7} "
+                  f"{r['shared_bytes']:>7} "
+                  f"{r['mmas']:>5} {r['mma_waits_0']:>6} {r['mma_waits_other']:>7} "
+                  f"{r['loads_in_flight']:>21}", flush=True)
 
 
 if __name__ == "__main__":
