@@ -35,6 +35,18 @@ POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx
                 o_ptr="*bf16", lse_ptr="*fp32")
 
 
+def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
+    """Triton's bundled ``cuobjdump`` run on ``cubin`` once per flag (``-res-usage``,
+    ``-sass``, ...): its outputs, in order."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                       "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return [subprocess.run([exe, flag, f.name], capture_output=True, text=True,
+                               check=True).stdout for flag in flags]
+
+
 def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
               int_cvt: bool = False) -> dict:
     """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128; ``int_cvt``:
@@ -54,15 +66,7 @@ def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
                        target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({} if maxnreg is None else {"maxnreg": maxnreg})))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    usage, sass = cuobjdump(k.asm["cubin"], "-res-usage", "-sass")
     got = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     # one warp's static instruction count (the 64-index chunk is one block: no loop)
     n_ins = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))

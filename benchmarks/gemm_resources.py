@@ -4,11 +4,11 @@ cuobjdump): which launches can keep MMAs in flight, before a GPU times them.
 
     python3 benchmarks/gemm_resources.py [--rows 96] [--arch 90]
 
-Per launch (:func:`hisparse.ops._gemm_splitk_triton.splitk_configs` for ``--rows``, the
-pre-quantized activation of ``quant="kernel"``): the ``wgmma`` instructions of the kernel, how
-many ``wgmma.wait_group 0`` follow them (a wait for every MMA group just issued: the K loop's
-MMAs run one at a time), and the deepest ``cp.async.wait_group`` (loads a program keeps in
-flight).
+Per launch (:func:`hisparse.ops._gemm_splitk_triton.splitk_configs` for ``--rows``): the
+``wgmma`` instructions of the kernel, how many ``wgmma.wait_group 0`` follow them (a wait for
+every MMA group just issued: the K loop's MMAs run one at a time), how many wait for all but
+the newest (``wait_group 1`` or more: MMAs in flight across K blocks), and the deepest
+``cp.async.wait_group`` (load groups a program keeps in flight).
 
 Found (fifteenth session, Triton 3.9): every FP8 launch waits for each K block's four
 ``m64nNk32`` MMAs before the block's scaled add (``acc += dot * (s_w * s_a)``); Triton makes a
@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
-import tempfile
+from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU target, not the interpreter
 
 import triton  # noqa: E402
+from attention_resources import cuobjdump  # noqa: E402  (benchmarks/: the script's directory)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -45,30 +45,26 @@ POINTERS = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp3
 
 
 def resources(cfg: SplitKConfig, arch: int, block: int = 128, mma: str = "fp8") -> dict:
-    """Compile the split-K kernel of ``mma`` for ``cfg`` (``fp8``: activations pre-quantized;
-    ``bf16``: :func:`_w8a16_splitk_kernel`, bf16 activations; one weight scale a tile) and read
-    its resources from the cubin and its MMA waits from the PTX."""
+    """Compile the split-K kernel of ``mma`` for ``cfg`` (``fp8``: activations quantized in the
+    K loop or before, as ``cfg.quant`` says; ``bf16``: :func:`_w8a16_splitk_kernel`, bf16
+    activations; one weight scale a tile) and read its resources from the cubin and its MMA
+    waits from the PTX."""
     kernel = _fp8_splitk_kernel if mma == "fp8" else _w8a16_splitk_kernel
     names = kernel.arg_names
     const = dict(BPG=1, LEVEL=LEVELS.index(cfg.level), BLOCK_T=cfg.block_t,
                  BLOCK_N=cfg.block_n, BLOCK_K=block, SCALE_N=block)
-    const.update(QUANT_A=False, POW2=False) if mma == "fp8" else const.update(IEEE=False)
-    pointers = POINTERS if mma == "fp8" else dict(POINTERS, x_ptr="*bf16")
+    quant_a = mma == "fp8" and cfg.quant == "gemm"    # bf16 x quantized in the K loop
+    const.update(QUANT_A=quant_a, POW2=False) if mma == "fp8" else const.update(IEEE=False)
+    pointers = POINTERS if mma == "fp8" and not quant_a else dict(POINTERS, x_ptr="*bf16")
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
     # as a real launch specializes them: pointers, strides, N and K are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in POINTERS or n.startswith("stride") or n in ("N", "K")}
+             if n in pointers or n.startswith("stride") or n in ("N", "K")}
     k = triton.compile(ASTSource(kernel, sig, const, attrs),
                        target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+    (usage,) = cuobjdump(k.asm["cubin"], "-res-usage")
     got = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     loads = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     return dict(registers=int(got.get("REG", -1)), stack_bytes=int(got.get("STACK", -1)),
@@ -91,9 +87,10 @@ def main() -> None:
     print(f"{'mma':>4} {'launch':>28} {'registers':>9} {'spill B':>7} {'smem B':>7} {'wgmma':>5} "
           f"{'wait 0':>6} {'wait >0':>7} {'cp.async groups ahead':>21}")
     for mma in mmas:
-        for cfg in splitk_configs(args.rows):
-            if cfg.quant != "kernel":
-                continue
+        # the W8A16 kernel has no quantizer: launches differing by ``quant`` alone are one
+        cfgs = splitk_configs(args.rows) if mma == "fp8" else dict.fromkeys(
+            replace(c, quant="kernel") for c in splitk_configs(args.rows))
+        for cfg in cfgs:
             r = resources(cfg, args.arch, mma=mma)
             print(f"{mma:>4} {str(cfg):>28} {r['registers']:>9} {r['stack_bytes']:>7} "
                   f"{r['shared_bytes']:>7} "
