@@ -98,18 +98,19 @@ def _alt_plans(N: int, K: int) -> list:
 
 
 def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
-    """One ``(linear, M, launch, chunks)`` per distinct compiled kernel the run needs
+    """One ``(linear, M, launch, chunks, mma)`` per distinct compiled kernel the run needs
     (``"stream"``: the old kernel's default launch for that M; ``chunks``: the plan's when not
-    the default): what :func:`precompile` spreads over processes."""
+    the default; ``mma="bf16"``: the W8A16 kernel): what :func:`precompile` spreads over
+    processes."""
     from hisparse.ops import _gemm_triton as old
 
     seen: dict[tuple, tuple] = {}
 
-    def add(name, M, cfg, plan, chunks):
+    def add(name, M, cfg, plan, chunks, mma="fp8"):
         parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
         red = (parts, plan.group if cfg.level == "chunk" else 1) if parts > 1 else None
         launch = str(cfg) if parts > 1 else str(cfg).replace(f"/{cfg.level}/", "/all/")
-        seen.setdefault((launch, red), (name, M, str(cfg), chunks))
+        seen.setdefault((launch, red, mma), (name, M, str(cfg), chunks, mma))
 
     for name in ops:
         N, K, _ = RANK_LINEARS[name]
@@ -118,9 +119,10 @@ def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
         S = old.stream_chunks(N, K, 128, sms)
         for M in batches:
             seen.setdefault(("stream", old.stream_config(M, N, K, S, sms), S > 1),
-                            (name, M, "stream", None))
+                            (name, M, "stream", None, "fp8"))
             for cfg in dict.fromkeys([G.splitk_config(M, N, K, plan)] + G.splitk_configs(M)):
                 add(name, M, cfg, plan, None)
+                add(name, M, replace(cfg, quant="kernel"), plan, None, "bf16")   # W8A16
             if chunks_sweep and M in CHUNK_SWEEP_MS:
                 for alt in _alt_plans(N, K):
                     add(name, M, G.splitk_config(M, N, K, alt), alt, alt.chunks)
@@ -129,7 +131,7 @@ def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
 
 def _compile(items: list[tuple]) -> None:
     """Run each launch once (a worker process of :func:`precompile`: fills Triton's disk cache)."""
-    for name, M, cfg, chunks in items:
+    for name, M, cfg, chunks, mma in items:
         N, K, _ = RANK_LINEARS[name]
         try:
             wq, ws = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
@@ -140,7 +142,7 @@ def _compile(items: list[tuple]) -> None:
                 plan = G.splitk_plan(N, K)
                 plan = G.splitk_plan(N, K, chunks=chunks, groups=plan.groups) if chunks else plan
                 G.fp8_block_linear_splitk(x, wq, ws, (128, 128), torch.bfloat16,
-                                          config=G.SplitKConfig.parse(cfg), plan=plan)
+                                          config=G.SplitKConfig.parse(cfg), plan=plan, mma=mma)
         except Exception:  # noqa: BLE001, S112 - the timed run reports it
             continue
     if torch.cuda.is_available():

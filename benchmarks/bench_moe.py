@@ -558,7 +558,7 @@ def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dic
 
 
 def _router_str(c) -> str:
-    return (f"s{c.k_split}/t{c.block_t}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
+    return (f"s{c.k_split}/bt{c.block_t}/e{c.block_e}/k{c.block_k}/w{c.gemm_warps}"
             f"/t{c.route_tokens}w{c.route_warps}")
 
 

@@ -192,8 +192,11 @@ def _w8a16_splitk_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB, CHUNK, GROU
     """:func:`_fp8_splitk_kernel`'s programs and partial sums with ``mma="bf16"`` numerics: the
     weight tile dequantized to bf16 (``w * s_w``, rounded once) and the activation in bf16, so
     a chunk's sum is one MMA accumulation over its K blocks (loop-carried: the MMAs of
-    consecutive blocks stay in flight) instead of a scaled add per block. ``IEEE`` (the
-    interpreter, whose bf16 dots are wrong): the same bf16 values as fp32 operands."""
+    consecutive blocks stay in flight) instead of a scaled add per block. Tokens on the MMA's
+    narrow side: a chunk's bits do not depend on ``BLOCK_T`` while ``BLOCK_N`` >= 64 keeps the
+    warp-group MMA (a smaller one could fall back to another instruction and other bits).
+    ``IEEE`` (the interpreter, whose bf16 dots are wrong): the same bf16 values as fp32
+    operands."""
     S = tl.cdiv(KB, CHUNK)
     GCH = GROUP // CHUNK                     # chunks a group
     if LEVEL == 0:
@@ -581,6 +584,9 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                          f"got {cfg.level!r}")
     if mma not in ("fp8", "bf16"):
         raise ValueError(f"fp8_block_linear_splitk: mma must be fp8 or bf16, got {mma!r}")
+    if mma == "bf16" and quant is not None:
+        raise ValueError(f"fp8_block_linear_splitk: quant={quant!r} with mma='bf16' (W8A16 "
+                         f"does not quantize the activations)")
     quant = "none" if mma == "bf16" else quant or (cfg.quant if x.is_cuda else "torch")
     x, stride_g, bpg = k_groups(x, bk)
     if mma == "bf16" or quant == "gemm":

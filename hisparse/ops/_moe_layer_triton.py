@@ -1,7 +1,8 @@
 """Triton kernels of the fused MoE layer's glue (imported lazily by moe_layer.py; contracts there).
 
-- ``_moe_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]`` (16-token
-  tiles whatever ``T``, split count fixed by ``K``: a row's partials do not depend on the batch);
+- ``_moe_router_gemm_kernel``: router logits as fixed K-split fp32 partials ``[S, T, E]``
+  (``BLOCK_T``-token tiles whatever ``T``, split count fixed by ``K``: a row's partials do not
+  depend on the batch);
   with ``QUANT`` the programs of the first expert block also quantize their ``x`` tile to FP8
   per ``1 x QBK`` (what ``_moe_quant_act_kernel`` computes, bit for bit: one kernel less);
 - ``_moe_route_kernel``: per token (a few per program): the partials summed in split order, sigmoid,

@@ -5,11 +5,12 @@ none of them a general sort or a host sync (CUDA-graph capturable; every row com
 of the batch it runs in):
 
 1. router GEMM (:func:`route`): logits ``x @ gate^T`` as fp32 partials over a K split fixed by
-   ``D`` (16-token tiles whatever ``T``). The checkpoints keep the gate in fp32 and transformers
-   computes it in fp32 (``_keep_in_fp32_modules_strict``); DeepSeek stores the gate weight in
-   bf16, so with bf16 activations every product is exact in fp32. The kernel reads the fp32
-   weight and multiplies on the tensor cores in 3xTF32 (exact products for bf16-valued
-   operands, about fp32 otherwise), accumulating in fp32: the reference up to summation order.
+   ``D`` (token tiles of ``RouterConfig.block_t`` whatever ``T``). The checkpoints keep the
+   gate in fp32 and transformers computes it in fp32 (``_keep_in_fp32_modules_strict``);
+   DeepSeek stores the gate weight in bf16, so with bf16 activations every product is exact in
+   fp32. The kernel reads the fp32 weight and multiplies on the tensor cores in 3xTF32 (exact
+   products for bf16-valued operands, about fp32 otherwise), accumulating in fp32: the
+   reference up to summation order.
    FP8 experts: its programs of the first expert block also quantize ``x`` (step 4);
 2. routing (:func:`route`): per token, the partials summed in split order, ``sigmoid``, plus
    ``e_score_correction_bias`` for the choice, group-limited top-k (group score = sum of its two

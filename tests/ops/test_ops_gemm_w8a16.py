@@ -15,13 +15,20 @@ def _cfg(bt, bn=64, level="chunk", warps=4, stages=2):
     return SplitKConfig(bt, bn, warps, stages, level, "kernel")
 
 
-def _weights(N, K, block, seed, device="cpu", pow2=False):
+def _weights(N, K, block, seed, device="cpu"):
     g = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(N, K, generator=g, device=device) * 0.05
     w = w * (torch.rand(N, 1, generator=g, device=device) * 4 + 0.25)  # rows differ: scale index
-    q, s = quantize_fp8_weight(w, block)
-    if pow2:   # ue8m0-style scales (DeepSeek-V3.2): w * s exact in bf16
-        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return quantize_fp8_weight(w, block)
+
+
+def _exact_weights(N, K, block, seed, device="cpu"):
+    """Integer e4m3 codes (|q| <= 16) and power-of-two block scales 2^-8..2^-6 (ue8m0-style,
+    as DeepSeek-V3.2's): ``q * s`` exact in bf16."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(-16, 17, (N, K), generator=g, device=device).to(torch.float8_e4m3fn)
+    nb, kb = -(-N // block[0]), -(-K // block[1])
+    s = torch.exp2(torch.randint(-8, -5, (nb, kb), generator=g, device=device).float())
     return q, s
 
 
@@ -33,8 +40,9 @@ def _bf16_bound(x, w, s, block):
 
 
 def _exact_x(M, K, seed, device="cpu"):
-    """Activations of few bits (k / 8, |k| <= 4): every product and sum of a K <= 2^12 row is
-    exact in fp32, so any summation order gives the same bits."""
+    """Activations of few bits (k / 8, |k| <= 4). With :func:`_exact_weights` every product is
+    a multiple of 2^-11 below 2^-3 in magnitude, so any sum of up to 2^16 of them is exact in
+    fp32 (< 2^13 over a grid of 2^-11: 24 bits): every summation order gives the same bits."""
     g = torch.Generator(device=device).manual_seed(seed)
     return (torch.randint(-4, 5, (M, K), generator=g, device=device) / 8).to(torch.bfloat16)
 
@@ -73,7 +81,7 @@ def test_w8a16_exact_data_bits(triton_cpu, poisoned_empty):
     from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
 
     N, K, block = 96, 512, (32, 32)
-    w, s = _weights(N, K, block, seed=3, pow2=True)
+    w, s = _exact_weights(N, K, block, seed=3)
     x = _exact_x(24, K, seed=4)
     want = fp8_block_linear_reference(x, w, s, block, out_dtype=torch.float32)
     plan = splitk_plan(N, K, 32, chunks=5, groups=2)
@@ -85,6 +93,25 @@ def test_w8a16_exact_data_bits(triton_cpu, poisoned_empty):
     heads = fp8_block_linear_splitk(x.reshape(24, 4, K // 4), w, s, block, torch.float32,
                                     plan=plan, mma="bf16")
     assert torch.equal(heads, want)
+
+
+@pytest.mark.parametrize("bt,bn,block,K,counts", [(16, 64, (32, 32), 480, (5, 2)),
+                                                   (32, 64, (128, 128), 1024, (3, 2)),
+                                                   (16, 128, (32, 32), 480, (7, 3))])
+def test_w8a16_levels_same_bits(triton_cpu, poisoned_empty, bt, bn, block, K, counts):
+    """On random data (sums that round), programs per chunk (partials, then the reduction), per
+    group or over all of K add the same numbers in the same order: the same bits. Plans with a
+    short last chunk and group."""
+    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk, splitk_plan
+
+    N = 100
+    w, s = _weights(N, K, block, seed=K)
+    x = torch.randn(13, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    plan = splitk_plan(N, K, block[1], *counts)
+    assert plan.chunks * plan.chunk > -(-K // block[1]) or plan.groups * plan.group > plan.chunks
+    got = [fp8_block_linear_splitk(x, w, s, block, torch.float32, config=_cfg(bt, bn, level),
+                                   plan=plan, mma="bf16") for level in ("chunk", "group", "all")]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
 
 def test_w8a16_backend_and_pending(triton_cpu, poisoned_empty, kernel_switches):
@@ -105,13 +132,16 @@ def test_w8a16_backend_and_pending(triton_cpu, poisoned_empty, kernel_switches):
     assert torch.equal(pend.materialize(), direct)
 
 
-def test_w8a16_bad_mma(triton_cpu):
+def test_w8a16_bad_arguments(triton_cpu):
     from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk
 
     w, s = _weights(64, 128, (128, 128), seed=0)
     with pytest.raises(ValueError, match="mma must be fp8 or bf16"):
         fp8_block_linear_splitk(torch.randn(2, 128), w, s, (128, 128), torch.float32,
                                 mma="fp16")
+    with pytest.raises(ValueError, match="quant='kernel' with mma='bf16'"):
+        fp8_block_linear_splitk(torch.randn(2, 128), w, s, (128, 128), torch.float32,
+                                mma="bf16", quant="kernel")
 
 
 @pytest.mark.gpu
@@ -136,7 +166,7 @@ def test_gpu_w8a16_batch_invariant_and_bounded(N, K):
             got = G.fp8_block_linear_splitk(x[:M], w, s, block, torch.float32, config=cfg,
                                             mma="bf16")
             assert torch.equal(got, full[:M]), (M, str(cfg))
-    wp, sp = _weights(N, K, block, seed=N, device="cuda", pow2=True)
+    wp, sp = _exact_weights(N, K, block, seed=N, device="cuda")
     xe = _exact_x(64, K, seed=1, device="cuda")
     assert torch.equal(fp8_block_linear(xe, wp, sp, backend="triton_w8a16",
                                         out_dtype=torch.float32),
