@@ -29,10 +29,11 @@ HISPARSE_MOE_QUANT        router, fused, gate_up,       router      where the fu
 (``moe_quant``)           kernel                                    quantizes activations
 HISPARSE_FP8_GEMM         auto, reference, triton,      auto        ``ops.gemm``'s backend (a
 (``fp8_gemm``)            triton_w8a16, triton_stream,              call's ``backend=`` wins;
-                          triton_tile, scaled_mm                    ``triton_w8a16``: to 512
-                                                                    rows, the linears only:
-                                                                    MoE experts and prefill
-                                                                    steps keep FP8 activations)
+                          triton_tile, scaled_mm                    ``triton_w8a16``: the
+                                                                    linears of steps to 512
+                                                                    rows; MoE experts and
+                                                                    larger steps keep FP8
+                                                                    activations)
 HISPARSE_TRITON_AUTOTUNE  ``0``, ``1``                  ``1``       ``0``: the Triton GEMMs'
 (``triton_autotune``)                                               first config (CUDA)
 HISPARSE_FP8_INDEXER      ``0``, ``1``                  ``1``       ``0``: FP8 keys scored
