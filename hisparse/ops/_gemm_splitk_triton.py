@@ -191,9 +191,9 @@ def _w8a16_splitk_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB, CHUNK, GROU
                          IEEE: tl.constexpr):
     """:func:`_fp8_splitk_kernel`'s programs and partial sums with ``mma="bf16"`` numerics: the
     weight tile dequantized to bf16 (``w * s_w``, rounded once) and the activation in bf16 (an
-    fp32 ``x`` rounded to it), so
-    a chunk's sum is one MMA accumulation over its K blocks (loop-carried: the MMAs of
-    consecutive blocks stay in flight) instead of a scaled add per block. Tokens on the MMA's
+    fp32 ``x`` rounded to it), so a chunk's sum is one MMA accumulation over its K blocks
+    (loop-carried: the MMAs of consecutive blocks stay in flight) instead of a scaled add per
+    block. Tokens on the MMA's
     narrow side: a chunk's bits do not depend on ``BLOCK_T`` while ``BLOCK_N`` >= 64 keeps the
     warp-group MMA (a smaller one could fall back to another instruction and other bits).
     ``IEEE`` (the interpreter, whose bf16 dots are wrong): the same bf16 values as fp32
