@@ -211,8 +211,9 @@ def _w8a16_splitk_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB, CHUNK, GROU
         c_end = S
     rows, rmask, offs_n, nmask, ws_blk = _program_tile(M, N, ws_ptr, stride_wsn, BLOCK_T,
                                                        BLOCK_N, SCALE_N)
-    gsum = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    gsum = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)      # the group's sum
+    if LEVEL == 2:
+        total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for c in range(c_start, c_end):
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)   # the chunk's sum, from zero
         for kb in range(c * CHUNK, tl.minimum(KB, (c + 1) * CHUNK)):
@@ -232,13 +233,14 @@ def _w8a16_splitk_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB, CHUNK, GROU
             else:
                 acc = tl.dot(wd, tl.trans(a), acc)
         gsum += acc
-        g_end = ((c + 1) % GCH == 0) | (c + 1 == S)          # a group's last chunk
-        total = tl.where(g_end, total + gsum, total)
-        gsum = tl.where(g_end, 0.0, gsum)
-    # level 0's one chunk is in gsum, or in total where it closed its group; level 1's group
-    # closed in total (its last chunk closes it)
-    _store_tile(out_ptr, gsum + total if LEVEL == 0 else total, rows, rmask, offs_n, nmask, N,
-                stride_om, stride_ps, LEVEL)
+        if LEVEL == 2:  # levels 0 and 1 cover one chunk or one group
+            g_end = ((c + 1) % GCH == 0) | (c + 1 == S)      # a group's last chunk
+            total = tl.where(g_end, total + gsum, total)
+            gsum = tl.where(g_end, 0.0, gsum)
+    if LEVEL == 2:
+        _store_tile(out_ptr, total, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
+    else:
+        _store_tile(out_ptr, gsum, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
 
 
 @triton.jit
