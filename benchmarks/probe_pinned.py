@@ -45,9 +45,11 @@ class Pinned:
         self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buf = (ctypes.c_char * nbytes).from_buffer(self.map)
         rc = torch.cuda.cudart().cudaHostRegister(ctypes.addressof(self.buf), nbytes, 0)
-        if int(getattr(rc, "value", rc)) != 0:
+        code = int(getattr(rc, "value", rc))
+        if code != 0:
             self.free()
-            raise RuntimeError(f"cudaHostRegister failed ({rc})")
+            # the number too: torch's enum names few codes (an H100 host gave "cudaError.???")
+            raise RuntimeError(f"cudaHostRegister failed (cudaError {code}: {rc})")
         self.registered = True
 
     def free(self) -> None:
