@@ -187,24 +187,19 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
                    "groups": plan.groups, "configs": {}}
             default = G.splitk_config(M, N, K, plan)
             row["default"] = str(default)
-            for cfg in dict.fromkeys([default] + G.splitk_configs(M)):
-                try:
-                    t = _time(lambda p, c=cfg, x=x: G.fp8_block_linear_splitk(
-                        x, p[0], p[1], (128, 128), torch.bfloat16, config=c), fp8)
-                except Exception as e:  # noqa: BLE001 - a launch that does not build is data
-                    row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                    continue
-                row["configs"][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
+            launches = [default] + G.splitk_configs(M)
             row["w8a16"] = {}   # mma="bf16" per launch (quant unused: one entry a launch)
-            for cfg in dict.fromkeys(replace(c, quant="kernel")
-                                     for c in [default] + G.splitk_configs(M)):
-                try:
-                    t = _time(lambda p, c=cfg, x=x: G.fp8_block_linear_splitk(
-                        x, p[0], p[1], (128, 128), torch.bfloat16, config=c, mma="bf16"), fp8)
-                except Exception as e:  # noqa: BLE001 - a launch that does not build is data
-                    row["w8a16"][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                    continue
-                row["w8a16"][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
+            for key, mma, cfgs in (("configs", "fp8", launches),
+                                   ("w8a16", "bf16", [replace(c, quant="kernel")
+                                                      for c in launches])):
+                for cfg in dict.fromkeys(cfgs):
+                    try:
+                        t = _time(lambda p, c=cfg, x=x, mma=mma: G.fp8_block_linear_splitk(
+                            x, p[0], p[1], (128, 128), torch.bfloat16, config=c, mma=mma), fp8)
+                    except Exception as e:  # noqa: BLE001 - a launch that does not build is data
+                        row[key][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                        continue
+                    row[key][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
             row["stream_us"] = 1e6 * _time(lambda p, x=x: fp8_block_linear(
                 x, p[0], p[1], backend="triton_stream"), fp8)
             row["bf16_us"] = 1e6 * _time(lambda p, x=x: torch.mm(x, p.t()), bf16)
