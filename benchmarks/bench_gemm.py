@@ -12,9 +12,7 @@ Columns: ``default`` the new kernel's default launch for M (µs); ``best`` the f
 of the sweep (``_gemm_splitk_triton.splitk_configs``; every launch gives the same bits) and its
 fraction of the read-only HBM bandwidth measured in the same run (weight + activation + output
 bytes / time); ``stream`` the old kernel's default (µs); ``bf16`` ``torch.mm`` of the same
-shape (twice the weight bytes); ``w8a16`` the split-K kernel with ``mma="bf16"`` (weights
-dequantized to bf16 per tile, activations unquantized: other bits) at its fastest launch of the
-same sweep; ``x old`` = stream / best. Times are per call from CUDA graphs
+shape (twice the weight bytes); ``x old`` = stream / best. Times are per call from CUDA graphs
 (``bench_ops.timeit_graph``) of back-to-back calls that rotate through weight copies larger
 than L2 (every call reads HBM, as the engine's 61 layers do). The footer estimates one decode
 step's linears (61 attention layers, 3 dense MLPs) at each M, new best vs old (and, with every
@@ -33,7 +31,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -98,19 +95,18 @@ def _alt_plans(N: int, K: int) -> list:
 
 
 def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
-    """One ``(linear, M, launch, chunks, mma)`` per distinct compiled kernel the run needs
+    """One ``(linear, M, launch, chunks)`` per distinct compiled kernel the run needs
     (``"stream"``: the old kernel's default launch for that M; ``chunks``: the plan's when not
-    the default; ``mma="bf16"``: the W8A16 kernel): what :func:`precompile` spreads over
-    processes."""
+    the default): what :func:`precompile` spreads over processes."""
     from hisparse.ops import _gemm_triton as old
 
     seen: dict[tuple, tuple] = {}
 
-    def add(name, M, cfg, plan, chunks, mma="fp8"):
+    def add(name, M, cfg, plan, chunks):
         parts = {"chunk": plan.chunks, "group": plan.groups, "all": 1}[cfg.level]
         red = (parts, plan.group if cfg.level == "chunk" else 1) if parts > 1 else None
         launch = str(cfg) if parts > 1 else str(cfg).replace(f"/{cfg.level}/", "/all/")
-        seen.setdefault((launch, red, mma), (name, M, str(cfg), chunks, mma))
+        seen.setdefault((launch, red), (name, M, str(cfg), chunks))
 
     for name in ops:
         N, K, _ = RANK_LINEARS[name]
@@ -119,10 +115,9 @@ def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
         S = old.stream_chunks(N, K, 128, sms)
         for M in batches:
             seen.setdefault(("stream", old.stream_config(M, N, K, S, sms), S > 1),
-                            (name, M, "stream", None, "fp8"))
+                            (name, M, "stream", None))
             for cfg in dict.fromkeys([G.splitk_config(M, N, K, plan)] + G.splitk_configs(M)):
                 add(name, M, cfg, plan, None)
-                add(name, M, replace(cfg, quant="kernel"), plan, None, "bf16")   # W8A16
             if chunks_sweep and M in CHUNK_SWEEP_MS:
                 for alt in _alt_plans(N, K):
                     add(name, M, G.splitk_config(M, N, K, alt), alt, alt.chunks)
@@ -131,7 +126,7 @@ def _launch_keys(ops, batches, chunks_sweep: bool = False) -> list[tuple]:
 
 def _compile(items: list[tuple]) -> None:
     """Run each launch once (a worker process of :func:`precompile`: fills Triton's disk cache)."""
-    for name, M, cfg, chunks, mma in items:
+    for name, M, cfg, chunks in items:
         N, K, _ = RANK_LINEARS[name]
         try:
             wq, ws = quantize_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
@@ -142,7 +137,7 @@ def _compile(items: list[tuple]) -> None:
                 plan = G.splitk_plan(N, K)
                 plan = G.splitk_plan(N, K, chunks=chunks, groups=plan.groups) if chunks else plan
                 G.fp8_block_linear_splitk(x, wq, ws, (128, 128), torch.bfloat16,
-                                          config=G.SplitKConfig.parse(cfg), plan=plan, mma=mma)
+                                          config=G.SplitKConfig.parse(cfg), plan=plan)
         except Exception:  # noqa: BLE001, S112 - the timed run reports it
             continue
     if torch.cuda.is_available():
@@ -187,19 +182,14 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
                    "groups": plan.groups, "configs": {}}
             default = G.splitk_config(M, N, K, plan)
             row["default"] = str(default)
-            launches = [default] + G.splitk_configs(M)
-            row["w8a16"] = {}   # mma="bf16" per launch (quant unused: one entry a launch)
-            for key, mma, cfgs in (("configs", "fp8", launches),
-                                   ("w8a16", "bf16", [replace(c, quant="kernel")
-                                                      for c in launches])):
-                for cfg in dict.fromkeys(cfgs):
-                    try:
-                        t = _time(lambda p, c=cfg, x=x, mma=mma: G.fp8_block_linear_splitk(
-                            x, p[0], p[1], (128, 128), torch.bfloat16, config=c, mma=mma), fp8)
-                    except Exception as e:  # noqa: BLE001 - a launch that does not build is data
-                        row[key][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                        continue
-                    row[key][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
+            for cfg in dict.fromkeys([default] + G.splitk_configs(M)):
+                try:
+                    t = _time(lambda p, c=cfg, x=x: G.fp8_block_linear_splitk(
+                        x, p[0], p[1], (128, 128), torch.bfloat16, config=c), fp8)
+                except Exception as e:  # noqa: BLE001 - a launch that does not build is data
+                    row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                    continue
+                row["configs"][str(cfg)] = {"us": t * 1e6, "frac_read_bw": byts / t / bw}
             row["stream_us"] = 1e6 * _time(lambda p, x=x: fp8_block_linear(
                 x, p[0], p[1], backend="triton_stream"), fp8)
             row["bf16_us"] = 1e6 * _time(lambda p, x=x: torch.mm(x, p.t()), bf16)
@@ -218,11 +208,8 @@ def bench(ops, batches, chunks_sweep: bool, bw: float) -> list[dict]:
     return rows
 
 
-def best(row: dict, kind: str = "configs") -> tuple[str, float]:
-    """The fastest launch of ``row[kind]`` (``configs``: the FP8-MMA kernel; ``w8a16``)."""
-    ok = {k: v["us"] for k, v in row.get(kind, {}).items() if "us" in v}
-    if not ok:
-        return "-", math.nan
+def best(row: dict) -> tuple[str, float]:
+    ok = {k: v["us"] for k, v in row["configs"].items() if "us" in v}
     k = min(ok, key=ok.get)
     return k, ok[k]
 
@@ -230,10 +217,8 @@ def best(row: dict, kind: str = "configs") -> tuple[str, float]:
 def print_row(r: dict, header: bool) -> None:
     if header:
         print(f"\n{'linear':>14} {'N x K':>11} {'M':>4} S/G  | {'default':>7} | {'best':>7} "
-              f"{'frac':>5} {'(launch)':<28} | {'stream':>7} | {'bf16':>6} | {'w8a16':>6} "
-              f"{'(launch)':<26} | x old", flush=True)
+              f"{'frac':>5} {'(launch)':<28} | {'stream':>7} | {'bf16':>6} | x old", flush=True)
     k, t = best(r)
-    wk, wt = best(r, "w8a16")
     d = r["configs"].get(r["default"], {}).get("us", float("nan"))
     frac = r["configs"][k]["frac_read_bw"]
     extra = ""
@@ -242,7 +227,7 @@ def print_row(r: dict, header: bool) -> None:
     sg = f"{r['chunks']}/{r['groups']}"
     print(f"{r['op']:>14} {r['N']:>5}x{r['K']:<5} {r['M']:>4} {sg:<5}| {d:7.1f} | "
           f"{t:7.1f} {frac:5.2f} {k:<28} | {r['stream_us']:7.1f} | {r['bf16_us']:6.1f} | "
-          f"{wt:6.1f} {wk:<26} | {r['stream_us'] / t:4.2f}x{extra}", flush=True)
+          f"{r['stream_us'] / t:4.2f}x{extra}", flush=True)
 
 
 def print_footer(rows: list[dict]) -> None:
@@ -254,13 +239,12 @@ def print_footer(rows: list[dict]) -> None:
                    for r in mine)
         old = sum(r["stream_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
         bf = sum(r["bf16_us"] * RANK_LINEARS[r["op"]][2] for r in mine)
-        w8 = sum(best(r, "w8a16")[1] * RANK_LINEARS[r["op"]][2] for r in mine)
         unst = ""
         if all(any(r["op"] == op for r in mine) for op in UNSTACKED):
             us = sum(best(r)[1] * UNSTACKED.get(r["op"], 0) for r in mine)
             unst = f"  unstacked best {us:8.0f}"
         print(f"  M={M:>4}: new best {new:8.0f}  new default {dflt:8.0f}  stream {old:8.0f}  "
-              f"bf16 {bf:8.0f}  w8a16 best {w8:8.0f}{unst}")
+              f"bf16 {bf:8.0f}{unst}")
     print("\nSPLITK_TABLE = {  # (N, K, m_bucket): launch, from this run")
     for r in rows:
         c = G.SplitKConfig.parse(best(r)[0])

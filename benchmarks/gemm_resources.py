@@ -13,9 +13,10 @@ the newest (``wait_group 1`` or more: MMAs in flight across K blocks), and the d
 Found (fifteenth session, Triton 3.9): every FP8 launch waits for each K block's four
 ``m64nNk32`` MMAs before the block's scaled add (``acc += dot * (s_w * s_a)``); Triton makes a
 dot asynchronous only as a loop-carried accumulator (``acc = tl.dot(a, b, acc)``), which the
-per-block scales rule out (unrolling two blocks a step gives two synchronous dots). The W8A16
-kernel (``--mma bf16``) is that accumulator: ``wgmma.wait_group 1`` in its K loop (one block's
-MMAs in flight while the next issue), ``wait_group 0`` once after it.
+per-block scales rule out (unrolling two blocks a step gives two synchronous dots). Those waits
+are not what holds the linears at ~0.3 of bandwidth: a W8A16 variant (weight tiles dequantized
+to bf16, one loop-carried accumulator, ``wait_group 1`` in its loop) was slower at every row
+count on an H100 (sixteenth session, docs/BENCHMARKS.md) and was removed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU target, not the interpreter
 
@@ -36,7 +36,6 @@ from hisparse.ops._gemm_splitk_triton import (  # noqa: E402
     LEVELS,
     SplitKConfig,
     _fp8_splitk_kernel,
-    _w8a16_splitk_kernel,
     splitk_configs,
 )
 
@@ -44,18 +43,16 @@ POINTERS = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp3
                 out_ptr="*fp32")
 
 
-def resources(cfg: SplitKConfig, arch: int, block: int = 128, mma: str = "fp8") -> dict:
-    """Compile the split-K kernel of ``mma`` for ``cfg`` (``fp8``: activations quantized in the
-    K loop or before, as ``cfg.quant`` says; ``bf16``: :func:`_w8a16_splitk_kernel`, bf16
-    activations; one weight scale a tile) and read its resources from the cubin and its MMA
-    waits from the PTX."""
-    kernel = _fp8_splitk_kernel if mma == "fp8" else _w8a16_splitk_kernel
+def resources(cfg: SplitKConfig, arch: int, block: int = 128) -> dict:
+    """Compile the split-K kernel for ``cfg`` (activations quantized in the K loop or before, as
+    ``cfg.quant`` says) and read its resources from the cubin and its MMA waits from the PTX."""
+    kernel = _fp8_splitk_kernel
     names = kernel.arg_names
     const = dict(BPG=1, LEVEL=LEVELS.index(cfg.level), BLOCK_T=cfg.block_t,
                  BLOCK_N=cfg.block_n, BLOCK_K=block, SCALE_N=block)
-    quant_a = mma == "fp8" and cfg.quant == "gemm"    # bf16 x quantized in the K loop
-    const.update(QUANT_A=quant_a, POW2=False) if mma == "fp8" else const.update(IEEE=False)
-    pointers = POINTERS if mma == "fp8" and not quant_a else dict(POINTERS, x_ptr="*bf16")
+    quant_a = cfg.quant == "gemm"    # bf16 x quantized in the K loop
+    const.update(QUANT_A=quant_a, POW2=False)
+    pointers = dict(POINTERS, x_ptr="*bf16") if quant_a else POINTERS
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
     # as a real launch specializes them: pointers, strides, N and K are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -80,22 +77,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=96, help="M: the candidates of its bucket")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--mma", choices=("fp8", "bf16", "both"), default="both",
-                    help="fp8: the default kernel; bf16: HISPARSE_FP8_GEMM=triton_w8a16's")
     args = ap.parse_args()
-    mmas = ("fp8", "bf16") if args.mma == "both" else (args.mma,)
-    print(f"{'mma':>4} {'launch':>28} {'registers':>9} {'spill B':>7} {'smem B':>7} {'wgmma':>5} "
+    print(f"{'launch':>28} {'registers':>9} {'spill B':>7} {'smem B':>7} {'wgmma':>5} "
           f"{'wait 0':>6} {'wait >0':>7} {'cp.async groups ahead':>21}")
-    for mma in mmas:
-        # the W8A16 kernel has no quantizer: launches differing by ``quant`` alone are one
-        cfgs = splitk_configs(args.rows) if mma == "fp8" else dict.fromkeys(
-            replace(c, quant="kernel") for c in splitk_configs(args.rows))
-        for cfg in cfgs:
-            r = resources(cfg, args.arch, mma=mma)
-            print(f"{mma:>4} {str(cfg):>28} {r['registers']:>9} {r['stack_bytes']:>7} "
-                  f"{r['shared_bytes']:>7} "
-                  f"{r['mmas']:>5} {r['mma_waits_0']:>6} {r['mma_waits_other']:>7} "
-                  f"{r['loads_in_flight']:>21}", flush=True)
+    for cfg in splitk_configs(args.rows):
+        r = resources(cfg, args.arch)
+        print(f"{str(cfg):>28} {r['registers']:>9} {r['stack_bytes']:>7} {r['shared_bytes']:>7} "
+              f"{r['mmas']:>5} {r['mma_waits_0']:>6} {r['mma_waits_other']:>7} "
+              f"{r['loads_in_flight']:>21}", flush=True)
 
 
 if __name__ == "__main__":

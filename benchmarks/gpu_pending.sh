@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert w8a16 cut36
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert cut36
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -32,15 +32,15 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 for section in "$@"; do
   case $section in
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
-             # min; the fifteenth session ran this list on an H100, every file passing, but
-             # test_ops_gemm_w8a16 (never on a GPU): put the next unrun change's files here);
+             # min; the sixteenth session ran this list on an H100 at 749b3da, every file
+             # passing: put the next unrun change's files here);
              # then run its sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_moe_layer.py
         tests/engine/test_soak.py tests/ops/test_ops_indexer_fused.py
         tests/engine/test_engine_gpu.py tests/ops/test_ops_quant.py
         tests/worker/test_cuda_graph_gpu.py tests/ops/test_ops_gemm_splitk.py
         tests/engine/test_engine_switches.py tests/ops/test_ops_attention.py
-        tests/ops/test_ops_attention_convert.py tests/ops/test_ops_gemm_w8a16.py" \
+        tests/ops/test_ops_attention_convert.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
@@ -125,19 +125,6 @@ for section in "$@"; do
           --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
           --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
           --concurrency 96 --outputs 256 --out "$out/step2k_$cvt"
-      done ;;
-    w8a16)   # issue 25 item 2: HISPARSE_FP8_GEMM=triton_w8a16 (fifteenth session, CPU-built):
-             # its GPU test, the linears' sweep with it beside the FP8 kernel, then 2k x 96 on
-             # the rank without and with it (~8 min, H200)
-      GPU_TEST_FILES="tests/ops/test_ops_gemm_w8a16.py tests/ops/test_ops_gemm_splitk.py" \
-        skip_or_test
-      run gemm_w8a16 260 python3 benchmarks/bench_gemm.py --chunks-sweep \
-        --batches 1,8,24,64,96,128,256 --out "$out/bench_gemm_w8a16.json"
-      for gemm in auto triton_w8a16; do
-        HISPARSE_FP8_GEMM=$gemm run step_$gemm 170 python3 -m hisparse.cli bench \
-          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-          --concurrency 96 --outputs 128 --out "$out/step_$gemm"
       done ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with

@@ -182,67 +182,6 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
         _store_tile(out_ptr, acc, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
 
 
-# the same specialization as _fp8_splitk_kernel's
-@triton.jit(do_not_specialize=["M", "KB", "CHUNK", "GROUP", "stride_wsn", "stride_ps"])
-def _w8a16_splitk_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB, CHUNK, GROUP,
-                         stride_xm, stride_xg, stride_wn, stride_wsn, stride_om, stride_ps,
-                         BPG: tl.constexpr, LEVEL: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
-                         IEEE: tl.constexpr):
-    """:func:`_fp8_splitk_kernel`'s programs and partial sums with ``mma="bf16"`` numerics: the
-    weight tile dequantized to bf16 (``w * s_w``, rounded once) and the activation in bf16 (an
-    fp32 ``x`` rounded to it), so a chunk's sum is one MMA accumulation over its K blocks
-    (loop-carried: the MMAs of consecutive blocks stay in flight) instead of a scaled add per
-    block. Tokens on the MMA's
-    narrow side: a chunk's bits do not depend on ``BLOCK_T`` while ``BLOCK_N`` >= 64 keeps the
-    warp-group MMA (a smaller one could fall back to another instruction and other bits).
-    ``IEEE`` (the interpreter, whose bf16 dots are wrong): the same bf16 values as fp32
-    operands."""
-    S = tl.cdiv(KB, CHUNK)
-    GCH = GROUP // CHUNK                     # chunks a group
-    if LEVEL == 0:
-        c_start = tl.program_id(2)
-        c_end = c_start + 1
-    elif LEVEL == 1:
-        c_start = tl.program_id(2) * GCH
-        c_end = tl.minimum(S, c_start + GCH)
-    else:
-        c_start = 0
-        c_end = S
-    rows, rmask, offs_n, nmask, ws_blk = _program_tile(M, N, ws_ptr, stride_wsn, BLOCK_T,
-                                                       BLOCK_N, SCALE_N)
-    gsum = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)      # the group's sum
-    if LEVEL == 2:
-        total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for c in range(c_start, c_end):
-        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)   # the chunk's sum, from zero
-        for kb in range(c * CHUNK, tl.minimum(KB, (c + 1) * CHUNK)):
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
-            sw = tl.load(ws_blk + kb)
-            if SCALE_N % BLOCK_N == 0:
-                wd = (w.to(tl.float32) * sw).to(tl.bfloat16)
-            else:
-                wd = (w.to(tl.float32) * sw[:, None]).to(tl.bfloat16)
-            a = _x_block(x_ptr, rows, rmask, kb, K, stride_xm, stride_xg, BPG,
-                         BLOCK_K).to(tl.bfloat16)
-            if IEEE:
-                acc = tl.dot(wd.to(tl.float32), tl.trans(a.to(tl.float32)), acc,
-                             input_precision="ieee")
-            else:
-                acc = tl.dot(wd, tl.trans(a), acc)
-        gsum += acc
-        if LEVEL == 2:  # levels 0 and 1 cover one chunk or one group
-            g_end = ((c + 1) % GCH == 0) | (c + 1 == S)      # a group's last chunk
-            total = tl.where(g_end, total + gsum, total)
-            gsum = tl.where(g_end, 0.0, gsum)
-    if LEVEL == 2:
-        _store_tile(out_ptr, total, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
-    else:
-        _store_tile(out_ptr, gsum, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
-
-
 @triton.jit
 def _fp8_splitk_reduce_kernel(part_ptr, out_ptr, n_elem, stride_ps, PARTS: tl.constexpr,
                               GCH: tl.constexpr, BLOCK: tl.constexpr):
@@ -553,18 +492,13 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                             block: tuple[int, int], out_dtype: torch.dtype,
                             pow2_scale: bool = False, config: SplitKConfig | None = None,
                             plan: SplitKPlan | None = None, quant: str | None = None,
-                            pending: bool = False, mma: str = "fp8"
-                            ) -> torch.Tensor | PendingSum:
+                            pending: bool = False) -> torch.Tensor | PendingSum:
     """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (level
     ``all``, or one part), two (chunk or group sums, then their reduction), one more with
     ``quant="kernel"``. Row ``i`` equals that row computed in any other batch, bitwise, whatever
     ``config`` and ``quant``: only ``plan`` (default :func:`splitk_plan`, from the weight shape)
-    and ``mma`` change bits. ``mma``: ``"fp8"`` (the activations quantized per ``1 x bk``,
-    FP8 MMAs, each K block's result scaled into the sum) or ``"bf16"`` (W8A16: the weight
-    tile dequantized to bf16, ``x`` unquantized, a chunk summed in one MMA accumulation;
-    ``quant`` and ``pow2_scale`` unused: :func:`_w8a16_splitk_kernel`). On CPU (interpreter)
-    torch quantizes the activations unless ``quant`` says otherwise. ``parts * M * N`` must
-    stay below 2**31. ``pending``: where the call has partial
+    changes bits. On CPU (interpreter) torch quantizes the activations unless ``quant`` says
+    otherwise. ``parts * M * N`` must stay below 2**31. ``pending``: where the call has partial
     sums, return them as a :class:`~hisparse.ops.pending.PendingSum` instead of launching the
     reduction (its ``materialize`` launches it; the fused norm adds them itself).
 
@@ -585,14 +519,9 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     if cfg.level not in LEVELS:
         raise ValueError(f"fp8_block_linear_splitk: level must be one of {LEVELS}, "
                          f"got {cfg.level!r}")
-    if mma not in ("fp8", "bf16"):
-        raise ValueError(f"fp8_block_linear_splitk: mma must be fp8 or bf16, got {mma!r}")
-    if mma == "bf16" and quant is not None:
-        raise ValueError(f"fp8_block_linear_splitk: quant={quant!r} with mma='bf16' (W8A16 "
-                         f"does not quantize the activations)")
-    quant = "none" if mma == "bf16" else quant or (cfg.quant if x.is_cuda else "torch")
+    quant = quant or (cfg.quant if x.is_cuda else "torch")
     x, stride_g, bpg = k_groups(x, bk)
-    if mma == "bf16" or quant == "gemm":
+    if quant == "gemm":
         xq, xs = x, x  # xs unused
     elif quant == "kernel":
         xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)
@@ -615,26 +544,19 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     out = None if defer else torch.empty(M, N, device=x.device, dtype=out_dtype)
     dst = torch.empty(parts, M, N, device=x.device, dtype=torch.float32) if level < 2 else out
     grid = (triton.cdiv(M, cfg.block_t), triton.cdiv(N, cfg.block_n), parts)
+    args = (xq, xs, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group,
+            xq.stride(0), stride_g, xs.stride(0), w.stride(0), ws.stride(0), N, M * N)
     meta = dict(BPG=bpg, LEVEL=level, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-                SCALE_N=bn)
-    if mma == "bf16":
-        kernel = _w8a16_splitk_kernel
-        args = (x, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group, x.stride(0),
-                stride_g, w.stride(0), ws.stride(0), N, M * N)
-        meta.update(IEEE=interpreted())
-    else:
-        kernel = _fp8_splitk_kernel
-        args = (xq, xs, w, ws, dst, M, N, K, KB, plan.chunk, plan.chunk * plan.group,
-                xq.stride(0), stride_g, xs.stride(0), w.stride(0), ws.stride(0), N, M * N)
-        meta.update(QUANT_A=quant == "gemm", POW2=pow2_scale)
+                SCALE_N=bn, QUANT_A=quant == "gemm", POW2=pow2_scale)
     if not x.is_cuda:
-        kernel[grid](*args, **meta)
+        _fp8_splitk_kernel[grid](*args, **meta)
     else:
-        key = (x.device, cfg, level, bk, bn, quant, pow2_scale, bpg, mma)
+        key = (x.device, cfg, level, bk, bn, quant, pow2_scale, bpg)
         stages = _STAGES.get(key, cfg.num_stages)
         while True:  # fewer stages where shared memory runs out (remembered per launch)
             try:
-                kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=stages)
+                _fp8_splitk_kernel[grid](*args, **meta, num_warps=cfg.num_warps,
+                                         num_stages=stages)
                 break
             except OutOfResources:
                 if stages <= 1:

@@ -20,12 +20,6 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
   chosen from M (batch invariant, the lossless contract). Activations quantized in the K loop
   (the next block's loaded a step ahead), or by one Triton launch first for many rows, bitwise
   the same. Larger M (prefill): the tile kernel.
-- ``triton_w8a16``: the split-K kernel with W8A16 numerics up to 512 rows
-  (``mma="bf16"``): each weight tile dequantized to bf16 (``w * scale_inv``, rounded once; exact
-  for power-of-two scales), the activations not quantized, a chunk's sum one loop-carried MMA
-  accumulation (the FP8 path scales each K block's MMA result into its sum, so its MMAs run one
-  at a time); the reference without ``quantize_input`` is its spec. Batch invariant by the
-  same plan; larger M: the tile kernel (FP8 activations). Opt-in until measured.
 - ``triton_stream``: the previous decode kernel (:func:`_gemm_triton.fp8_block_linear_stream`;
   about one program per SM, last-arrival split-K reduction through module-global counters),
   batch invariant too; kept as the same-run baseline (``HISPARSE_FP8_GEMM=triton_stream``).
@@ -39,8 +33,7 @@ Backends (``backend=`` or the env var ``HISPARSE_FP8_GEMM``; default ``auto``):
 - ``auto``: Triton on CUDA (or with HISPARSE_FORCE_TRITON=1), reference otherwise.
 
 Batch invariance up to 512 rows (a row's bits do not depend on the other rows of its step):
-``triton``, ``triton_stream`` and ``triton_tile`` keep it (GPU-tested bitwise; ``triton_w8a16``
-by construction, its GPU test not yet run); ``scaled_mm``
+``triton``, ``triton_stream`` and ``triton_tile`` keep it (GPU-tested bitwise); ``scaled_mm``
 does not promise it (cuBLASLt's algorithm, tiles and split-K follow M), nor does ``reference``
 (fp32 BLAS).
 DeepGEMM (``sgl-deep-gemm`` 0.2.5, the kernels vLLM and SGLang use) is not a backend: its
@@ -166,8 +159,7 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     b = _backend(backend)
     if b == "auto":
         b = "triton" if want_triton(x) else "reference"
-    splitk = b in ("triton", "triton_w8a16")
-    in_place = split and splitk and 0 < x.shape[0] <= _splitk_max_m()
+    in_place = split and b == "triton" and 0 < x.shape[0] <= _splitk_max_m()
     if split and not in_place:
         x = x.reshape(x.shape[0], K)
     if b == "reference" or x.numel() == 0:
@@ -181,13 +173,12 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
         fp8_block_linear_stream,
         fp8_block_linear_triton,
     )
-    if (splitk or b == "triton_stream") and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
-        if splitk:
+    if b in ("triton", "triton_stream") and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
+        if b == "triton":
             from ._gemm_splitk_triton import fp8_block_linear_splitk
             y = fp8_block_linear_splitk(x2, w, w_scale_inv, block, out_dtype,
                                         pow2_scale=pow2_scale,
-                                        pending=pending and (x.dim() == 2 or in_place),
-                                        mma="bf16" if b == "triton_w8a16" else "fp8")
+                                        pending=pending and (x.dim() == 2 or in_place))
             if isinstance(y, PendingSum):
                 return y
         else:

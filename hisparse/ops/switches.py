@@ -28,12 +28,8 @@ HISPARSE_MOE_ALIGN        experts, single               experts     the fused la
 HISPARSE_MOE_QUANT        router, fused, gate_up,       router      where the fused FP8 layer
 (``moe_quant``)           kernel                                    quantizes activations
 HISPARSE_FP8_GEMM         auto, reference, triton,      auto        ``ops.gemm``'s backend (a
-(``fp8_gemm``)            triton_w8a16, triton_stream,              call's ``backend=`` wins;
-                          triton_tile, scaled_mm                    ``triton_w8a16``: the
-                                                                    linears of steps to 512
-                                                                    rows; MoE experts and
-                                                                    larger steps keep FP8
-                                                                    activations)
+(``fp8_gemm``)            triton_stream, triton_tile,               call's ``backend=`` wins)
+                          scaled_mm
 HISPARSE_TRITON_AUTOTUNE  ``0``, ``1``                  ``1``       ``0``: the Triton GEMMs'
 (``triton_autotune``)                                               first config (CUDA)
 HISPARSE_FP8_INDEXER      ``0``, ``1``                  ``1``       ``0``: FP8 keys scored
@@ -83,8 +79,7 @@ from dataclasses import dataclass
 TOPK_MODES = ("fused", "phased", "legacy")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
-FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_w8a16", "triton_stream",
-                     "triton_tile", "scaled_mm")
+FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 ATTENTION_BACKENDS = ("auto", "triton", "flashmla", "reference")
 FP8_CONVERT_MODES = ("native", "int")
 FLAG_VALUES = ("0", "1")
