@@ -97,8 +97,9 @@ def _topk_case(ctx, T, table_width, k):
     return W, t
 
 
-SHAPES = ((32768, 8, 2048), (32768, 24, 2048), (32768, 48, 2048), (32768, 64, 2048),
-          (131072, 8, 2048), (32768, 24, 4096), (2304, 96, 2048))
+SHAPES = ((32768, 8, 2048), (32768, 16, 2048), (32768, 24, 2048), (32768, 48, 2048),
+          (32768, 64, 2048), (131072, 8, 2048), (32768, 24, 4096), (2304, 96, 2048),
+          (2112, 96, 2048))
 
 
 def bench_topk(res, shapes, table_width):
@@ -123,14 +124,18 @@ def bench_topk(res, shapes, table_width):
 
 SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
-         TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048))
+         TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048),
+         TopkLaunch(count_chunks=0), TopkLaunch(count_chunks=1), TopkLaunch(count_chunks=4),
+         TopkLaunch(per_sm=4, count_chunks=4))
 
 
 def sweep_topk(res, shapes):
     """The fused launch's hints (``TopkLaunch``) at a few shapes, us per call; the default
     first (``*``: the fastest of a shape)."""
-    print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block), us")
-    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}" for c in SWEEP]
+    print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block / "
+          "count_chunks), us")
+    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}/{c.count_chunks}"
+             for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
         keys, lens = _topk_inputs(ctx, T, ctx)

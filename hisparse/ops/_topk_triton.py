@@ -5,29 +5,41 @@ Per call, with ``SPLITS`` programs per row (each owns one contiguous chunk of th
 launch's programs are spread over the rows with ``lengths > 0`` only, so a padded batch's real
 rows get the padding's programs: :func:`_live_rows`), ``_topk_select_kernel`` runs these
 phases: all in one launch (``fused``, the default on CUDA: the row's programs wait for each
-other between phases on an arrival counter), or one launch per phase (``phased``; always under
-the interpreter, which runs programs one after the other):
+other between phases on an arrival counter), or one launch per phase (``phased``; under the
+interpreter, which runs programs one after the other, unless each row has one program):
 
 0-3. Histogram of digit ``level`` (bits ``31-8l..24-8l`` of the key with its sign bit flipped,
    i.e. unsigned order) over the valid columns whose higher digits equal the threshold prefix
    found so far, added into the row's global histogram (atomics) and stored in the program's
    (row, split) slot. Each program first advances the threshold state by one level (the
    previous level's 256-bin global histogram and the state stored in the phase before;
-   program 0 of the row stores the new one) and reads no key once the row is resolved (at most
-   ``k`` valid columns, or every column of the threshold bucket taken).
+   program 0 of the row stores the new one; in one launch: the state in registers, below) and
+   reads no key once the row is resolved (at most ``k`` valid columns, or every column of the
+   threshold bucket taken).
 4. Collect: with the final state (``cgt`` columns strictly above the prefix ``P`` at the
    resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
-   writes the columns above ``P`` into slots ``0..cgt-1`` of ``out`` (one atomic per block for
-   the slot range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column
-   order (earlier splits' tie counts come from their stored histograms).
-5. Chunk sort: the ``min(k, valid)`` selected (key, column) pairs packed in int64 ``(key << 32)
-   | (2^32 - 1 - col)`` (distinct: ties by lower column), in chunks of ``CH`` slots, each
-   sorted by one program (``tl.sort``) into the scratch.
+   writes the columns above ``P`` into slots ``0..cgt-1`` (one atomic per block for the slot
+   range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column order
+   (earlier splits' tie counts come from their stored histograms): each as the packed int64
+   ``(key << 32) | (2^32 - 1 - col)`` (distinct: ties by lower column) into the row's sort
+   scratch (the ``legacy`` ranking: the column into ``out``).
+5. Chunk sort: the ``min(k, valid)`` packed entries in chunks of ``CH`` slots, each sorted in
+   place by one program (``tl.sort``).
 6. Merge: each entry goes to its rank, the sum over the row's sorted chunks of the entries
    above it (a binary search in each), ``-1`` padding. Per program one sort of ``CH`` and
    ``log2(CH) + 1`` gathers, where the former ranking (``legacy``: phases 0-4, then
    ``_sort_kernel``) has one program per row sort all ``k`` (a bitonic network of
    ``log2(k)^2 / 2`` stages over the padded width: ~30 us on the H200 whatever the batch).
+
+5-6 by counting: a row whose programs hold at most ``TopkLaunch.count_chunks`` chunks of
+``COUNT_CHUNK`` entries each (few rows, many programs a row) skips the sort and the merge's
+barrier: each entry's rank is the number of the row's entries above it, counted over the
+unsorted selection.
+
+In the one launch the threshold state stays in registers (each program derives it from the
+row's global histograms after a barrier, so all of a row's programs agree), and a resolved row
+skips the remaining digits and their barriers: a row of at most ``k`` valid columns passes
+one barrier before its collect, not four.
 """
 
 from __future__ import annotations
@@ -50,6 +62,9 @@ BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase 
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
+COUNT_CHUNK = 64        # entries a program ranks by counting at a time (_count_rank_phase)
+COUNT_BLOCK = 32        # selection entries compared per step of the count (106 registers at
+COUNT_STAGES = 3        # 4 warps with 3 stages on SM90: a fused launch's 4 programs an SM fit)
 
 
 @triton.jit
@@ -145,9 +160,10 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
 
 @triton.jit
 def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base,
-                   BLOCK: tl.constexpr):
-    """Write the selected columns of one block into their slots; returns the tie count so
-    far."""
+                   BLOCK: tl.constexpr, PACKED: tl.constexpr):
+    """Write the selected columns of one block into their slots (``PACKED``: as packed
+    ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
+    column into the row of ``out``); returns the tie count so far."""
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
     s = tl.load(base + offs, mask=m, other=-2147483648)
@@ -158,9 +174,13 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
     tie = (ok & (pref == prefix)).to(tl.int32)
     n_gt = tl.sum(gt, 0)
     first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0, sem="relaxed")
-    tl.store(o_row + first + tl.cumsum(gt, 0) - 1, offs, mask=gt > 0)
+    if PACKED:
+        val = (s.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))  # ties: lower column
+    else:
+        val = offs
+    tl.store(o_row + first + tl.cumsum(gt, 0) - 1, val, mask=gt > 0)
     rank = tie_base + tl.cumsum(tie, 0) - 1
-    tl.store(o_row + cgt + rank, offs, mask=(tie > 0) & (rank < need))
+    tl.store(o_row + cgt + rank, val, mask=(tie > 0) & (rank < need))
     return tie_base + tl.sum(tie, 0)
 
 
@@ -188,14 +208,27 @@ def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexp
 def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLITS, stride_k,
                 stride_s, LEVEL: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                 STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
-    lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
+    """Histogram phase ``LEVEL`` of a launch of its own: the threshold state from the state the
+    previous launch stored (split 0 stores the next one), then :func:`_hist_pass`."""
     prefix = tl.full([], -1, tl.int64)
+    done = tl.full([], 0, tl.int32)
     if LEVEL > 0:
         level, pre, cgt, need, done = _state_after(h_row, K, LEVEL - 1, NB, STATE)
         if sp == 0:
             _store_state(h_row, LEVEL - 1, level, pre, cgt, need, done, STATE)
         prefix = pre
-        hi = tl.where(done != 0, lo, hi)                            # resolved: read nothing
+    _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
+               stride_s, prefix, done, LEVEL, NB, BLOCK, FOR_LOOP, STAGES)
+
+
+@triton.jit
+def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
+               stride_s, prefix, done, LEVEL: tl.constexpr, NB: tl.constexpr,
+               BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """Digit ``LEVEL``'s histogram over the program's columns matching ``prefix`` (none once
+    ``done``): added into the row's global histogram and stored in the program's split slot."""
+    lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
+    hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
     acc = tl.zeros([NB], dtype=tl.int32)
     if FOR_LOOP:
@@ -212,12 +245,15 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLIT
 
 
 @triton.jit
-def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, slot0, W, K, SPLITS,
-                   stride_k, stride_s, stride_o, LEVELS: tl.constexpr, NB: tl.constexpr,
-                   BLOCK: tl.constexpr, STATE: tl.constexpr, FOR_LOOP: tl.constexpr,
-                   STAGES: tl.constexpr, MAXS: tl.constexpr):
+def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp, slot0, W,
+                   K, SPLITS, stride_k, stride_s, stride_o, stride_q, level, prefix, cgt, need,
+                   LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   FOR_LOOP: tl.constexpr, STAGES: tl.constexpr, MAXS: tl.constexpr,
+                   PACKED: tl.constexpr):
+    """The collect with the final threshold state ``(level, prefix, cgt, need)``: the selected
+    columns into ``out`` (the legacy ranking) or, ``PACKED``, with their keys into the sort
+    scratch (the kernel's own ranking phases)."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
-    level, prefix, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
     s_row = split_ptr + slot0.to(tl.int64) * stride_s
@@ -228,17 +264,20 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, slot0,
                               cache_modifier=".cg"), 0)
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
-    o_row = out_ptr + row.to(tl.int64) * stride_o
+    if PACKED:
+        o_row = sorted_ptr + row.to(tl.int64) * stride_q
+    else:
+        o_row = out_ptr + row.to(tl.int64) * stride_o
     cnt_ptr = h_row + LEVELS * NB                                   # COUNTER
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, BLOCK)
+                                      tie_base, BLOCK, PACKED)
     else:
         start = lo
         while start < hi:
             tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, BLOCK)
+                                      tie_base, BLOCK, PACKED)
             start += BLOCK
 
 
@@ -250,23 +289,66 @@ def _selected(h_row, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_k,
-                      stride_o, stride_q, NB: tl.constexpr, CH: tl.constexpr, C: tl.constexpr):
-    """Chunks ``sp, sp + SPLITS, ..`` of ``CH`` selection slots each, sorted as packed ``(key
-    << 32) | (2^32 - 1 - col)`` (descending, ``INT64_MIN`` past the selection) into the row's
-    sort scratch."""
+def _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB: tl.constexpr,
+                      CH: tl.constexpr, C: tl.constexpr):
+    """Chunks ``sp, sp + SPLITS, ..`` of ``CH`` slots of the row's sort scratch (the packed
+    selection the collect wrote), each sorted in place, descending (``INT64_MIN`` past the
+    selection)."""
     n_sel = _selected(h_row, K, NB)
-    o_row = out_ptr + row.to(tl.int64) * stride_o
     q_row = sorted_ptr + row.to(tl.int64) * stride_q
     c = sp
     while c < C:
         j = c * CH + tl.arange(0, CH)
-        m = j < n_sel
-        col = tl.load(o_row + j, mask=m, other=0, cache_modifier=".cg")
-        key = tl.load(keys_ptr + row.to(tl.int64) * stride_k + col, mask=m, other=0)
-        packed = (key.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))  # ties: lower col
-        packed = tl.where(m, packed, -9223372036854775808)
+        packed = tl.load(q_row + j, mask=j < n_sel, other=-9223372036854775808,
+                         cache_modifier=".cg")
         tl.store(q_row + j, tl.sort(packed, descending=True))
+        c += SPLITS
+
+
+@triton.jit
+def _counted(h_row, K, SPLITS, RMAX, NB: tl.constexpr, RE: tl.constexpr):
+    """Whether the row is ranked by counting (:func:`_count_rank_phase`): at most ``RMAX``
+    chunks of ``RE`` selected entries a program (few rows, many programs each)."""
+    return _selected(h_row, K, NB) <= RE * RMAX * SPLITS
+
+
+@triton.jit
+def _count_block(q_row, x, b, n_sel, RB: tl.constexpr):
+    """How many of the selection's entries ``b .. b + RB - 1`` are above each entry of ``x``."""
+    ib = b + tl.arange(0, RB)
+    y = tl.load(q_row + ib, mask=ib < n_sel, other=-9223372036854775808, cache_modifier=".cg")
+    return tl.sum((y[None, :] > x[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
+                      NB: tl.constexpr, RE: tl.constexpr, RB: tl.constexpr,
+                      FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """Rank by counting, in place of the chunk sort and the merge where a row's programs hold
+    few entries each: the rank of each entry of chunk ``c`` (``RE`` slots of the unsorted
+    packed selection) is the number of the row's entries above it (packed keys are distinct),
+    counted over the whole selection ``RB`` at a time; its column goes to that rank, ``-1`` into
+    the chunk's slots past the selection."""
+    n_sel = _selected(h_row, K, NB)
+    o_row = out_ptr + row.to(tl.int64) * stride_o
+    q_row = sorted_ptr + row.to(tl.int64) * stride_q
+    c = sp
+    while c * RE < K:
+        j = c * RE + tl.arange(0, RE)
+        m = j < n_sel
+        x = tl.load(q_row + j, mask=m, other=-9223372036854775808, cache_modifier=".cg")
+        rank = tl.zeros([RE], dtype=tl.int32)
+        end = tl.where(c * RE < n_sel, n_sel, 0)                    # no entry: no count
+        if FOR_LOOP:
+            for b in tl.range(0, end, RB, num_stages=STAGES):
+                rank += _count_block(q_row, x, b, n_sel, RB)
+        else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
+            b = 0
+            while b < end:
+                rank += _count_block(q_row, x, b, n_sel, RB)
+                b += RB
+        tl.store(o_row + rank, (4294967295 - (x & 4294967295)).to(tl.int32), mask=m)
+        tl.store(o_row + j, tl.full([RE], -1, tl.int32), mask=(j >= n_sel) & (j < K))
         c += SPLITS
 
 
@@ -321,14 +403,16 @@ def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
 
 @triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
-                        T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s, stride_o,
-                        stride_q,
+                        T, W, K, SPLITS, MOST, PROGRAMS, RMAX, stride_k, stride_h, stride_s,
+                        stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
-                        LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr):
+                        LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
+                        RANKED: tl.constexpr, RE: tl.constexpr, RB: tl.constexpr,
+                        RS: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge) of program ``(row, split)``, a row barrier between two phases of one launch.
     ``LIVE``: ``PROGRAMS`` programs (at most the launch's; a fused launch's all resident) serve
@@ -352,22 +436,62 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
         active = pid >= 0
     if active:
         h_row = hist_ptr + row * stride_h
-        for phase in tl.static_range(FIRST, LAST + 1):
-            if phase > FIRST:
-                _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
-            if phase < LEVELS:
-                _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLITS,
-                            stride_k, stride_s, phase, NB, BLOCK, STATE, FOR_LOOP, STAGES)
-            elif phase == LEVELS:
-                _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, row, sp, slot0,
-                               W, K, SPLITS, stride_k, stride_s, stride_o, LEVELS, NB, BLOCK,
-                               STATE, FOR_LOOP, STAGES, MAXS)
-            elif phase == LEVELS + 1:
-                _chunk_sort_phase(keys_ptr, h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
-                                  stride_k, stride_o, stride_q, NB, CH, C)
-            else:
-                _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
-                             stride_q, NB, CH, LOG_CH, C, CPAD)
+        if FIRST == 0 and LAST >= LEVELS:
+            # one launch: the threshold state stays in registers, the same in every program of
+            # the row (each derives it from the row's global histograms after the barrier), so
+            # once it is resolved the row's programs skip the remaining digits and barriers
+            # together
+            _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
+                       stride_k, stride_s, tl.full([], -1, tl.int64), tl.full([], 0, tl.int32),
+                       0, NB, BLOCK, FOR_LOOP, STAGES)
+            _barrier(h_row, 0, SPLITS, stall_ptr, BAR, SPIN)
+            level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
+            for L in tl.static_range(1, LEVELS):
+                if done == 0:
+                    _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
+                               stride_k, stride_s, pre, done, L, NB, BLOCK, FOR_LOOP, STAGES)
+                    _barrier(h_row, L, SPLITS, stall_ptr, BAR, SPIN)
+                    h = tl.load(h_row + L * NB + tl.arange(0, NB), cache_modifier=".cg")
+                    level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
+                                                           NB)
+            _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp,
+                           slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q, level,
+                           pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED)
+            if LAST > LEVELS:
+                _barrier(h_row, LEVELS, SPLITS, stall_ptr, BAR, SPIN)
+                if _counted(h_row, K, SPLITS, RMAX, NB, RE):
+                    _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
+                                      stride_q, NB, RE, RB, FOR_LOOP, 2)
+                else:
+                    _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH,
+                                      C)
+                    _barrier(h_row, LEVELS + 1, SPLITS, stall_ptr, BAR, SPIN)
+                    _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
+                                 stride_q, NB, CH, LOG_CH, C, CPAD)
+        else:   # one launch a phase: the state goes through the row's hist state
+            for phase in tl.static_range(FIRST, LAST + 1):
+                if phase > FIRST:
+                    _barrier(h_row, phase - 1, SPLITS, stall_ptr, BAR, SPIN)
+                if phase < LEVELS:
+                    _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K,
+                                SPLITS, stride_k, stride_s, phase, NB, BLOCK, STATE, FOR_LOOP,
+                                STAGES)
+                elif phase == LEVELS:
+                    level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
+                    _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row,
+                                   sp, slot0, W, K, SPLITS, stride_k, stride_s, stride_o,
+                                   stride_q, level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP,
+                                   STAGES, MAXS, RANKED)
+                elif phase == LEVELS + 1:
+                    if _counted(h_row, K, SPLITS, RMAX, NB, RE):
+                        _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
+                                          stride_o, stride_q, NB, RE, RB, FOR_LOOP, 2)
+                    else:
+                        _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB,
+                                          CH, C)
+                elif not _counted(h_row, K, SPLITS, RMAX, NB, RE):
+                    _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
+                                 stride_q, NB, CH, LOG_CH, C, CPAD)
 
 
 @triton.jit
@@ -451,6 +575,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if ch < 16 or ch > sq.shape[1] or ch & (ch - 1):
         raise ValueError(f"topk_select: sort_chunk must be a power of two in 16..{sq.shape[1]}, "
                          f"got {ch}")
+    if cfg.count_chunks < 0:
+        raise ValueError(f"topk_select: count_chunks must be >= 0, got {cfg.count_chunks}")
     if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -478,17 +604,21 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         programs = max(1, min(_resident(keys.device, cfg), scratch.split_hist.shape[0],
                               T * most))
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
-            keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
+            cfg.count_chunks, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
+            sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
+                  RANKED=mode != "legacy", RE=COUNT_CHUNK, RB=COUNT_BLOCK, RS=COUNT_STAGES,
                   num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (max(T, programs) if live else T * splits,)
     # the empty rows' -1 come from the launch that ends the ranking (legacy: _sort_kernel)
     fill = live and mode != "legacy"
-    if fused:
+    # the interpreter runs programs one after another: one launch there only where each row
+    # has one program (its row barriers then wait for no other)
+    if fused or (mode == "fused" and (most if live else splits) == 1):
         _topk_select_kernel[grid](*args, FIRST=0, LAST=last, FILL=fill, **common, **sort)
     else:
         unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
