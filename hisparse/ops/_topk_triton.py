@@ -31,11 +31,6 @@ interpreter, which runs programs one after the other, unless each row has one pr
    ``_sort_kernel``) has one program per row sort all ``k`` (a bitonic network of
    ``log2(k)^2 / 2`` stages over the padded width: ~30 us on the H200 whatever the batch).
 
-5-6 by counting: a row whose programs hold at most ``TopkLaunch.count_chunks`` chunks of
-``COUNT_CHUNK`` entries each (few rows, many programs a row) skips the sort and the merge's
-barrier: each entry's rank is the number of the row's entries above it, counted over the
-unsorted selection.
-
 In the one launch the threshold state stays in registers (each program derives it from the
 row's global histograms after a barrier, so all of a row's programs agree), and a resolved row
 skips the remaining digits and their barriers: a row of at most ``k`` valid columns passes
@@ -62,9 +57,6 @@ BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase 
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
-COUNT_CHUNK = 64        # entries a program ranks by counting at a time (_count_rank_phase)
-COUNT_BLOCK = 32        # selection entries compared per step of the count (106 registers at
-COUNT_STAGES = 3        # 4 warps with 3 stages on SM90: a fused launch's 4 programs an SM fit)
 
 
 @triton.jit
@@ -306,53 +298,6 @@ def _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB: tl.co
 
 
 @triton.jit
-def _counted(h_row, K, SPLITS, RMAX, NB: tl.constexpr, RE: tl.constexpr):
-    """Whether the row is ranked by counting (:func:`_count_rank_phase`): at most ``RMAX``
-    chunks of ``RE`` selected entries a program (few rows, many programs each)."""
-    return _selected(h_row, K, NB) <= RE * RMAX * SPLITS
-
-
-@triton.jit
-def _count_block(q_row, x, b, n_sel, RB: tl.constexpr):
-    """How many of the selection's entries ``b .. b + RB - 1`` are above each entry of ``x``."""
-    ib = b + tl.arange(0, RB)
-    y = tl.load(q_row + ib, mask=ib < n_sel, other=-9223372036854775808, cache_modifier=".cg")
-    return tl.sum((y[None, :] > x[:, None]).to(tl.int32), 1)
-
-
-@triton.jit
-def _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
-                      NB: tl.constexpr, RE: tl.constexpr, RB: tl.constexpr,
-                      FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
-    """Rank by counting, in place of the chunk sort and the merge where a row's programs hold
-    few entries each: the rank of each entry of chunk ``c`` (``RE`` slots of the unsorted
-    packed selection) is the number of the row's entries above it (packed keys are distinct),
-    counted over the whole selection ``RB`` at a time; its column goes to that rank, ``-1`` into
-    the chunk's slots past the selection."""
-    n_sel = _selected(h_row, K, NB)
-    o_row = out_ptr + row.to(tl.int64) * stride_o
-    q_row = sorted_ptr + row.to(tl.int64) * stride_q
-    c = sp
-    while c * RE < K:
-        j = c * RE + tl.arange(0, RE)
-        m = j < n_sel
-        x = tl.load(q_row + j, mask=m, other=-9223372036854775808, cache_modifier=".cg")
-        rank = tl.zeros([RE], dtype=tl.int32)
-        end = tl.where(c * RE < n_sel, n_sel, 0)                    # no entry: no count
-        if FOR_LOOP:
-            for b in tl.range(0, end, RB, num_stages=STAGES):
-                rank += _count_block(q_row, x, b, n_sel, RB)
-        else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
-            b = 0
-            while b < end:
-                rank += _count_block(q_row, x, b, n_sel, RB)
-                b += RB
-        tl.store(o_row + rank, (4294967295 - (x & 4294967295)).to(tl.int32), mask=m)
-        tl.store(o_row + j, tl.full([RE], -1, tl.int32), mask=(j >= n_sel) & (j < K))
-        c += SPLITS
-
-
-@triton.jit
 def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
                  NB: tl.constexpr, CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                  CPAD: tl.constexpr):
@@ -403,16 +348,15 @@ def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
 
 @triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
-                        T, W, K, SPLITS, MOST, PROGRAMS, RMAX, stride_k, stride_h, stride_s,
-                        stride_o, stride_q,
+                        T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s, stride_o,
+                        stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
                         LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
-                        RANKED: tl.constexpr, RE: tl.constexpr, RB: tl.constexpr,
-                        RS: tl.constexpr):
+                        RANKED: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge) of program ``(row, split)``, a row barrier between two phases of one launch.
     ``LIVE``: ``PROGRAMS`` programs (at most the launch's; a fused launch's all resident) serve
@@ -459,15 +403,10 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                            pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED)
             if LAST > LEVELS:
                 _barrier(h_row, LEVELS, SPLITS, stall_ptr, BAR, SPIN)
-                if _counted(h_row, K, SPLITS, RMAX, NB, RE):
-                    _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
-                                      stride_q, NB, RE, RB, FOR_LOOP, 2)
-                else:
-                    _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH,
-                                      C)
-                    _barrier(h_row, LEVELS + 1, SPLITS, stall_ptr, BAR, SPIN)
-                    _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
-                                 stride_q, NB, CH, LOG_CH, C, CPAD)
+                _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH, C)
+                _barrier(h_row, LEVELS + 1, SPLITS, stall_ptr, BAR, SPIN)
+                _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,
+                             NB, CH, LOG_CH, C, CPAD)
         else:   # one launch a phase: the state goes through the row's hist state
             for phase in tl.static_range(FIRST, LAST + 1):
                 if phase > FIRST:
@@ -483,13 +422,9 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                                    stride_q, level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP,
                                    STAGES, MAXS, RANKED)
                 elif phase == LEVELS + 1:
-                    if _counted(h_row, K, SPLITS, RMAX, NB, RE):
-                        _count_rank_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS,
-                                          stride_o, stride_q, NB, RE, RB, FOR_LOOP, 2)
-                    else:
-                        _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB,
-                                          CH, C)
-                elif not _counted(h_row, K, SPLITS, RMAX, NB, RE):
+                    _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH,
+                                      C)
+                else:
                     _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
                                  stride_q, NB, CH, LOG_CH, C, CPAD)
 
@@ -575,8 +510,6 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if ch < 16 or ch > sq.shape[1] or ch & (ch - 1):
         raise ValueError(f"topk_select: sort_chunk must be a power of two in 16..{sq.shape[1]}, "
                          f"got {ch}")
-    if cfg.count_chunks < 0:
-        raise ValueError(f"topk_select: count_chunks must be >= 0, got {cfg.count_chunks}")
     if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -604,13 +537,11 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         programs = max(1, min(_resident(keys.device, cfg), scratch.split_hist.shape[0],
                               T * most))
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
-            cfg.count_chunks, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
-            sq.stride(0))
+            keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
-                  RANKED=mode != "legacy", RE=COUNT_CHUNK, RB=COUNT_BLOCK, RS=COUNT_STAGES,
-                  num_warps=cfg.warps)
+                  RANKED=mode != "legacy", num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     grid = (max(T, programs) if live else T * splits,)

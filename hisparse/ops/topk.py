@@ -42,16 +42,13 @@ class TopkLaunch:
     fused launch splits rows only within ``per_sm`` programs per SM, so that all of them are
     resident); ``block``: columns per histogram / collect step (a power of two); ``warps``:
     per program; ``sort_chunk``: selection slots per chunk of the split sort (a power of
-    two); ``count_chunks``: a row whose programs hold at most this many chunks of 64 selected
-    entries each is ranked by counting (each entry's rank the number of the row's entries
-    above it) instead of the chunk sort and merge (0: never)."""
+    two)."""
 
     splits: int | None = None
     block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
     warps: int = 4
     sort_chunk: int = 256
     per_sm: int = 2
-    count_chunks: int = 2
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:

@@ -147,33 +147,32 @@ SORT_CASES = [
 
 
 # the interpreter runs "fused" with two programs a row as one launch per phase ("phased"): the
-# GPU tests cover both; count_chunks 0: the chunk sort and merge, else (these sizes) the count
-@pytest.mark.parametrize("mode,case,count", [("fused", c, n) for c in SORT_CASES for n in (0, 2)]
-                         + [("legacy", SORT_CASES[0], 2)])
-def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, case, count):
+# GPU tests cover both
+@pytest.mark.parametrize("mode,case", [("fused", c) for c in SORT_CASES]
+                         + [("legacy", SORT_CASES[0])])
+def test_triton_sort_modes_match_reference(triton_cpu, kernel_switches, mode, case):
     k, distinct, lengths, chunk = case
     kernel_switches(topk=mode)
     W = 160
     keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + chunk)
     out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
     got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=2,
-                      launch=TopkLaunch(sort_chunk=chunk, block=64, count_chunks=count))
+                      launch=TopkLaunch(sort_chunk=chunk, block=64))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("count", [0, 1, 2])
-def test_triton_count_and_sort_rank_alike(triton_cpu, kernel_switches, splits, count):
-    """Rows of 20 to 600 selected entries of heavy ties over one or three programs: the count
-    (where a program holds at most ``count`` chunks of 64) and the chunk sort with merge (the
-    rest) give the reference's order, one launch (one program a row) or one a phase."""
+def test_triton_sort_over_many_chunks(triton_cpu, kernel_switches, splits):
+    """Rows of 0 to 600 selected entries of heavy ties, sorted in up to ten chunks over one or
+    three programs (the packed entries the collect wrote, sorted in place, then merged): the
+    reference's order, in one launch (one program a row) or one launch a phase."""
     kernel_switches(topk="fused")
     W, k = 700, 600
-    lengths = [700, 20, 130, 129, 64 * 3 * 2 + 1, 0]
-    keys, lens = make_keys(len(lengths), W, 5, lengths, seed=count + splits, invalid=0.02)
+    lengths = [700, 20, 130, 129, 385, 0]
+    keys, lens = make_keys(len(lengths), W, 5, lengths, seed=splits, invalid=0.02)
     out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
     got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=splits,
-                      launch=TopkLaunch(sort_chunk=64, block=128, count_chunks=count))
+                      launch=TopkLaunch(sort_chunk=64, block=128))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
 
 
@@ -209,9 +208,7 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
 
 
-@pytest.mark.parametrize("count", [0, 2])
-def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, monkeypatch,
-                                                 count):
+def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, monkeypatch):
     """The fused mode's one launch (run by the interpreter where each row has one program):
     the reference's result, and a row's programs pass the barrier of a digit only while its
     threshold is unresolved (the arrival counters in the row's hist state): distinct top
@@ -247,18 +244,15 @@ def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, mo
     scratch = TopkScratch(T, "cpu")
     out = torch.full((T, k), SENTINEL, dtype=torch.int32)
     got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=1,
-                      launch=TopkLaunch(block=32, sort_chunk=16, count_chunks=count))
+                      launch=TopkLaunch(block=32, sort_chunk=16))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
     assert launches == [(0, tk.RADIX_LEVELS + 2)]
     bars = scratch.hist[:, tk.BAR_OFFSET:tk.BAR_OFFSET + tk.RADIX_LEVELS + 2].tolist()
-    # the last column: the barrier between the chunk sort and the merge, which rows of at most
-    # count_chunks x 64 entries a program skip (ranked by counting; k = 41 here)
-    s = int(count == 0)
-    assert bars[0] == [1, 0, 0, 0, 1, s]
-    assert bars[1] == [1, 1, 0, 0, 1, s]
-    assert bars[2] == [1, 1, 1, 1, 1, s]
-    assert bars[3] == [1, 0, 0, 0, 1, s]
-    assert bars[4] == [1, 1, 1, 1, 1, s]        # three low keys: ties to the last digit
+    assert bars[0] == [1, 0, 0, 0, 1, 1]
+    assert bars[1] == [1, 1, 0, 0, 1, 1]
+    assert bars[2] == [1, 1, 1, 1, 1, 1]
+    assert bars[3] == [1, 0, 0, 0, 1, 1]
+    assert bars[4] == [1, 1, 1, 1, 1, 1]        # three low keys: ties to the last digit
 
 
 def test_sort_mode_and_chunk_refused(triton_cpu, monkeypatch):
@@ -372,9 +366,7 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
-                                    TopkLaunch(per_sm=4), TopkLaunch(count_chunks=0),
-                                    TopkLaunch(count_chunks=8),
-                                    TopkLaunch(per_sm=4, count_chunks=4)])
+                                    TopkLaunch(per_sm=4)])
 def test_gpu_launch_hints_are_exact(launch):
     T, W, k = 24, 32768, 2048
     keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
