@@ -101,6 +101,7 @@ def check_rotation_dim(d: int) -> None:
 # cooperate on one row's histograms.
 RADIX_BINS = 256
 RADIX_LEVELS = 4
+TOPK_HIST_WIDTH = RADIX_LEVELS * RADIX_BINS + 64   # a row of TopkScratch.hist: counts + state
 MAX_SPLITS = 64          # a power of two
 
 

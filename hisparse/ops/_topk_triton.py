@@ -46,7 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS, interpreted, next_pow2
+from ._common import (
+    MAX_SPLITS,
+    RADIX_BINS,
+    RADIX_LEVELS,
+    TOPK_HIST_WIDTH,
+    interpreted,
+    next_pow2,
+)
 
 if TYPE_CHECKING:   # the annotation only: topk imports this module, never the reverse
     from .topk import TopkLaunch, TopkScratch
@@ -54,6 +61,7 @@ if TYPE_CHECKING:   # the annotation only: topk imports this module, never the r
 COUNTER = RADIX_LEVELS * RADIX_BINS         # hist row: [4 x 256 counts | slot counter | ...
 STATE_OFFSET = COUNTER + 8                  # ... | state after level l at + 8 * (l + 1) |
 BAR_OFFSET = STATE_OFFSET + 8 * (RADIX_LEVELS + 1)  # ... | fused launch: phase arrivals ]
+assert BAR_OFFSET + RADIX_LEVELS + 2 <= TOPK_HIST_WIDTH, "the hist row holds every phase's arrivals"
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
@@ -151,7 +159,7 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
 
 
 @triton.jit
-def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base,
+def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base, K,
                    BLOCK: tl.constexpr, PACKED: tl.constexpr):
     """Write the selected columns of one block into their slots (``PACKED``: as packed
     ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
@@ -170,7 +178,8 @@ def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, ti
         val = (s.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))  # ties: lower column
     else:
         val = offs
-    tl.store(o_row + first + tl.cumsum(gt, 0) - 1, val, mask=gt > 0)
+    slot = first + tl.cumsum(gt, 0) - 1
+    tl.store(o_row + slot, val, mask=(gt > 0) & (slot < K))  # K: a bound if a state is wrong
     rank = tie_base + tl.cumsum(tie, 0) - 1
     tl.store(o_row + cgt + rank, val, mask=(tie > 0) & (rank < need))
     return tie_base + tl.sum(tie, 0)
@@ -183,7 +192,7 @@ def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexp
     because a row's programs are adjacent in launch order and the launch is sized to be
     resident at once (``_launch_config``). A wait is bounded (``SPIN`` polls, about a second):
     one that runs out is counted in ``stall_ptr`` (``TopkScratch.stalls``, never expected)
-    rather than wedging the GPU."""
+    rather than wedging the GPU; returns 1 then (else 0)."""
     tl.debug_barrier()                      # every thread's writes of the phase precede ...
     p = h_row + BAR + idx
     tl.atomic_add(p, 1, sem="release")      # ... the program's arrival
@@ -194,6 +203,7 @@ def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexp
         n += 1
     if arrived < SPLITS:
         tl.atomic_add(stall_ptr, 1, sem="relaxed")
+    return (arrived < SPLITS).to(tl.int32)
 
 
 @triton.jit
@@ -264,12 +274,12 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, BLOCK, PACKED)
+                                      tie_base, K, BLOCK, PACKED)
     else:
         start = lo
         while start < hi:
             tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, BLOCK, PACKED)
+                                      tie_base, K, BLOCK, PACKED)
             start += BLOCK
 
 
@@ -388,13 +398,18 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
             _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
                        stride_k, stride_s, tl.full([], -1, tl.int64), tl.full([], 0, tl.int32),
                        0, NB, BLOCK, FOR_LOOP, STAGES)
-            _barrier(h_row, 0, SPLITS, stall_ptr, BAR, SPIN)
+            stalled = _barrier(h_row, 0, SPLITS, stall_ptr, BAR, SPIN)
             level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
             for L in tl.static_range(1, LEVELS):
-                if done == 0:
-                    _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
-                               stride_k, stride_s, pre, done, L, NB, BLOCK, FOR_LOOP, STAGES)
-                    _barrier(h_row, L, SPLITS, stall_ptr, BAR, SPIN)
+                # a program whose wait ran out (a bug, counted: the result is not trusted)
+                # may see another state than its row's: it still arrives at every barrier,
+                # so that the others do not wait out theirs too
+                if (done == 0) | (stalled != 0):
+                    if done == 0:
+                        _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W,
+                                   SPLITS, stride_k, stride_s, pre, done, L, NB, BLOCK,
+                                   FOR_LOOP, STAGES)
+                    stalled = stalled | _barrier(h_row, L, SPLITS, stall_ptr, BAR, SPIN)
                     h = tl.load(h_row + L * NB + tl.arange(0, NB), cache_modifier=".cg")
                     level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
                                                            NB)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import switches
-from ._common import RADIX_BINS, RADIX_LEVELS, want_triton
+from ._common import RADIX_BINS, RADIX_LEVELS, TOPK_HIST_WIDTH, want_triton
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -92,8 +92,7 @@ class TopkScratch:
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
         dev = torch.device(device)
-        self.hist = torch.zeros((self.rows, RADIX_LEVELS * RADIX_BINS + 64), dtype=torch.int32,
-                                device=dev)
+        self.hist = torch.zeros((self.rows, TOPK_HIST_WIDTH), dtype=torch.int32, device=dev)
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
         self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
@@ -102,8 +101,7 @@ class TopkScratch:
     @staticmethod
     def row_bytes() -> int:
         """Bytes a row of the scratch takes (``hist``, ``sorted`` and one ``split_hist`` slot)."""
-        return (4 * (RADIX_LEVELS * RADIX_BINS + 64) + 4 * RADIX_LEVELS * RADIX_BINS
-                + 8 * SORT_COLS)
+        return 4 * TOPK_HIST_WIDTH + 4 * RADIX_LEVELS * RADIX_BINS + 8 * SORT_COLS
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
@@ -139,10 +137,10 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
-    threshold is resolved), a compaction of the selected columns into ``out`` and a sort of the
-    selected (key, column) pairs: chunks sorted by several programs per row, then each entry
-    written at its rank (the entries above it in every chunk); one launch (``HISPARSE_TOPK``),
-    no host sync, fixed launch shapes.
+    threshold is resolved), a compaction of the selected (key, column) pairs into the sort
+    scratch (``legacy``: of the columns into ``out``) and their sort: chunks sorted by several
+    programs per row, then each entry written at its rank (the entries above it in every
+    chunk); one launch (``HISPARSE_TOPK``), no host sync, fixed launch shapes.
     """
     T = keys.shape[0]
     if k < 1:

@@ -171,7 +171,10 @@ def test_triton_sort_over_many_chunks(triton_cpu, kernel_switches, splits):
     lengths = [700, 20, 130, 129, 385, 0]
     keys, lens = make_keys(len(lengths), W, 5, lengths, seed=splits, invalid=0.02)
     out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
-    got = topk_select(keys, lens, k, out=out, scratch=TopkScratch(8, "cpu"), splits=splits,
+    scratch = TopkScratch(8, "cpu")
+    scratch.sorted.fill_(2**63 - 1)             # a slot the collect missed would rank first
+    scratch.split_hist.fill_(977)
+    got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=splits,
                       launch=TopkLaunch(sort_chunk=64, block=128))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
 
@@ -356,7 +359,10 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
     keys, lens = _gpu_rows(T, W, k, seed=T + k + distinct, distinct=distinct)
     scratch = TopkScratch(T, "cuda")
     want = topk_select_reference(keys, lens, k)
-    for _ in range(2):                          # the scratch reused: zeroed by each call
+    for i in range(2):                          # the scratch reused: zeroed by each call
+        if i:   # what a call writes before it reads, poisoned: stale values would be read
+            scratch.split_hist.fill_(977)
+            scratch.sorted.fill_(2**63 - 1)
         out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
         got = topk_select(keys, lens, k, out=out, scratch=scratch)
         assert torch.equal(got, want)
