@@ -124,14 +124,17 @@ def bench_topk(res, shapes, table_width):
 
 SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
-         TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048))
+         TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048),
+         TopkLaunch(stages=3), TopkLaunch(stages=4), TopkLaunch(per_sm=4, stages=3))
 
 
 def sweep_topk(res, shapes):
     """The fused launch's hints (``TopkLaunch``) at a few shapes, us per call; the default
     first (``*``: the fastest of a shape)."""
-    print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block), us")
-    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}" for c in SWEEP]
+    print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block / "
+          "stages), us")
+    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}/{c.stages}"
+             for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
         keys, lens = _topk_inputs(ctx, T, ctx)

@@ -525,6 +525,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if ch < 16 or ch > sq.shape[1] or ch & (ch - 1):
         raise ValueError(f"topk_select: sort_chunk must be a power of two in 16..{sq.shape[1]}, "
                          f"got {ch}")
+    if cfg.stages < 1:
+        raise ValueError(f"topk_select: stages must be >= 1, got {cfg.stages}")
     if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -554,7 +556,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
             keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
-                  BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=2, MAXS=MAX_SPLITS,
+                  BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
                   RANKED=mode != "legacy", num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))

@@ -42,13 +42,14 @@ class TopkLaunch:
     fused launch splits rows only within ``per_sm`` programs per SM, so that all of them are
     resident); ``block``: columns per histogram / collect step (a power of two); ``warps``:
     per program; ``sort_chunk``: selection slots per chunk of the split sort (a power of
-    two)."""
+    two); ``stages``: key blocks a histogram or collect loop keeps in flight."""
 
     splits: int | None = None
     block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
     warps: int = 4
     sort_chunk: int = 256
     per_sm: int = 2
+    stages: int = 2
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:

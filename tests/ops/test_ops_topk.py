@@ -372,7 +372,8 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
-                                    TopkLaunch(per_sm=4)])
+                                    TopkLaunch(per_sm=4), TopkLaunch(stages=4),
+                                    TopkLaunch(per_sm=4, stages=3)])
 def test_gpu_launch_hints_are_exact(launch):
     T, W, k = 24, 32768, 2048
     keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
