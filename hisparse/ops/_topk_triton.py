@@ -372,7 +372,9 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
     ``LIVE``: ``PROGRAMS`` programs (at most the launch's; a fused launch's all resident) serve
     the non-empty rows only (:func:`_live_rows`: a padded batch's real rows get the padding's
     programs; ``FILL``, the launch that ends the ranking, writes the empty rows' ``-1``); else
-    ``(pid // SPLITS, pid % SPLITS)``, every row, empty or not."""
+    ``(pid // SPLITS, pid % SPLITS)``, every row, empty or not. ``RANKED``: the launch's phases
+    rank the selection (the collect packs it into the sort scratch); false for ``legacy``,
+    whose ``_sort_kernel`` sorts the columns the collect writes into ``out``."""
     pid = tl.program_id(0)
     if LIVE:
         row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, PROGRAMS,
