@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert cut36
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk cut36
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -12,6 +12,7 @@
 set -u
 out=${1:?usage: benchmarks/gpu_pending.sh OUTDIR SECTION...}; shift
 mkdir -p "$out"
+out=$(cd "$out" && pwd)   # absolute: sections run some commands from another tree
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 t0=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -126,6 +127,24 @@ for section in "$@"; do
           --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
           --concurrency 96 --outputs 256 --out "$out/step2k_$cvt"
       done ;;
+    topk)    # issue 24: the top-k's one launch (sixteenth session: a resolved row skips its
+             # remaining digits and their barriers; the collect packs (key, column) into the
+             # sort scratch) against the tree before it, same call, new first; then the GPU
+             # tests of the top-k and its launch sweep (~5 min). BASE: a directory holding
+             # `git archive d72715f` unpacked (the device's copy has no history)
+      base=$(cd "${BASE:?topk: BASE=directory of git archive d72715f}" && pwd)
+      shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x48x2048,32768x64x2048
+      shapes=$shapes,131072x8x2048,32768x24x4096,2304x96x2048,2112x96x2048
+      export HISPARSE_TRITON_AUTOTUNE=0
+      run topk_new 150 python3 benchmarks/bench_topk.py --only topk --topk-shapes $shapes \
+        --out "$out/topk_new.json"
+      (cd "$base" && export PYTHONPATH=$base && run topk_base 150 python3 \
+        benchmarks/bench_topk.py --only topk --topk-shapes $shapes --out "$out/topk_base.json")
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py" skip_or_test
+      run topk_sweep 150 python3 benchmarks/bench_topk.py --only topk-sweep \
+        --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
+        --out "$out/topk_sweep.json"
+      unset HISPARSE_TRITON_AUTOTUNE ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
              # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding
