@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import logging
 import os
+import traceback
 import weakref
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from hisparse.engine.engine_args import EngineArgs
 from hisparse.engine.errors import EngineStartupError
 from hisparse.engine.pool_sizing import PoolPlan, plan_pools, size_kv_config
 from hisparse.engine.scheduler import Scheduler
-from hisparse.models.loader import load_config, load_model
+from hisparse.models.loader import load_config, load_model, model_bytes
 from hisparse.ops import switches as kernel_switches
 from hisparse.worker.cache import CacheGeometry, KVCaches
 from hisparse.worker.model_runner import ModelRunner
@@ -79,14 +80,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     tp, k_spec = args.tensor_parallel_size, plan.num_speculative_tokens
     if tp > 1:
         torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
-    model, _ = load_model(args.model, dtype=args.dtype, device=args.device,
-                          num_mtp_layers=1 if k_spec else 0,
-                          load_format=args.load_format, config=mc)
-    if tp > 1:
-        from hisparse.models.tp import shard_model_
-        shard_model_(model, 0, tp)
-    # before the KV cache is sized: the stacked copies are made while the GPU has room
-    model.stack_projections_()
+    model = load_weights(args, mc, 1 if k_spec else 0)
     kv_config = size_kv_config(plan, args, mc, model)
     workers = runner = core = disagg = None
     try:
@@ -126,6 +120,37 @@ def build_engine(args: EngineArgs) -> EngineParts:
                        model=model, caches=caches, runner=runner, scheduler=scheduler,
                        core=core, disagg=disagg, tokenizer=tokenizer, switches=switches,
                        tp=workers)
+
+
+def load_weights(args: EngineArgs, mc, num_mtp_layers: int) -> torch.nn.Module:
+    """The model on ``args.device`` (rank 0's shard under tensor parallelism: the whole model is
+    loaded, then sharded), its projections stacked. Out of device memory: an
+    :class:`EngineStartupError` with the weights' size against the device's memory."""
+    tp = args.tensor_parallel_size
+    try:
+        model, _ = load_model(args.model, dtype=args.dtype, device=args.device,
+                              num_mtp_layers=num_mtp_layers, load_format=args.load_format,
+                              config=mc)
+        if tp > 1:
+            from hisparse.models.tp import shard_model_
+            shard_model_(model, 0, tp)
+        # before the KV cache is sized: the stacked copies are made while the GPU has room
+        model.stack_projections_()
+        return model
+    except torch.OutOfMemoryError as e:
+        traceback.clear_frames(e.__traceback__)     # the partial model's tensors, freed below
+        free_memory(args.device)
+        gib = 1 << 30
+        need = model_bytes(mc, args.dtype, num_mtp_layers) / gib
+        have = (f" of {torch.cuda.get_device_properties(args.device).total_memory / gib:.1f} "
+                "GiB" if args.device.type == "cuda" else "")
+        raise EngineStartupError(
+            f"out of memory loading the weights on {args.device}{have}: the model is "
+            f"{need:.1f} GiB ({mc.num_layers} layers{', then sharded' if tp > 1 else ''}, "
+            "plus stacked projection copies): use a checkpoint of fewer parameters a GPU "
+            "(one tensor-parallel rank's shape, e.g. `hisparse bench --model-shape "
+            "deepseek-v3.2-tp8-rank`, and `--layers N` for a cut of it) or a GPU with more "
+            "memory") from e
 
 
 # the kernel switches each engine of this process started with (by its core, while it lives)

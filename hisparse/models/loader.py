@@ -341,6 +341,17 @@ def load_config(path: str) -> DSAConfig:
         raise CheckpointError(f"{cfg_file}: {e}") from e
 
 
+def model_bytes(cfg: DSAConfig, dtype: torch.dtype | str | None = None,
+                num_mtp_layers: int = 0) -> int:
+    """Bytes of the parameters and buffers :func:`load_model` puts on the device for ``cfg``
+    (built on the meta device: nothing is allocated)."""
+    dtype = parse_dtype(dtype, "dtype") if dtype is not None else cfg.dtype
+    with torch.device("meta"):
+        model = DSAForCausalLM(cfg, dtype=dtype, num_mtp_layers=num_mtp_layers)
+    return sum(t.numel() * t.element_size()
+               for t in (*model.parameters(), *model.buffers()))
+
+
 def load_model(path: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu",
                load_format: str = "auto",

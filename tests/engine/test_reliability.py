@@ -332,6 +332,27 @@ def test_gpu_oom_at_start_up_names_the_pool_to_shrink(dsv32_path, monkeypatch):
         small(dsv32_path)
 
 
+def test_weights_oom_names_the_model_size(dsv32_path, monkeypatch):
+    """Loading weights that do not fit: the model's size (parameters and buffers, counted on
+    the meta device) and what to change, not torch's allocator message."""
+    from hisparse.models.loader import load_model, model_bytes
+
+    real, cfg = load_model(dsv32_path, dtype="float32")
+    assert model_bytes(cfg, "float32") == sum(t.numel() * t.element_size() for t in
+                                              (*real.parameters(), *real.buffers()))
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(startup_mod, "load_model", oom)
+    size = model_bytes(cfg, "float32") / (1 << 30)
+    assert size > 0
+    with pytest.raises(EngineStartupError, match=rf"loading the weights on cpu: the model is "
+                                                 rf"{size:.1f} GiB \({cfg.num_layers} layers.*"
+                                                 r"--layers N"):
+        small(dsv32_path)
+
+
 # ---------------------------------------------------------------- 6. idle engine, release
 def test_idle_step_returns_nothing_and_generate_releases_every_block(dsv32_path):
     llm = small(dsv32_path)
