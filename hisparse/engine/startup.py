@@ -147,7 +147,7 @@ def load_weights(args: EngineArgs, mc, num_mtp_layers: int) -> torch.nn.Module:
         raise EngineStartupError(
             f"out of memory loading the weights on {args.device}{have}: the model is "
             f"{need:.1f} GiB ({mc.num_layers} layers{', then sharded' if tp > 1 else ''}, "
-            "plus stacked projection copies): use a checkpoint of fewer parameters a GPU "
+            "plus stacked projection copies): use a checkpoint with fewer parameters per GPU "
             "(one tensor-parallel rank's shape, e.g. `hisparse bench --model-shape "
             "deepseek-v3.2-tp8-rank`, and `--layers N` for a cut of it) or a GPU with more "
             "memory") from e
