@@ -77,35 +77,6 @@ def _x_block(x_ptr, rows, rmask, kb, K, stride_xm, stride_xg, BPG: tl.constexpr,
     return tl.load(src + rows[:, None] * stride_xm + offs[None, :], mask=m, other=0.0)
 
 
-@triton.jit
-def _program_tile(M, N, ws_ptr, stride_wsn, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SCALE_N: tl.constexpr):
-    """This program's token rows and weight rows (with their masks) and the weight scales of
-    its tile (``ws_blk + kb``: block ``kb``'s, a scalar when one scale covers the tile, else
-    one per weight row)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SCALE_N % BLOCK_N == 0:  # one weight scale per tile and K block
-        ws_blk = ws_ptr + ((tl.program_id(1) * BLOCK_N) // SCALE_N) * stride_wsn
-    else:                       # one per row (tiles over several scale blocks: small bn)
-        ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
-    return rows, rows < M, offs_n, offs_n < N, ws_blk
-
-
-@triton.jit
-def _store_tile(out_ptr, val, rows, rmask, offs_n, nmask, N, stride_om, stride_ps,
-                LEVEL: tl.constexpr):
-    """``val [BLOCK_N, BLOCK_T]`` fp32: level 2 into the output ``[M, N]`` (its dtype), else
-    into part ``program_id(2)`` of the partial sums ``[parts, M, N]``."""
-    omask = nmask[:, None] & rmask[None, :]
-    if LEVEL == 2:
-        out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
-        tl.store(out, val.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        part = out_ptr + tl.program_id(2) * stride_ps + rows[None, :] * N + offs_n[:, None]
-        tl.store(part, val, mask=omask)
-
-
 # M, KB, the plan and the scale strides bound loops and masks or index scalars only: not
 # specialized, so one compile per launch configuration serves every shape and batch
 @triton.jit(do_not_specialize=["M", "KB", "CHUNK", "GROUP", "stride_xsm", "stride_wsn",
@@ -120,6 +91,8 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     """``LEVEL`` 0 / 1: ``out[p, t, n]`` = chunk / group ``p = program_id(2)``'s fp32 sum
     (``out`` is the partial buffer); 2: ``out[t, n]`` = the group sums added in order.
     ``CHUNK`` / ``GROUP``: scale blocks per chunk / per group."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
     if LEVEL == 0:
         kb_start = tl.program_id(2) * CHUNK
         kb_end = tl.minimum(KB, kb_start + CHUNK)
@@ -129,8 +102,14 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     else:
         kb_start = 0
         kb_end = KB
-    rows, rmask, offs_n, nmask, ws_blk = _program_tile(M, N, ws_ptr, stride_wsn, BLOCK_T,
-                                                       BLOCK_N, SCALE_N)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    if SCALE_N % BLOCK_N == 0:  # one weight scale per tile and K block
+        ws_blk = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+    else:                       # one per row (tiles over several scale blocks: small bn)
+        ws_blk = ws_ptr + (tl.minimum(offs_n, N - 1) // SCALE_N) * stride_wsn
     # the scales (and, quantizing here, the raw activation block) of the next K step are loaded
     # a step ahead in registers: the pipeliner prefetches only the tiles that feed the MMA
     # directly (the weight; the activation too when it comes pre-quantized)
@@ -174,12 +153,16 @@ def _fp8_splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
             g_end = ((kb + 1) % GROUP == 0) | (kb + 1 == KB)  # a group's last block
             total = tl.where(g_end, total + gsum, total)
             gsum = tl.where(g_end, 0.0, gsum)
+    omask = nmask[:, None] & rmask[None, :]
     if LEVEL == 2:
-        _store_tile(out_ptr, total, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
-    elif LEVEL == 1:
-        _store_tile(out_ptr, gsum, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
+        out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
     else:
-        _store_tile(out_ptr, acc, rows, rmask, offs_n, nmask, N, stride_om, stride_ps, LEVEL)
+        part = out_ptr + tl.program_id(2) * stride_ps + rows[None, :] * N + offs_n[:, None]
+        if LEVEL == 0:
+            tl.store(part, acc, mask=omask)
+        else:
+            tl.store(part, gsum, mask=omask)
 
 
 @triton.jit
