@@ -80,3 +80,24 @@ def kernel_switches():
     test (:func:`hisparse.ops.switches.override`; later calls apply over earlier ones)."""
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(switches.override(**changes))
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """``launches = kernel_launches(module, "_kernel", "META", ...)``: every launch of the jit
+    kernel ``module._kernel`` for the rest of the test still runs, and appends the values of
+    the named meta-parameters (a tuple; one name: the value) to ``launches``."""
+    def record(module, name: str, *meta: str) -> list:
+        kernel, launches = getattr(module, name), []
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    values = tuple(kw[m] for m in meta)
+                    launches.append(values[0] if len(values) == 1 else values)
+                    return kernel[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(module, name, Recorder())
+        return launches
+    return record

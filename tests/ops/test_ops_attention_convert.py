@@ -117,7 +117,7 @@ def test_gpu_int_convert_helper_every_code_and_scale():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 64])
-def test_gpu_int_convert_bits_equal_native(H, kernel_switches, monkeypatch):
+def test_gpu_int_convert_bits_equal_native(H, kernel_switches, kernel_launches):
     """Rows over 2^-13 .. 2^24 tile scales (queries scaled so the logits stay finite) and
     padding indices: the same outputs and lse, bit for bit, with either conversion, each launch
     seen to take its path (the switch reaches the kernel)."""
@@ -132,17 +132,7 @@ def test_gpu_int_convert_bits_equal_native(H, kernel_switches, monkeypatch):
     idx = torch.randint(0, N, (T, 2048), generator=g).to(torch.int32)
     idx[torch.rand(T, 2048, generator=g) < 0.2] = -1
     idx = idx.cuda()
-    kernel = AT._attn_fp8_kernel
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(kw["INT_CVT"])
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(AT, "_attn_fp8_kernel", Recorder())
+    launched = kernel_launches(AT, "_attn_fp8_kernel", "INT_CVT")
     kernel_switches(fp8_convert="native")
     native = AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5)
     kernel_switches(fp8_convert="int")

@@ -211,7 +211,7 @@ def test_triton_padding_rows_give_their_programs_to_the_live_rows(triton_cpu, ke
     assert used == 0 or (scratch.split_hist[:used] != -5).any()
 
 
-def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, monkeypatch):
+def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, kernel_launches):
     """The fused mode's one launch (run by the interpreter where each row has one program):
     the reference's result, and a row's programs pass the barrier of a digit only while its
     threshold is unresolved (the arrival counters in the row's hist state): distinct top
@@ -233,17 +233,7 @@ def test_triton_one_launch_skips_resolved_digits(triton_cpu, kernel_switches, mo
     keys[3] = keys[0]
     keys[4] = bucket_keys(5, W, seed=4)[2]
     lens = torch.tensor([W, W, W, k - 5, W], dtype=torch.int32)
-    launches = []
-    kernel = tk._topk_select_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **meta):
-                launches.append((meta["FIRST"], meta["LAST"]))
-                return kernel[grid](*args, **meta)
-            return launch
-
-    monkeypatch.setattr(tk, "_topk_select_kernel", Spy())
+    launches = kernel_launches(tk, "_topk_select_kernel", "FIRST", "LAST")
     scratch = TopkScratch(T, "cpu")
     out = torch.full((T, k), SENTINEL, dtype=torch.int32)
     got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=1,
