@@ -122,7 +122,7 @@ def bench_topk(res, shapes, table_width):
               f"{t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}", flush=True)
 
 
-SWEEP = (TopkLaunch(), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
+SWEEP = (TopkLaunch(), TopkLaunch(per_sm=2), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
          TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048),
          TopkLaunch(stages=3), TopkLaunch(stages=4), TopkLaunch(per_sm=4, stages=3))
@@ -133,7 +133,7 @@ def sweep_topk(res, shapes):
     first (``*``: the fastest of a shape)."""
     print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block / "
           "stages), us")
-    names = [f"{c.sort_chunk}/{c.per_sm}/{c.warps}/{c.block or 1024}/{c.stages}"
+    names = [f"{c.sort_chunk}/{c.per_sm or 'auto'}/{c.warps}/{c.block or 1024}/{c.stages}"
              for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:

@@ -104,7 +104,7 @@ NAMES = ["start", "hist0", "bar0", "hist1", "bar1", "hist2", "bar2", "hist3", "b
          "bar_collect", "sort", "bar_sort", "merge"]
 
 
-def probe(mod, ctx: int, T: int, k: int) -> dict:
+def probe(mod, ctx: int, T: int, k: int, launch=None) -> dict:
     from hisparse.ops.topk import TopkScratch, topk_select, topk_select_reference
     keys, lens = _topk_inputs(ctx, T, ctx)
     scratch = TopkScratch(T, "cuda")
@@ -112,10 +112,10 @@ def probe(mod, ctx: int, T: int, k: int) -> dict:
     stamps = torch.full((T * 64 + 4096, 2 * SLOTS), -1, dtype=torch.int64, device="cuda")
     mod._STAMPS = stamps
     for _ in range(3):                          # compile, then keys in L2 as in the bench
-        topk_select(keys, lens, k, out=out, scratch=scratch)
+        topk_select(keys, lens, k, out=out, scratch=scratch, launch=launch)
     torch.cuda.synchronize()
     stamps.fill_(-1)
-    topk_select(keys, lens, k, out=out, scratch=scratch)
+    topk_select(keys, lens, k, out=out, scratch=scratch, launch=launch)
     torch.cuda.synchronize()
     assert torch.equal(out, topk_select_reference(keys, lens, k)), (ctx, T, k)
     s = stamps.cpu()
@@ -149,13 +149,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="32768x8x2048,32768x24x2048,32768x64x2048,"
                                         "131072x8x2048,2112x96x2048",
                     help="ctx x rows x k, comma-separated")
+    ap.add_argument("--per-sm", type=int, default=None,
+                    help="TopkLaunch.per_sm (default: the launch's own choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hisparse.ops.topk import TopkLaunch
+    launch = TopkLaunch(per_sm=args.per_sm) if args.per_sm else None
     mod = load_ops_module("_topk_triton", text=instrumented_source())
     res = []
     for shape in args.shapes.split(","):
         ctx, T, k = (int(x) for x in shape.split("x"))
-        r = probe(mod, ctx, T, k)
+        r = probe(mod, ctx, T, k, launch)
         res.append(r)
         print(f"\n{ctx} x {T}, k {k}: {r['programs']} programs, span {r['span_us']:.1f} us "
               f"(start skew {r['start_skew_us']:.1f}), SM {r['sm_ghz']:.2f} GHz")

@@ -18,9 +18,10 @@ interpreter, which runs programs one after the other, unless each row has one pr
    threshold bucket taken).
 4. Collect: with the final state (``cgt`` columns strictly above the prefix ``P`` at the
    resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
-   writes the columns above ``P`` into slots ``0..cgt-1`` (one atomic per block for the slot
-   range) and the tied ones into ``cgt + rank`` where ``rank`` counts ties in column order
-   (earlier splits' tie counts come from their stored histograms): each as the packed int64
+   writes the columns above ``P`` into slots ``0..cgt-1`` (one atomic a program reserves its
+   range: its count from its own split histograms) and the tied ones into ``cgt + rank``
+   where ``rank`` counts ties in column order (earlier splits' tie counts come from their
+   stored histograms): each as the packed int64
    ``(key << 32) | (2^32 - 1 - col)`` (distinct: ties by lower column) into the row's sort
    scratch (the ``legacy`` ranking: the column into ``out``).
 5. Chunk sort: the ``min(k, valid)`` packed entries in chunks of ``CH`` slots, each sorted in
@@ -65,6 +66,7 @@ assert BAR_OFFSET + RADIX_LEVELS + 2 <= TOPK_HIST_WIDTH, "the hist row holds eve
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
+FEW_SPLITS = 5          # below this many programs a row at 2 an SM, 4 an SM (TopkLaunch.per_sm)
 
 
 @triton.jit
@@ -159,30 +161,33 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
 
 
 @triton.jit
-def _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need, tie_base, K,
+def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, tie_base, K,
                    BLOCK: tl.constexpr, PACKED: tl.constexpr):
     """Write the selected columns of one block into their slots (``PACKED``: as packed
     ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
-    column into the row of ``out``); returns the tie count so far."""
+    column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
+    tied ones at ``cgt + tie_base`` on (column order). Returns both bases past the block."""
+    tl.static_assert(BLOCK < 65536, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
     s = tl.load(base + offs, mask=m, other=-2147483648)
     ok = m & (s != -2147483648)
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
     pref = u.to(tl.int64) >> shift                                  # level 0: 0 > -1
-    gt = (ok & (pref > prefix)).to(tl.int32)
-    tie = (ok & (pref == prefix)).to(tl.int32)
-    n_gt = tl.sum(gt, 0)
-    first = tl.atomic_add(cnt_ptr, n_gt, mask=n_gt > 0, sem="relaxed")
+    gt = ok & (pref > prefix)
+    tie = ok & (pref == prefix)
+    both = gt.to(tl.int32) | (tie.to(tl.int32) << 16)               # one scan for both counts
+    run = tl.cumsum(both, 0)
     if PACKED:
         val = (s.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))  # ties: lower column
     else:
         val = offs
-    slot = first + tl.cumsum(gt, 0) - 1
-    tl.store(o_row + slot, val, mask=(gt > 0) & (slot < K))  # K: a bound if a state is wrong
-    rank = tie_base + tl.cumsum(tie, 0) - 1
-    tl.store(o_row + cgt + rank, val, mask=(tie > 0) & (rank < need))
-    return tie_base + tl.sum(tie, 0)
+    slot = slot_base + (run & 65535) - 1
+    tl.store(o_row + slot, val, mask=gt & (slot < K))     # K: a bound if a state is wrong
+    rank = tie_base + (run >> 16) - 1
+    tl.store(o_row + cgt + rank, val, mask=tie & (rank < need))
+    total = tl.sum(both, 0)
+    return slot_base + (total & 65535), tie_base + (total >> 16)
 
 
 @triton.jit
@@ -270,16 +275,27 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row
         o_row = sorted_ptr + row.to(tl.int64) * stride_q
     else:
         o_row = out_ptr + row.to(tl.int64) * stride_o
-    cnt_ptr = h_row + LEVELS * NB                                   # COUNTER
+    # the program's columns above the prefix, counted by its own split histograms: at each
+    # level below the resolved one, the digits above the prefix's among the columns that match
+    # its higher digits (level 0: every valid column); one slot reservation for all its blocks
+    own = split_ptr + (slot0 + sp).to(tl.int64) * stride_s
+    lv2 = tl.arange(0, LEVELS)[:, None]
+    d2 = tl.arange(0, NB)[None, :]
+    pdig = (prefix >> (8 * tl.maximum(level - 1 - lv2, 0)).to(tl.int64)) & (NB - 1)
+    above = tl.where(level == 0, lv2 == 0, (lv2 < level) & (d2 > pdig))
+    n_gt = tl.sum(tl.sum(tl.load(own + lv2 * NB + d2, mask=above, other=0,
+                                 cache_modifier=".cg"), 1), 0)
+    slot_base = tl.atomic_add(h_row + LEVELS * NB, n_gt, mask=n_gt > 0, sem="relaxed")  # COUNTER
+    slot_base = tl.where(n_gt > 0, slot_base, 0)
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, K, BLOCK, PACKED)
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
     else:
         start = lo
         while start < hi:
-            tie_base = _collect_block(base, o_row, cnt_ptr, start, hi, prefix, shift, cgt, need,
-                                      tie_base, K, BLOCK, PACKED)
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
             start += BLOCK
 
 
@@ -485,19 +501,54 @@ def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
     return max(1, min(most, triton.cdiv(max(W, 1), cfg.block)))
 
 
-def _resident(device: torch.device, cfg: TopkLaunch) -> int:
-    """Programs of a fused launch resident at once: ``per_sm`` on every SM."""
-    return cfg.per_sm * _num_sms(device.index or 0)
+def _per_sm(T: int, device: torch.device, cfg: TopkLaunch) -> int:
+    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else 2, or 4 where 2 would give
+    each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured: at 64 and 96 rows 4 an SM
+    is 14-17% faster, at 8 and 24 rows slower)."""
+    if cfg.per_sm is not None:
+        return cfg.per_sm
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    return 4 if 2 * sms < FEW_SPLITS * T else 2
+
+
+def _fits_per_sm(n_regs: int, shared: int, warps: int, regs: int = 65536,
+                 threads: int = 2048, smem: int = 228 * 1024) -> int:
+    """Programs of a kernel (``n_regs`` registers a thread, ``shared`` bytes, ``warps``) that
+    one SM (``regs`` registers, ``threads``, ``smem`` bytes of shared memory) holds at once."""
+    per_warp = -(-max(n_regs, 1) * 32 // 256) * 256        # allocated in 256-register units
+    return max(0, min(regs // per_warp // warps, smem // (shared + 1024),
+                      threads // (32 * warps), 32))
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _occupancy(args: tuple, meta: dict, device: torch.device) -> int:
+    """Programs of the kernel's compile for ``args`` and ``meta`` resident on one SM of
+    ``device`` (its compile is cached per meta-parameters and the integer arguments'
+    specializations: equal to 1, divisible by 16)."""
+    spec = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
+    key = (device.index or 0, tuple(sorted(meta.items())), spec)
+    if key not in _OCCUPANCY:
+        compiled = _topk_select_kernel.warmup(*args, grid=(1,), **meta)
+        compiled._init_handles()                        # loads it: sets n_regs
+        p = torch.cuda.get_device_properties(key[0])
+        _OCCUPANCY[key] = _fits_per_sm(
+            compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
+            getattr(p, "regs_per_multiprocessor", 65536),
+            getattr(p, "max_threads_per_multi_processor", 2048),
+            getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
+    return _OCCUPANCY[key]
 
 
 def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots: int,
-                   mode: str, fused: bool) -> int:
+                   mode: str, fused: bool, resident: int) -> int:
     """Programs per row within the scratch's ``slots`` split histograms (a fused launch:
-    also at most ``per_sm`` programs per SM when rows are split, so all are resident)."""
+    also at most ``resident`` programs in all when rows are split, so all are resident)."""
     splits = cfg.splits
     if splits is None:
         if device.type == "cuda":
-            splits = triton.cdiv(_resident(device, cfg), T)
+            splits = triton.cdiv(resident, T)
         else:   # the interpreter's cost is per program and per block
             splits = 1
         splits = max(1, min(splits, _row_cap(W, cfg, mode), slots // T))
@@ -505,12 +556,11 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
         raise ValueError(f"topk_select: splits must be in 1..{MAX_SPLITS} with rows x splits "
                          f"<= {slots} (the scratch's split histograms), got {splits}")
     if fused and device.type == "cuda" and splits > 1:
-        cap = _resident(device, cfg)
         if cfg.splits is None:
-            splits = max(1, min(splits, cap // T))
-        elif T * splits > cap:
+            splits = max(1, min(splits, resident // T))
+        elif T * splits > resident:
             raise ValueError(f"topk_select: a fused launch splits rows only while rows x splits "
-                             f"<= per_sm x SMs = {cap} (all resident), got {T} x {splits}")
+                             f"<= programs resident at once ({resident}), got {T} x {splits}")
     return splits
 
 
@@ -529,52 +579,71 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                          f"got {ch}")
     if cfg.stages < 1:
         raise ValueError(f"topk_select: stages must be >= 1, got {cfg.stages}")
-    if cfg.per_sm < 1 or cfg.warps not in (1, 2, 4, 8, 16):
+    if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
-    if cfg.block < 16 or cfg.block & (cfg.block - 1):
-        raise ValueError(f"topk_select: block must be a power of two >= 16, got {cfg.block}")
+    if cfg.block < 16 or cfg.block > 32768 or cfg.block & (cfg.block - 1):
+        raise ValueError(f"topk_select: block must be a power of two in 16..32768, "
+                         f"got {cfg.block}")
     ch = min(ch, max(16, next_pow2(k)))
     C = triton.cdiv(k, ch)
     if mode != "legacy" and C * ch > sq.shape[1]:
         mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
     fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
-    splits = _launch_config(T, W, keys.device, cfg, scratch.split_hist.shape[0], mode, fused)
     hist = scratch.hist[:T]
-    if not hist_zeroed:
-        hist.zero_()
     sh = scratch.split_hist
-    # programs over the live rows (a batch's padding rows are empty): up to the per-row cap
-    # a full launch has, or the caller's own split count; a fused launch of its own splits
-    # spreads all the programs that are resident at once (each its own split slot), a row's
-    # programs adjacent, the grid at least one program a row
     live = T <= LIVE_MAX_ROWS
-    most = splits if cfg.splits is not None else _row_cap(W, cfg, mode)
-    programs = T * splits
-    if live and fused and cfg.splits is None:
-        programs = max(1, min(_resident(keys.device, cfg), scratch.split_hist.shape[0],
-                              T * most))
-    args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most, programs,
-            keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0), sq.stride(0))
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
                   RANKED=mode != "legacy", num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
+    one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
+    sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
+    per_sm = _per_sm(T, keys.device, cfg)
+    while True:
+        splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
+                                per_sm * sms)
+        # programs over the live rows (a batch's padding rows are empty): up to the per-row
+        # cap a full launch has, or the caller's own split count; a fused launch of its own
+        # splits spreads all the programs that are resident at once (each its own split
+        # slot), a row's programs adjacent, the grid at least one program a row
+        most = splits if cfg.splits is not None else _row_cap(W, cfg, mode)
+        programs = T * splits
+        if live and fused and cfg.splits is None:
+            programs = max(1, min(per_sm * sms, sh.shape[0], T * most))
+        args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most,
+                programs, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
+                sq.stride(0))
+        if not fused:
+            break                       # no program waits for another
+        # a row's programs wait for each other: all must be resident at once, so never ask
+        # an SM for more than the compiled kernel fits
+        fits = _occupancy(args, one, keys.device)
+        if fits >= per_sm:
+            break
+        if fits < 1:
+            raise RuntimeError(f"topk_select: the fused top-k kernel does not fit an SM "
+                               f"(warps={cfg.warps}, block={cfg.block}); use fewer warps")
+        if cfg.per_sm is not None:
+            raise ValueError(f"topk_select: per_sm={cfg.per_sm} programs do not fit an SM at "
+                             f"once ({fits} do): a fused launch needs all resident")
+        per_sm = fits
+    if not hist_zeroed:
+        hist.zero_()
     grid = (max(T, programs) if live else T * splits,)
-    # the empty rows' -1 come from the launch that ends the ranking (legacy: _sort_kernel)
-    fill = live and mode != "legacy"
     # the interpreter runs programs one after another: one launch there only where each row
-    # has one program (its row barriers then wait for no other)
+    # has one program (its row barriers then wait for no other); the empty rows' -1 come
+    # from the launch that ends the ranking (legacy: _sort_kernel)
     if fused or (mode == "fused" and (most if live else splits) == 1):
-        _topk_select_kernel[grid](*args, FIRST=0, LAST=last, FILL=fill, **common, **sort)
+        _topk_select_kernel[grid](*args, **one)
     else:
         unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
         for phase in range(last + 1):
             _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase,
-                                      FILL=fill and phase == last, **common,
+                                      FILL=one["FILL"] and phase == last, **common,
                                       **(sort if phase > RADIX_LEVELS else unused))
     if mode == "legacy":
         kpad = max(16, next_pow2(k))

@@ -291,6 +291,31 @@ def test_scratch_too_small(triton_cpu):
         topk_select(keys, lens, 3, scratch=TopkScratch(2, "cpu"))
 
 
+def test_fits_per_sm_counts_each_limit():
+    """Programs an SM holds (H100 limits: 65,536 registers, 2,048 threads, 228 KiB shared),
+    each limit in turn the binding one."""
+    from hisparse.ops._topk_triton import _fits_per_sm
+    assert _fits_per_sm(128, 8192, 4) == 4        # 4 x 128 threads x 128 registers
+    assert _fits_per_sm(129, 8192, 4) == 3        # 136 registers a thread allocated
+    assert _fits_per_sm(64, 60_000, 4) == 3       # shared memory (plus 1 KiB a program)
+    assert _fits_per_sm(32, 0, 16) == 4           # threads
+    assert _fits_per_sm(255, 0, 16) == 0          # does not fit at all
+
+
+def test_per_sm_default_by_rows(monkeypatch):
+    """2 programs an SM, 4 where 2 would give a row fewer than FEW_SPLITS; a given value
+    stays."""
+    from hisparse.ops import _topk_triton as tk
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setattr(tk, "_num_sms", lambda index: sms)
+    few = 2 * sms // tk.FEW_SPLITS              # the most rows that still get FEW_SPLITS
+    assert tk._per_sm(8, cuda, TopkLaunch()) == 2
+    assert tk._per_sm(few, cuda, TopkLaunch()) == 2
+    assert tk._per_sm(few + 1, cuda, TopkLaunch()) == 4
+    assert tk._per_sm(96, cuda, TopkLaunch()) == 4
+    assert tk._per_sm(96, cuda, TopkLaunch(per_sm=2)) == 2
+
+
 # ---------------------------------------------------------------------------------- GPU
 def _gpu_keys(T, W, k, seed, distinct):
     g = torch.Generator().manual_seed(seed)
@@ -369,6 +394,24 @@ def test_gpu_launch_hints_are_exact(launch):
     keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
     got = topk_select(keys, lens, k, scratch=TopkScratch(T, "cuda"), launch=launch)
     assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_launch_asks_no_more_than_fits():
+    """Many rows take 4 programs an SM, checked against what the compiled kernel fits (all of
+    a fused launch's programs must be resident); a hint beyond it is refused by name."""
+    from hisparse.ops import _topk_triton as tk
+    T, W, k = 96, 4096, 2048
+    keys, lens = _gpu_rows(T, W, k, seed=11, distinct=1 << 20)
+    scratch = TopkScratch(T, "cuda")
+    assert tk._per_sm(T, keys.device, TopkLaunch()) == 4
+    tk._OCCUPANCY.clear()
+    got = topk_select(keys, lens, k, scratch=scratch)
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+    assert scratch.stalls.item() == 0
+    assert len(tk._OCCUPANCY) == 1 and min(tk._OCCUPANCY.values()) >= 4
+    with pytest.raises(ValueError, match="per_sm=8"):
+        topk_select(keys, lens, k, scratch=scratch, launch=TopkLaunch(per_sm=8, warps=16))
 
 
 @pytest.mark.gpu
