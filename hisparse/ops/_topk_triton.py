@@ -184,10 +184,10 @@ def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, 
         val = offs
     slot = slot_base + (run & 65535) - 1
     tl.store(o_row + slot, val, mask=gt & (slot < K))     # K: a bound if a state is wrong
-    rank = tie_base + (run >> 16) - 1
+    rank = tie_base + ((run >> 16) & 65535) - 1                     # 32768 ties: bit 31
     tl.store(o_row + cgt + rank, val, mask=tie & (rank < need))
     total = tl.sum(both, 0)
-    return slot_base + (total & 65535), tie_base + (total >> 16)
+    return slot_base + (total & 65535), tie_base + ((total >> 16) & 65535)
 
 
 @triton.jit
@@ -516,7 +516,8 @@ def _fits_per_sm(n_regs: int, shared: int, warps: int, regs: int = 65536,
     """Programs of a kernel (``n_regs`` registers a thread, ``shared`` bytes, ``warps``) that
     one SM (``regs`` registers, ``threads``, ``smem`` bytes of shared memory) holds at once."""
     per_warp = -(-max(n_regs, 1) * 32 // 256) * 256        # allocated in 256-register units
-    return max(0, min(regs // per_warp // warps, smem // (shared + 1024),
+    warps_by_regs = 4 * (regs // 4 // per_warp)             # per SM sub-partition (4 of them)
+    return max(0, min(warps_by_regs // warps, smem // (shared + 1024),
                       threads // (32 * warps), 32))
 
 
@@ -526,8 +527,9 @@ _OCCUPANCY: dict[tuple, int] = {}
 def _occupancy(args: tuple, meta: dict, device: torch.device) -> int:
     """Programs of the kernel's compile for ``args`` and ``meta`` resident on one SM of
     ``device`` (its compile is cached per meta-parameters and the integer arguments'
-    specializations: equal to 1, divisible by 16)."""
-    spec = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
+    specializations: equal to 1, divisible by 16; tensors: 16-byte aligned)."""
+    spec = tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0
+                 for a in args)
     key = (device.index or 0, tuple(sorted(meta.items())), spec)
     if key not in _OCCUPANCY:
         compiled = _topk_select_kernel.warmup(*args, grid=(1,), **meta)

@@ -291,6 +291,18 @@ def test_scratch_too_small(triton_cpu):
         topk_select(keys, lens, 3, scratch=TopkScratch(2, "cpu"))
 
 
+def test_triton_largest_block_all_ties(triton_cpu):
+    """A block of 32,768 tied columns (the largest block): the tie count's prefix sum reaches
+    bit 31 of the shared int32 scan and must still rank them in column order."""
+    T, W, k = 2, 65536, 8
+    keys = torch.full((T, W), 7, dtype=torch.int32)
+    lens = torch.tensor([W, W - 5], dtype=torch.int32)
+    scratch = TopkScratch(T, "cpu")
+    scratch.sorted.fill_(123)
+    got = topk_select(keys, lens, k, scratch=scratch, launch=TopkLaunch(block=32768))
+    assert torch.equal(got, topk_select_reference(keys, lens, k))
+
+
 def test_fits_per_sm_counts_each_limit():
     """Programs an SM holds (H100 limits: 65,536 registers, 2,048 threads, 228 KiB shared),
     each limit in turn the binding one."""
@@ -300,6 +312,7 @@ def test_fits_per_sm_counts_each_limit():
     assert _fits_per_sm(64, 60_000, 4) == 3       # shared memory (plus 1 KiB a program)
     assert _fits_per_sm(32, 0, 16) == 4           # threads
     assert _fits_per_sm(255, 0, 16) == 0          # does not fit at all
+    assert _fits_per_sm(200, 0, 2) == 4           # registers per sub-partition: 6 warps each
 
 
 def test_per_sm_default_by_rows(monkeypatch):
