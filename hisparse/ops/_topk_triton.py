@@ -66,7 +66,7 @@ assert BAR_OFFSET + RADIX_LEVELS + 2 <= TOPK_HIST_WIDTH, "the hist row holds eve
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
-FEW_SPLITS = 5          # below this many programs a row at 2 an SM, 4 an SM (TopkLaunch.per_sm)
+FEW_SPLITS = 8          # below this many programs a row at 2 an SM, 4 an SM (TopkLaunch.per_sm)
 
 
 @triton.jit
@@ -503,8 +503,9 @@ def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
 
 def _per_sm(T: int, device: torch.device, cfg: TopkLaunch) -> int:
     """Programs an SM a fused launch asks for: ``cfg.per_sm``, else 2, or 4 where 2 would give
-    each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured: at 64 and 96 rows 4 an SM
-    is 14-17% faster, at 8 and 24 rows slower)."""
+    each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured on the H100 at 32k: 4 an
+    SM 19-22% faster at 40-64 rows (5-6 programs a row at 2), 14% at 2k x 96; slower at 8 and
+    24 rows (11 a row at 2))."""
     if cfg.per_sm is not None:
         return cfg.per_sm
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
