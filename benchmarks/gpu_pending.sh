@@ -33,9 +33,8 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 for section in "$@"; do
   case $section in
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
-             # min; the sixteenth session ran this list on an H100 at 749b3da, every file
-             # passing, then changed the top-k (test_ops_topk: 25 of its 46 GPU tests run
-             # since): put the next unrun change's files here);
+             # min; the seventeenth session ran this list on an H100 at 25b5f54, every file
+             # passing: put the next unrun change's files here);
              # then run its sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_moe_layer.py
         tests/engine/test_soak.py tests/ops/test_ops_indexer_fused.py
@@ -128,13 +127,14 @@ for section in "$@"; do
           --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
           --concurrency 96 --outputs 256 --out "$out/step2k_$cvt"
       done ;;
-    topk)    # issue 24: the top-k's one launch (sixteenth session: a resolved row skips its
-             # remaining digits and their barriers; the collect packs (key, column) into the
-             # sort scratch) against the tree before it, same call, new first; then the GPU
-             # tests of the top-k and its launch sweep (~5 min). BASE: a directory holding
-             # `git archive d72715f` unpacked (the device's copy has no history)
-      base=$(cd "${BASE:?topk: BASE=directory of git archive d72715f}" && pwd)
-      shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x48x2048,32768x64x2048
+    topk)    # issue 24: the top-k (seventeenth session: the collect's one atomic a program, 4
+             # programs an SM at many rows) against the tree before it, same call, new first;
+             # then the GPU tests of the top-k, its phase probe and its launch sweep (~5 min).
+             # BASE: a directory holding `git archive 9a37a43` unpacked (the device's copy has
+             # no history)
+      base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd)
+      shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x40x2048,32768x48x2048
+      shapes=$shapes,32768x64x2048
       shapes=$shapes,131072x8x2048,32768x24x4096,2304x96x2048,2112x96x2048
       export HISPARSE_TRITON_AUTOTUNE=0
       run topk_new 150 python3 benchmarks/bench_topk.py --only topk --topk-shapes $shapes \
@@ -142,6 +142,7 @@ for section in "$@"; do
       (cd "$base" && export PYTHONPATH=$base && run topk_base 150 python3 \
         benchmarks/bench_topk.py --only topk --topk-shapes $shapes --out "$out/topk_base.json")
       GPU_TEST_FILES="tests/ops/test_ops_topk.py" skip_or_test
+      run topk_phases 90 python3 benchmarks/probe_topk_phases.py --out "$out/topk_phases.json"
       run topk_sweep 150 python3 benchmarks/bench_topk.py --only topk-sweep \
         --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
         --out "$out/topk_sweep.json"
