@@ -139,27 +139,13 @@ def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.
 
 
 @triton.jit
-def _block_keys(base, start, hi, BLOCK: tl.constexpr):
-    """The keys of columns ``start .. start + BLOCK - 1`` (``INT32_MIN`` from ``hi`` on)."""
-    offs = start + tl.arange(0, BLOCK)
-    return tl.load(base + offs, mask=offs < hi, other=-2147483648)
-
-
-@triton.jit
-def _first_keys(keys_ptr, len_ptr, row, sp, W, SPLITS, stride_k, BLOCK: tl.constexpr):
-    """The keys of the program's first block: loaded once, before its first pass, and held
-    across the row barriers for every later pass (they do not change during a call)."""
-    lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
-    return _block_keys(keys_ptr + row.to(tl.int64) * stride_k, lo, hi, BLOCK)
-
-
-@triton.jit
-def _hist_keys(s, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Histogram of digit ``LEVEL`` over the keys ``s`` of columns ``start .. start + BLOCK -
-    1`` (``< hi``) that are valid and match ``prefix`` on the higher digits."""
+def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
+    that are valid and match ``prefix`` on the higher digits."""
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
     ok = m & (s != -2147483648)
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
     if LEVEL > 0:
@@ -175,15 +161,16 @@ def _hist_keys(s, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
 
 
 @triton.jit
-def _collect_keys(s, o_row, start, hi, prefix, shift, cgt, need, slot_base, tie_base, K,
-                  BLOCK: tl.constexpr, PACKED: tl.constexpr):
-    """Write the selected columns of one block (keys ``s``) into their slots (``PACKED``: as packed
+def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, tie_base, K,
+                   BLOCK: tl.constexpr, PACKED: tl.constexpr):
+    """Write the selected columns of one block into their slots (``PACKED``: as packed
     ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
     column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
     tied ones at ``cgt + tie_base`` on (column order). Returns both bases past the block."""
     tl.static_assert(BLOCK < 65536, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
     ok = m & (s != -2147483648)
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
     pref = u.to(tl.int64) >> shift                                  # level 0: 0 > -1
@@ -237,31 +224,27 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLIT
         if sp == 0:
             _store_state(h_row, LEVEL - 1, level, pre, cgt, need, done, STATE)
         prefix = pre
-    first = _first_keys(keys_ptr, len_ptr, row, sp, W, SPLITS, stride_k, BLOCK)
     _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
-               stride_s, first, prefix, done, LEVEL, NB, BLOCK, FOR_LOOP, STAGES)
+               stride_s, prefix, done, LEVEL, NB, BLOCK, FOR_LOOP, STAGES)
 
 
 @triton.jit
 def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
-               stride_s, first, prefix, done, LEVEL: tl.constexpr, NB: tl.constexpr,
+               stride_s, prefix, done, LEVEL: tl.constexpr, NB: tl.constexpr,
                BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
     """Digit ``LEVEL``'s histogram over the program's columns matching ``prefix`` (none once
-    ``done``): added into the row's global histogram and stored in the program's split slot.
-    ``first``: the keys of its first block (:func:`_first_keys`)."""
+    ``done``): added into the row's global histogram and stored in the program's split slot."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
-    acc = _hist_keys(first, lo, hi, prefix, LEVEL, NB, BLOCK)
+    acc = tl.zeros([NB], dtype=tl.int32)
     if FOR_LOOP:
-        for start in tl.range(lo + BLOCK, hi, BLOCK, num_stages=STAGES):
-            acc += _hist_keys(_block_keys(base, start, hi, BLOCK), start, hi, prefix, LEVEL,
-                              NB, BLOCK)
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
     else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
-        start = lo + BLOCK
+        start = lo
         while start < hi:
-            acc += _hist_keys(_block_keys(base, start, hi, BLOCK), start, hi, prefix, LEVEL,
-                              NB, BLOCK)
+            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
             start += BLOCK
     offs_b = tl.arange(0, NB)
     tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0, sem="relaxed")
@@ -270,14 +253,13 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
 
 @triton.jit
 def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp, slot0, W,
-                   K, SPLITS, stride_k, stride_s, stride_o, stride_q, first, level, prefix, cgt,
-                   need, LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   K, SPLITS, stride_k, stride_s, stride_o, stride_q, level, prefix, cgt, need,
+                   LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    FOR_LOOP: tl.constexpr, STAGES: tl.constexpr, MAXS: tl.constexpr,
                    PACKED: tl.constexpr):
     """The collect with the final threshold state ``(level, prefix, cgt, need)``: the selected
     columns into ``out`` (the legacy ranking) or, ``PACKED``, with their keys into the sort
-    scratch (the kernel's own ranking phases). ``first``: the keys of the program's first
-    block (:func:`_first_keys`)."""
+    scratch (the kernel's own ranking phases)."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
@@ -305,19 +287,15 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row
                                  cache_modifier=".cg"), 1), 0)
     slot_base = tl.atomic_add(h_row + LEVELS * NB, n_gt, mask=n_gt > 0, sem="relaxed")  # COUNTER
     slot_base = tl.where(n_gt > 0, slot_base, 0)
-    slot_base, tie_base = _collect_keys(first, o_row, lo, hi, prefix, shift, cgt, need,
-                                        slot_base, tie_base, K, BLOCK, PACKED)
     if FOR_LOOP:
-        for start in tl.range(lo + BLOCK, hi, BLOCK, num_stages=STAGES):
-            slot_base, tie_base = _collect_keys(_block_keys(base, start, hi, BLOCK), o_row,
-                                                start, hi, prefix, shift, cgt, need,
-                                                slot_base, tie_base, K, BLOCK, PACKED)
+        for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
     else:
-        start = lo + BLOCK
+        start = lo
         while start < hi:
-            slot_base, tie_base = _collect_keys(_block_keys(base, start, hi, BLOCK), o_row,
-                                                start, hi, prefix, shift, cgt, need,
-                                                slot_base, tie_base, K, BLOCK, PACKED)
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
             start += BLOCK
 
 
@@ -435,10 +413,9 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
             # the row (each derives it from the row's global histograms after the barrier), so
             # once it is resolved the row's programs skip the remaining digits and barriers
             # together
-            first = _first_keys(keys_ptr, len_ptr, row, sp, W, SPLITS, stride_k, BLOCK)
             _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
-                       stride_k, stride_s, first, tl.full([], -1, tl.int64),
-                       tl.full([], 0, tl.int32), 0, NB, BLOCK, FOR_LOOP, STAGES)
+                       stride_k, stride_s, tl.full([], -1, tl.int64), tl.full([], 0, tl.int32),
+                       0, NB, BLOCK, FOR_LOOP, STAGES)
             stalled = _barrier(h_row, 0, SPLITS, stall_ptr, BAR, SPIN)
             level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
             for L in tl.static_range(1, LEVELS):
@@ -448,16 +425,15 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                 if (done == 0) | (stalled != 0):
                     if done == 0:
                         _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W,
-                                   SPLITS, stride_k, stride_s, first, pre, done, L, NB, BLOCK,
+                                   SPLITS, stride_k, stride_s, pre, done, L, NB, BLOCK,
                                    FOR_LOOP, STAGES)
                     stalled = stalled | _barrier(h_row, L, SPLITS, stall_ptr, BAR, SPIN)
                     h = tl.load(h_row + L * NB + tl.arange(0, NB), cache_modifier=".cg")
                     level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
                                                            NB)
             _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp,
-                           slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q, first,
-                           level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS,
-                           RANKED)
+                           slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q, level,
+                           pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED)
             if LAST > LEVELS:
                 _barrier(h_row, LEVELS, SPLITS, stall_ptr, BAR, SPIN)
                 _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH, C)
@@ -474,11 +450,10 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                                 STAGES)
                 elif phase == LEVELS:
                     level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
-                    first = _first_keys(keys_ptr, len_ptr, row, sp, W, SPLITS, stride_k, BLOCK)
                     _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row,
                                    sp, slot0, W, K, SPLITS, stride_k, stride_s, stride_o,
-                                   stride_q, first, level, pre, cgt, need, LEVELS, NB, BLOCK,
-                                   FOR_LOOP, STAGES, MAXS, RANKED)
+                                   stride_q, level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP,
+                                   STAGES, MAXS, RANKED)
                 elif phase == LEVELS + 1:
                     _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH,
                                       C)
