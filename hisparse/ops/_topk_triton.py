@@ -167,7 +167,7 @@ def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, 
     ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
     column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
     tied ones at ``cgt + tie_base`` on (column order). Returns both bases past the block."""
-    tl.static_assert(BLOCK < 65536, "a block's two counts share one int32 prefix sum")
+    tl.static_assert(BLOCK <= 16384, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
     s = tl.load(base + offs, mask=m, other=-2147483648)
@@ -184,7 +184,7 @@ def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, 
         val = offs
     slot = slot_base + (run & 65535) - 1
     tl.store(o_row + slot, val, mask=gt & (slot < K))     # K: a bound if a state is wrong
-    rank = tie_base + ((run >> 16) & 65535) - 1                     # 32768 ties: bit 31
+    rank = tie_base + ((run >> 16) & 65535) - 1
     tl.store(o_row + cgt + rank, val, mask=tie & (rank < need))
     total = tl.sum(both, 0)
     return slot_base + (total & 65535), tie_base + ((total >> 16) & 65535)
@@ -585,9 +585,9 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
-    if cfg.block < 16 or cfg.block > 32768 or cfg.block & (cfg.block - 1):
-        raise ValueError(f"topk_select: block must be a power of two in 16..32768, "
-                         f"got {cfg.block}")
+    if cfg.block < 16 or cfg.block > 16384 or cfg.block & (cfg.block - 1):
+        raise ValueError(f"topk_select: block must be a power of two in 16..16384 (a block's "
+                         f"two counts share one int32 scan), got {cfg.block}")
     ch = min(ch, max(16, next_pow2(k)))
     C = triton.cdiv(k, ch)
     if mode != "legacy" and C * ch > sq.shape[1]:

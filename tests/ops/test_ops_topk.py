@@ -292,15 +292,18 @@ def test_scratch_too_small(triton_cpu):
 
 
 def test_triton_largest_block_all_ties(triton_cpu):
-    """A block of 32,768 tied columns (the largest block): the tie count's prefix sum reaches
-    bit 31 of the shared int32 scan and must still rank them in column order."""
-    T, W, k = 2, 65536, 8
+    """Blocks of 16,384 tied columns (the largest block): both counts share one int32 scan
+    (ties in its upper half) and must still rank the ties in column order; a larger block is
+    refused by name."""
+    T, W, k = 2, 32768, 8
     keys = torch.full((T, W), 7, dtype=torch.int32)
     lens = torch.tensor([W, W - 5], dtype=torch.int32)
     scratch = TopkScratch(T, "cpu")
     scratch.sorted.fill_(123)
-    got = topk_select(keys, lens, k, scratch=scratch, launch=TopkLaunch(block=32768))
+    got = topk_select(keys, lens, k, scratch=scratch, launch=TopkLaunch(block=16384))
     assert torch.equal(got, topk_select_reference(keys, lens, k))
+    with pytest.raises(ValueError, match="block must be"):
+        topk_select(keys, lens, k, scratch=scratch, launch=TopkLaunch(block=32768))
 
 
 def test_fits_per_sm_counts_each_limit():
