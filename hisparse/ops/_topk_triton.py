@@ -501,14 +501,13 @@ def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
     return max(1, min(most, triton.cdiv(max(W, 1), cfg.block)))
 
 
-def _per_sm(T: int, device: torch.device, cfg: TopkLaunch) -> int:
-    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else 2, or 4 where 2 would give
-    each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured on the H100 at 32k: 4 an
-    SM 19-22% faster at 40-64 rows (5-6 programs a row at 2), 14% at 2k x 96; slower at 8 and
-    24 rows (11 a row at 2))."""
+def _per_sm(T: int, sms: int, cfg: TopkLaunch) -> int:
+    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else 2, or 4 where 2 on each of
+    ``sms`` SMs would give each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured on
+    the H100 at 32k: 4 an SM 19-22% faster at 40-64 rows (5-6 programs a row at 2), 14% at 2k
+    x 96; slower at 8 and 24 rows (11 a row at 2))."""
     if cfg.per_sm is not None:
         return cfg.per_sm
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
     return 4 if 2 * sms < FEW_SPLITS * T else 2
 
 
@@ -605,7 +604,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
     one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
-    per_sm = _per_sm(T, keys.device, cfg)
+    per_sm = _per_sm(T, sms, cfg)
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
                                 per_sm * sms)

@@ -318,18 +318,17 @@ def test_fits_per_sm_counts_each_limit():
     assert _fits_per_sm(200, 0, 2) == 4           # registers per sub-partition: 6 warps each
 
 
-def test_per_sm_default_by_rows(monkeypatch):
+def test_per_sm_default_by_rows():
     """2 programs an SM, 4 where 2 would give a row fewer than FEW_SPLITS; a given value
     stays."""
     from hisparse.ops import _topk_triton as tk
-    cuda, sms = torch.device("cuda", 0), 132
-    monkeypatch.setattr(tk, "_num_sms", lambda index: sms)
+    sms = 132
     few = 2 * sms // tk.FEW_SPLITS              # the most rows that still get FEW_SPLITS
-    assert tk._per_sm(8, cuda, TopkLaunch()) == 2
-    assert tk._per_sm(few, cuda, TopkLaunch()) == 2
-    assert tk._per_sm(few + 1, cuda, TopkLaunch()) == 4
-    assert tk._per_sm(96, cuda, TopkLaunch()) == 4
-    assert tk._per_sm(96, cuda, TopkLaunch(per_sm=2)) == 2
+    assert tk._per_sm(8, sms, TopkLaunch()) == 2
+    assert tk._per_sm(few, sms, TopkLaunch()) == 2
+    assert tk._per_sm(few + 1, sms, TopkLaunch()) == 4
+    assert tk._per_sm(96, sms, TopkLaunch()) == 4
+    assert tk._per_sm(96, sms, TopkLaunch(per_sm=2)) == 2
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -420,7 +419,7 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
     T, W, k = 96, 4096, 2048
     keys, lens = _gpu_rows(T, W, k, seed=11, distinct=1 << 20)
     scratch = TopkScratch(T, "cuda")
-    assert tk._per_sm(T, keys.device, TopkLaunch()) == 4
+    assert tk._per_sm(T, tk._num_sms(keys.device.index or 0), TopkLaunch()) == 4
     tk._OCCUPANCY.clear()
     got = topk_select(keys, lens, k, scratch=scratch)
     assert torch.equal(got, topk_select_reference(keys, lens, k))
