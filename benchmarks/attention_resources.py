@@ -32,7 +32,8 @@ from hisparse.ops._common import next_pow2  # noqa: E402
 
 # o_ptr: the chunks' partial outputs, bf16 as the engine stores them (a bf16 output)
 POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx_ptr="*i32",
-                o_ptr="*bf16", lse_ptr="*fp32")
+                o_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16", lse_out_ptr="*fp32",
+                arrivals_ptr="*i32")
 
 
 def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
@@ -55,7 +56,8 @@ def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
     names = _attn_fp8_kernel.arg_names
     const = dict(K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=512,
                  D_PE=64, TILE=128, NT=4, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                 IEEE=False, DIRECT=False, SKIP_EMPTY=True, INT_CVT=int_cvt)
+                 BLOCK_S=max(2, next_pow2(cfg.splits(2048))), IEEE=False, DIRECT=False,
+                 MERGE=True, SKIP_EMPTY=True, INT_CVT=int_cvt)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     # as a real launch specializes them: pointers, the strides and K are multiples of 16

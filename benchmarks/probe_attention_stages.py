@@ -1,7 +1,7 @@
 """Where the FP8 sparse attention kernel's time goes, by leaving stages out (H200; issue 25).
 
     PYTHONPATH=. python benchmarks/probe_attention_stages.py [--points 8x32768,96x2048]
-        [--out F.json]
+        [--variants no_store,...] [--base BASE/hisparse/ops/_attention_triton.py] [--out F.json]
     PYTHONPATH=. python benchmarks/probe_attention_stages.py --once 96x2048   # for ncu
 
 At 16 heads the kernel (``_attn_fp8_kernel``, one program per token x 64-index chunk) ran at
@@ -15,7 +15,10 @@ store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirte
 session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert``: e4m3 ->
 bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
-live). The merge kernel is timed alone on partials of the same shape.
+live). The merge kernel is timed alone on partials of the same shape (the FP8 kernel merges its
+chunks itself since the eighteenth session: the last chunk of a token to finish does it, and
+``merge_loop`` is that merge not unrolled over the heads). ``--base FILE`` times another
+version of the module (a base commit's) in the same process, as ``base``, bits reported.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
 package's kernel is not changed); an edit that no longer matches stops the probe, and the
 unedited copy must give the package's bits.
@@ -62,9 +65,11 @@ EDITS: dict[str, tuple[str, str]] = {
     # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
     "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",
                       "po_dtype = torch.float32"),
+    # the in-kernel merge's heads in a loop, not unrolled (the same bits)
+    "merge_loop": ("for j in tl.static_range(BLOCK_H):", "for j in range(BLOCK_H):"),
 }
-# the variants whose bits should equal the kernel's (reported, not required)
-BITS = ("remat", "int_convert")
+# the variants whose bits are reported against the kernel's (equal or not; not required)
+BITS = ("remat", "int_convert", "merge_loop", "base")
 # variants of the unedited module under kernel switches
 SWITCHED = {"int_convert": {"fp8_convert": "int"}}
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
@@ -130,7 +135,7 @@ def probe(T: int, context: int, variants: dict[str, object]) -> dict:
     # kWidth is 2, not 4); int_convert: the same tile by other instructions. Whether the
     # outputs keep their bits is what this reports
     bits = {name: bool(torch.equal(run_variant(variants, name, q, kv8, idx, scale)[0], want))
-            for name in BITS}
+            for name in BITS if name in variants}
     us = {name: timeit_graph(lambda n=name: run_variant(variants, n, q, kv8, idx, scale)) * 1e6
           for name in variants}
     kv_bytes = T * K * kv8.shape[1]
@@ -144,6 +149,10 @@ def main() -> None:
     ap.add_argument("--points", default="8x32768,24x32768,42x32768,96x2048",
                     help="TOKENSxCONTEXT,...")
     ap.add_argument("--once", default=None, help="TxC: run the package's kernel 5 times, exit")
+    ap.add_argument("--variants", default=None,
+                    help="NAME,...: time only these besides the whole kernel (default: all)")
+    ap.add_argument("--base", default=None, metavar="FILE",
+                    help="another _attention_triton.py (e.g. a base commit's), timed as 'base'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.once:
@@ -153,16 +162,23 @@ def main() -> None:
             AT.sparse_mla_attention_fp8_triton(q, kv8, idx, 576 ** -0.5)
         torch.cuda.synchronize()
         return
+    wanted = None if args.variants is None else set(args.variants.split(","))
     variants = {"whole": variant_module(())}
     for name in EDITS:
-        variants[name] = variant_module((name,))
+        if wanted is None or name in wanted:
+            variants[name] = variant_module((name,))
     for name in SWITCHED:
-        variants[name] = variants["whole"]
+        if wanted is None or name in wanted:
+            variants[name] = variants["whole"]
     for name, parts in COMBOS.items():
-        variants[name] = variant_module(parts)
+        if wanted is None or name in wanted:
+            variants[name] = variant_module(parts)
+    if args.base:
+        variants["base"] = load_ops_module("_attn_base", path=args.base)
+    bits_of = [n for n in BITS if n in variants]
     rows = []
     print(f"{'point':>9} " + " ".join(f"{n:>9}" for n in variants)
-          + "   combine  KV GB/s  " + "  ".join(f"{n} bits" for n in BITS))
+          + "   combine  KV GB/s  " + "  ".join(f"{n} bits" for n in bits_of))
     for point in args.points.split(","):
         T, C = (int(v) for v in point.split("x"))
         r = probe(T, C, variants)
@@ -170,7 +186,7 @@ def main() -> None:
         print(f"{point:>9} " + " ".join(f"{r['us'][n]:9.1f}" for n in variants)
               + f" {r['combine_us']:9.1f} {r['kv_gb_s']:8.0f}  "
               + "  ".join(f"{'equal' if r['bits_equal'][n] else 'DIFFER':>{len(n) + 5}}"
-                          for n in BITS), flush=True)
+                          for n in bits_of), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
