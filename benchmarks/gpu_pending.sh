@@ -3,7 +3,8 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk cut36
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk merge
+#            cut36
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -32,16 +33,13 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 
 for section in "$@"; do
   case $section in
-    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
-             # min; the seventeenth session ran this list on an H100 at 25b5f54, every file
-             # passing: put the next unrun change's files here);
+    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~2
+             # min; the eighteenth session ran the former list on the H200 at 9bcd255, every
+             # file passing; now the fused attention merge's files, as `merge` runs them);
              # then run its sections with SKIP_TESTS=1
-      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_moe_layer.py
-        tests/engine/test_soak.py tests/ops/test_ops_indexer_fused.py
-        tests/engine/test_engine_gpu.py tests/ops/test_ops_quant.py
-        tests/worker/test_cuda_graph_gpu.py tests/ops/test_ops_gemm_splitk.py
-        tests/engine/test_engine_switches.py tests/ops/test_ops_attention.py
-        tests/ops/test_ops_attention_convert.py" \
+      GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
+        tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
+        tests/worker/test_cuda_graph_gpu.py tests/engine/test_soak.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
@@ -147,6 +145,22 @@ for section in "$@"; do
         --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
         --out "$out/topk_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
+    merge)   # issue 25: the FP8 attention merging its own chunks (eighteenth session, CPU-built):
+             # its GPU tests, the kernel in isolation against the module of BASE_ATTN (a
+             # base commit's hisparse/ops/_attention_triton.py, e.g. `git show
+             # 9bcd255:hisparse/ops/_attention_triton.py`; same process, bits reported), then
+             # the rank's 2k x 96 and 8 x 32k (~6 min, H200: the rank needs ~90 GB)
+      GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
+        tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
+        tests/worker/test_cuda_graph_gpu.py" skip_or_test
+      run attn_merge 90 python3 benchmarks/probe_attention_stages.py --variants merge_loop \
+        ${BASE_ATTN:+--base "$BASE_ATTN"} --out "$out/attn_merge.json"
+      run merge2k 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
+        --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/merge2k"
+      run merge8 100 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
+        --profile-kernels 5 --contexts 32768 --concurrency 8 --outputs 128 --out "$out/merge8" ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
              # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding
