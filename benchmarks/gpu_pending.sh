@@ -145,22 +145,29 @@ for section in "$@"; do
         --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
         --out "$out/topk_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
-    merge)   # issue 25: the FP8 attention merging its own chunks (eighteenth session, CPU-built):
-             # its GPU tests, the kernel in isolation against the module of BASE_ATTN (a
-             # base commit's hisparse/ops/_attention_triton.py, e.g. `git show
-             # 9bcd255:hisparse/ops/_attention_triton.py`; same process, bits reported), then
-             # the rank's 2k x 96 and 8 x 32k (~6 min, H200: the rank needs ~90 GB)
+    merge)   # issue 25: the FP8 attention merging its own chunks (HISPARSE_ATTN_MERGE=fused,
+             # eighteenth session, CPU-built): its GPU tests, the kernel in isolation (fused,
+             # its merge not unrolled, and the module of BASE_ATTN: a base commit's
+             # hisparse/ops/_attention_triton.py, e.g. `git show 9bcd255:hisparse/ops/
+             # _attention_triton.py`; same process, bits reported), then the rank's 2k x 96
+             # with and without it, and 24 x 32k with it (~7 min, H200: the rank needs ~90 GB).
+             # Make it the default only if it wins there
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
         tests/worker/test_cuda_graph_gpu.py" skip_or_test
-      run attn_merge 90 python3 benchmarks/probe_attention_stages.py --variants merge_loop \
-        ${BASE_ATTN:+--base "$BASE_ATTN"} --out "$out/attn_merge.json"
-      run merge2k 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
-        --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/merge2k"
-      run merge8 100 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
-        --profile-kernels 5 --contexts 32768 --concurrency 8 --outputs 128 --out "$out/merge8" ;;
+      run attn_merge 90 python3 benchmarks/probe_attention_stages.py \
+        --variants fused_merge,merge_loop ${BASE_ATTN:+--base "$BASE_ATTN"} \
+        --out "$out/attn_merge.json"
+      for merge in fused launch; do
+        HISPARSE_ATTN_MERGE=$merge run merge2k_$merge 150 python3 -m hisparse.cli bench \
+          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+          --concurrency 96 --outputs 256 --out "$out/merge2k_$merge"
+      done
+      HISPARSE_ATTN_MERGE=fused run merge24 100 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 32768 \
+        --concurrency 24 --outputs 128 --out "$out/merge24" ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
              # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding

@@ -15,10 +15,11 @@ store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirte
 session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert``: e4m3 ->
 bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
-live). The merge kernel is timed alone on partials of the same shape (the FP8 kernel merges its
-chunks itself since the eighteenth session: the last chunk of a token to finish does it, and
-``merge_loop`` is that merge not unrolled over the heads). ``--base FILE`` times another
-version of the module (a base commit's) in the same process, as ``base``, bits reported.
+live). The merge kernel is timed alone on partials of the same shape; ``fused_merge`` is the
+kernel merging its own chunks (``HISPARSE_ATTN_MERGE=fused``, eighteenth session: each token's
+last chunk to finish), ``merge_loop`` that merge not unrolled over the heads. ``--base FILE``
+times another version of the module (a base commit's) in the same process, as ``base``, bits
+reported.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
 package's kernel is not changed); an edit that no longer matches stops the probe, and the
 unedited copy must give the package's bits.
@@ -69,9 +70,11 @@ EDITS: dict[str, tuple[str, str]] = {
     "merge_loop": ("for j in tl.static_range(BLOCK_H):", "for j in range(BLOCK_H):"),
 }
 # the variants whose bits are reported against the kernel's (equal or not; not required)
-BITS = ("remat", "int_convert", "merge_loop", "base")
+BITS = ("remat", "int_convert", "fused_merge", "merge_loop", "base")
 # variants of the unedited module under kernel switches
-SWITCHED = {"int_convert": {"fp8_convert": "int"}}
+SWITCHED = {"int_convert": {"fp8_convert": "int"}, "fused_merge": {"attn_merge": "fused"}}
+# the switches an edited variant runs under
+EDIT_SWITCHES = {"merge_loop": {"attn_merge": "fused"}}
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
             "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")
@@ -120,7 +123,7 @@ def combine_only_us(T: int) -> float:
 
 def run_variant(variants: dict[str, object], name: str, q, kv8, idx, scale):
     """One call of variant ``name``'s kernel (under its switches when it has any)."""
-    with switches.override(**SWITCHED.get(name, {})):
+    with switches.override(**SWITCHED.get(name, {}), **EDIT_SWITCHES.get(name, {})):
         return variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)
 
 

@@ -491,8 +491,9 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout).
     ``skip_empty``: chunks without a valid index do no work (speed only: the same bits).
     ``fused_merge``: with several chunks, each token's last chunk to finish merges them (no
-    merge launch); ``None``: when the launch has at least :data:`FUSED_MERGE_MIN` (token, head
-    block) pairs (speed only: both merges run :func:`_merge_head`, the same bits).
+    merge launch); ``None``: under ``HISPARSE_ATTN_MERGE=fused`` when the launch has at least
+    :data:`FUSED_MERGE_MIN` (token, head block) pairs (speed only: both merges run
+    :func:`_merge_head`, the same bits; opt-in until timed on a GPU).
     ``HISPARSE_FP8_CONVERT=int`` (:mod:`~hisparse.ops.switches`): the rows dequantized by
     integer operations (speed only: the same bits; compiled code)."""
     from ._common import fp8_tile, mla_row_bytes
@@ -530,7 +531,8 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
 
     head_blocks = triton.cdiv(H, cfg.block_h)
     if fused_merge is None:
-        fused_merge = T * head_blocks >= FUSED_MERGE_MIN
+        fused_merge = (switches.current().attn_merge == "fused"
+                       and T * head_blocks >= FUSED_MERGE_MIN)
 
     def launch(tokens, po, pl, strides, merged):
         qs, ids = q[tokens], indices[tokens]

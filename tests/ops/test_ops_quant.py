@@ -283,6 +283,23 @@ def test_fp8_attention_fused_merge_equals_merge_launch_interpreter(triton_cpu, m
     _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes)
 
 
+def test_fp8_attention_merge_switch_and_threshold_interpreter(triton_cpu, kernel_switches,
+                                                              kernel_launches):
+    """``HISPARSE_ATTN_MERGE=fused`` reaches the kernel from FUSED_MERGE_MIN (token, head
+    block) pairs, not below it; ``launch`` (the default) never; one chunk never merges."""
+    from hisparse.ops import _attention_triton as AT
+
+    q, rows, idx = _fp8_case(AT.FUSED_MERGE_MIN, 16, 90, 180, dtype=torch.bfloat16, seed=5)
+    launched = kernel_launches(AT, "_attn_fp8_kernel", "MERGE")
+    want = []
+    for mode, T, K in [("fused", AT.FUSED_MERGE_MIN, 90), ("fused", AT.FUSED_MERGE_MIN - 1, 90),
+                       ("launch", AT.FUSED_MERGE_MIN, 90), ("fused", AT.FUSED_MERGE_MIN, 16)]:
+        kernel_switches(attn_merge=mode)
+        AT.sparse_mla_attention_fp8_triton(q[:T], rows, idx[:T, :K].contiguous(), 576 ** -0.5)
+        want.append(mode == "fused" and T >= AT.FUSED_MERGE_MIN and K > 16)
+    assert launched == want == [True, False, False, False]
+
+
 def _with_empty_chunks(idx: torch.Tensor, pad_tokens: int) -> torch.Tensor:
     """``idx`` with its last ``pad_tokens`` tokens all ``-1`` (padding), token 0's second
     chunk-sized stretch all ``-1`` and token 2's first past ``N`` (invalid too)."""
