@@ -112,7 +112,8 @@ def _merge_head(po_ptr, pl_ptr, o_ptr, lse_ptr, t, h, S,
     h, :D_V]`` and ``lse [t, h]`` (natural log). A chunk with lse ``-inf`` (nothing selected)
     has weight 0 and may not have stored its output: it is not read. Partials are read through
     L2 (``.cg``): the fused launch merges what other programs of the same launch stored. The
-    merge launch and the fused merge run this same code at 4 warps, hence the same bits."""
+    FP8 kernel's merge launch and its own merge run this code at the plan's warps, hence the
+    same bits."""
     offs_s = tl.arange(0, BLOCK_S)
     sm = offs_s < S
     l = tl.load(pl_ptr + offs_s * stride_pls + t.to(tl.int64) * stride_plt + h,
@@ -140,7 +141,7 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
                     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
                     stride_ot, stride_oh, stride_lt,
                     D_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The merge as a launch of its own: one program a (token, head), 4 warps."""
+    """The merge as a launch of its own: one program a (token, head)."""
     _merge_head(po_ptr, pl_ptr, o_ptr, lse_ptr, tl.program_id(0), tl.program_id(1), S,
                 stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
                 stride_ot, stride_oh, stride_lt, D_V, BLOCK_S)
@@ -210,7 +211,7 @@ def _check_config(cfg: AttnConfig, fp8: bool) -> None:
 
 
 def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch,
-                   merge_blocks: int = 0) -> None:
+                   merge_blocks: int = 0, merge_warps: int = 4) -> None:
     """Run ``launch(tokens, po, pl, strides, merged)``: one kernel launch for the token slice
     ``tokens`` writing chunk partials ``po``/``pl`` with ``strides = (chunk, token, head)`` of
     ``po`` then ``(chunk, token)`` of ``pl``. One chunk: the kernel writes ``out`` directly.
@@ -219,10 +220,12 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch,
     so the slicing changes no bit. ``merge_blocks`` > 0: the kernel merges its own chunks
     (``merged = (out slice, lse slice, arrivals)``: ``merge_blocks`` int32 arrival counters a
     token, zeroed once here, left zero by each launch); 0: a :func:`_combine_kernel` launch
-    merges each slice (``merged = None``). A chunk's normalized output is stored in ``out``'s
-    dtype when that is 16-bit (lse stays fp32; the merge sums in fp32): in fp32 the partials
-    were as many bytes as the rows gathered at 16 heads, their store and merge ~40% of the
-    kernel's time at 96 x 2k (docs/BENCHMARKS.md, thirteenth session)."""
+    of ``merge_warps`` warps merges each slice (``merged = None``; the FP8 kernel's plan's
+    warps, so both merges run :func:`_merge_head` in the same layouts). A chunk's normalized
+    output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the merge sums in
+    fp32): in fp32 the partials were as many bytes as the rows gathered at 16 heads, their
+    store and merge ~40% of the kernel's time at 96 x 2k (docs/BENCHMARKS.md, thirteenth
+    session)."""
     T, H, d_v = out.shape
     if splits == 1:
         launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)), None)
@@ -241,7 +244,7 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch,
         if not merge_blocks:
             _combine_kernel[(o.shape[0], H)](
                 po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
-                D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+                D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=merge_warps,
             )
 
 
@@ -549,5 +552,6 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch_chunks(out, lse, splits, launch, merge_blocks=head_blocks if fused_merge else 0)
+    _launch_chunks(out, lse, splits, launch, merge_blocks=head_blocks if fused_merge else 0,
+                   merge_warps=cfg.num_warps)
     return out, lse
