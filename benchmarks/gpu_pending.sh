@@ -26,6 +26,13 @@ run() {   # run NAME LIMIT_S CMD...: log to OUTDIR/NAME.log, print its last line
   tail -n 12 "$out/$name.log"
 }
 
+rank2k() {   # rank2k NAME: the V3.2 rank GPU-only at 2k x 96 (256 outputs, kernel profile), under
+             # the caller's environment (~2 min, H200: the rank needs ~90 GB)
+  run "$1" 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+    --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
+    --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/$1"
+}
+
 skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TESTS=1: `owed` ran them
   if [ "${SKIP_TESTS:-0}" = 1 ]; then elapsed "tests skipped (SKIP_TESTS=1)"
   else bash "$0" "$out" tests; fi
@@ -109,9 +116,7 @@ for section in "$@"; do
       run step32k 200 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
         --profile-kernels 5 --contexts 32768 --concurrency 8,24 --outputs 128 --out "$out/step32k"
-      run step2k 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
-        --profile-kernels 5 --contexts 2048 --concurrency 96 --outputs 256 --out "$out/step2k" ;;
+      rank2k step2k ;;
     convert) # issue 25: the FP8 attention's integer e4m3 -> bf16 (HISPARSE_FP8_CONVERT=int,
              # fourteenth session, CPU-built): its GPU bits tests, the stages probe (isolated,
              # bits compared), then 2k x 96 on the rank without and with it (~6 min, H200)
@@ -119,12 +124,7 @@ for section in "$@"; do
         skip_or_test
       run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
-      for cvt in native int; do
-        HISPARSE_FP8_CONVERT=$cvt run step2k_$cvt 150 python3 -m hisparse.cli bench \
-          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-          --concurrency 96 --outputs 256 --out "$out/step2k_$cvt"
-      done ;;
+      for cvt in native int; do HISPARSE_FP8_CONVERT=$cvt rank2k step2k_$cvt; done ;;
     topk)    # issue 24: the top-k (seventeenth session: the collect's one atomic a program, 4
              # programs an SM at many rows) against the tree before it, same call, new first;
              # then the GPU tests of the top-k, its phase probe and its launch sweep (~5 min).
@@ -158,12 +158,7 @@ for section in "$@"; do
       run attn_merge 90 python3 benchmarks/probe_attention_stages.py \
         --variants fused_merge,merge_loop ${BASE_ATTN:+--base "$BASE_ATTN"} \
         --out "$out/attn_merge.json"
-      for merge in fused launch; do
-        HISPARSE_ATTN_MERGE=$merge run merge2k_$merge 150 python3 -m hisparse.cli bench \
-          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-          --concurrency 96 --outputs 256 --out "$out/merge2k_$merge"
-      done
+      for merge in fused launch; do HISPARSE_ATTN_MERGE=$merge rank2k merge2k_$merge; done
       HISPARSE_ATTN_MERGE=fused run merge24 100 python3 -m hisparse.cli bench \
         --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
         --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 32768 \
