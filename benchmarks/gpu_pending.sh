@@ -146,8 +146,9 @@ for section in "$@"; do
         --out "$out/topk_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     merge)   # issue 25: the FP8 attention merging its own chunks (HISPARSE_ATTN_MERGE=fused,
-             # eighteenth session, CPU-built): its GPU tests, the kernel in isolation (fused,
-             # its merge not unrolled, and the module of BASE_ATTN: a base commit's
+             # eighteenth session, CPU-built): its GPU tests (the engine's and graphs' again
+             # under it), the kernel in isolation (fused, its merge unrolled, and the module of
+             # BASE_ATTN: a base commit's
              # hisparse/ops/_attention_triton.py, e.g. `git show 9bcd255:hisparse/ops/
              # _attention_triton.py`; same process, bits reported), then the rank's 2k x 96
              # with and without it, and 24 x 32k with it (~7 min, H200: the rank needs ~90 GB).
@@ -155,8 +156,10 @@ for section in "$@"; do
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
         tests/worker/test_cuda_graph_gpu.py" skip_or_test
+      HISPARSE_ATTN_MERGE=fused GPU_TEST_FILES="tests/engine/test_engine_gpu.py
+        tests/worker/test_cuda_graph_gpu.py tests/engine/test_soak.py" bash "$0" "$out/fused" tests
       run attn_merge 90 python3 benchmarks/probe_attention_stages.py \
-        --variants fused_merge,merge_loop ${BASE_ATTN:+--base "$BASE_ATTN"} \
+        --variants fused_merge,merge_unrolled ${BASE_ATTN:+--base "$BASE_ATTN"} \
         --out "$out/attn_merge.json"
       for merge in fused launch; do HISPARSE_ATTN_MERGE=$merge rank2k merge2k_$merge; done
       HISPARSE_ATTN_MERGE=fused run merge24 100 python3 -m hisparse.cli bench \

@@ -480,7 +480,7 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
         tl.debug_barrier()                  # every thread's partial stores precede ...
         arrivals = arrivals_ptr + t.to(tl.int64) * HB + hb
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == S - 1:     # ... the arrival
-            for j in tl.static_range(BLOCK_H):
+            for j in range(BLOCK_H):      # not unrolled: 64 heads a block at H > 32
                 if hb * BLOCK_H + j < H:
                     _merge_head(o_ptr, lse_ptr, out_ptr, lse_out_ptr, t, hb * BLOCK_H + j, S,
                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,

@@ -9,6 +9,7 @@ import torch
 
 from hisparse import ops
 from hisparse.ops import quant as Q
+from hisparse.ops import switches
 from hisparse.ops.rotation import indexer_rotation
 
 
@@ -252,8 +253,9 @@ def test_fp8_attention_batch_invariant_and_sliced_interpreter(triton_cpu, monkey
 
 def _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes: int | None = None):
     """The chunks merged by the kernel itself (each token's last chunk to finish) and by a
-    merge launch give the same bits (poisoned outputs and partials), and so does the default
-    pick; ``partial_bytes``: launches over token slices, the arrival counters reused."""
+    merge launch give the same bits (poisoned outputs and partials), and so does the pick
+    under ``HISPARSE_ATTN_MERGE=fused``; ``partial_bytes``: launches over token slices, the
+    arrival counters reused."""
     from hisparse.ops import _attention_triton as AT
 
     monkeypatch.setattr(AT, "torch", _NanEmpty())
@@ -263,8 +265,9 @@ def _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes: int | None = N
     for fused in (True, False, None):
         out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
         lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-        outs.append(AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5, out=out,
-                                                       lse=lse, fused_merge=fused))
+        with switches.override(attn_merge="fused"):
+            outs.append(AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5, out=out,
+                                                           lse=lse, fused_merge=fused))
     (o, l), *others = outs
     assert not torch.isnan(o).any() and not torch.isnan(l).any()
     for fused, (o_other, l_other) in zip((False, None), others):
@@ -281,6 +284,17 @@ def test_fp8_attention_fused_merge_equals_merge_launch_interpreter(triton_cpu, m
     two head blocks, the second partial; a partials budget of one token: one launch a token."""
     q, rows, idx = _fp8_case(5, H, 90, 180, dtype=torch.bfloat16, seed=H)
     _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes)
+
+
+def test_fp8_attention_batch_invariant_under_fused_merge_interpreter(triton_cpu):
+    """Under ``HISPARSE_ATTN_MERGE=fused`` a token keeps its bits across the threshold (15
+    tokens: the merge launch; 16 and 17: the kernel's own merge)."""
+    from hisparse.ops import _attention_triton as AT
+
+    n = AT.FUSED_MERGE_MIN
+    q, rows, idx = _fp8_case(n + 1, 16, 90, 180, dtype=torch.bfloat16, seed=13)
+    with switches.override(attn_merge="fused"):
+        _check_batch_invariant(q, rows, idx, [(0, 1), (0, n - 1), (0, n), (1, n + 1)])
 
 
 def test_fp8_attention_merge_switch_and_threshold_interpreter(triton_cpu, kernel_switches,
@@ -447,12 +461,26 @@ def test_gpu_fp8_attention_batch_invariant(H):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H", [(96, 16), (8, 16), (64, 64), (64, 128)])
+@pytest.mark.parametrize("T,H", [(96, 16), (8, 16), (8, 8), (64, 32), (64, 64), (64, 128)])
 def test_gpu_fp8_attention_fused_merge_equals_merge_launch(monkeypatch, T, H):
-    """Production shapes (32 chunks at 16 heads): the kernel's own merge, racing programs of
-    the same launch for the partials, gives the merge launch's bits."""
+    """Production shapes, every plan (32 chunks at <= 16 heads, 4 warps; 8 warps from 32
+    heads; 8 heads: a partly filled head block): the kernel's own merge, racing programs of the
+    same launch for the partials, gives the merge launch's bits."""
     q, rows, idx = _fp8_case(T, H, 2048, 64 * 2048, device="cuda", seed=T + H)
     _check_merges_agree(q, rows, _with_empty_chunks(idx, 3), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 64])
+def test_gpu_fp8_attention_batch_invariant_under_fused_merge(H):
+    """Under ``HISPARSE_ATTN_MERGE=fused`` a token keeps its bits across the threshold: alone
+    and in 15 tokens (the merge launch), in 16 and 96 (the kernel's own merge)."""
+    from hisparse.ops import _attention_triton as AT
+
+    q, rows, idx = _fp8_case(96, H, 2048, 64 * 2048, device="cuda", seed=H + 9)
+    n = AT.FUSED_MERGE_MIN
+    with switches.override(attn_merge="fused"):
+        _check_batch_invariant(q, rows, idx, [(0, 1), (0, n - 1), (0, n), (3, 3 + n), (1, 96)])
 
 
 @pytest.mark.gpu
