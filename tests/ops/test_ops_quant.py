@@ -251,6 +251,13 @@ def test_fp8_attention_batch_invariant_and_sliced_interpreter(triton_cpu, monkey
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), run.__name__
 
 
+def _poisoned_results(q):
+    """NaN-filled ``out [T, H, 512]`` and ``lse [T, H]`` for an attention call over ``q``: an
+    element the kernel does not write stays NaN."""
+    return (torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device),
+            torch.full(q.shape[:2], float("nan"), device=q.device))
+
+
 def _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes: int | None = None):
     """The chunks merged by the kernel itself (each token's last chunk to finish) and by a
     merge launch give the same bits (poisoned outputs and partials), and so does the pick
@@ -263,8 +270,7 @@ def _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes: int | None = N
         monkeypatch.setattr(AT, "PARTIAL_BYTES", partial_bytes)
     outs = []
     for fused in (True, False, None):
-        out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
-        lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+        out, lse = _poisoned_results(q)
         with switches.override(attn_merge="fused"):
             outs.append(AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5, out=out,
                                                            lse=lse, fused_merge=fused))
@@ -352,8 +358,7 @@ def _check_skip_is_bit_neutral(q, rows, idx, monkeypatch):
         i = idx[:, :K].contiguous()
         outs = []
         for skip, fused in ((True, True), (False, True), (True, False), (False, False)):
-            out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
-            lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+            out, lse = _poisoned_results(q)
             outs.append(run(q, rows, i, 576 ** -0.5, out=out, lse=lse, skip_empty=skip,
                             fused_merge=fused))
         (o, l), *others = outs
