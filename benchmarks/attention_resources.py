@@ -3,7 +3,7 @@ kernel under each launch plan, compiled for an SM90 target without a GPU (Triton
 ptxas and cuobjdump): which plans the H200 call should time. A plan whose threads spill
 reads and writes local memory in its inner loop.
 
-    python3 benchmarks/attention_resources.py [--heads 16] [--arch 90] [--merge]
+    python3 benchmarks/attention_resources.py [--heads 16] [--arch 90]
 
 Found (eighth session, Triton 3.6): today's 16-head plan (64 rows a block, 4 warps) is at the
 255-register cap with 48 bytes of spills a thread; 8 warps (180 registers) do not spill. The
@@ -12,10 +12,10 @@ static SASS instruction count of one warp): the compiler recomputed the dequanti
 each dot operand's layout; with ``_one_copy`` the default plan is 2,360 instructions a warp (from
 4,168), 189 registers, no spill, 84 KB of shared memory (the tile once, for both dots).
 Eighteenth session, Triton 3.6 (the device's compiler; run with it first on ``PYTHONPATH``):
-the default plan is at the 255-register cap (no spill since the 1-D grid; 32 bytes before),
-so registers and shared memory (84 KB) both hold an SM at two programs. No plan of the sweep
-fits three: 32-row blocks take 73 KB (52 KB at one stage) but 255 registers at 4 warps, and
-a 168-register cap (three programs' worth) spills 320-352 bytes a thread.
+the default plan is at the 255-register cap with 32 bytes of spills a thread, so registers
+and shared memory (84 KB) both hold an SM at two programs. No plan of the sweep fits three:
+32-row blocks take 73 KB (52 KB at one stage) but 255 registers at 4 warps, and a
+168-register cap (three programs' worth) spills 320-352 bytes a thread.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from hisparse.ops._common import next_pow2  # noqa: E402
 
 # o_ptr: the chunks' partial outputs, bf16 as the engine stores them (a bf16 output)
 POINTERS = dict(q_ptr="*bf16", kv_u8="*u8", kv_f32="*fp32", kv_bf16="*bf16", idx_ptr="*i32",
-                o_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16", lse_out_ptr="*fp32",
-                arrivals_ptr="*i32")
+                o_ptr="*bf16", lse_ptr="*fp32")
 
 
 def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
@@ -54,16 +53,14 @@ def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
 
 
 def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
-              int_cvt: bool = False, merge: bool = False) -> dict:
+              int_cvt: bool = False) -> dict:
     """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128; ``int_cvt``:
-    ``HISPARSE_FP8_CONVERT=int``'s dequantization; ``merge``: with the kernel's own chunk merge,
-    ``HISPARSE_ATTN_MERGE=fused``) and read its resource usage from the
+    ``HISPARSE_FP8_CONVERT=int``'s dequantization) and read its resource usage from the
     cubin."""
     names = _attn_fp8_kernel.arg_names
     const = dict(K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=512,
                  D_PE=64, TILE=128, NT=4, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                 BLOCK_S=max(2, next_pow2(cfg.splits(2048))), IEEE=False, DIRECT=False,
-                 MERGE=merge, SKIP_EMPTY=True, INT_CVT=int_cvt)
+                 IEEE=False, DIRECT=False, SKIP_EMPTY=True, INT_CVT=int_cvt)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     # as a real launch specializes them: pointers, the strides and K are multiples of 16
@@ -86,8 +83,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--merge", action="store_true",
-                    help="compile the kernel's own chunk merge in (HISPARSE_ATTN_MERGE=fused)")
     args = ap.parse_args()
     H = args.heads
     default = attn_config(H, 2048, True, False)
@@ -101,7 +96,7 @@ def main() -> None:
         + [(default, cap, False) for cap in (168, 128)]
     for c, cap, int_cvt in runs:
         try:
-            r = resources(c, args.arch, cap, int_cvt, args.merge)
+            r = resources(c, args.arch, cap, int_cvt)
         except Exception as e:  # noqa: BLE001  (ptxas refuses a cap below what a dot needs)
             print(f"{c.block_n:>10} {c.num_warps:>5} {c.num_stages:>6} {c.k_per_split:>13} "
                   f"{cap or '-':>7}  does not compile: {str(e).splitlines()[0][:60]}")

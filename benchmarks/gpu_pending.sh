@@ -3,8 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk merge
-#            cut36
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk cut36
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -41,8 +40,9 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 for section in "$@"; do
   case $section in
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~2
-             # min; the eighteenth session ran the former list on the H200 at 9bcd255, every
-             # file passing; now the fused attention merge's files, as `merge` runs them);
+             # min; the nineteenth session ran this list on an H100 at 078b5d7, every file
+             # passing, and then put the attention kernel back to 9bcd255's text, which passed
+             # on the H200: nothing is owed now; put the next unrun change's files here);
              # then run its sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
         tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
@@ -145,27 +145,6 @@ for section in "$@"; do
         --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
         --out "$out/topk_sweep.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
-    merge)   # issue 25: the FP8 attention merging its own chunks (HISPARSE_ATTN_MERGE=fused,
-             # eighteenth session, CPU-built): its GPU tests (the engine's and graphs' again
-             # under it), the kernel in isolation (fused, its merge unrolled, and the module of
-             # BASE_ATTN: a base commit's
-             # hisparse/ops/_attention_triton.py, e.g. `git show 9bcd255:hisparse/ops/
-             # _attention_triton.py`; same process, bits reported), then the rank's 2k x 96
-             # with and without it, and 24 x 32k with it (~7 min, H200: the rank needs ~90 GB).
-             # Make it the default only if it wins there
-      GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
-        tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
-        tests/worker/test_cuda_graph_gpu.py" skip_or_test
-      HISPARSE_ATTN_MERGE=fused GPU_TEST_FILES="tests/engine/test_engine_gpu.py
-        tests/worker/test_cuda_graph_gpu.py tests/engine/test_soak.py" bash "$0" "$out/fused" tests
-      run attn_merge 90 python3 benchmarks/probe_attention_stages.py \
-        --variants fused_merge,merge_unrolled ${BASE_ATTN:+--base "$BASE_ATTN"} \
-        --out "$out/attn_merge.json"
-      for merge in fused launch; do HISPARSE_ATTN_MERGE=$merge rank2k merge2k_$merge; done
-      HISPARSE_ATTN_MERGE=fused run merge24 100 python3 -m hisparse.cli bench \
-        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 32768 \
-        --concurrency 24 --outputs 128 --out "$out/merge24" ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
              # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding

@@ -15,11 +15,8 @@ store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirte
 session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert``: e4m3 ->
 bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
-live). The merge kernel is timed alone on partials of the same shape; ``fused_merge`` is the
-kernel merging its own chunks at every point (``HISPARSE_ATTN_MERGE=fused`` does from 16
-tokens at 16 heads; eighteenth session: each token's last chunk to finish merges),
-``merge_unrolled`` that merge unrolled over the heads. ``--base FILE``
-times another version of the module (a base commit's) in the same process, as ``base``, bits
+live). The merge kernel is timed alone on partials of the same shape. ``--base FILE`` times
+another version of the module (a base commit's) in the same process, as ``base``, bits
 reported.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
 package's kernel is not changed); an edit that no longer matches stops the probe, and the
@@ -67,17 +64,11 @@ EDITS: dict[str, tuple[str, str]] = {
     # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
     "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",
                       "po_dtype = torch.float32"),
-    # the kernel's own merge unrolled over the heads (the same bits)
-    "merge_unrolled": ("for j in range(BLOCK_H):      # not unrolled: 64 heads a block at H > 32",
-                       "for j in tl.static_range(BLOCK_H):"),
 }
 # the variants whose bits are reported against the kernel's (equal or not; not required)
-BITS = ("remat", "int_convert", "fused_merge", "merge_unrolled", "base")
+BITS = ("remat", "int_convert", "base")
 # variants of the unedited module under kernel switches
 SWITCHED = {"int_convert": {"fp8_convert": "int"}}
-# variants of the unedited module (fused_merge) or an edited one merging in the kernel at
-# every point (the switch's threshold would keep 8 x 32k on the merge launch)
-FUSED = ("fused_merge", "merge_unrolled")
 # the gather and dequantization alone: no dot, the rows summed into the output (kept live)
 SUM_ROWS = ("acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])",
             "acc = acc * alpha[:, None] + tl.sum(kn.to(tl.float32), axis=0)[None, :]")
@@ -126,9 +117,8 @@ def combine_only_us(T: int) -> float:
 
 def run_variant(variants: dict[str, object], name: str, q, kv8, idx, scale):
     """One call of variant ``name``'s kernel (under its switches when it has any)."""
-    kw = {"fused_merge": True} if name in FUSED else {}
     with switches.override(**SWITCHED.get(name, {})):
-        return variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale, **kw)
+        return variants[name].sparse_mla_attention_fp8_triton(q, kv8, idx, scale)
 
 
 def probe(T: int, context: int, variants: dict[str, object]) -> dict:
@@ -174,7 +164,7 @@ def main() -> None:
     for name in EDITS:
         if wanted is None or name in wanted:
             variants[name] = variant_module((name,))
-    for name in (*SWITCHED, "fused_merge"):
+    for name in SWITCHED:
         if wanted is None or name in wanted:
             variants[name] = variants["whole"]
     for name, parts in COMBOS.items():

@@ -104,29 +104,25 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit
-def _merge_head(po_ptr, pl_ptr, o_ptr, lse_ptr, t, h, S,
-                stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
-                stride_ot, stride_oh, stride_lt,
-                D_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge token ``t``, head ``h``'s ``S`` chunk partials by their log-sum-exp into ``o [t,
-    h, :D_V]`` and ``lse [t, h]`` (natural log). A chunk with lse ``-inf`` (nothing selected)
-    has weight 0 and may not have stored its output: it is not read. Partials are read through
-    L2 (``.cg``): the fused launch merges what other programs of the same launch stored. The
-    FP8 kernel's merge launch and its own merge run this code at the plan's warps, hence the
-    same bits."""
+def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
+                    stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
+                    stride_ot, stride_oh, stride_lt,
+                    D_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     sm = offs_s < S
     l = tl.load(pl_ptr + offs_s * stride_pls + t.to(tl.int64) * stride_plt + h,
-                mask=sm, other=float("-inf"), cache_modifier=".cg")
+                mask=sm, other=float("-inf"))
     lmax = tl.max(l, axis=0)
     lmax_use = tl.where(lmax == float("-inf"), 0.0, lmax)
     w = tl.exp(l - lmax_use)
     wsum = tl.sum(w, axis=0)
     offs_d = tl.arange(0, D_V)
+    # a chunk with lse -inf (nothing selected) has weight 0 and may not have stored its output
     live = sm & (l > float("-inf"))
     po = tl.load(po_ptr + offs_s[:, None] * stride_pos + t.to(tl.int64) * stride_pot
-                 + h * stride_poh + offs_d[None, :], mask=live[:, None], other=0.0,
-                 cache_modifier=".cg").to(tl.float32)
+                 + h * stride_poh + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     empty = wsum == 0.0
     wsum_safe = tl.where(empty, 1.0, wsum)
     o = tl.sum(po * w[:, None], axis=0) / wsum_safe
@@ -134,17 +130,6 @@ def _merge_head(po_ptr, pl_ptr, o_ptr, lse_ptr, t, h, S,
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
              o.to(o_ptr.dtype.element_ty))
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
-
-
-@triton.jit
-def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
-                    stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
-                    stride_ot, stride_oh, stride_lt,
-                    D_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The merge as a launch of its own: one program a (token, head)."""
-    _merge_head(po_ptr, pl_ptr, o_ptr, lse_ptr, tl.program_id(0), tl.program_id(1), S,
-                stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
-                stride_ot, stride_oh, stride_lt, D_V, BLOCK_S)
 
 
 @dataclass(frozen=True)
@@ -166,11 +151,8 @@ class AttnConfig:
         return triton.cdiv(K, self.k_per_split)
 
 
-MAX_SPLITS = 32              # the merge holds one row of every chunk: [MAX_SPLITS, 512] fp32
+MAX_SPLITS = 32              # the combine holds one row of every chunk: [MAX_SPLITS, 512] fp32
 PARTIAL_BYTES = 128 << 20    # chunk partials of one launch at most (see _launch_chunks)
-# (token, head block) pairs from which the FP8 kernel merges its own chunks: below, one merge
-# program per (token, head) spreads a few tokens' merges over more SMs than their last chunks
-FUSED_MERGE_MIN = 16
 
 
 def attn_config(H: int, K: int, fp8: bool, is_fp32: bool) -> AttnConfig:
@@ -210,42 +192,34 @@ def _check_config(cfg: AttnConfig, fp8: bool) -> None:
                          f"or be 512 (FP8 rows)")
 
 
-def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch,
-                   merge_blocks: int = 0, merge_warps: int = 4) -> None:
-    """Run ``launch(tokens, po, pl, strides, merged)``: one kernel launch for the token slice
-    ``tokens`` writing chunk partials ``po``/``pl`` with ``strides = (chunk, token, head)`` of
-    ``po`` then ``(chunk, token)`` of ``pl``. One chunk: the kernel writes ``out`` directly.
-    Several: over token slices whose partials fit :data:`PARTIAL_BYTES` (a 2048-token prefill
-    chunk at 16 heads x 32 chunks would need 1 GiB of bf16 partials); tokens are independent,
-    so the slicing changes no bit. ``merge_blocks`` > 0: the kernel merges its own chunks
-    (``merged = (out slice, lse slice, arrivals)``: ``merge_blocks`` int32 arrival counters a
-    token, zeroed once here, left zero by each launch); 0: a :func:`_combine_kernel` launch
-    of ``merge_warps`` warps merges each slice (``merged = None``; the FP8 kernel's plan's
-    warps, so both merges run :func:`_merge_head` in the same layouts). A chunk's normalized
-    output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the merge sums in
-    fp32): in fp32 the partials were as many bytes as the rows gathered at 16 heads, their
-    store and merge ~40% of the kernel's time at 96 x 2k (docs/BENCHMARKS.md, thirteenth
-    session)."""
+def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) -> None:
+    """Run ``launch(tokens, po, pl, strides)`` (one kernel launch for the token slice
+    ``tokens`` writing ``po``/``pl`` with ``strides = (chunk, token, head)`` of ``po`` then
+    ``(chunk, token)`` of ``pl``), then merge the chunks into ``out``/``lse``. One chunk: the
+    kernel writes ``out`` directly. Several: over token slices whose partials fit
+    :data:`PARTIAL_BYTES` (a 2048-token prefill chunk at 16 heads x 32 chunks would need
+    1 GiB of bf16 partials); tokens are independent, so the slicing changes no bit. A chunk's
+    normalized output is stored in ``out``'s dtype when that is 16-bit (lse stays fp32; the
+    merge sums in fp32): in fp32 the partials were as many bytes as the rows gathered at 16
+    heads, their store and merge ~40% of the kernel's time at 96 x 2k (docs/BENCHMARKS.md,
+    thirteenth session)."""
     T, H, d_v = out.shape
     if splits == 1:
-        launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)), None)
+        launch(slice(0, T), out, lse, (0, out.stride(0), out.stride(1), 0, lse.stride(0)))
         return
     po_dtype = out.dtype if out.element_size() == 2 else torch.float32
     step = max(1, min(T, PARTIAL_BYTES // (splits * H * (d_v * po_dtype.itemsize + 4))))
     po = torch.empty((splits, step, H, d_v), dtype=po_dtype, device=out.device)
     pl = torch.empty((splits, step, H), dtype=torch.float32, device=out.device)
     strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
-    arrivals = (torch.zeros(step * merge_blocks, dtype=torch.int32, device=out.device)
-                if merge_blocks else None)
     for a in range(0, T, step):
         tokens = slice(a, min(a + step, T))
+        launch(tokens, po, pl, strides)
         o, ls = out[tokens], lse[tokens]
-        launch(tokens, po, pl, strides, (o, ls, arrivals) if merge_blocks else None)
-        if not merge_blocks:
-            _combine_kernel[(o.shape[0], H)](
-                po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
-                D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=merge_warps,
-            )
+        _combine_kernel[(o.shape[0], H)](
+            po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
+            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        )
 
 
 def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
@@ -281,7 +255,7 @@ def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, 
     splits = cfg.splits(K)
     qk_scale = sm_scale * LOG2E
 
-    def launch(tokens, po, pl, strides, merged):
+    def launch(tokens, po, pl, strides):
         qs, ids = q[tokens], indices[tokens]
         grid = (qs.shape[0], triton.cdiv(H, cfg.block_h) * (512 // cfg.dv_block), splits)
         _attn_kernel[grid](
@@ -396,40 +370,25 @@ def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
 
 @triton.jit
 def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
-                     out_ptr, lse_out_ptr, arrivals_ptr,
-                     H, K, N, S, qk_scale,
+                     H, K, N, qk_scale,
                      stride_qt, stride_qh, stride_row, stride_it,
                      stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                     stride_out_t, stride_out_h, stride_lse_out_t,
                      K_PER_SPLIT: tl.constexpr, KPS_PAD: tl.constexpr, D_V: tl.constexpr,
                      D_PE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                     IEEE: tl.constexpr, DIRECT: tl.constexpr, MERGE: tl.constexpr,
-                     SKIP_EMPTY: tl.constexpr, INT_CVT: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr, INT_CVT: tl.constexpr):
     """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
-    the tile's power-of-two scale (exact in bf16), rope read as bf16. One program per (token,
-    head block, chunk) of a 1-D grid, a token's ``S`` chunks adjacent in launch order.
-
-    ``DIRECT`` (one chunk): the program writes the token's result into ``o``/``lse``. Else it
-    stores its chunk's partial into ``o``/``lse`` (``[S, T, H, D_V]`` / ``[S, T, H]``), and
-    with ``MERGE`` counts its arrival in ``arrivals [T * head blocks]`` int32 (zero at launch,
-    zero again after it): the token's last chunk to arrive merges all ``S`` into
-    ``out``/``lse_out`` head by head (:func:`_merge_head`, what :func:`_combine_kernel` runs,
-    hence its bits), so no merge launch follows and the merges overlap other tokens' chunks.
-    Whichever program arrives last, the merge reads the same partials in the same order.
-
-    A chunk without a valid index (a padding token's, a short request's tail) loads no query
-    and runs no dot: it stores its lse, ``-inf``, and its output only when it is the token's
-    result (``DIRECT``: zeros); the merge reads no output of a chunk whose lse is ``-inf``. The
-    bits are those of running it: every block of such a chunk leaves the running max at
-    ``-inf`` (so ``alpha = 0``, ``p = 0``), the sum at 0 and the accumulator at +0, whose
-    output is +0 and lse ``-inf``; ``SKIP_EMPTY = False`` runs such chunks (the tests'
+    the tile's power-of-two scale (exact in bf16), rope read as bf16. A chunk without a valid
+    index (a padding token's, a short request's tail) loads no query and runs no dot: it
+    stores its lse, ``-inf``, and its output only when it is the token's result (``DIRECT``,
+    one chunk: zeros); :func:`_combine_kernel` reads no output of a chunk whose lse is
+    ``-inf``. The bits are those of running it: every block of such a chunk leaves the running
+    max at ``-inf`` (so ``alpha = 0``, ``p = 0``), the sum at 0 and the accumulator at +0,
+    whose output is +0 and lse ``-inf``; ``SKIP_EMPTY = False`` runs such chunks (the tests'
     witness). ``INT_CVT``: :func:`_fp8_block`'s."""
-    HB = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    sp = pid % S
-    hb = (pid // S) % HB
-    t = pid // (S * HB)
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = offs_h < H
     offs_d = tl.arange(0, D_V)
@@ -476,27 +435,12 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
         tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hm)
         if DIRECT:
             tl.store(o_ptrs, tl.zeros([BLOCK_H, D_V], o_ptr.dtype.element_ty), mask=hm[:, None])
-    if MERGE:
-        tl.debug_barrier()                  # every thread's partial stores precede ...
-        arrivals = arrivals_ptr + t.to(tl.int64) * HB + hb
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == S - 1:     # ... the arrival
-            for j in range(BLOCK_H):      # not unrolled: 64 heads a block at H > 32
-                if hb * BLOCK_H + j < H:
-                    _merge_head(o_ptr, lse_ptr, out_ptr, lse_out_ptr, t, hb * BLOCK_H + j, S,
-                                stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                                stride_out_t, stride_out_h, stride_lse_out_t, D_V, BLOCK_S)
-            tl.store(arrivals, 0)
 
 
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
-                                    lse=None, skip_empty: bool = True,
-                                    fused_merge: bool | None = None):
+                                    lse=None, skip_empty: bool = True):
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout).
     ``skip_empty``: chunks without a valid index do no work (speed only: the same bits).
-    ``fused_merge``: with several chunks, each token's last chunk to finish merges them (no
-    merge launch); ``None``: under ``HISPARSE_ATTN_MERGE=fused`` when the launch has at least
-    :data:`FUSED_MERGE_MIN` (token, head block) pairs (speed only: both merges run
-    :func:`_merge_head`, the same bits; opt-in until timed on a GPU).
     ``HISPARSE_FP8_CONVERT=int`` (:mod:`~hisparse.ops.switches`): the rows dequantized by
     integer operations (speed only: the same bits; compiled code)."""
     from ._common import fp8_tile, mla_row_bytes
@@ -532,26 +476,17 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
     splits = cfg.splits(K)
     int_cvt = not is_fp32 and switches.current().fp8_convert == "int"
 
-    head_blocks = triton.cdiv(H, cfg.block_h)
-    if fused_merge is None:
-        fused_merge = (switches.current().attn_merge == "fused"
-                       and T * head_blocks >= FUSED_MERGE_MIN)
-
-    def launch(tokens, po, pl, strides, merged):
+    def launch(tokens, po, pl, strides):
         qs, ids = q[tokens], indices[tokens]
-        o, ls, arrivals = merged if merged is not None else (po, pl, pl)   # unread: no MERGE
-        _attn_fp8_kernel[(qs.shape[0] * head_blocks * splits,)](
+        _attn_fp8_kernel[(qs.shape[0], triton.cdiv(H, cfg.block_h), splits)](
             qs, kv, kv.view(torch.float32), kv.view(torch.bfloat16), ids, po, pl,
-            o, ls, arrivals, H, K, N, splits, sm_scale * LOG2E,
+            H, K, N, sm_scale * LOG2E,
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
-            o.stride(0), o.stride(1), ls.stride(0),
             K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=d_v,
             D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            BLOCK_S=max(2, next_pow2(splits)), IEEE=is_fp32, DIRECT=splits == 1,
-            MERGE=merged is not None, SKIP_EMPTY=bool(skip_empty), INT_CVT=int_cvt,
+            IEEE=is_fp32, DIRECT=splits == 1, SKIP_EMPTY=bool(skip_empty), INT_CVT=int_cvt,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch_chunks(out, lse, splits, launch, merge_blocks=head_blocks if fused_merge else 0,
-                   merge_warps=cfg.num_warps)
+    _launch_chunks(out, lse, splits, launch)
     return out, lse

@@ -40,11 +40,6 @@ HISPARSE_FP8_CONVERT      native, int                   native      the Triton F
 (``fp8_convert``)                                                   e4m3 -> bf16: conversion
                                                                     instructions, or integer
                                                                     ones (the same bits)
-HISPARSE_ATTN_MERGE       launch, fused                 launch      the Triton FP8 attention's
-(``attn_merge``)                                                    chunk merge: a launch of
-                                                                    its own, or each token's
-                                                                    last chunk (from 16 token
-                                                                    head blocks; the same bits)
 ========================  ============================  ==========  ===========================
 
 **When they are read.** Once per process: on the first :func:`current`, and again by
@@ -87,7 +82,6 @@ MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 ATTENTION_BACKENDS = ("auto", "triton", "flashmla", "reference")
 FP8_CONVERT_MODES = ("native", "int")
-ATTN_MERGE_MODES = ("launch", "fused")
 FLAG_VALUES = ("0", "1")
 
 # field -> (variable, allowed values: a mode tuple, or FLAG_VALUES for a bool field)
@@ -104,7 +98,6 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fp8_indexer": ("HISPARSE_FP8_INDEXER", FLAG_VALUES),
     "attention": ("HISPARSE_ATTENTION", ATTENTION_BACKENDS),
     "fp8_convert": ("HISPARSE_FP8_CONVERT", FP8_CONVERT_MODES),
-    "attn_merge": ("HISPARSE_ATTN_MERGE", ATTN_MERGE_MODES),
 }
 
 
@@ -125,7 +118,6 @@ class KernelSwitches:
     fp8_indexer: bool = True
     attention: str = "auto"
     fp8_convert: str = "native"
-    attn_merge: str = "launch"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,8 +11,7 @@ def test_every_stage_edit_matches_the_kernel_once(load_bench):
     src = probe.SRC.read_text()
     for name, (old, _new) in list(probe.EDITS.items()) + [("sum_rows", probe.SUM_ROWS)]:
         assert src.count(old) == 1, name
-    assert set(probe.BITS) <= set(probe.EDITS) | set(probe.SWITCHED) | set(probe.FUSED) | {"base"}
-    assert set(probe.FUSED) - {"fused_merge"} <= set(probe.EDITS)
+    assert set(probe.BITS) <= set(probe.EDITS) | set(probe.SWITCHED) | {"base"}
     for parts in [()] + [(n,) for n in probe.EDITS] + list(probe.COMBOS.values()):
         mod = probe.variant_module(tuple(parts))
         text = inspect.getsource(mod)

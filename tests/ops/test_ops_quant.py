@@ -9,7 +9,6 @@ import torch
 
 from hisparse import ops
 from hisparse.ops import quant as Q
-from hisparse.ops import switches
 from hisparse.ops.rotation import indexer_rotation
 
 
@@ -251,75 +250,6 @@ def test_fp8_attention_batch_invariant_and_sliced_interpreter(triton_cpu, monkey
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), run.__name__
 
 
-def _poisoned_results(q):
-    """NaN-filled ``out [T, H, 512]`` and ``lse [T, H]`` for an attention call over ``q``: an
-    element the kernel does not write stays NaN."""
-    return (torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device),
-            torch.full(q.shape[:2], float("nan"), device=q.device))
-
-
-def _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes: int | None = None):
-    """The chunks merged by the kernel itself (each token's last chunk to finish) and by a
-    merge launch give the same bits (poisoned outputs and partials), and so does the pick
-    under ``HISPARSE_ATTN_MERGE=fused``; ``partial_bytes``: launches over token slices, the
-    arrival counters reused."""
-    from hisparse.ops import _attention_triton as AT
-
-    monkeypatch.setattr(AT, "torch", _NanEmpty())
-    if partial_bytes is not None:
-        monkeypatch.setattr(AT, "PARTIAL_BYTES", partial_bytes)
-    outs = []
-    for fused in (True, False, None):
-        out, lse = _poisoned_results(q)
-        with switches.override(attn_merge="fused"):
-            outs.append(AT.sparse_mla_attention_fp8_triton(q, rows, idx, 576 ** -0.5, out=out,
-                                                           lse=lse, fused_merge=fused))
-    (o, l), *others = outs
-    assert not torch.isnan(o).any() and not torch.isnan(l).any()
-    for fused, (o_other, l_other) in zip((False, None), others):
-        assert torch.equal(o, o_other) and torch.equal(l, l_other), fused
-    ro, rl = ops.sparse_mla_attention_fp8_reference(q, rows, idx, 576 ** -0.5)
-    assert (o.float() - ro.float()).abs().max() < 2e-2
-    assert torch.equal(torch.isneginf(l), torch.isneginf(rl))
-
-
-@pytest.mark.parametrize("H,partial_bytes", [(16, None), (20, None), (16, 1)])
-def test_fp8_attention_fused_merge_equals_merge_launch_interpreter(triton_cpu, monkeypatch, H,
-                                                                   partial_bytes):
-    """K = 90: two chunks (the interpreter's plan), token 1 with no valid index; 20 heads:
-    two head blocks, the second partial; a partials budget of one token: one launch a token."""
-    q, rows, idx = _fp8_case(5, H, 90, 180, dtype=torch.bfloat16, seed=H)
-    _check_merges_agree(q, rows, idx, monkeypatch, partial_bytes)
-
-
-def test_fp8_attention_batch_invariant_under_fused_merge_interpreter(triton_cpu):
-    """Under ``HISPARSE_ATTN_MERGE=fused`` a token keeps its bits across the threshold (15
-    tokens: the merge launch; 16 and 17: the kernel's own merge)."""
-    from hisparse.ops import _attention_triton as AT
-
-    n = AT.FUSED_MERGE_MIN
-    q, rows, idx = _fp8_case(n + 1, 16, 90, 180, dtype=torch.bfloat16, seed=13)
-    with switches.override(attn_merge="fused"):
-        _check_batch_invariant(q, rows, idx, [(0, 1), (0, n - 1), (0, n), (1, n + 1)])
-
-
-def test_fp8_attention_merge_switch_and_threshold_interpreter(triton_cpu, kernel_switches,
-                                                              kernel_launches):
-    """``HISPARSE_ATTN_MERGE=fused`` reaches the kernel from FUSED_MERGE_MIN (token, head
-    block) pairs, not below it; ``launch`` (the default) never; one chunk never merges."""
-    from hisparse.ops import _attention_triton as AT
-
-    q, rows, idx = _fp8_case(AT.FUSED_MERGE_MIN, 16, 90, 180, dtype=torch.bfloat16, seed=5)
-    launched = kernel_launches(AT, "_attn_fp8_kernel", "MERGE")
-    want = []
-    for mode, T, K in [("fused", AT.FUSED_MERGE_MIN, 90), ("fused", AT.FUSED_MERGE_MIN - 1, 90),
-                       ("launch", AT.FUSED_MERGE_MIN, 90), ("fused", AT.FUSED_MERGE_MIN, 16)]:
-        kernel_switches(attn_merge=mode)
-        AT.sparse_mla_attention_fp8_triton(q[:T], rows, idx[:T, :K].contiguous(), 576 ** -0.5)
-        want.append(mode == "fused" and T >= AT.FUSED_MERGE_MIN and K > 16)
-    assert launched == want == [True, False, False, False]
-
-
 def _with_empty_chunks(idx: torch.Tensor, pad_tokens: int) -> torch.Tensor:
     """``idx`` with its last ``pad_tokens`` tokens all ``-1`` (padding), token 0's second
     chunk-sized stretch all ``-1`` and token 2's first past ``N`` (invalid too)."""
@@ -349,7 +279,7 @@ class _NanEmpty:
 def _check_skip_is_bit_neutral(q, rows, idx, monkeypatch):
     """Chunks with nothing to read skip their work: the same bits as running them, written
     into poisoned outputs from poisoned chunk partials, with one chunk (the kernel writes the
-    result) and several, merged by the kernel itself or by a merge launch."""
+    result) and several."""
     from hisparse.ops import _attention_triton as AT
 
     monkeypatch.setattr(AT, "torch", _NanEmpty())
@@ -357,13 +287,12 @@ def _check_skip_is_bit_neutral(q, rows, idx, monkeypatch):
     for K in (idx.shape[1], 16):
         i = idx[:, :K].contiguous()
         outs = []
-        for skip, fused in ((True, True), (False, True), (True, False), (False, False)):
-            out, lse = _poisoned_results(q)
-            outs.append(run(q, rows, i, 576 ** -0.5, out=out, lse=lse, skip_empty=skip,
-                            fused_merge=fused))
-        (o, l), *others = outs
-        for n, (o_other, l_other) in enumerate(others):
-            assert torch.equal(o, o_other) and torch.equal(l, l_other), (K, n)
+        for skip in (True, False):
+            out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
+            lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+            outs.append(run(q, rows, i, 576 ** -0.5, out=out, lse=lse, skip_empty=skip))
+        (o, l), (o_run, l_run) = outs
+        assert torch.equal(o, o_run) and torch.equal(l, l_run), K
         assert not torch.isnan(o).any() and (o[-1] == 0).all() and torch.isneginf(l[-1]).all()
         ro, rl = ops.sparse_mla_attention_fp8_reference(q, rows, i, 576 ** -0.5)
         assert (o.float() - ro.float()).abs().max() < 2e-2, K
@@ -463,29 +392,6 @@ def test_gpu_fp8_attention_batch_invariant(H):
     # installed or not
     auto, _ = ops.sparse_mla_attention_fp8(q, rows, idx, 576 ** -0.5)
     assert torch.equal(auto, _fp8_triton(q, rows, idx)[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,H", [(96, 16), (8, 16), (8, 8), (64, 32), (64, 64), (64, 128)])
-def test_gpu_fp8_attention_fused_merge_equals_merge_launch(monkeypatch, T, H):
-    """Production shapes, every plan (32 chunks at <= 16 heads, 4 warps; 8 warps from 32
-    heads; 8 heads: a partly filled head block): the kernel's own merge, racing programs of the
-    same launch for the partials, gives the merge launch's bits."""
-    q, rows, idx = _fp8_case(T, H, 2048, 64 * 2048, device="cuda", seed=T + H)
-    _check_merges_agree(q, rows, _with_empty_chunks(idx, 3), monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 64])
-def test_gpu_fp8_attention_batch_invariant_under_fused_merge(H):
-    """Under ``HISPARSE_ATTN_MERGE=fused`` a token keeps its bits across the threshold: alone
-    and in 15 tokens (the merge launch), in 16 and 96 (the kernel's own merge)."""
-    from hisparse.ops import _attention_triton as AT
-
-    q, rows, idx = _fp8_case(96, H, 2048, 64 * 2048, device="cuda", seed=H + 9)
-    n = AT.FUSED_MERGE_MIN
-    with switches.override(attn_merge="fused"):
-        _check_batch_invariant(q, rows, idx, [(0, 1), (0, n - 1), (0, n), (3, 3 + n), (1, 96)])
 
 
 @pytest.mark.gpu
