@@ -40,13 +40,13 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 for section in "$@"; do
   case $section in
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~2
-             # min; the nineteenth session ran this list on an H100 at 078b5d7, every file
-             # passing, and then put the attention kernel back to 9bcd255's text, which passed
-             # on the H200: nothing is owed now; put the next unrun change's files here);
+             # min; the nineteenth session ran the former list on an H100 at 078b5d7, every
+             # file passing, then put the attention kernel back to 9bcd255's text, which
+             # passed on the H200; owed now: the engine's stats() reading the resolver's
+             # corrupt-LRU counter, and the dead code removed from the NIXL transfer);
              # then run its sections with SKIP_TESTS=1
-      GPU_TEST_FILES="tests/ops/test_ops_quant.py tests/ops/test_ops_attention.py
-        tests/ops/test_ops_attention_convert.py tests/engine/test_engine_gpu.py
-        tests/worker/test_cuda_graph_gpu.py tests/engine/test_soak.py" \
+      GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
+        tests/engine/test_disagg_gpu.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried

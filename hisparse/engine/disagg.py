@@ -187,10 +187,5 @@ class Disaggregation:
             self.scheduler.kv.release_held(self.held.pop(req_id)[0])
             self.metrics.expired += 1
 
-    def release_all(self) -> None:
-        for blocks, _ in self.held.values():
-            self.scheduler.kv.release_held(blocks)
-        self.held.clear()
-
     def close(self) -> None:
         self.agent.close()

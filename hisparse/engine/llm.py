@@ -166,7 +166,8 @@ class LLM:
                               if parts.tp is not None else None)
         self._fault: BaseException | None = None
         self._tokenizer = parts.tokenizer
-        self._topk_stalls_logged = 0       # the top-k give-ups already logged (stats())
+        # the fail-safe counts already logged by stats(), by its key: each new count once
+        self._faults_logged = {"topk_stalls": 0, "hot_lru_corrupt": 0}
         self._inputs = InputProcessor(parts.model_config, parts.max_model_len, parts.tokenizer,
                                       parts.core, parts.kv_config.max_num_seqs, parts.device)
         self._table = RequestTable(parts.scheduler, parts.core, parts.disagg,
@@ -403,16 +404,26 @@ class LLM:
         return [done[i] for i in ids]
 
     # ------------------------------------------------------------------ stats
+    def _fault_count(self, key: str, count: int, message: str) -> int:
+        """``count`` of a fail-safe that should never fire (a device counter), logged as an
+        error once per new value."""
+        if count > self._faults_logged[key]:
+            logger.error(message, count)
+            self._faults_logged[key] = count
+        return count
+
     def stats(self) -> dict:
         self._check_open()
         kv = self.scheduler.kv
         hits, misses = self.runner.hot_counters()
-        topk_stalls = self.runner.topk_stalls()
-        if topk_stalls > self._topk_stalls_logged:
-            logger.error("the one-launch top-k gave up %d row barrier wait(s): those "
-                         "selections may not be exact (HISPARSE_TOPK=phased avoids the waits)",
-                         topk_stalls)
-            self._topk_stalls_logged = topk_stalls
+        topk_stalls = self._fault_count(
+            "topk_stalls", self.runner.topk_stalls(),
+            "the one-launch top-k gave up %d row barrier wait(s): those selections may not be "
+            "exact (HISPARSE_TOPK=phased avoids the waits)")
+        hot_lru_corrupt = self._fault_count(
+            "hot_lru_corrupt", self.runner.corrupt_lru_entries(),
+            "the resolver skipped %d hot-buffer LRU entries out of range: the hot buffers' "
+            "state was overwritten (those slots go unused; rows are loaded again)")
         prefetched, prefetch_hits = (int(x) for x in self.caches.counters[3:5].tolist())
         row_bytes = self.runner.row_bytes
         return {
@@ -435,6 +446,7 @@ class LLM:
             "host_prefix_hit_tokens": kv.stats.host_prefix_hit_tokens,
             "num_preempted": self.scheduler.num_preempted,
             "topk_stalls": topk_stalls,
+            "hot_lru_corrupt": hot_lru_corrupt,
             "peak_running": self.scheduler.peak_running,
             "free_gpu_blocks": kv.gpu_pool.num_free,
             "free_host_blocks": kv.host_pool.num_free if kv.host_pool is not None else 0,

@@ -64,10 +64,6 @@ class Request:
         return self.kv.num_computed if self.kv is not None else 0
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

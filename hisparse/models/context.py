@@ -289,9 +289,6 @@ class DenseReferenceContext:
         for per_layer in (*self.rows, *self.index_keys, *self.selections):
             per_layer.pop(seq_id, None)
 
-    def seq_len(self, seq_id: Hashable) -> int:
-        return self.lengths.get(seq_id, 0)
-
     # ------------------------------------------------------------------ the contract
     def attend(self, layer_idx: int, q_latent: Tensor, kv_new: Tensor, index_q: Tensor | None,
                index_weights: Tensor | None, index_k_new: Tensor | None, sm_scale: float) -> Tensor:

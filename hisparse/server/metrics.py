@@ -29,6 +29,9 @@ _ENGINE_COUNTERS = {
     "num_preempted": ("hisparse_preemptions", "Requests preempted"),
     "topk_stalls": ("hisparse_topk_stalls",
                     "Top-k row barrier waits that gave up (never expected: inexact selections)"),
+    "hot_lru_corrupt": ("hisparse_hot_lru_corrupt_entries",
+                        "Hot-buffer LRU entries out of range the resolver skipped (never "
+                        "expected)"),
     "spec_draft_tokens": ("hisparse_spec_draft_tokens", "MTP draft tokens verified"),
     "spec_accepted_tokens": ("hisparse_spec_accepted_tokens", "MTP draft tokens accepted"),
     "spec_verify_steps": ("hisparse_spec_verify_steps",

@@ -71,14 +71,6 @@ HOLD_MARGIN_S = 2.0
 READY = "ready"
 
 
-def nixl_available() -> bool:
-    try:
-        import nixl_cu13  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def region_layout(t: torch.Tensor, num_blocks: int) -> RegionLayout:
     """The :class:`RegionLayout` of a ``[layers, ...]`` cache tensor of ``num_blocks`` blocks
     per layer (rows ``[L, blocks * block_size, W]`` or FP8 key pages ``[L, blocks, bytes]``)."""
@@ -210,10 +202,6 @@ class KVTransferAgent:
         return done
 
     # ------------------------------------------------------------------ decode side
-    @property
-    def num_loads(self) -> int:
-        return len(self._loads)
-
     def start_load(self, job: LoadJob) -> None:
         """Begin pulling ``job`` (never blocks; :meth:`poll` reports its end). A
         compatibility-hash mismatch fails it at once: no byte is read."""

@@ -74,6 +74,39 @@ def test_lossless_under_a_tiny_gpu_pool(dsv32_path, mode):
             assert s["hot_misses"] > 0 and s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0
 
 
+def test_overwritten_hot_lru_is_reported_and_outputs_stay_exact(dsv32_path, caplog):
+    """Hot-buffer LRU entries overwritten mid-run with values out of range, their slots' rows
+    lost (the resolver's fail-safe skips such entries, ``counters[2]``), show in
+    ``stats()["hot_lru_corrupt"]``, are logged as an error once per new count, and, with
+    enough usable slots left for every step's misses, the outputs still equal an unconstrained
+    run's."""
+    batch = prompts(8, 20, 120, seed=10)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = tokens(unconstrained(dsv32_path).generate(batch, params))
+    llm = tiny_pool(dsv32_path)
+    ids = [llm.add_request(p, params) for p in batch]
+    outs = {}
+    while llm.stats()["host_read_switches"] == 0:
+        outs.update({o.request_id: o for o in llm.step() if o.finished})
+    assert llm.stats()["hot_lru_corrupt"] == 0
+    # every third LRU entry of every request slot and layer out of range; its hot slot loses
+    # its row (the key), as the fail-safe assumes: the slot is lost, the row loads again
+    c = llm.caches
+    H = c.hot_lru.shape[-1]
+    lost = c.hot_lru[:, :, ::3].long()
+    c.hot_keys.scatter_(2, lost, -1)
+    c.hot_lru[:, :, ::3] = H + 7
+    with caplog.at_level("ERROR", logger="hisparse.engine"):
+        while llm.has_unfinished_requests():
+            outs.update({o.request_id: o for o in llm.step() if o.finished})
+        corrupt = llm.stats()["hot_lru_corrupt"]
+        assert corrupt > 0 and llm.stats()["hot_lru_corrupt"] == corrupt
+    assert [r.getMessage() for r in caplog.records].count(
+        f"the resolver skipped {corrupt} hot-buffer LRU entries out of range: the hot buffers' "
+        "state was overwritten (those slots go unused; rows are loaded again)") == 1
+    assert tokens([outs[i] for i in ids]) == want
+
+
 def test_gpu_only_mode_matches_and_never_touches_host(dsv32_path):
     batch = prompts(6, 30, 100, seed=3)
     want = tokens(unconstrained(dsv32_path).generate(batch, GREEDY))

@@ -336,7 +336,8 @@ def test_metrics_parse_and_move(srv):
                  "hisparse_host_blocks_used", "hisparse_copies_in_flight",
                  "hisparse_requests_running", "hisparse_requests_waiting",
                  "hisparse_hot_buffer_demand_misses", "hisparse_hot_buffer_prefetched",
-                 "hisparse_staged_rows", "hisparse_staged_bytes"):
+                 "hisparse_staged_rows", "hisparse_staged_bytes", "hisparse_topk_stalls",
+                 "hisparse_hot_lru_corrupt_entries"):
         assert name in after, name
 
 
