@@ -299,7 +299,7 @@ def test_an_internal_error_is_a_500_in_the_openai_shape(srv, monkeypatch):
     def broken(*args):
         raise ZeroDivisionError("secret detail")
 
-    monkeypatch.setattr(app_module, "_completion_prompts", broken)
+    monkeypatch.setattr(app_module, "completion_prompts", broken)
     err = assert_openai_error(httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30),
                               500)
     assert err["type"] == "server_error" and "secret" not in err["message"]
