@@ -3,7 +3,7 @@ only: the plan the package picks, :func:`hisparse.ops._attention_triton.attn_con
 as it is). A plan from ``bench_attention_plans.py`` is timed inside the real rank's step
 against the package's, in the same device call:
 
-    PYTHONPATH=. python3 benchmarks/bench_rank_attn_plan.py BN/WARPS/STAGES/KPS \\
+    PYTHONPATH=. python3 benchmarks/bench_rank_attn_plan.py BN/WARPS/STAGES/KPS bench \\
         --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 ... (hisparse bench's options)
 
 ``BN/WARPS/STAGES/KPS``: rows a block, warps, pipeline stages, indices a chunk (the names

@@ -149,17 +149,23 @@ for section in "$@"; do
     plans)   # issue 25: the 16-head FP8 attention plans with today's kernel, isolated at the
              # decode's shapes (8-96 tokens, 32k rows a token), then the rank's 2k x 96 under
              # the package's plan and under the plan with the least summed time (~6 min, H200)
-      run attn_plans 200 python3 benchmarks/bench_attention_plans.py \
-        --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json"
+      # (the whole grid of 24 plans does not fit the limit: the plans nearest today's)
+      run attn_plans 180 python3 benchmarks/bench_attention_plans.py \
+        --shapes 16x8,16x24,16x42,16x96 --context 32768 --out "$out/attn_plans.json" \
+        --plans 64/4/2/64,64/4/2/128,64/8/2/128,32/4/2/128,32/4/3/128,64/4/2/256,32/4/2/256,64/8/2/64
       best=$(python3 -c 'import json, sys; rows = json.load(open(sys.argv[1])); names = [
 n for n in rows[0]["us"] if n not in ("former", "default")]; print(min(names, key=lambda n:
-sum(r["us"][n] for r in rows)))' "$out/attn_plans.json")
-      elapsed "plan with the least summed time: $best"
-      rank2k plan2k_package
-      run plan2k_best 150 python3 benchmarks/bench_rank_attn_plan.py "$best" bench \
-        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-        --concurrency 96 --outputs 256 --out "$out/plan2k_best" ;;
+sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
+      if [ -z "$best" ] || [ "$best" = 64/4/2/64 ]; then    # no table, or the package's plan
+        elapsed "plan with the least summed time: ${best:-none (no table)}; rank runs skipped"
+      else
+        elapsed "plan with the least summed time: $best"
+        rank2k plan2k_package
+        run plan2k_best 150 python3 benchmarks/bench_rank_attn_plan.py "$best" bench \
+          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+          --concurrency 96 --outputs 256 --out "$out/plan2k_best"
+      fi ;;
     cut36)   # an H100 (80 GB: the whole rank does not fit): a 36-layer cut of the V3.2 rank,
              # 2k x 96 gpu-only, the per-layer kernels at the rank's shapes: this tree with
              # and without HISPARSE_FP8_CONVERT=int, and, with BASE (a directory holding

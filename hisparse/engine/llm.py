@@ -415,16 +415,17 @@ class LLM:
     def stats(self) -> dict:
         self._check_open()
         kv = self.scheduler.kv
-        hits, misses = self.runner.hot_counters()
+        # hot hits, hot (demand) misses, corrupt LRU entries skipped, prefetched, prefetch hits
+        hits, misses, lru_corrupt, prefetched, prefetch_hits = (
+            int(x) for x in self.caches.counters.tolist())
         topk_stalls = self._fault_count(
             "topk_stalls", self.runner.topk_stalls(),
             "the one-launch top-k gave up %d row barrier wait(s): those selections may not be "
             "exact (HISPARSE_TOPK=phased avoids the waits)")
         hot_lru_corrupt = self._fault_count(
-            "hot_lru_corrupt", self.runner.corrupt_lru_entries(),
+            "hot_lru_corrupt", lru_corrupt,
             "the resolver skipped %d hot-buffer LRU entries out of range: the hot buffers' "
             "state was overwritten (those slots go unused; rows are loaded again)")
-        prefetched, prefetch_hits = (int(x) for x in self.caches.counters[3:5].tolist())
         row_bytes = self.runner.row_bytes
         return {
             "mode": str(self.kv_config.mode),

@@ -159,7 +159,7 @@ def create_app(engine: AsyncLLM, model_name: str | None = None,
             ids = encode(st, req.prompt, "prompt", special)["prompt_token_ids"]
         else:
             ids = chat_prompt(st, req.messages, req.add_generation_prompt,
-                               bool(req.add_special_tokens))["prompt_token_ids"]
+                              bool(req.add_special_tokens))["prompt_token_ids"]
         body = {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = st.tokenizer.convert_ids_to_tokens(ids)

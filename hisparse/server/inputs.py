@@ -113,7 +113,7 @@ def check_model(st: ServerState, model: str | None) -> None:
 
 
 def check_max_tokens(st: ServerState, prompts: list[dict], max_tokens: int | None,
-                      field: str) -> None:
+                     field: str) -> None:
     """An explicit ``max_tokens`` beyond the context a prompt leaves is a 400 naming the limit
     (as vLLM); a default one is cut to it. A prompt that leaves nothing is the engine's 400."""
     if max_tokens is None:
@@ -181,7 +181,7 @@ def completion_prompts(st: ServerState, prompt) -> list[dict]:
 
 
 def chat_prompt(st: ServerState, chat: list, add_generation_prompt: bool,
-                 add_special_tokens: bool = False) -> dict:
+                add_special_tokens: bool = False) -> dict:
     tok = st.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template (tokenizer_config.json "

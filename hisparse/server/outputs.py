@@ -84,7 +84,7 @@ def _finish_reason(out: RequestOutput) -> str | None:
 
 
 async def serve(st: ServerState, req, prompts: list[dict], params: SamplingParams, chat: bool,
-                 raw: Request):
+                raw: Request):
     prompt_field = "messages" if chat else "prompt"
     stop = req.stop_strings()
     if params.kv_transfer_params and (len(prompts) > 1 or req.n > 1):

@@ -568,7 +568,3 @@ class ModelRunner:
         """Row barriers of the one-launch top-k that gave up waiting (``TopkScratch.stalls``;
         never expected: a give-up means that layer's selection may not be exact)."""
         return int(self.caches.workspace.indexer.topk.stalls.item())
-
-    def corrupt_lru_entries(self) -> int:
-        """LRU entries outside ``[0, H)`` the resolver skipped (should stay 0)."""
-        return int(self.caches.counters[2])
