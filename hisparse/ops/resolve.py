@@ -65,8 +65,11 @@ every forward).
 Fail-safe: an LRU entry outside ``[0, H)`` (corrupt state) is never read or written through: it is
 not a candidate, keeps its place among the untouched entries of the new order, and is counted in
 ``counters[2]``. (A slot missing from the LRU because of it is never a victim; if such a slot is
-hit, the new LRU order is unspecified but stays a list of in-range writes.) A step whose misses
-outnumber the unreferenced usable slots the corrupt LRU still lists (the reference raises) loads
+hit, the new LRU order is unspecified but stays a list of in-range writes: the Triton kernel
+can then leave a stale entry that repeats a slot (seen in the interpreter), and the reference
+may raise under the score policy; the engine reports the count as
+``LLM.stats()["hot_lru_corrupt"]`` and logs it as an error.) A step whose misses outnumber
+the unreferenced usable slots the corrupt LRU still lists (the reference raises) loads
 nothing in the Triton kernel: its misses get ``-1``, the LRU order stays as it was (the use
 flags of the slots it would have loaded still read "just loaded"). Duplicate in-range LRU
 entries or keys are not detected (the op trusts them, like the keys). The engine never writes
