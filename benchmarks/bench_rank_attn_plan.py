@@ -29,7 +29,11 @@ def forced_plan(spec: str):
     def attn_config(H: int, K: int, fp8: bool, is_fp32: bool) -> AT.AttnConfig:
         if H > 16 or not fp8 or is_fp32:
             return package(H, K, fp8, is_fp32)
-        return AT.AttnConfig(16, bn, warps, stages, min(kps, triton.cdiv(K, bn) * bn))
+        plan = AT.AttnConfig(16, bn, warps, stages, min(kps, triton.cdiv(K, bn) * bn))
+        if plan.splits(K) > AT.MAX_SPLITS:      # the merge holds MAX_SPLITS chunk rows
+            raise ValueError(f"plan {spec}: {plan.splits(K)} chunks of {K} indices, more than "
+                             f"MAX_SPLITS ({AT.MAX_SPLITS})")
+        return plan
     return attn_config
 
 

@@ -147,7 +147,8 @@ def main() -> None:
                     help="TOKENSxCONTEXT,...")
     ap.add_argument("--once", default=None, help="TxC: run the package's kernel 5 times, exit")
     ap.add_argument("--variants", default=None,
-                    help="NAME,...: time only these besides the whole kernel (default: all)")
+                    help="NAME,...: time only these besides the whole kernel (default: all; "
+                    "'': none)")
     ap.add_argument("--base", default=None, metavar="FILE",
                     help="another _attention_triton.py (e.g. a base commit's), timed as 'base'")
     ap.add_argument("--out", default=None)
@@ -159,7 +160,10 @@ def main() -> None:
             AT.sparse_mla_attention_fp8_triton(q, kv8, idx, 576 ** -0.5)
         torch.cuda.synchronize()
         return
-    wanted = None if args.variants is None else set(args.variants.split(","))
+    wanted = None if args.variants is None else {n for n in args.variants.split(",") if n}
+    if wanted is not None and wanted - {*EDITS, *SWITCHED, *COMBOS}:
+        ap.error(f"--variants: unknown {sorted(wanted - {*EDITS, *SWITCHED, *COMBOS})} "
+                 f"(known: {sorted({*EDITS, *SWITCHED, *COMBOS})}; '' for the whole kernel only)")
     variants = {"whole": variant_module(())}
     for name in EDITS:
         if wanted is None or name in wanted:

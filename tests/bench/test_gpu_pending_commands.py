@@ -59,4 +59,6 @@ def test_forced_attention_plan_replaces_only_the_16_head_fp8_plan(load_bench):
     assert forced(16, 60, True, False).k_per_split == 64       # no wider than K in blocks
     for args in [(64, 2048, True, False), (16, 2048, False, False), (16, 2048, True, True)]:
         assert forced(*args) == attn_config(*args), args
+    with pytest.raises(ValueError, match="MAX_SPLITS"):
+        load_bench("bench_rank_attn_plan").forced_plan("16/4/2/16")(16, 2048, True, False)
 
