@@ -382,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate-size", type=int, default=None, help="dense MLP width")
     p.add_argument("--contexts", default=None)
     p.add_argument("--concurrency", default=None,
-                   help="comma list; 'max' = what the host pool and hot buffers allow")
+                   help="comma list; 'max' = what the host pool and hot buffers allow "
+                        "(hisparse runs GPU-held requests past the host pool: give a number; "
+                        "the table's planned_max_running is its plan)")
     p.add_argument("--outputs", type=int, default=None)
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU arena of MLA rows")
     p.add_argument("--gpu-kv-tokens", type=int, default=None,
@@ -503,13 +505,19 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     host_modes = [m for m in a.modes.split(",") if m != "gpu-only"]
 
-    def cap_of(context: int) -> int:
-        """The most requests of ``context`` tokens a point runs: the host pool's bound (host
-        modes only) and, with an explicit arena, its hot buffers' and tail pages'."""
-        cap = host_rows // (context + a.outputs + 64) if host_modes else 1 << 20
+    def host_cap(context: int) -> int:
+        """Requests of ``context`` tokens the host pool holds (the host modes' ``max``)."""
+        cap = host_rows // (context + a.outputs + 64)
         if cap < 1:
             p.error(f"--host-pool-gib {a.host_pool_gib}: holds no {context}-token request of "
                     f"modes {','.join(host_modes)}")
+        return cap
+
+    def cap_of(context: int) -> int:
+        """The most requests of ``context`` tokens a point runs: with always-host, the host
+        pool's bound (hisparse runs GPU-held requests past it); with an explicit arena, its hot
+        buffers' and tail pages'."""
+        cap = host_cap(context) if "always-host" in host_modes else 1 << 20
         # Host-read requests each hold a hot buffer (2 x top-k rows) and 2 tail pages in GPU
         # blocks, and 10% of the blocks stay free (the watermark).
         if num_gpu_blocks is not None:
@@ -540,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         if not host_modes and "max" in a.concurrency.split(","):
             p.error("--concurrency max is the host pool's limit: give numbers for gpu-only")
         cap = cap_of(context)
-        levels = sorted({cap if c == "max" else min(int(c), cap)
+        levels = sorted({min(host_cap(context), cap) if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
         table = tables[a.topk, context]
         for conc in levels:

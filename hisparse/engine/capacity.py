@@ -34,6 +34,10 @@ pages per request, ``hot = ceil(hot_buffer_size / block_size)`` blocks, ``tail``
   ``context // block_size <= hot + tail`` never switch and keep ``P`` pages), and the arena keeps
   the watermark ``max(hot, num_gpu_blocks // 10)`` (or ``watermark_blocks``) free.
 - host pool: ``P`` blocks per request (host modes).
+- ``hisparse`` only: once the host pool binds, the GPU budget left over holds *GPU-held*
+  requests (the engine admits them with all ``P`` pages on GPU and no host blocks, above the
+  watermark): ``max_running`` = host-backed requests + ``gpu_held``; each costs ``P`` arena and
+  ``P`` indexer blocks and reads no host row.
 - ``gpu_kv_bytes`` is the GPU budget for arena + indexer cache. Unless the pools are given
   (``num_gpu_blocks`` / ``num_indexer_blocks``, as ``LLM.capacity()`` does), the planner splits it
   per mode so both pools fill together; ``bound_by`` then names the pool with the larger
@@ -245,7 +249,10 @@ class CapacityInputs:
 
 @dataclass
 class ModePlan:
-    """The plan of one mode. ``bounds``: requests each resource alone would allow."""
+    """The plan of one mode. ``bounds``: requests each resource alone would allow. In
+    ``hisparse``, past the host pool's bound (host-backed requests), ``gpu_held`` of the
+    ``max_running`` requests run without host blocks; ``bound_by`` then names what stops them
+    and its bound counts both kinds."""
 
     mode: str
     max_running: int
@@ -266,6 +273,7 @@ class ModePlan:
     pcie_ms: float
     step_time_ms: float
     decode_tok_s: float
+    gpu_held: int = 0
 
 
 @dataclass
@@ -293,10 +301,9 @@ def _watermark(inp: CapacityInputs, num_gpu_blocks: int, hot: int) -> int:
     return max(hot, num_gpu_blocks // 10)
 
 
-def _arena_for(n: int, per: int, reserve, floor: int) -> int:
-    """Smallest arena ``N >= floor`` with ``N - reserve(N) >= n * per`` (reserve(N) grows slower
-    than N, so ``N - reserve(N)`` is non-decreasing)."""
-    need = n * per
+def _arena_for(need: int, reserve, floor: int) -> int:
+    """Smallest arena ``N >= floor`` with ``N - reserve(N) >= need`` blocks (reserve(N) grows
+    slower than N, so ``N - reserve(N)`` is non-decreasing)."""
     lo, hi = max(floor, need), max(floor, need) + 1
     while hi - reserve(hi) < need:
         hi *= 2
@@ -363,7 +370,7 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
         budget = inp.gpu_kv_bytes
 
         def need(n: int) -> int:
-            return _arena_for(n, arena_per, reserve, pages) * arena_blk_b + n * pages * idx_blk_b
+            return _arena_for(n * arena_per, reserve, pages) * arena_blk_b + n * pages * idx_blk_b
 
         lo, hi = 0, budget // (arena_per * arena_blk_b + pages * idx_blk_b) + 1
         while lo < hi:  # largest n with need(n) <= budget
@@ -378,21 +385,50 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
         bounds[HOST_POOL] = num_host // pages
     bounds[MAX_NUM_SEQS] = inp.max_num_seqs
     n, bound_by = _pick(bounds)
+    held = 0
+    if mode == "hisparse" and bound_by == HOST_POOL and n > 0:
+        # GPU-held requests fill what the n host-backed ones leave of the GPU; the engine
+        # admits one only with the watermark still free, whether or not requests switch
+        def held_reserve(n_blocks: int) -> int:
+            return _watermark(inp, n_blocks, hot)
+
+        room = inp.max_num_seqs - n
+        if n_gpu_arena is not None:
+            arena_room = max(0, n_gpu_arena - held_reserve(n_gpu_arena) - n * arena_per) // pages
+            # ties name the arena or max_num_seqs, not an indexer cache sized to match them
+            held, stop = min((arena_room, GPU_PAGES), (room, MAX_NUM_SEQS),
+                             (n_idx // pages - n, INDEXER_CACHE), key=lambda b: b[0])
+        else:
+            def need_held(k: int) -> int:
+                return (_arena_for(n * arena_per + k * pages, held_reserve, pages) * arena_blk_b
+                        + (n + k) * pages * idx_blk_b)
+
+            lo, hi = 0, room
+            while lo < hi:  # largest k with need_held(k) <= budget
+                mid = (lo + hi + 1) // 2
+                if need_held(mid) <= inp.gpu_kv_bytes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            held, stop = lo, (MAX_NUM_SEQS if lo == room else GPU_PAGES)
+        if held > 0:
+            bound_by = stop
+            bounds[stop] = n + held     # host-backed and GPU-held requests together
+    hosted, n = n, n + held
     if n_gpu_arena is None:  # the split to configure for n requests: indexer for n, arena the rest
         n_idx = n * pages
         n_gpu_arena = max(0, inp.gpu_kv_bytes - n_idx * idx_blk_b) // arena_blk_b
         if n == 0:
             n_gpu_arena, n_idx = inp.gpu_kv_bytes // (arena_blk_b + idx_blk_b), 0
 
-    # --- roofline at n
+    # --- roofline at n (GPU-held requests read every row resident)
     selected = min(geo.index_topk, inp.context)
     miss_rows = (1.0 - inp.hit_rate) * selected if host_read else 0.0
-    per_req_hbm = (inp.context * Li * key_b + selected * L * row_b
-                   + miss_rows * L * row_b + L * row_b + Li * key_b)
+    per_req_hbm = (inp.context * Li * key_b + selected * L * row_b + L * row_b + Li * key_b)
     weights = geo.weight_bytes if inp.weight_bytes is None else inp.weight_bytes
-    hbm = weights + n * per_req_hbm
-    h2d = n * miss_rows * L * row_b
-    d2h = n * (L * row_b + Li * key_b) if uses_host else 0
+    hbm = weights + n * per_req_hbm + hosted * miss_rows * L * row_b
+    h2d = hosted * miss_rows * L * row_b
+    d2h = hosted * (L * row_b + Li * key_b) if uses_host else 0
     hbm_ms = hbm / (inp.hbm_gb_s * 1e9) * 1e3
     pcie_ms = max(h2d, d2h) / (inp.pcie_gb_s * 1e9) * 1e3
     step_ms = max(hbm_ms, pcie_ms)
@@ -407,7 +443,7 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
         watermark_blocks=reserve(n_gpu_arena),
         hbm_bytes_per_step=int(hbm), h2d_bytes_per_step=int(h2d), d2h_bytes_per_step=int(d2h),
         hbm_ms=hbm_ms, pcie_ms=pcie_ms, step_time_ms=step_ms,
-        decode_tok_s=n / step_ms * 1e3 if n and step_ms > 0 else 0.0)
+        decode_tok_s=n / step_ms * 1e3 if n and step_ms > 0 else 0.0, gpu_held=held)
 
 
 def plan_capacity(model, inputs: CapacityInputs) -> CapacityPlan:
@@ -426,9 +462,10 @@ def split_gpu_budget(geo: ModelGeometry, gpu_kv_bytes: int, mode: str, context: 
     ``mode`` for requests of ``context`` tokens (``inputs``: the other
     :class:`CapacityInputs` fields, e.g. ``num_host_blocks``, ``max_num_seqs``): the planner's
     split -- the indexer cache for the ``max_running`` requests the mode can run (bounded by the
-    host pool, the hot buffers or GPU pages, or ``max_num_seqs``), the arena the rest of the
-    budget (more resident pages, fewer host reads). ``LLM`` calls this when neither pool is
-    given on CUDA; ``LLM.capacity()`` then reports the pools it chose."""
+    host pool, the hot buffers or GPU pages, or ``max_num_seqs``; in ``hisparse`` the GPU-held
+    requests past the host pool's bound included), the arena the rest of the budget. ``LLM``
+    calls this when neither pool is given on CUDA; ``LLM.capacity()`` then reports the pools
+    it chose."""
     mp = plan_capacity(geo, CapacityInputs(context=context, gpu_kv_bytes=gpu_kv_bytes,
                                            **inputs))[mode]
     return mp.num_gpu_blocks, mp.num_indexer_blocks
@@ -497,6 +534,7 @@ def format_plan(plan: CapacityPlan) -> str:
                  f"PCIe {inp.pcie_gb_s:g} GB/s")
     rows = [
         ("max running", lambda m: str(m.max_running)),
+        ("  of them GPU-held", lambda m: str(m.gpu_held)),
         ("bound by", lambda m: m.bound_by),
         *((f"  {k}", lambda m, k=k: _bound_cell(m, k))
           for k in (GPU_PAGES, HOT_BUFFERS, INDEXER_CACHE, HOST_POOL, MAX_NUM_SEQS)

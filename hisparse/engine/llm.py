@@ -436,6 +436,9 @@ class LLM:
             "lost_pages": kv.stats.lost_pages,
             "restored_pages": kv.stats.restored_pages,
             "host_read_switches": kv.stats.host_read_switches,
+            # hisparse: requests admitted with every page on GPU and no host blocks because
+            # the host pool was full (they never switch to host-read mode)
+            "gpu_held_admissions": kv.stats.gpu_held_admissions,
             "hot_hits": hits,
             "hot_misses": misses,
             "hot_demand_misses": misses,

@@ -219,7 +219,8 @@ class Scheduler:
                 self.loading[req.req_id] = req
                 self._new_loads.append(job)
                 continue
-            handle = kv.admit(req.req_id, req.token_ids, req.max_len)
+            handle = kv.admit(req.req_id, req.token_ids, req.max_len,
+                              need_host=req.hold_for_remote_decode)
             if handle is None:
                 break
             self.waiting.popleft()

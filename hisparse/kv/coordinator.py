@@ -17,6 +17,14 @@ contiguous acknowledged prefix of a request's tokens.
 Modes: ``hisparse`` (GPU first, requests switch to host-read mode under pressure),
 ``always-host`` (every request reads history through its hot buffer once its prompt is done),
 ``gpu-only`` (no host tier, full-length GPU reservation at admission, no prefix caching).
+
+*GPU-held* requests (``hisparse`` only): once the host pool cannot hold another request, a
+request whose full length fits the GPU arena with the watermark still free is admitted as
+``gpu-only`` admits it -- every page reserved on GPU, no host blocks -- instead of waiting. Its
+rows are never mirrored, its pages never turn clean, it never switches to host-read mode and
+never publishes prefix pages (I1 holds: every row stays resident). So the host pool bounds only
+the requests that may leave the GPU, and ``hisparse`` never runs fewer requests than the GPU
+alone would hold.
 """
 
 from __future__ import annotations
@@ -116,13 +124,17 @@ class KVCoordinator:
         return self.get(req_id).num_computed
 
     # ------------------------------------------------------------------ admission
-    def admit(self, req_id: str, token_ids: list[int], max_len: int) -> RequestKV | None:
+    def admit(self, req_id: str, token_ids: list[int], max_len: int,
+              need_host: bool = False) -> RequestKV | None:
         """Admit a request whose prompt is ``token_ids`` and whose length may reach ``max_len``.
 
         ``token_ids`` stays the caller's list: it appends sampled tokens; the KV core only reads
         it. Returns the request's KV handle (``num_computed`` = prompt tokens already computed,
         a prefix hit), or None when the pools cannot hold it now (GPU blocks are reclaimed from
-        other requests before giving up).
+        other requests before giving up). In ``hisparse`` mode a request the host pool cannot
+        hold is admitted *GPU-held* (module docstring) when its full length fits the arena,
+        unless ``need_host`` (its KV must reach the host pool: a prefill held for a remote
+        decode).
         """
         cfg, block_size = self.cfg, self.block_size
         if req_id in self.requests:
@@ -139,6 +151,8 @@ class KVCoordinator:
         if self.host_pool is not None:
             hit_host_free = sum(self.host_pool.is_free(h) for h, _ in hits)
             if self.host_pool.num_free - hit_host_free < num_pages - len(hits):
+                if cfg.mode is Mode.HISPARSE and not need_host:
+                    return self._admit_gpu_held(req_id, token_ids, num_pages)
                 return None
         first_chunk = min(len(token_ids) - len(hits) * block_size, cfg.max_num_batched_tokens)
 
@@ -163,15 +177,7 @@ class KVCoordinator:
         # decode through the hot buffer (DESIGN.md §4; issue 14: no restore needed).
         restore = self.gpu_pool.num_free - gpu_need(True) >= cfg.watermark
 
-        slot = self.free_slots.pop()
-        req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
-                        prompt_len=len(token_ids), num_pages=num_pages,
-                        resident=self.resident_table[slot], host=self.host_table[slot],
-                        indexer=self.indexer_table[slot])
-        self.requests[req_id] = req
-        self.by_uid[req.uid] = req
-        self._mark_changed(slot, "resident", "host", "indexer")
-        req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
+        req = self._new_request(req_id, token_ids, len(token_ids), num_pages)
         if self.host_pool is not None:
             # Take every hit block before allocating anything: an allocation could otherwise
             # evict a cached hit that is still to be claimed.
@@ -200,6 +206,33 @@ class KVCoordinator:
         req.num_published = len(hits)
         self.stats.prefix_hit_tokens += hit_tokens
         self.reclaim.started_prefill(req)
+        return req
+
+    def _admit_gpu_held(self, req_id: str, token_ids: list[int],
+                        num_pages: int) -> RequestKV | None:
+        """Admit a request the host pool cannot hold with all ``num_pages`` pages on GPU, if
+        they fit with the watermark still free (reclaiming first); prefix hits are not used
+        (they live in host blocks)."""
+        need = num_pages + self.cfg.watermark
+        if self.gpu_pool.num_free < need and not self.reclaim.ensure_free_gpu(need):
+            return None
+        req = self._new_request(req_id, token_ids, len(token_ids), num_pages, host_backed=False)
+        req.resident[:num_pages] = self.gpu_pool.allocate(num_pages)
+        self.stats.gpu_held_admissions += 1
+        return req
+
+    def _new_request(self, req_id: str, token_ids: list[int], prompt_len: int, num_pages: int,
+                     host_backed: bool = True) -> RequestKV:
+        """A request in a free slot with ``num_pages`` indexer blocks (its other tables empty)."""
+        slot = self.free_slots.pop()
+        req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
+                        prompt_len=prompt_len, num_pages=num_pages,
+                        resident=self.resident_table[slot], host=self.host_table[slot],
+                        indexer=self.indexer_table[slot], host_backed=host_backed)
+        self.requests[req_id] = req
+        self.by_uid[req.uid] = req
+        self._mark_changed(slot, "resident", "host", "indexer")
+        req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
         return req
 
     # ------------------------------------------------------------------ disaggregation
@@ -257,15 +290,7 @@ class KVCoordinator:
             hits = self.prefix.lookup(token_ids[:n])[:h]   # reclaim may have reused GPU hits
             if len(hits) < h or self.gpu_pool.num_free < need:
                 return None
-        slot = self.free_slots.pop()
-        req = RequestKV(req_id=req_id, uid=next(self._uids), slot=slot, token_ids=token_ids,
-                        prompt_len=n, num_pages=num_pages,
-                        resident=self.resident_table[slot], host=self.host_table[slot],
-                        indexer=self.indexer_table[slot])
-        self.requests[req_id] = req
-        self.by_uid[req.uid] = req
-        self._mark_changed(slot, "resident", "host", "indexer")
-        req.indexer[:num_pages] = self.indexer_pool.allocate(num_pages)
+        req = self._new_request(req_id, token_ids, n, num_pages)
         for page, (host_block, gpu_block) in enumerate(hits):   # claim before allocating
             self.host_pool.touch(host_block)
             req.host[page] = host_block
@@ -362,6 +387,9 @@ class KVCoordinator:
         req = self.get(req_id)
         if self.host_pool is None:
             raise ValueError("holding KV for a remote decode needs a host tier")
+        if not req.host_backed:
+            raise ValueError(f"request {req_id!r} is GPU-held (no host blocks): admit it with "
+                             "need_host=True to hold its KV for a remote decode")
         blocks = [int(b) for b in req.host[:cdiv(req.prompt_len, self.block_size)]]
         for block in blocks:
             self.host_pool.touch(block)
@@ -425,7 +453,7 @@ class KVCoordinator:
         self.reclaim.switch_to_host_read()
         scheduled, self._scheduled = self._scheduled, []
         uses_host = self.cfg.uses_host
-        seqs, write_reqs, writes = [], [], []
+        seqs, write_reqs, writes, mirror_seqs = [], [], [], []
         for req, start, n in scheduled:
             if req.freed:
                 continue
@@ -435,19 +463,21 @@ class KVCoordinator:
             staged = (prefill and uses_host and not req.host_read
                       and self.reclaim.has_host_only_history(req, start, self.block_size))
             self.stats.staged_chunks += staged
-            seqs.append(ScheduledSeq(req.req_id, req.slot, start, n, req.host_read,
-                                     sample, prefill, staged))
+            seq = ScheduledSeq(req.req_id, req.slot, start, n, req.host_read, sample, prefill,
+                               staged)
+            seqs.append(seq)
             if sample:  # the engine appends it when the step's result comes back
                 req.num_pending_tokens += 1
-            if uses_host:
+            if uses_host and req.host_backed:
                 write = PendingWrite(end)
                 req.pending.append(write)
                 write_reqs.append(req)
                 writes.append(write)
+                mirror_seqs.append(seq)
         mirrors = indexer_mirrors = RowCopy()
         if writes:
             self.pending_by_step[step_id] = (write_reqs, writes)
-            mirrors, indexer_mirrors = self._plan_mirrors(step_id, seqs)
+            mirrors, indexer_mirrors = self._plan_mirrors(step_id, mirror_seqs)
         restores = self._pages_to_rows(self._restore_pages)
         indexer_restores = self._pages_to_rows(self._indexer_restore_pages)
         self._restore_pages, self._indexer_restore_pages = [], []
@@ -583,7 +613,7 @@ class KVCoordinator:
             block = int(req.resident[p])
             if block >= 0 and p >= req.pinned_start:
                 self.gpu_pool.release(block)
-            if self.host_pool is not None:
+            if self.host_pool is not None and req.host_backed:
                 self.host_pool.release(int(req.host[p]))
             self.indexer_pool.release(int(req.indexer[p]))
 

@@ -32,12 +32,12 @@ class Reclaimer:
 
     # ------------------------------------------------------------------ membership
     def started_prefill(self, req: RequestKV) -> None:
-        if self.cfg.mode is not Mode.GPU_ONLY:
+        if self.cfg.mode is not Mode.GPU_ONLY and req.host_backed:
             self.prefilling[req.uid] = req
 
     def started_decoding(self, req: RequestKV) -> None:
         self.prefilling.pop(req.uid, None)
-        if self.cfg.mode is not Mode.GPU_ONLY and not req.host_read:
+        if self.cfg.mode is not Mode.GPU_ONLY and not req.host_read and req.host_backed:
             self.candidates[req.uid] = req
 
     def forget(self, req: RequestKV) -> None:

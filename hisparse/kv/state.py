@@ -56,6 +56,9 @@ class RequestKV:
     # before it were prefix-cache hits here).
     landed_start: int = 0
     remote: bool = False            # admitted by admit_remote (its prompt rows were pulled)
+    # False: GPU-held (hisparse, host pool full): every page on GPU from admission, no host
+    # blocks (``host`` stays -1), never mirrored, switched to host-read mode or published.
+    host_backed: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -84,3 +87,4 @@ class KVStats:
     mirrored_rows: int = 0
     remote_gpu_pages: int = 0       # remote-prefill prompt pages landed in GPU pages
     remote_host_pages: int = 0      # ... landed in the host pool (read through hot buffers)
+    gpu_held_admissions: int = 0    # requests admitted GPU-held (the host pool was full)

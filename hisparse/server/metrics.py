@@ -26,6 +26,9 @@ _ENGINE_COUNTERS = {
     "restored_pages": ("hisparse_restored_pages", "Pages restored host to GPU"),
     "host_read_switches": ("hisparse_host_read_switches",
                            "Requests switched to host-read mode"),
+    "gpu_held_admissions": ("hisparse_gpu_held_admissions",
+                            "Requests admitted GPU-held (every page on GPU, no host blocks: "
+                            "the host pool was full)"),
     "num_preempted": ("hisparse_preemptions", "Requests preempted"),
     "topk_stalls": ("hisparse_topk_stalls",
                     "Top-k row barrier waits that gave up (never expected: inexact selections)"),

@@ -91,11 +91,23 @@ def test_indexer_cache_bound():
 def test_host_pool_bound():
     p = plan(num_gpu_blocks=600, num_indexer_blocks=1000, num_host_blocks=59)
     assert (p["gpu-only"].max_running, p["gpu-only"].bound_by) == (50, GPU_PAGES)
-    for mode in ("hisparse", "always-host"):
-        assert (p[mode].max_running, p[mode].bound_by) == (4, HOST_POOL), mode
+    assert (p["always-host"].max_running, p["always-host"].bound_by) == (4, HOST_POOL)
+    assert p["always-host"].gpu_held == 0
+    # hisparse: 4 host-backed requests (6 arena blocks each), then GPU-held ones of 12 pages
+    # in what the arena has left above the watermark max(4, 60): (600 - 60 - 24) // 12 = 43.
+    h = p["hisparse"]
+    assert (h.max_running, h.gpu_held, h.bound_by) == (47, 43, GPU_PAGES)
+    assert h.bounds[HOST_POOL] == 4 and h.bounds[GPU_PAGES] == 47
+    # ... or what the indexer cache / max_num_seqs leave
+    q = plan(num_gpu_blocks=600, num_indexer_blocks=12 * 10, num_host_blocks=59)["hisparse"]
+    assert (q.max_running, q.gpu_held, q.bound_by) == (10, 6, INDEXER_CACHE)
+    q = plan(num_gpu_blocks=600, num_indexer_blocks=1000, num_host_blocks=59, max_num_seqs=9)
+    assert (q["hisparse"].max_running, q["hisparse"].bound_by) == (9, MAX_NUM_SEQS)
+    # GPU-held requests read every row resident: no PCIe bytes of theirs
+    assert h.h2d_bytes_per_step == pytest.approx(p["always-host"].h2d_bytes_per_step)
     # From bytes: 59 host blocks of 1152 B.
     q = plan(num_gpu_blocks=600, num_indexer_blocks=1000, host_pool_bytes=59 * 1152 + 1151)
-    assert q["hisparse"].num_host_blocks == 59 and q["hisparse"].max_running == 4
+    assert q["always-host"].num_host_blocks == 59 and q["always-host"].max_running == 4
     # No host pool at all: the host modes run nothing.
     assert plan(num_gpu_blocks=600, num_indexer_blocks=1000)["always-host"].max_running == 0
 
@@ -206,7 +218,9 @@ def test_cli_plan_json_and_table(tmp_path, capsys):
         assert {"max_running", "bound_by", "bytes_per_token", "step_time_ms",
                 "decode_tok_s"} <= set(out[mode])
         assert out[mode]["bound_by"] in out[mode]["bounds"]
-        assert out[mode]["max_running"] == min(out[mode]["bounds"].values())
+        assert out[mode]["max_running"] == out[mode]["bounds"][out[mode]["bound_by"]]
+        assert out[mode]["max_running"] == min(v for k, v in out[mode]["bounds"].items()
+                                               if k != HOST_POOL or mode != "hisparse")
     assert out["hisparse"]["bytes_per_token"]["host"] == 5 * (656 + 132)
     assert out["inputs"]["weight_bytes"] == 1_500_000_000
     assert out["hisparse"]["max_running"] > out["gpu-only"]["max_running"] > 0
@@ -285,9 +299,21 @@ def test_engine_indexer_and_host_bounds(dsv32_path):
     assert (plan["gpu-only"].max_running, plan["gpu-only"].bound_by) == (3, INDEXER_CACHE)
     assert llm.stats()["peak_running"] == 3
     host_gib = 2.5 * 14 * BS * llm.caches.geo.bytes_per_token / (1 << 30)
-    llm, plan = _run_engine(dsv32_path, "hisparse", 200, n_requests=6, host_pool_gib=host_gib)
-    assert (plan["hisparse"].max_running, plan["hisparse"].bound_by) == (2, HOST_POOL)
+    llm, plan = _run_engine(dsv32_path, "always-host", 200, n_requests=6,
+                            host_pool_gib=host_gib)
+    assert (plan["always-host"].max_running, plan["always-host"].bound_by) == (2, HOST_POOL)
     assert llm.stats()["peak_running"] == 2
+    # hisparse runs the 4 others GPU-held (14 pages each), as its plan says it can
+    llm, plan = _run_engine(dsv32_path, "hisparse", 200, n_requests=6, host_pool_gib=host_gib)
+    assert plan["hisparse"].bounds[HOST_POOL] == 2 and plan["hisparse"].max_running >= 6
+    assert llm.stats()["peak_running"] == 6 and llm.stats()["gpu_held_admissions"] == 4
+    # an arena with room for two GPU-held requests beside two host-read ones above the
+    # watermark: 2 * 6 + 2 * 14 + max(4, 44 // 10) = 44 blocks
+    llm, plan = _run_engine(dsv32_path, "hisparse", 44, n_requests=6, host_pool_gib=host_gib)
+    assert (plan["hisparse"].max_running, plan["hisparse"].gpu_held) == (4, 2)
+    assert plan["hisparse"].bound_by == GPU_PAGES
+    s = llm.stats()
+    assert s["peak_running"] == 4 and s["gpu_held_admissions"] >= 2, s
 
 
 def test_format_plan_lists_every_mode():
@@ -340,11 +366,14 @@ def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode
     assert kv.num_indexer_blocks == want.max_running * kv.max_pages_per_request
     if mode == "gpu-only":
         assert got.bound_by in (GPU_PAGES, INDEXER_CACHE)
-    else:   # the indexer cache is never what stops the host modes
+    elif mode == "always-host":   # the indexer cache is never what stops the host modes
         assert got.bounds[INDEXER_CACHE] >= got.max_running
         assert got.bound_by == HOST_POOL and got.max_running == 6
         # the arena keeps the rest of the budget (resident pages: fewer host reads)
         assert kv.num_gpu_blocks > 6 * kv.max_pages_per_request
+    else:   # hisparse: 6 host-backed requests, GPU-held ones in the rest of the budget
+        assert got.bounds[HOST_POOL] == 6 and got.gpu_held == got.max_running - 6 > 0
+        assert got.bound_by in (GPU_PAGES, MAX_NUM_SEQS, INDEXER_CACHE)
 
 
 def test_host_pool_auto_without_cuda(dsv32_path, monkeypatch):
@@ -380,7 +409,11 @@ def test_engine_split_on_cuda_matches_capacity(dsv32_path, mode):
     assert tuple(c.indexer.shape) == tuple(c.geo.indexer_shape(kv.num_indexer_blocks + 1, BS))
     if mode != "gpu-only":
         assert c.host.shape[1] == kv.num_host_blocks * BS and c.host.is_pinned()
+    if mode == "always-host":
         assert got.bound_by in (HOST_POOL, MAX_NUM_SEQS, HOT_BUFFERS)
+    elif mode == "hisparse":    # GPU-held requests past the host pool's bound
+        assert got.gpu_held == 0 or got.max_running - got.gpu_held == got.bounds[HOST_POOL]
+        assert got.bound_by in (HOST_POOL, MAX_NUM_SEQS, GPU_PAGES, INDEXER_CACHE)
     assert kv.num_indexer_blocks == got.max_running * kv.max_pages_per_request
     assert got.max_running > 0
     llm.shutdown()

@@ -531,7 +531,8 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
     and recompute, and a request that cannot be scheduled beside the quarantine fails after
     the load timeout with a clear error instead of waiting forever (or stopping the engine).
     The prefill is killed: its READs fail, the quarantined blocks come back, the pools are
-    full and serve the same prompts."""
+    full and serve the same prompts. (The decode runs ``always-host``: in ``hisparse`` the
+    recomputes would run GPU-held, without host blocks, beside the quarantine.)"""
     sizing = engine(dsv32_path)
     bs = sizing.kv_config.block_size
     pages = [-(-(len(b["prompt_token_ids"]) + N_OUT) // bs) for b in small_batch]
@@ -540,7 +541,7 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
         d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16,
-                   host_pool_gib=(sum(pages) + 0.5) * block_bytes / 2**30)
+                   host_pool_gib=(sum(pages) + 0.5) * block_bytes / 2**30, mode="always-host")
         assert d.kv_config.num_host_blocks == sum(pages)
         agent = d.disagg.agent
         post = agent._post_reads

@@ -74,6 +74,24 @@ def test_lossless_under_a_tiny_gpu_pool(dsv32_path, mode):
             assert s["hot_misses"] > 0 and s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0
 
 
+def test_lossless_with_gpu_held_requests_past_a_small_host_pool(dsv32_path):
+    """hisparse with a host pool of two max-length requests: the others run GPU-held (all
+    pages on GPU, no host blocks) while host-backed ones switch to host-read mode under
+    pressure; greedy tokens equal the unconstrained run's."""
+    ref = unconstrained(dsv32_path)
+    host_gib = 2.5 * 24 * 8 * ref.caches.geo.bytes_per_token / (1 << 30)   # 24 pages a request
+    batch = prompts(8, 90, 150, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randrange(20, 40),
+                             ignore_eos=True) for i in range(8)]
+    want = tokens(ref.generate(batch, params))
+    llm = tiny_pool(dsv32_path, num_gpu_blocks=110, host_pool_gib=host_gib)
+    assert tokens(llm.generate(batch, params)) == want
+    s = llm.stats()
+    assert s["gpu_held_admissions"] > 0 and s["host_read_switches"] > 0, s
+    assert s["peak_running"] > 2 and s["hot_misses"] > 0
+    assert s["free_gpu_blocks"] == 110 and s["free_host_blocks"] == llm.kv_config.num_host_blocks
+
+
 def test_overwritten_hot_lru_is_reported_and_outputs_stay_exact(dsv32_path, caplog):
     """Hot-buffer LRU entries overwritten mid-run with values out of range, their slots' rows
     lost (the resolver's fail-safe skips such entries, ``counters[2]``), show in

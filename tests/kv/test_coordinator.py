@@ -145,3 +145,78 @@ def test_prefill_released_pages_switch_to_host_read_at_first_decode():
     assert kv.allocate_slots(a, 1)                                # first decode token
     assert a.host_read and len(a.hot_blocks) == kv.cfg.hot_blocks_per_request
     assert not kv.build_plan(4).seqs[0].staged
+
+
+def test_gpu_held_admission_once_the_host_pool_is_full():
+    """hisparse: a request the host pool cannot hold runs with every page on GPU and no host
+    blocks (when they fit above the watermark); it is never mirrored, never a switch
+    candidate, and frees its pages like any other."""
+    c = cfg(num_host_blocks=16, num_gpu_blocks=40, watermark_blocks=4)
+    kv = KVCoordinator(c)
+    a = kv.admit("a", list(range(10)), 64)          # takes the whole host pool (16 pages)
+    assert a.host_backed and (a.host[:16] >= 0).all() and kv.host_pool.num_free == 0
+    free = kv.gpu_pool.num_free
+    b = kv.admit("b", list(range(50, 60)), 32)      # 8 pages
+    assert not b.host_backed and kv.stats.gpu_held_admissions == 1
+    assert (b.resident[:8] >= 0).all() and (b.host == -1).all()
+    assert kv.gpu_pool.num_free == free - 8
+    # kv_role="prefill" requests must reach the host pool: they wait instead
+    assert kv.admit("p", list(range(5)), 8, need_host=True) is None
+    with pytest.raises(ValueError, match="GPU-held"):
+        kv.hold("b")
+    assert kv.allocate_slots(a, 10) and kv.allocate_slots(b, 10)
+    plan = kv.build_plan(1)
+    pos = np.arange(10)
+    assert np.array_equal(plan.mirrors.src_rows, flat_rows(a.resident[None], 0, pos, 4))
+    assert np.array_equal(plan.indexer_mirrors.src_rows, flat_rows(a.indexer[None], 0, pos, 4))
+    assert not b.pending and b.num_durable == 0
+    kv.apply_acks([1])
+    b.token_ids.append(7)
+    b.num_pending_tokens = 0
+    assert kv.allocate_slots(b, 1)                   # decoding: not a host-read candidate
+    assert b.uid not in kv.reclaim.candidates and not b.host_read
+    assert len(kv.build_plan(2).mirrors) == 0
+    # GPU-held admissions leave the watermark (4) free: 40 - 3 (a) - 8 (b) = 29 free
+    assert kv.gpu_pool.num_free == 29
+    assert not kv.admit("c", list(range(3)), 64).host_backed          # 16 pages: 13 left
+    # reclaim first: a's one clean page outside its tail is unpinned (14 free)
+    assert kv.admit("d", list(range(3)), 44) is None                  # 11 pages would leave 3
+    assert a.pinned_start == 1 and kv.gpu_pool.num_free == 14
+    assert kv.admit("d", list(range(3)), 40) is not None              # 10 pages leave 4
+    assert kv.gpu_pool.num_free == 4
+    for req_id in "bcda":
+        kv.free(req_id)
+    kv.apply_acks([2])
+    assert kv.gpu_pool.num_free == 40 and kv.host_pool.num_free == 16
+    assert kv.indexer_pool.num_free == 100
+
+
+def test_gpu_held_admission_keeps_the_watermark():
+    c = cfg(num_host_blocks=16, num_gpu_blocks=20, watermark_blocks=4, max_model_len=64)
+    kv = KVCoordinator(c)
+    kv.admit("a", list(range(4)), 64)               # host pool full, 1 GPU page so far
+    assert kv.allocate_slots(kv.get("a"), 4)
+    assert kv.admit("b", list(range(4)), 64) is None          # 16 pages + 4 > 20 - 1 free
+    b = kv.admit("b", list(range(4)), 60)                     # 15 pages: 19 - 15 = 4 left
+    assert b is not None and not b.host_backed and kv.gpu_pool.num_free == 4
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "always-host"])
+def test_small_host_pool_workload_with_invariants(mode):
+    """A host pool of two requests: hisparse runs the rest GPU-held (every invariant checked
+    each step, every pool whole at the end); always-host admits only what the pool holds."""
+    c = cfg(mode=mode, num_host_blocks=32, num_gpu_blocks=80, max_num_seqs=6)
+    sim = Simulation(c, seed=11)
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        prompt = [int(t) for t in rng.integers(0, 50, int(rng.integers(20, 40)))]
+        sim.add(prompt, 64 - len(prompt))           # max_len 64: 16 host blocks each
+    result = sim.run_to_completion(check=True)
+    sim.check_all_free()
+    assert result.finished == 12
+    if mode == "hisparse":
+        assert result.stats["gpu_held_admissions"] > 0
+        assert sim.scheduler.peak_running > 32 // 16
+    else:
+        assert result.stats["gpu_held_admissions"] == 0
+        assert sim.scheduler.peak_running <= 32 // 16
