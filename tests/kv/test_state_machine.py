@@ -20,15 +20,17 @@ class KVCoreMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["hisparse", "always-host", "gpu-only"]),
                 block_size=st.sampled_from([2, 4, 8]),
                 gpu_slack=st.integers(0, 12), seed=st.integers(0, 2**16),
-                watermark=st.sampled_from([None, 0, 3]))
-    def setup(self, mode, block_size, gpu_slack, seed, watermark):
+                watermark=st.sampled_from([None, 0, 3]),
+                host_requests=st.sampled_from([1, 3]))
+    def setup(self, mode, block_size, gpu_slack, seed, watermark, host_requests):
         max_model_len = 12 * block_size
         hot = 2 * block_size
         chunk = 2 * block_size
         base = max(max_model_len // block_size, hot // block_size + 2 + chunk // block_size + 1)
         self.cfg = KVCacheConfig(
             block_size=block_size, num_gpu_blocks=base + gpu_slack,
-            num_host_blocks=3 * max_model_len // block_size + gpu_slack,
+            # one max-length request's host blocks: hisparse admits the others GPU-held
+            num_host_blocks=host_requests * max_model_len // block_size + gpu_slack,
             num_indexer_blocks=2 * max_model_len // block_size + gpu_slack,
             max_model_len=max_model_len, index_topk=block_size, hot_buffer_size=hot,
             max_num_seqs=6, max_num_batched_tokens=chunk, mode=mode, watermark_blocks=watermark)
