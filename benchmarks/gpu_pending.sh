@@ -236,7 +236,9 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
           --splits 16 --policy $policy --out "$out/bench_resolver_$policy.json"
       done ;;
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
-             # profile (whole-run figures under the current warm-up; ~5 min)
+             # profile (whole-run figures under the current warm-up; ~5 min). `max` is
+             # hisparse's plan with GPU-held requests (twentieth session: ~61 against the host
+             # pool's 42): both modes run that many requests
       run rankmax 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
         --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \

@@ -81,6 +81,8 @@ class Point:
     planned_max_running: int = 0             # the capacity planner's prediction
     planned_bound_by: str = ""
     planned_tok_s: float = float("nan")      # roofline: HBM and PCIe bytes per step
+    planned_gpu_held: int = 0                # of planned_max_running: GPU-held (hisparse)
+    gpu_kv_bytes: int = 0                    # the GPU KV budget the engine split (0: not split)
     hot_policy: str = "lru"                  # hot-buffer replacement (HiSparse modes)
     hot_demand_misses: int = 0               # rows a step waited for
     hot_prefetched: int = 0                  # band rows copied ahead (score+prefetch)
@@ -242,6 +244,11 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
     return out
 
 
+def planned_inputs_budget(llm) -> int:
+    """The GPU KV budget ``llm`` split its pools from (0 when it did not split one)."""
+    return llm.capacity().inputs.gpu_kv_bytes or 0
+
+
 def prefill_budget(context: int) -> int:
     """``max_num_batched_tokens`` of a run at ``context``: prompts are synthetic (random rows),
     so a large budget admits them quickly."""
@@ -357,6 +364,7 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
         steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
         gpu_ms_per_step=steps["gpu_ms_per_step"],
         planned_max_running=planned.max_running, planned_bound_by=planned.bound_by,
+        planned_gpu_held=planned.gpu_held, gpu_kv_bytes=planned_inputs_budget(llm),
         kernel_ms=None if kernels is None else kernels.ms_per_step,
         kernels_per_layer=(float("nan") if kernels is None
                            else kernels.per_layer(llm.model_config.num_layers)),
@@ -382,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate-size", type=int, default=None, help="dense MLP width")
     p.add_argument("--contexts", default=None)
     p.add_argument("--concurrency", default=None,
-                   help="comma list; 'max' = what the host pool and hot buffers allow "
-                        "(hisparse runs GPU-held requests past the host pool: give a number; "
-                        "the table's planned_max_running is its plan)")
+                   help="comma list; 'max' = hisparse's planned maximum (host-backed plus "
+                        "GPU-held requests, on the GPU budget the warm-up engine split) when "
+                        "hisparse runs, else what the host pool allows")
     p.add_argument("--outputs", type=int, default=None)
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU arena of MLA rows")
     p.add_argument("--gpu-kv-tokens", type=int, default=None,
@@ -506,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     host_modes = [m for m in a.modes.split(",") if m != "gpu-only"]
 
     def host_cap(context: int) -> int:
-        """Requests of ``context`` tokens the host pool holds (the host modes' ``max``)."""
+        """Requests of ``context`` tokens the host pool holds (always-host's ``max``)."""
         cap = host_rows // (context + a.outputs + 64)
         if cap < 1:
             p.error(f"--host-pool-gib {a.host_pool_gib}: holds no {context}-token request of "
@@ -528,15 +536,33 @@ def main(argv: list[str] | None = None) -> int:
     # first use (CUPTI's start-up) included: else the first measured mode pays for them
     warm_context = max(contexts)
     warm_requests = warm_up_requests(warm_context, cap_of(warm_context))
+    budget = 0
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
-            run_point(path, modes[name], a.topk, tables[a.topk, warm_context], warm_context,
-                      warm_requests, 8, num_gpu_blocks, host_buffers, a.host_pool_gib,
-                      warm_requests, enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
-                      hot_policy=policy, k=topk_k, hot_prefetch_rows=a.hot_prefetch_rows,
-                      profile_steps=1 if a.profile_kernels else 0)
+            warm = run_point(path, modes[name], a.topk, tables[a.topk, warm_context],
+                             warm_context, warm_requests, 8, num_gpu_blocks, host_buffers,
+                             a.host_pool_gib, warm_requests, enforce_eager=a.eager,
+                             kv_cache_dtype=a.kv_cache_dtype, hot_policy=policy, k=topk_k,
+                             hot_prefetch_rows=a.hot_prefetch_rows,
+                             profile_steps=1 if a.profile_kernels else 0)
+            budget = max(budget, warm.gpu_kv_bytes)
     print(f"warm-up ({warm_requests} x {warm_context} tokens a mode) "
           f"{time.perf_counter() - t:.1f} s", flush=True)
+
+    def max_of(context: int) -> int:
+        """``--concurrency max``: hisparse's planned maximum on the GPU KV budget the engine
+        split (host-backed plus GPU-held requests) when hisparse runs; else the host pool's."""
+        if "hisparse" in host_modes and budget:
+            from hisparse.engine.capacity import CapacityInputs, load_geometry, plan_capacity
+            plan = plan_capacity(load_geometry(path), CapacityInputs(
+                context=context + a.outputs, gpu_kv_bytes=budget, block_size=block_size,
+                kv_cache_dtype=a.kv_cache_dtype, num_host_blocks=host_rows // block_size,
+                max_num_seqs=4096))["hisparse"]
+            print(f"--concurrency max at {context}: hisparse's plan, {plan.max_running} "
+                  f"requests ({plan.gpu_held} GPU-held; {budget / (1 << 30):.1f} GiB GPU KV "
+                  f"budget)", flush=True)
+            return plan.max_running
+        return host_cap(context)
 
     def record(pt: Point) -> None:
         points.append(pt)
@@ -548,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         if not host_modes and "max" in a.concurrency.split(","):
             p.error("--concurrency max is the host pool's limit: give numbers for gpu-only")
         cap = cap_of(context)
-        levels = sorted({min(host_cap(context), cap) if c == "max" else min(int(c), cap)
+        levels = sorted({min(max_of(context), cap) if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
         table = tables[a.topk, context]
         for conc in levels:

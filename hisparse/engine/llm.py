@@ -161,6 +161,7 @@ class LLM:
         self.core = parts.core
         self.disagg = parts.disagg
         self.switches = parts.switches
+        self._gpu_kv_budget = parts.gpu_kv_budget
         self._tp = parts.tp
         self._tp_finalizer = (weakref.finalize(self, parts.tp.close)
                               if parts.tp is not None else None)
@@ -481,8 +482,11 @@ class LLM:
     def capacity(self, context: int | None = None, **overrides):
         """Capacity plan of this engine's real pools, every mode (see
         ``hisparse.engine.capacity``); ``context`` defaults to ``max_model_len``; ``overrides``
-        replace ``CapacityInputs`` fields (``hit_rate``, ``hbm_gb_s``, ...)."""
+        replace ``CapacityInputs`` fields (``hit_rate``, ``hbm_gb_s``, ...). When the engine
+        split its GPU pools from free memory, ``inputs.gpu_kv_bytes`` is that budget: pass
+        ``num_gpu_blocks=None, num_indexer_blocks=None`` to plan a split of it (e.g. with
+        another ``max_num_seqs``)."""
         from hisparse.engine.capacity import plan_for_llm
 
         self._check_open()
-        return plan_for_llm(self, context, **overrides)
+        return plan_for_llm(self, context, **{"gpu_kv_bytes": self._gpu_kv_budget, **overrides})

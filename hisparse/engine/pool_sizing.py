@@ -157,14 +157,17 @@ def host_blocks(host_pool_gib: float, given_buffers: bool, geo: CacheGeometry,
     return blocks
 
 
-def size_kv_config(plan: PoolPlan, args: EngineArgs, mc, model) -> KVCacheConfig:
-    """The engine's :class:`~hisparse.config.KVCacheConfig`: ``plan`` with the GPU pools sized.
-    Given ``num_gpu_blocks`` is kept; otherwise CPU holds ``max_num_seqs`` full-length requests
-    and CUDA fills free memory x ``gpu_memory_utilization`` less the logits state, the
+def size_kv_config(plan: PoolPlan, args: EngineArgs, mc, model) -> tuple[KVCacheConfig,
+                                                                         int | None]:
+    """The engine's :class:`~hisparse.config.KVCacheConfig`: ``plan`` with the GPU pools sized,
+    and the GPU KV budget they were split from (bytes; ``None`` unless split: CPU, or a pool
+    given). Given ``num_gpu_blocks`` is kept; otherwise CPU holds ``max_num_seqs`` full-length
+    requests and CUDA fills free memory x ``gpu_memory_utilization`` less the logits state, the
     speculative graphs' buffers (``model`` loaded: its weights already counted as used) and the
     staging area, split between the arena and the indexer cache when ``plan.auto_split``."""
     kv_fields = dict(plan.kv_fields)
     num_gpu_blocks = plan.num_gpu_blocks
+    split_budget = None
     if num_gpu_blocks is None:
         from hisparse.engine.logits import LogitsState
 
@@ -182,10 +185,11 @@ def size_kv_config(plan: PoolPlan, args: EngineArgs, mc, model) -> KVCacheConfig
             num_gpu_blocks = max(max_num_seqs * pages, min_gpu)
         elif plan.auto_split:
             num_gpu_blocks, kv_fields["num_indexer_blocks"] = split_gpu_budget(plan, mc, budget)
+            split_budget = budget
         else:
             num_gpu_blocks = default_gpu_blocks(plan, device, args.gpu_memory_utilization,
                                                 reserve)
-    return KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_fields)
+    return KVCacheConfig(num_gpu_blocks=num_gpu_blocks, **kv_fields), split_budget
 
 
 def gpu_kv_budget(device: torch.device, geo: CacheGeometry, utilization: float, reserve: int,

@@ -66,6 +66,7 @@ class EngineParts:
     tokenizer: object
     switches: kernel_switches.KernelSwitches
     tp: object = None
+    gpu_kv_budget: int | None = None    # bytes the GPU pools were split from (None: not split)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
@@ -81,7 +82,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if tp > 1:
         torch.manual_seed(_TP_SEED)     # load_format="dummy": the same weights on every rank
     model = load_weights(args, mc, 1 if k_spec else 0)
-    kv_config = size_kv_config(plan, args, mc, model)
+    kv_config, gpu_kv_budget = size_kv_config(plan, args, mc, model)
     workers = runner = core = disagg = None
     try:
         host_buffers = args.host_buffers
@@ -119,7 +120,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
                        model_config=mc, max_model_len=plan.max_model_len, kv_config=kv_config,
                        model=model, caches=caches, runner=runner, scheduler=scheduler,
                        core=core, disagg=disagg, tokenizer=tokenizer, switches=switches,
-                       tp=workers)
+                       tp=workers, gpu_kv_budget=gpu_kv_budget)
 
 
 def load_weights(args: EngineArgs, mc, num_mtp_layers: int) -> torch.nn.Module:

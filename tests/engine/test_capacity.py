@@ -363,6 +363,14 @@ def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode
         kv_cache_dtype="float32",
         num_host_blocks=kv.num_host_blocks if mode != "gpu-only" else None))[mode]
     assert got.max_running == want.max_running > 0
+    # the budget the pools came from, replanned: the same split, or another max_num_seqs's
+    plan = llm.capacity()
+    assert plan.inputs.gpu_kv_bytes == budget
+    again = llm.capacity(num_gpu_blocks=None, num_indexer_blocks=None)[mode]
+    assert (again.max_running, again.num_gpu_blocks, again.num_indexer_blocks) == (
+        want.max_running, want.num_gpu_blocks, want.num_indexer_blocks)
+    wider = llm.capacity(num_gpu_blocks=None, num_indexer_blocks=None, max_num_seqs=64)[mode]
+    assert wider.max_running >= got.max_running
     assert kv.num_indexer_blocks == want.max_running * kv.max_pages_per_request
     if mode == "gpu-only":
         assert got.bound_by in (GPU_PAGES, INDEXER_CACHE)
