@@ -40,14 +40,12 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 
 for section in "$@"; do
   case $section in
-    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~2
-             # min; the nineteenth session ran the former list on an H100 at 078b5d7, every
-             # file passing, then put the attention kernel back to 9bcd255's text, which
-             # passed on the H200; owed now: the engine's stats() reading the resolver's
-             # corrupt-LRU counter, and the dead code removed from the NIXL transfer);
-             # then run its sections with SKIP_TESTS=1
+    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~1
+             # min; the twentieth session ran them on an H100 at 54415f2 and 6dfb9cd, every
+             # file passing: the engine's stats(), the NIXL transfer's dead code, GPU-held
+             # requests and the capacity budget); then run its sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
-        tests/engine/test_disagg_gpu.py" \
+        tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
