@@ -23,8 +23,8 @@ request whose full length fits the GPU arena with the watermark still free is ad
 ``gpu-only`` admits it -- every page reserved on GPU, no host blocks -- instead of waiting. Its
 rows are never mirrored, its pages never turn clean, it never switches to host-read mode and
 never publishes prefix pages (I1 holds: every row stays resident). So the host pool bounds only
-the requests that may leave the GPU, and ``hisparse`` never runs fewer requests than the GPU
-alone would hold.
+the requests that may leave the GPU: a small host pool no longer caps ``hisparse`` below what
+its GPU arena holds (less the watermark).
 """
 
 from __future__ import annotations
