@@ -249,6 +249,20 @@ def planned_inputs_budget(llm) -> int:
     return llm.capacity().inputs.gpu_kv_bytes or 0
 
 
+def hisparse_plan(path: str, max_len: int, gpu_kv_bytes: int, num_host_blocks: int,
+                  block_size: int, kv_cache_dtype: str):
+    """The planner's ``hisparse`` :class:`~hisparse.engine.capacity.ModePlan` for requests of
+    ``max_len`` tokens of the checkpoint at ``path``: ``gpu_kv_bytes`` split as an engine with
+    any ``max_num_seqs`` would split it, beside ``num_host_blocks`` host blocks (host-backed
+    requests, then GPU-held ones)."""
+    from hisparse.engine.capacity import CapacityInputs, load_geometry, plan_capacity
+
+    return plan_capacity(load_geometry(path), CapacityInputs(
+        context=max_len, gpu_kv_bytes=gpu_kv_bytes, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype, num_host_blocks=num_host_blocks,
+        max_num_seqs=4096))["hisparse"]
+
+
 def prefill_budget(context: int) -> int:
     """``max_num_batched_tokens`` of a run at ``context``: prompts are synthetic (random rows),
     so a large budget admits them quickly."""
@@ -553,11 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         """``--concurrency max``: hisparse's planned maximum on the GPU KV budget the engine
         split (host-backed plus GPU-held requests) when hisparse runs; else the host pool's."""
         if "hisparse" in host_modes and budget:
-            from hisparse.engine.capacity import CapacityInputs, load_geometry, plan_capacity
-            plan = plan_capacity(load_geometry(path), CapacityInputs(
-                context=context + a.outputs, gpu_kv_bytes=budget, block_size=block_size,
-                kv_cache_dtype=a.kv_cache_dtype, num_host_blocks=host_rows // block_size,
-                max_num_seqs=4096))["hisparse"]
+            plan = hisparse_plan(path, context + a.outputs, budget, host_rows // block_size,
+                                 block_size, a.kv_cache_dtype)
             print(f"--concurrency max at {context}: hisparse's plan, {plan.max_running} "
                   f"requests ({plan.gpu_held} GPU-held; {budget / (1 << 30):.1f} GiB GPU KV "
                   f"budget)", flush=True)

@@ -371,6 +371,14 @@ def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode
         want.max_running, want.num_gpu_blocks, want.num_indexer_blocks)
     wider = llm.capacity(num_gpu_blocks=None, num_indexer_blocks=None, max_num_seqs=64)[mode]
     assert wider.max_running >= got.max_running
+    if mode == "hisparse":   # `hisparse bench --concurrency max` plans the same
+        from hisparse.bench.decode import hisparse_plan
+
+        bench = hisparse_plan(dsv32_path, 112, budget, kv.num_host_blocks, BS, "float32")
+        widest = llm.capacity(num_gpu_blocks=None, num_indexer_blocks=None,
+                              max_num_seqs=4096)[mode]
+        assert (bench.max_running, bench.gpu_held) == (widest.max_running, widest.gpu_held)
+        assert bench.gpu_held > 0 and bench.max_running > got.max_running - got.gpu_held
     assert kv.num_indexer_blocks == want.max_running * kv.max_pages_per_request
     if mode == "gpu-only":
         assert got.bound_by in (GPU_PAGES, INDEXER_CACHE)
