@@ -316,6 +316,16 @@ def _arena_for(need: int, reserve, floor: int) -> int:
     return lo
 
 
+def arena_blocks_for(need: int, watermark_blocks: int | None, hot_blocks: int) -> int:
+    """The smallest arena that keeps ``need`` blocks in use beside the watermark (``None``: the
+    default rule ``max(hot_blocks, N // 10)``)."""
+    def reserve(n_blocks: int) -> int:
+        return watermark_blocks if watermark_blocks is not None else max(hot_blocks,
+                                                                         n_blocks // 10)
+
+    return _arena_for(need, reserve, need)
+
+
 def _pick(bounds: dict[str, int]) -> tuple[int, str]:
     best = min(bounds.values())
     tied = [k for k, v in bounds.items() if v == best]
@@ -395,8 +405,8 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
         room = inp.max_num_seqs - n
         if n_gpu_arena is not None:
             arena_room = max(0, n_gpu_arena - held_reserve(n_gpu_arena) - n * arena_per) // pages
-            # ties name the arena or max_num_seqs, not an indexer cache sized to match them
-            held, stop = min((arena_room, GPU_PAGES), (room, MAX_NUM_SEQS),
+            # ties name max_num_seqs, then the arena, not pools sized to match them
+            held, stop = min((room, MAX_NUM_SEQS), (arena_room, GPU_PAGES),
                              (n_idx // pages - n, INDEXER_CACHE), key=lambda b: b[0])
         else:
             def need_held(k: int) -> int:

@@ -209,7 +209,7 @@ def split_gpu_budget(plan: PoolPlan, mc, budget: int) -> tuple[int, int]:
     indexer cache holds the requests the mode can run -- bounded by the host pool, the hot
     buffers / GPU pages or ``max_num_seqs`` -- and the arena gets the rest, so neither pool
     idles while the other binds."""
-    from hisparse.engine.capacity import planner_geometry, planner_kv_dtype
+    from hisparse.engine.capacity import arena_blocks_for, planner_geometry, planner_kv_dtype
     from hisparse.engine.capacity import split_gpu_budget as planner_split
 
     kv, geo, min_gpu = plan.kv_fields, plan.geometry, plan.min_gpu_blocks
@@ -222,7 +222,11 @@ def split_gpu_budget(plan: PoolPlan, mc, budget: int) -> tuple[int, int]:
         num_host_blocks=kv["num_host_blocks"] if mode != Mode.GPU_ONLY else None,
         watermark_blocks=kv["watermark_blocks"])
     n_idx = max(n_idx, pages)
-    n_gpu = min(n_gpu, max(kv["max_num_seqs"] * pages, min_gpu))
+    cap = max(kv["max_num_seqs"] * pages, min_gpu)
+    if mode == Mode.HISPARSE:   # GPU-held requests: that many full-length ones, watermark free
+        cap = arena_blocks_for(cap, kv["watermark_blocks"],
+                               cdiv(kv["hot_buffer_size"] or 2 * kv["index_topk"], bs))
+    n_gpu = min(n_gpu, cap)
     if n_gpu < min_gpu:
         raise ValueError(
             f"free GPU memory for the KV cache ({budget / (1 << 30):.2f} GiB after the "

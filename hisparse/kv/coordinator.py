@@ -211,10 +211,13 @@ class KVCoordinator:
     def _admit_gpu_held(self, req_id: str, token_ids: list[int],
                         num_pages: int) -> RequestKV | None:
         """Admit a request the host pool cannot hold with all ``num_pages`` pages on GPU, if
-        they fit with the watermark still free (reclaiming first); prefix hits are not used
-        (they live in host blocks)."""
+        they fit with the watermark still free (reclaiming first, but only when reclaim can
+        reach that: a hopeless admission must not switch anyone to host-read mode); prefix
+        hits are not used (they live in host blocks)."""
         need = num_pages + self.cfg.watermark
-        if self.gpu_pool.num_free < need and not self.reclaim.ensure_free_gpu(need):
+        free = self.gpu_pool.num_free
+        if free < need and (free + self.reclaim.reclaimable_blocks() < need
+                            or not self.reclaim.ensure_free_gpu(need)):
             return None
         req = self._new_request(req_id, token_ids, len(token_ids), num_pages, host_backed=False)
         req.resident[:num_pages] = self.gpu_pool.allocate(num_pages)

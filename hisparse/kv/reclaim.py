@@ -133,6 +133,22 @@ class Reclaimer:
             if req.num_computed // self.block_size > min_pages:
                 self.switch(req)
 
+    def reclaimable_blocks(self) -> int:
+        """At most how many GPU blocks :meth:`ensure_free_gpu` could free now: the clean
+        pinned pages no one else references of the candidates a switch would pick (less the
+        hot blocks each switch leases) and of the prefilling requests. An upper bound, to
+        refuse a hopeless reclaim before it switches anyone."""
+        refs, bs = self.gpu_pool.ref_counts, self.block_size
+        min_pages = self.cfg.hot_blocks_per_request + ACTIVE_TAIL_PAGES
+
+        def sole_clean(req: RequestKV) -> int:
+            return sum(1 for p in self.clean_pinned_pages(req)
+                       if req.resident[p] >= 0 and refs[req.resident[p]] == 1)
+
+        n = sum(max(0, sole_clean(r) - self.cfg.hot_blocks_per_request)
+                for r in self.candidates.values() if r.num_computed // bs > min_pages)
+        return n + sum(sole_clean(r) for r in self.prefilling.values())
+
     def ensure_free_gpu(self, need: int) -> bool:
         """Reclaim (switch requests) until ``need`` GPU blocks are free; False if it cannot."""
         if self.gpu_pool.num_free < need:

@@ -233,6 +233,7 @@ def test_cli_plan_json_and_table(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the engine agrees
 
+GIB_ = 1 << 30
 PROMPT, OUT, BS, HOT = 64, 48, 8, 32   # 112 tokens: 14 pages; host-read: 4 hot + 2 tail blocks
 
 
@@ -390,6 +391,30 @@ def test_engine_splits_the_gpu_budget_for_its_mode(dsv32_path, monkeypatch, mode
     else:   # hisparse: 6 host-backed requests, GPU-held ones in the rest of the budget
         assert got.bounds[HOST_POOL] == 6 and got.gpu_held == got.max_running - 6 > 0
         assert got.bound_by in (GPU_PAGES, MAX_NUM_SEQS, INDEXER_CACHE)
+
+
+def test_engine_split_reaches_the_gpu_held_plan(dsv32_path, monkeypatch):
+    """A budget past what max_num_seqs full-length requests need and a host pool of one
+    request: hisparse's plan is max_num_seqs requests, all but one GPU-held, and the arena the
+    engine allocates (capped near max_num_seqs requests' pages) still leaves the watermark
+    free beside them, so its own capacity() reaches the plan."""
+    from hisparse import LLM
+    from hisparse.engine import pool_sizing
+
+    mg = load_geometry(dsv32_path)
+    per_page = BS * (mg.num_layers * mg.row_bytes("float32")
+                     + mg.num_indexer_layers * mg.key_bytes("float32"))
+    budget = 3 * 16 * 14 * per_page                     # ~3x what 16 requests of 14 pages take
+    monkeypatch.setattr(pool_sizing, "gpu_kv_budget",
+                        lambda device, geo, util, reserve, staging_rows: budget)
+    llm = LLM(dsv32_path, device="cpu", dtype="float32", block_size=BS, max_model_len=112,
+              max_num_seqs=16, hot_buffer_size=HOT, host_pool_gib=1.5 * 14 * per_page / GIB_,
+              max_num_batched_tokens=64, mode="hisparse")
+    got = llm.capacity()["hisparse"]
+    assert got.bounds[HOST_POOL] == 1
+    assert (got.max_running, got.gpu_held, got.bound_by) == (16, 15, MAX_NUM_SEQS)
+    kv = llm.kv_config
+    assert kv.num_gpu_blocks - kv.watermark >= 15 * 14 + got.arena_blocks_per_request
 
 
 def test_host_pool_auto_without_cuda(dsv32_path, monkeypatch):

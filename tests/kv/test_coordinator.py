@@ -179,11 +179,13 @@ def test_gpu_held_admission_once_the_host_pool_is_full():
     # GPU-held admissions leave the watermark (4) free: 40 - 3 (a) - 8 (b) = 29 free
     assert kv.gpu_pool.num_free == 29
     assert not kv.admit("c", list(range(3)), 64).host_backed          # 16 pages: 13 left
-    # reclaim first: a's one clean page outside its tail is unpinned (14 free)
-    assert kv.admit("d", list(range(3)), 44) is None                  # 11 pages would leave 3
-    assert a.pinned_start == 1 and kv.gpu_pool.num_free == 14
-    assert kv.admit("d", list(range(3)), 40) is not None              # 10 pages leave 4
-    assert kv.gpu_pool.num_free == 4
+    # 11 pages + the watermark: 15 > 13 free + a's one reclaimable clean page, so nothing
+    # is reclaimed for an admission that cannot succeed
+    assert kv.admit("d", list(range(3)), 44) is None
+    assert a.pinned_start == 0 and kv.gpu_pool.num_free == 13
+    # 10 pages: reclaim first (a's clean page outside its tail is unpinned), 4 left
+    assert kv.admit("d", list(range(3)), 40) is not None
+    assert a.pinned_start == 1 and kv.gpu_pool.num_free == 4
     for req_id in "bcda":
         kv.free(req_id)
     kv.apply_acks([2])
@@ -220,3 +222,24 @@ def test_small_host_pool_workload_with_invariants(mode):
     else:
         assert result.stats["gpu_held_admissions"] == 0
         assert sim.scheduler.peak_running <= 32 // 16
+
+
+def test_hopeless_gpu_held_admission_switches_no_one():
+    """A request that cannot fit the arena GPU-held even after every reclaim is refused before
+    anyone is switched to host-read mode (each step would otherwise push another resident
+    request to host reads for nothing)."""
+    kv = KVCoordinator(cfg(num_host_blocks=16, num_gpu_blocks=18, watermark_blocks=4))
+    a = kv.admit("a", list(range(36)), 64)          # the whole host pool
+    assert kv.allocate_slots(a, 36)
+    kv.build_plan(1)
+    kv.apply_acks([1])
+    a.token_ids.append(5)
+    assert kv.allocate_slots(a, 1)                   # decoding, resident: a switch candidate
+    kv.build_plan(2)
+    kv.apply_acks([2])
+    assert a.uid in kv.reclaim.candidates
+    assert kv.admit("d", list(range(3)), 64) is None     # 16 pages + 4 > 18 blocks in all
+    assert not a.host_read and a.pinned_start == 0 and kv.stats.host_read_switches == 0
+    # one that reclaim can serve switches a: 8 free + (8 clean pages - 4 hot blocks)
+    assert kv.admit("e", list(range(3)), 32) is not None     # 8 pages + 4 = 12 <= 12
+    assert a.host_read and kv.stats.host_read_switches == 1
