@@ -523,16 +523,17 @@ def test_prefill_stopped_or_killed_mid_read(dsv32_path, small_batch, colocated, 
         prefill_proc.close()
 
 
+@pytest.mark.parametrize("mode", ["always-host", "hisparse"])
 def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small_batch,
-                                                               colocated, monkeypatch):
+                                                               colocated, monkeypatch, mode):
     """A stopped prefill, a decode host pool too small for the recomputes beside the
     quarantined blocks (it holds the three loads' blocks and no more), and a request aborted
     with its READs in flight: the abort quarantines its blocks at once; the others time out
-    and recompute, and a request that cannot be scheduled beside the quarantine fails after
-    the load timeout with a clear error instead of waiting forever (or stopping the engine).
-    The prefill is killed: its READs fail, the quarantined blocks come back, the pools are
-    full and serve the same prompts. (The decode runs ``always-host``: in ``hisparse`` the
-    recomputes would run GPU-held, without host blocks, beside the quarantine.)"""
+    and recompute. ``always-host``: a request that cannot be scheduled beside the quarantine
+    fails after the load timeout with a clear error instead of waiting forever (or stopping
+    the engine); ``hisparse``: the recomputes run GPU-held (all pages on GPU, no host blocks)
+    beside the quarantine and give the colocated tokens. The prefill is killed: its READs
+    fail, the quarantined blocks come back, the pools are full and serve the same prompts."""
     sizing = engine(dsv32_path)
     bs = sizing.kv_config.block_size
     pages = [-(-(len(b["prompt_token_ids"]) + N_OUT) // bs) for b in small_batch]
@@ -541,7 +542,7 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
         d = engine(dsv32_path, kv_role="decode", kv_load_timeout_s=2.0, num_gpu_blocks=16,
-                   host_pool_gib=(sum(pages) + 0.5) * block_bytes / 2**30, mode="always-host")
+                   host_pool_gib=(sum(pages) + 0.5) * block_bytes / 2**30, mode=mode)
         assert d.kv_config.num_host_blocks == sum(pages)
         agent = d.disagg.agent
         post = agent._post_reads
@@ -574,10 +575,15 @@ def test_stalled_prefill_with_a_small_decode_pool_and_an_abort(dsv32_path, small
         assert m.stalled == 3 and m.failures == 2 and m.requests == 0
         assert set(outs) == set(rids[:2])
         # the 3 quarantined loads' prompt pages leave neither recompute host room to run
-        for r in rids[:2]:
+        for i, r in enumerate(rids[:2]):
             c = outs[r].outputs[0]
+            if mode == "hisparse":
+                assert c.finish_reason == "length" and c.token_ids == colocated[i], c.error
+                continue
             assert c.finish_reason == "error" and c.token_ids == [], (c.finish_reason, c.error)
             assert "cannot be scheduled" in c.error and "quarantined" in c.error, c.error
+        if mode == "hisparse":
+            assert d.stats()["gpu_held_admissions"] >= 2
         assert d.stats()["kv_transfer_quarantined_blocks"] > 0
         prefill_proc.signal(signal.SIGKILL)     # the READs fail: the blocks come back
         deadline = time.monotonic() + 30
