@@ -134,20 +134,16 @@ class Reclaimer:
                 self.switch(req)
 
     def reclaimable_blocks(self) -> int:
-        """At most how many GPU blocks :meth:`ensure_free_gpu` could free now: the clean
-        pinned pages no one else references of the candidates a switch would pick (less the
-        hot blocks each switch leases) and of the prefilling requests. An upper bound, to
-        refuse a hopeless reclaim before it switches anyone."""
-        refs, bs = self.gpu_pool.ref_counts, self.block_size
-        min_pages = self.cfg.hot_blocks_per_request + ACTIVE_TAIL_PAGES
-
-        def sole_clean(req: RequestKV) -> int:
-            return sum(1 for p in self.clean_pinned_pages(req)
-                       if req.resident[p] >= 0 and refs[req.resident[p]] == 1)
-
-        n = sum(max(0, sole_clean(r) - self.cfg.hot_blocks_per_request)
+        """An upper bound on the GPU blocks :meth:`ensure_free_gpu` could free now: the clean
+        pinned pages of the candidates a switch would pick (less the hot blocks each switch
+        leases) and of the prefilling requests (shared pages counted too: O(requests), cheap
+        enough for every step the queue's head waits). Used to refuse a hopeless reclaim
+        before it switches anyone."""
+        bs, n_hot = self.block_size, self.cfg.hot_blocks_per_request
+        min_pages = n_hot + ACTIVE_TAIL_PAGES
+        n = sum(max(0, len(self.clean_pinned_pages(r)) - n_hot)
                 for r in self.candidates.values() if r.num_computed // bs > min_pages)
-        return n + sum(sole_clean(r) for r in self.prefilling.values())
+        return n + sum(len(self.clean_pinned_pages(r)) for r in self.prefilling.values())
 
     def ensure_free_gpu(self, need: int) -> bool:
         """Reclaim (switch requests) until ``need`` GPU blocks are free; False if it cannot."""
