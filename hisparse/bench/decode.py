@@ -244,11 +244,6 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
     return out
 
 
-def planned_inputs_budget(llm) -> int:
-    """The GPU KV budget ``llm`` split its pools from (0 when it did not split one)."""
-    return llm.capacity().inputs.gpu_kv_bytes or 0
-
-
 def hisparse_plan(path: str, max_len: int, gpu_kv_bytes: int, num_host_blocks: int,
                   block_size: int, kv_cache_dtype: str):
     """The planner's ``hisparse`` :class:`~hisparse.engine.capacity.ModePlan` for requests of
@@ -320,8 +315,9 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
     from hisparse.bench.kernels import profile_kernels
 
     llm.capture_cuda_graphs()
-    planned = llm.capacity(context=context + outputs, weight_bytes=touched_weight_bytes(
-        llm.model_config, concurrency))[str(mode)]
+    plan = llm.capacity(context=context + outputs, weight_bytes=touched_weight_bytes(
+        llm.model_config, concurrency))
+    planned = plan[str(mode)]
     g = torch.Generator().manual_seed(0)
     req_ids = []
     vocab = min(120000, llm.model_config.vocab_size)   # a rank's shape holds one vocab shard
@@ -378,7 +374,7 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
         steady_tok_s=steps["steady_tok_s"], wall_ms_per_step=steps["wall_ms_per_step"],
         gpu_ms_per_step=steps["gpu_ms_per_step"],
         planned_max_running=planned.max_running, planned_bound_by=planned.bound_by,
-        planned_gpu_held=planned.gpu_held, gpu_kv_bytes=planned_inputs_budget(llm),
+        planned_gpu_held=planned.gpu_held, gpu_kv_bytes=plan.inputs.gpu_kv_bytes or 0,
         kernel_ms=None if kernels is None else kernels.ms_per_step,
         kernels_per_layer=(float("nan") if kernels is None
                            else kernels.per_layer(llm.model_config.num_layers)),

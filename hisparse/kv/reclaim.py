@@ -126,12 +126,16 @@ class Reclaimer:
         # not clean yet still pays off a few steps later as its acknowledgements arrive.
         candidates = sorted(self.candidates.values(),
                             key=lambda r: (-len(self.clean_pinned_pages(r)), r.uid))
-        min_pages = cfg.hot_blocks_per_request + ACTIVE_TAIL_PAGES
         for req in candidates:
             if self.gpu_pool.num_free >= target:
                 break
-            if req.num_computed // self.block_size > min_pages:
+            if self._worth_switching(req):
                 self.switch(req)
+
+    def _worth_switching(self, req: RequestKV) -> bool:
+        """Longer than its hot buffer and tail: switching it can give pages back."""
+        return (req.num_computed // self.block_size
+                > self.cfg.hot_blocks_per_request + ACTIVE_TAIL_PAGES)
 
     def reclaimable_blocks(self) -> int:
         """An upper bound on the GPU blocks :meth:`ensure_free_gpu` could free now: the clean
@@ -139,10 +143,9 @@ class Reclaimer:
         leases) and of the prefilling requests (shared pages counted too: O(requests), cheap
         enough for every step the queue's head waits). Used to refuse a hopeless reclaim
         before it switches anyone."""
-        bs, n_hot = self.block_size, self.cfg.hot_blocks_per_request
-        min_pages = n_hot + ACTIVE_TAIL_PAGES
+        n_hot = self.cfg.hot_blocks_per_request
         n = sum(max(0, len(self.clean_pinned_pages(r)) - n_hot)
-                for r in self.candidates.values() if r.num_computed // bs > min_pages)
+                for r in self.candidates.values() if self._worth_switching(r))
         return n + sum(len(self.clean_pinned_pages(r)) for r in self.prefilling.values())
 
     def ensure_free_gpu(self, need: int) -> bool:
