@@ -258,6 +258,19 @@ def hisparse_plan(path: str, max_len: int, gpu_kv_bytes: int, num_host_blocks: i
         max_num_seqs=4096))["hisparse"]
 
 
+# Share of the warm-up's GPU KV budget `--concurrency max` leaves unplanned: the free memory of
+# later engines drifts down by ~1% over a run's points (the H100's 36-layer cut, twentieth
+# session: 29.03 then 28.76 GB at 40 then 58 requests), and a larger max_num_seqs reserves
+# more (logits state)
+MAX_BUDGET_MARGIN = 0.01
+
+
+def max_budget(warm_up_budget: int, kept_bytes: int) -> int:
+    """The GPU KV budget `--concurrency max` plans on: the warm-up engine's, less what the
+    process kept after the warm-up (``kept_bytes``) and :data:`MAX_BUDGET_MARGIN` of it."""
+    return max(0, int((warm_up_budget - kept_bytes) * (1 - MAX_BUDGET_MARGIN)))
+
+
 def prefill_budget(context: int) -> int:
     """``max_num_batched_tokens`` of a run at ``context``: prompts are synthetic (random rows),
     so a large budget admits them quickly."""
@@ -318,6 +331,10 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
     plan = llm.capacity(context=context + outputs, weight_bytes=touched_weight_bytes(
         llm.model_config, concurrency))
     planned = plan[str(mode)]
+    if str(mode) == "hisparse" and concurrency > planned.max_running:
+        print(f"note: {concurrency} requests, this hisparse engine plans {planned.max_running}: "
+              "the rest wait for the first to finish (a tail in the whole-run figures)",
+              flush=True)
     g = torch.Generator().manual_seed(0)
     req_ids = []
     vocab = min(120000, llm.model_config.vocab_size)   # a rank's shape holds one vocab shard
@@ -547,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_context = max(contexts)
     warm_requests = warm_up_requests(warm_context, cap_of(warm_context))
     budget = 0
+    free_before_warm_up = torch.cuda.mem_get_info()[0]
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
             warm = run_point(path, modes[name], a.topk, tables[a.topk, warm_context],
@@ -555,9 +573,15 @@ def main(argv: list[str] | None = None) -> int:
                              kv_cache_dtype=a.kv_cache_dtype, hot_policy=policy, k=topk_k,
                              hot_prefetch_rows=a.hot_prefetch_rows,
                              profile_steps=1 if a.profile_kernels else 0)
-            budget = max(budget, warm.gpu_kv_bytes)
+            if name == "hisparse" or "hisparse" not in host_modes:
+                budget = max(budget, warm.gpu_kv_bytes)
+    # What the process keeps after the warm-up (the profiler's buffers, ...) is not free for
+    # the measured engines: a `max` planned on the warm-up's budget would be one request over
+    # theirs, and that request would run alone after the others (a tail in the whole run)
+    kept = max(0, free_before_warm_up - torch.cuda.mem_get_info()[0])
+    budget = max_budget(budget, kept)
     print(f"warm-up ({warm_requests} x {warm_context} tokens a mode) "
-          f"{time.perf_counter() - t:.1f} s", flush=True)
+          f"{time.perf_counter() - t:.1f} s; {kept / (1 << 20):.0f} MiB kept after it", flush=True)
 
     def max_of(context: int) -> int:
         """``--concurrency max``: hisparse's planned maximum on the GPU KV budget the engine
