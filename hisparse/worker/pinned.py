@@ -24,15 +24,60 @@ CPU_FRACTION = 0.5             # of MemAvailable, without CUDA
 
 
 def available_host_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else total physical memory."""
+    """Host memory this process may still use: MemAvailable from /proc/meminfo (else total
+    physical memory), at most what its cgroup's limit leaves (:func:`cgroup_room_bytes`): in a
+    container MemAvailable is the host's, and pinning past the cgroup's limit is answered by
+    the OOM killer, not by an error."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    room = cgroup_room_bytes()
+    return avail if room is None else min(avail, room)
+
+
+def cgroup_room_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+                      ) -> int | None:
+    """Bytes below this process's cgroup memory limit (limit - usage; cgroup v2 ``memory.max``
+    and ``memory.current``, else v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``),
+    or ``None`` when no limit is set or none can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":                                   # v2 unified hierarchy
+            files, base = ("memory.max", "memory.current"), os.path.join(root, path.lstrip("/"))
+        elif "memory" in controllers.split(","):                # v1 memory controller
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base = os.path.join(root, "memory", path.lstrip("/"))
+        else:
+            continue
+        for where in (base, os.path.join(root, "memory") if controllers else root):
+            try:
+                with open(os.path.join(where, files[0])) as f:
+                    limit = f.read().strip()
+                with open(os.path.join(where, files[1])) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            # "max" (v2) or a v1 limit near 2^63: no limit
+            if limit == "max" or int(limit) >= 1 << 60:
+                return None
+            return max(0, int(limit) - usage)
+    return None
 
 
 def probe_pinnable_bytes(limit: int, chunk: int = PROBE_CHUNK) -> int:
@@ -53,12 +98,23 @@ def probe_pinnable_bytes(limit: int, chunk: int = PROBE_CHUNK) -> int:
     return total
 
 
+def headroom(nbytes: int) -> int:
+    """What a pool of ``nbytes`` leaves for the rest of the process:
+    ``max(HEADROOM_FRACTION of it, MIN_HEADROOM)``."""
+    return max(int(nbytes * HEADROOM_FRACTION), MIN_HEADROOM)
+
+
 def auto_host_pool_bytes(cuda: bool) -> int:
-    """The ``host_pool_gib="auto"`` size: on CUDA the pinnable size (probed up to
-    MemAvailable) less ``max(HEADROOM_FRACTION of it, MIN_HEADROOM)``; else ``CPU_FRACTION``
-    of MemAvailable."""
+    """The ``host_pool_gib="auto"`` size. On CUDA the probe pins at most the available memory
+    less its :func:`headroom` (pinning all of it gets the process killed, not an error: a 125
+    GiB H100 host, twenty-first session); a probe stopped by a failed pin is a hard limit,
+    and the pool stays a headroom below it. Without CUDA, ``CPU_FRACTION`` of the available
+    memory."""
     avail = available_host_memory_bytes()
     if not cuda:
         return int(avail * CPU_FRACTION)
-    pinnable = probe_pinnable_bytes(avail)
-    return max(0, pinnable - max(int(pinnable * HEADROOM_FRACTION), MIN_HEADROOM))
+    limit = max(0, avail - headroom(avail))
+    pinnable = probe_pinnable_bytes(limit)
+    if pinnable + PROBE_CHUNK > limit:      # the probe reached its limit: no pin failed
+        return pinnable
+    return max(0, pinnable - headroom(pinnable))
