@@ -195,9 +195,13 @@ class Simulation:
                 if block < 0 or p < req.pinned_start or kv.gpu_pool.ref_counts[block] == 0:
                     raise AssertionError(f"I4: {req.req_id} tail page {p} not pinned")
             if not req.host_backed:
-                # GPU-held: every page of its full length pinned on GPU, nothing on host.
-                if (req.host_read or req.pending or req.pinned_start or req.num_durable
-                        or (req.host >= 0).any() or (req.resident[:req.num_pages] < 0).any()):
+                # GPU-held: every page of its full length pinned on GPU; on host only the
+                # prefix hits it claimed at admission (durable and published, never more)
+                hits = req.num_published
+                if (req.host_read or req.pending or req.pinned_start
+                        or req.num_durable != hits * block_size
+                        or (req.host[:hits] < 0).any() or (req.host[hits:] >= 0).any()
+                        or (req.resident[:req.num_pages] < 0).any()):
                     raise AssertionError(f"{req.req_id}: GPU-held but not all on GPU")
             if req.host_read:
                 # I5: GPU footprint = tail pages + dirty pages + hot blocks.

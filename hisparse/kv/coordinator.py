@@ -20,11 +20,13 @@ Modes: ``hisparse`` (GPU first, requests switch to host-read mode under pressure
 
 *GPU-held* requests (``hisparse`` only): once the host pool cannot hold another request, a
 request whose full length fits the GPU arena with the watermark still free is admitted as
-``gpu-only`` admits it -- every page reserved on GPU, no host blocks -- instead of waiting. Its
-rows are never mirrored, its pages never turn clean, it never switches to host-read mode and
-never publishes prefix pages (I1 holds: every row stays resident). So the host pool bounds only
-the requests that may leave the GPU: a small host pool no longer caps ``hisparse`` below what
-its GPU arena holds (less the watermark).
+``gpu-only`` admits it -- every page reserved on GPU, no host blocks of its own -- instead of
+waiting. Its rows are never mirrored, its pages never turn clean, it never switches to host-read
+mode and never publishes prefix pages (I1 holds: every row stays resident). Its prompt's cached
+pages are used as a host-backed request uses them, except that a host-only one is always
+restored: it shares their host blocks (already allocated) until it is freed. So the host pool
+bounds only the requests that may leave the GPU: a small host pool no longer caps ``hisparse``
+below what its GPU arena holds (less the watermark).
 """
 
 from __future__ import annotations
@@ -179,32 +181,12 @@ class KVCoordinator:
 
         req = self._new_request(req_id, token_ids, len(token_ids), num_pages)
         if self.host_pool is not None:
-            # Take every hit block before allocating anything: an allocation could otherwise
-            # evict a cached hit that is still to be claimed.
-            for page, (host_block, gpu_block) in enumerate(hits):
-                self.host_pool.touch(host_block)
-                req.host[page] = host_block
-                if gpu_block is not None:
-                    self.gpu_pool.touch(gpu_block)
-                    req.resident[page] = gpu_block
+            self._claim_hits(req, hits)
             req.host[len(hits):num_pages] = self.host_pool.allocate(num_pages - len(hits))
-            for page, (host_block, gpu_block) in enumerate(hits):
-                if gpu_block is None:
-                    self.stats.host_prefix_hit_tokens += block_size
-                    if restore:
-                        req.resident[page] = self.gpu_pool.allocate(1)[0]
-                        self._restore_pages.append((host_block, int(req.resident[page])))
-                        self.stats.restored_pages += 1
-                    else:
-                        self.stats.unrestored_hit_pages += 1
-                self._indexer_restore_pages.append((host_block, int(req.indexer[page])))
-            req.page_hashes = self.prefix.page_hashes(token_ids, len(hits))
+            self._restore_hits(req, hits, restore)
         if cfg.mode is Mode.GPU_ONLY:
             req.resident[:num_pages] = self.gpu_pool.allocate(num_pages)
-        hit_tokens = len(hits) * block_size
-        req.num_computed = req.num_durable = hit_tokens
-        req.num_published = len(hits)
-        self.stats.prefix_hit_tokens += hit_tokens
+        self._count_hits(req, hits)
         self.reclaim.started_prefill(req)
         return req
 
@@ -212,17 +194,64 @@ class KVCoordinator:
                         num_pages: int) -> RequestKV | None:
         """Admit a request the host pool cannot hold with all ``num_pages`` pages on GPU, if
         they fit with the watermark still free (reclaiming first, but only when reclaim can
-        reach that: a hopeless admission must not switch anyone to host-read mode); prefix
-        hits are not used (they live in host blocks)."""
-        need = num_pages + self.cfg.watermark
+        reach that: a hopeless admission must not switch anyone to host-read mode). Prefix hits
+        are used: GPU copies shared, host-only pages restored into its own blocks."""
+        def need(hits: list[tuple[int, int | None]]) -> int:
+            # a cached GPU copy leaves the free queue when claimed; every other page is new
+            shared = [g for _, g in hits if g is not None]
+            claimed = sum(self.gpu_pool.is_free(g) for g in shared)
+            return claimed + num_pages - len(shared) + self.cfg.watermark
+
+        hits = self.prefix.lookup(token_ids)
         free = self.gpu_pool.num_free
-        if free < need and (free + self.reclaim.reclaimable_blocks() < need
-                            or not self.reclaim.ensure_free_gpu(need)):
-            return None
+        if free < need(hits):
+            if (free + self.reclaim.reclaimable_blocks() < need(hits)
+                    or not self.reclaim.ensure_free_gpu(need(hits))):
+                return None
+            hits = self.prefix.lookup(token_ids)    # reclaim may have handed GPU copies out
+            if self.gpu_pool.num_free < need(hits):
+                return None
         req = self._new_request(req_id, token_ids, len(token_ids), num_pages, host_backed=False)
-        req.resident[:num_pages] = self.gpu_pool.allocate(num_pages)
+        self._claim_hits(req, hits)
+        req.resident[len(hits):num_pages] = self.gpu_pool.allocate(num_pages - len(hits))
+        self._restore_hits(req, hits, restore=True)
+        self._count_hits(req, hits)
         self.stats.gpu_held_admissions += 1
         return req
+
+    def _claim_hits(self, req: RequestKV, hits: list[tuple[int, int | None]]) -> None:
+        """Take every hit's host block and GPU copy (if any) for ``req``'s leading pages. Done
+        before allocating anything: an allocation could evict a cached hit still to be
+        claimed."""
+        for page, (host_block, gpu_block) in enumerate(hits):
+            self.host_pool.touch(host_block)
+            req.host[page] = host_block
+            if gpu_block is not None:
+                self.gpu_pool.touch(gpu_block)
+                req.resident[page] = gpu_block
+
+    def _restore_hits(self, req: RequestKV, hits: list[tuple[int, int | None]],
+                      restore: bool) -> None:
+        """Host-only hit pages: restored into new GPU blocks (``restore``) or left to be read in
+        place; every hit page's indexer keys restored into ``req``'s indexer blocks."""
+        for page, (host_block, gpu_block) in enumerate(hits):
+            if gpu_block is None:
+                self.stats.host_prefix_hit_tokens += self.block_size
+                if restore:
+                    req.resident[page] = self.gpu_pool.allocate(1)[0]
+                    self._restore_pages.append((host_block, int(req.resident[page])))
+                    self.stats.restored_pages += 1
+                else:
+                    self.stats.unrestored_hit_pages += 1
+            self._indexer_restore_pages.append((host_block, int(req.indexer[page])))
+        req.page_hashes = self.prefix.page_hashes(req.token_ids, len(hits))
+
+    def _count_hits(self, req: RequestKV, hits: list[tuple[int, int | None]]) -> None:
+        """The hit pages are computed, durable (on host) and published."""
+        hit_tokens = len(hits) * self.block_size
+        req.num_computed = req.num_durable = hit_tokens
+        req.num_published = len(hits)
+        self.stats.prefix_hit_tokens += hit_tokens
 
     def _new_request(self, req_id: str, token_ids: list[int], prompt_len: int, num_pages: int,
                      host_backed: bool = True) -> RequestKV:
@@ -616,7 +645,8 @@ class KVCoordinator:
             block = int(req.resident[p])
             if block >= 0 and p >= req.pinned_start:
                 self.gpu_pool.release(block)
-            if self.host_pool is not None and req.host_backed:
+            # a GPU-held request holds host blocks only for its prefix hits
+            if self.host_pool is not None and (req.host_backed or req.host[p] >= 0):
                 self.host_pool.release(int(req.host[p]))
             self.indexer_pool.release(int(req.indexer[p]))
 

@@ -92,6 +92,30 @@ def test_lossless_with_gpu_held_requests_past_a_small_host_pool(dsv32_path):
     assert s["free_gpu_blocks"] == 110 and s["free_host_blocks"] == llm.kv_config.num_host_blocks
 
 
+def test_lossless_gpu_held_requests_with_prefix_hits(dsv32_path):
+    """A cached system prompt, then 8 requests sharing it past a host pool of two: every one,
+    the GPU-held ones included, starts from the cached pages (host-only ones restored), and
+    greedy tokens equal the unconstrained run's."""
+    ref = unconstrained(dsv32_path)
+    host_gib = 2.5 * 24 * 8 * ref.caches.geo.bytes_per_token / (1 << 30)   # 24 pages a request
+    rng = random.Random(5)
+    system = [rng.randrange(3, 380) for _ in range(80)]            # 10 full pages
+    batch = [{"prompt_token_ids": system + [rng.randrange(3, 380)
+                                            for _ in range(rng.randrange(10, 60))]}
+             for _ in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randrange(20, 40),
+                             ignore_eos=True) for i in range(8)]
+    want = tokens(ref.generate(batch, params))
+    llm = tiny_pool(dsv32_path, num_gpu_blocks=110, host_pool_gib=host_gib)
+    llm.generate([{"prompt_token_ids": system + [5]}], GREEDY)      # publishes the 10 pages
+    base = llm.stats()["prefix_hit_tokens"]
+    assert tokens(llm.generate(batch, params)) == want
+    s = llm.stats()
+    assert s["gpu_held_admissions"] > 0, s
+    assert s["prefix_hit_tokens"] - base == 8 * 80, s                # every request hit
+    assert s["free_gpu_blocks"] == 110 and s["free_host_blocks"] == llm.kv_config.num_host_blocks
+
+
 def test_overwritten_hot_lru_is_reported_and_outputs_stay_exact(dsv32_path, caplog):
     """Hot-buffer LRU entries overwritten mid-run with values out of range, their slots' rows
     lost (the resolver's fail-safe skips such entries, ``counters[2]``), show in

@@ -203,15 +203,60 @@ def test_gpu_held_admission_keeps_the_watermark():
     assert b is not None and not b.host_backed and kv.gpu_pool.num_free == 4
 
 
+def test_gpu_held_admission_uses_prefix_hits():
+    """A GPU-held request claims its prompt's cached pages: a GPU copy is shared, a host-only
+    page is restored into its own block; it holds those host blocks (no new ones) until
+    freed, and both restores read them. Pools whole at the end."""
+    kv = KVCoordinator(cfg(num_host_blocks=16, num_gpu_blocks=60, watermark_blocks=4))
+    prompt = list(range(100, 126))                  # 6 full pages + 2 tokens
+    a = kv.admit("a", prompt, 64)                   # the whole host pool
+    assert kv.allocate_slots(a, 16) and kv.allocate_slots(a, 10)
+    kv.build_plan(1)
+    kv.apply_acks([1])                              # durable: pages 0-5 published
+    assert a.num_published == 6
+    assert kv.reclaim.unpin_clean_pages(a) == 5     # pages 0-4 (5-6: the tail stays)
+    for block in kv.gpu_pool.allocate(kv.gpu_pool.num_free):   # someone reuses them ...
+        kv.gpu_pool.release(int(block))             # ... so pages 0-4 live on host only
+    assert (a.resident[:5] == -1).all() and a.resident[5] >= 0
+    free, host_free = kv.gpu_pool.num_free, kv.host_pool.num_free
+    b = kv.admit("b", prompt[:24] + [7, 8, 9], 40)  # 10 pages, 6 of them cached
+    assert b is not None and not b.host_backed and kv.stats.gpu_held_admissions == 1
+    assert b.num_computed == b.num_durable == 24 and b.num_published == 6
+    assert kv.host_pool.num_free == host_free       # no host block of its own
+    assert np.array_equal(b.host[:6], a.host[:6]) and (b.host[6:] == -1).all()
+    # page 5 still pinned by a: shared; pages 0-4 restored into new blocks
+    assert b.resident[5] == a.resident[5]
+    assert (b.resident[:10] >= 0).all() and len(set(b.resident[:10].tolist())) == 10
+    assert kv.gpu_pool.num_free == free - 9         # 5 restored + 4 own pages
+    plan = kv.build_plan(2)
+    restored = {(int(h), int(g)) for h, g in zip(plan.restores.src_rows[::4] // 4,
+                                                 plan.restores.dst_rows[::4] // 4)}
+    assert restored == {(int(a.host[p]), int(b.resident[p])) for p in range(5)}
+    keys = set(zip((plan.indexer_restores.src_rows[::4] // 4).tolist(),
+                   (plan.indexer_restores.dst_rows[::4] // 4).tolist()))
+    assert keys == {(int(a.host[p]), int(b.indexer[p])) for p in range(6)}
+    kv.free("a")
+    assert kv.host_pool.num_free == 10              # b still holds the 6 hit blocks
+    kv.free("b")
+    kv.apply_acks([2])
+    assert kv.gpu_pool.num_free == 60 and kv.host_pool.num_free == 16
+    assert kv.indexer_pool.num_free == 100
+
+
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("mode", ["hisparse", "always-host"])
-def test_small_host_pool_workload_with_invariants(mode):
+def test_small_host_pool_workload_with_invariants(mode, shared):
     """A host pool of two requests: hisparse runs the rest GPU-held (every invariant checked
-    each step, every pool whole at the end); always-host admits only what the pool holds."""
+    each step, every pool whole at the end); always-host admits only what the pool holds.
+    ``shared``: the prompts share a 16-token prefix, which GPU-held requests claim too (every
+    row they read is checked against its expected value)."""
     c = cfg(mode=mode, num_host_blocks=32, num_gpu_blocks=80, max_num_seqs=6)
     sim = Simulation(c, seed=11)
     rng = np.random.default_rng(1)
+    system = [int(t) for t in rng.integers(0, 50, 16)] if shared else []
     for _ in range(12):
-        prompt = [int(t) for t in rng.integers(0, 50, int(rng.integers(20, 40)))]
+        prompt = system + [int(t) for t in rng.integers(0, 50, int(rng.integers(20, 40)) -
+                                                        len(system))]
         sim.add(prompt, 64 - len(prompt))           # max_len 64: 16 host blocks each
     result = sim.run_to_completion(check=True)
     sim.check_all_free()
@@ -219,6 +264,8 @@ def test_small_host_pool_workload_with_invariants(mode):
     if mode == "hisparse":
         assert result.stats["gpu_held_admissions"] > 0
         assert sim.scheduler.peak_running > 32 // 16
+        if shared:      # more hits than the host-backed requests alone can claim
+            assert result.stats["prefix_hit_tokens"] > 16 * (32 // 16), result.stats
     else:
         assert result.stats["gpu_held_admissions"] == 0
         assert sim.scheduler.peak_running <= 32 // 16
