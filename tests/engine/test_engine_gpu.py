@@ -71,3 +71,30 @@ def test_fp8_kv_lossless_on_gpu(dense_path, moe_path, mode):
     assert llm.caches.indexer.shape[-1] == 132 * llm.kv_config.block_size    # FP8 key pages
     assert llm.runner.graphs is not None and any(k[1] for k in llm.runner.graphs.graphs)
     lossless_run(moe_path, mode, num_prompts=8, gpu_blocks=60, seed=3, kv_cache_dtype="fp8")
+
+
+def test_gpu_held_requests_with_prefix_hits_lossless_on_gpu(dense_path):
+    """FP8 KV, a host pool of about two requests, a cached system prompt: the requests past the
+    pool run GPU-held from the cached pages (GPU copies shared, host-only ones restored by the
+    CUDA copy), eager and CUDA graphs; greedy tokens equal an unconstrained eager run's."""
+    rng = random.Random(7)
+    system = [rng.randrange(2, 384) for _ in range(160)]                # 10 full pages
+    prompts = [{"prompt_token_ids": system + [rng.randrange(2, 384)
+                                              for _ in range(rng.randrange(20, 200))]}
+               for _ in range(8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=400,
+                  max_num_seqs=8, max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    eager = LLM(dense_path, mode="gpu-only", enforce_eager=True, **common)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
+    # one max-length request (25 pages) and a little more: the system prompt and about two
+    # requests' own pages (the CPU copy of this test ran 4 of the 8 GPU-held)
+    host_gib = 464 * eager.caches.geo.bytes_per_token / (1 << 30)
+    del eager
+    llm = LLM(dense_path, mode="hisparse", num_gpu_blocks=160, hot_buffer_size=128,
+              host_pool_gib=host_gib, **common)
+    llm.generate([{"prompt_token_ids": system + [5]}], sp)             # publishes the prompt
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    s = llm.stats()
+    assert s["gpu_held_admissions"] > 0 and s["prefix_hit_tokens"] == 8 * 160, s
+    assert got == want
