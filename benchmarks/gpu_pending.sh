@@ -43,7 +43,9 @@ for section in "$@"; do
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~1
              # min; the twentieth session ran them on an H100 at 54415f2 and 6dfb9cd, every
              # file passing: the engine's stats(), the NIXL transfer's dead code, GPU-held
-             # requests and the capacity budget); then run its sections with SKIP_TESTS=1
+             # requests and the capacity budget; the twenty-first session's GPU-held prefix
+             # hits, test_engine_gpu's last test: never run on a GPU); then run its sections
+             # with SKIP_TESTS=1
       GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py" \
         bash "$0" "$out" tests ;;
