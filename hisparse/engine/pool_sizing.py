@@ -116,6 +116,11 @@ def plan_pools(args: EngineArgs, mc) -> PoolPlan:
         elif host_pool_gib == "auto":
             host_pool_gib = auto_host_pool_bytes(args.device.type == "cuda") / (1 << 30)
             logger.info("host_pool_gib='auto': %.1f GiB", host_pool_gib)
+            if host_pool_gib <= 0:
+                raise ValueError(
+                    f"host_pool_gib='auto' found no host memory to pin beside the headroom "
+                    f"(available {available_host_memory_bytes() / (1 << 30):.1f} GiB, cgroup "
+                    f"limit included): give host_pool_gib a size, or run mode='gpu-only'")
         num_host_blocks = host_blocks(host_pool_gib, host_buffers is not None, geo, block_size,
                                       max_model_len)
     kv_fields = dict(block_size=block_size, num_host_blocks=num_host_blocks,

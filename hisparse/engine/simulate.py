@@ -214,7 +214,28 @@ class Simulation:
                 # Unpinned pages (below pinned_start) count too: their blocks may be reused.
                 raise AssertionError(f"{req.req_id}: host-only pages outside host-read mode")
         self._check_block_owners()
+        self._check_host_owners()
         self._check_published()
+
+    def _check_host_owners(self) -> None:
+        """Every host block reference has a holder: a page of a live or draining request (a
+        GPU-held one holds only its prefix hits), or a failed load's quarantine (counted, not
+        listed); a queued restore reads a held host block into a held GPU block."""
+        kv = self.kv
+        if kv.host_pool is None:
+            return
+        holders = [0] * kv.host_pool.num_blocks
+        for req in list(kv.requests.values()) + list(kv.draining.values()):
+            for p in range(req.num_pages):
+                if req.host_backed or req.host[p] >= 0:
+                    holders[req.host[p]] += 1
+        extra = [r - h for h, r in zip(holders, kv.host_pool.ref_counts)]
+        if min(extra) < 0 or sum(extra) != kv.quarantined_blocks:
+            bad = [b for b, e in enumerate(extra) if e][:5]
+            raise AssertionError(f"host blocks {bad}: holders and ref counts disagree")
+        for host_block, gpu_block in kv._restore_pages:
+            if kv.host_pool.ref_counts[host_block] == 0 or kv.gpu_pool.ref_counts[gpu_block] == 0:
+                raise AssertionError(f"restore {host_block} -> {gpu_block} of an unheld block")
 
     def _check_block_owners(self) -> None:
         """Every GPU block reference has exactly one holder: a pinned page or a hot block of a

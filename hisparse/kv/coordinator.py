@@ -420,7 +420,8 @@ class KVCoordinator:
         if self.host_pool is None:
             raise ValueError("holding KV for a remote decode needs a host tier")
         if not req.host_backed:
-            raise ValueError(f"request {req_id!r} is GPU-held (no host blocks): admit it with "
+            raise ValueError(f"request {req_id!r} is GPU-held (its rows never reach the host "
+                             "pool): admit it with "
                              "need_host=True to hold its KV for a remote decode")
         blocks = [int(b) for b in req.host[:cdiv(req.prompt_len, self.block_size)]]
         for block in blocks:

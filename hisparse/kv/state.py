@@ -57,7 +57,8 @@ class RequestKV:
     landed_start: int = 0
     remote: bool = False            # admitted by admit_remote (its prompt rows were pulled)
     # False: GPU-held (hisparse, host pool full): every page on GPU from admission, no host
-    # blocks (``host`` stays -1), never mirrored, switched to host-read mode or published.
+    # blocks of its own (``host`` is -1 past its prefix hits, whose cached host blocks it
+    # holds), never mirrored, switched to host-read mode or published.
     host_backed: bool = True
 
     @property

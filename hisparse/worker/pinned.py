@@ -45,9 +45,14 @@ def available_host_memory_bytes() -> int:
 
 def cgroup_room_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
                       ) -> int | None:
-    """Bytes below this process's cgroup memory limit (limit - usage; cgroup v2 ``memory.max``
-    and ``memory.current``, else v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``),
-    or ``None`` when no limit is set or none can be read."""
+    """Bytes this process's cgroup memory limits still leave, or ``None`` when no limit is set
+    or none can be read. Usage counts page cache, which the kernel reclaims before it kills
+    anyone, so the working set is usage less inactive file pages. cgroup v2: the smallest
+    ``memory.max - (memory.current - inactive_file)`` over the process's cgroup and its
+    ancestors (a slice or pod limit binds too); v1: ``memory.limit_in_bytes`` (and
+    ``hierarchical_memory_limit``, the ancestors') less ``memory.usage_in_bytes -
+    total_inactive_file``. A cgroup directory not mounted in this namespace falls back to the
+    controller's mounted root."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
@@ -58,40 +63,77 @@ def cgroup_room_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/se
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        if controllers == "":                                   # v2 unified hierarchy
-            files, base = ("memory.max", "memory.current"), os.path.join(root, path.lstrip("/"))
-        elif "memory" in controllers.split(","):                # v1 memory controller
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
-            base = os.path.join(root, "memory", path.lstrip("/"))
-        else:
+        if "memory" in controllers.split(","):
+            return _cgroup_v1_room(os.path.join(root, "memory"), path)
+    for line in lines:
+        if line.startswith("0::"):
+            return _cgroup_v2_room(root, line[3:])
+    return None
+
+
+def _memory_stat(where: str) -> dict[str, int]:
+    try:
+        with open(os.path.join(where, "memory.stat")) as f:
+            return {k: int(v) for k, v in (ln.split() for ln in f if len(ln.split()) == 2)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _read_int(where: str, name: str) -> int | None:
+    """An integer file of a cgroup directory; ``None`` if absent, unreadable or ``max``."""
+    try:
+        with open(os.path.join(where, name)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_v2_room(root: str, path: str) -> int | None:
+    rel = path.strip("/")
+    if not os.path.isdir(os.path.join(root, rel)):
+        rel = ""                        # not mounted in this namespace: the mount root
+    parts = rel.split("/") if rel else []
+    # the cgroup, then each ancestor up to the mount root
+    dirs = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
+    rooms = []
+    for d in dirs:
+        limit, usage = _read_int(d, "memory.max"), _read_int(d, "memory.current")
+        if limit is None or usage is None:
             continue
-        for where in (base, os.path.join(root, "memory") if controllers else root):
-            try:
-                with open(os.path.join(where, files[0])) as f:
-                    limit = f.read().strip()
-                with open(os.path.join(where, files[1])) as f:
-                    usage = int(f.read().strip())
-            except (OSError, ValueError):
-                continue
-            # "max" (v2) or a v1 limit near 2^63: no limit
-            if limit == "max" or int(limit) >= 1 << 60:
-                return None
-            return max(0, int(limit) - usage)
+        usage -= _memory_stat(d).get("inactive_file", 0)
+        rooms.append(max(0, limit - max(usage, 0)))
+    return min(rooms) if rooms else None
+
+
+def _cgroup_v1_room(base: str, path: str) -> int | None:
+    own = os.path.join(base, path.strip("/"))
+    for d in (own, base) if own != base else (base,):
+        limit, usage = (_read_int(d, "memory.limit_in_bytes"),
+                        _read_int(d, "memory.usage_in_bytes"))
+        if limit is None or usage is None:
+            continue
+        stat = _memory_stat(d)
+        limit = min(limit, stat.get("hierarchical_memory_limit", limit))
+        if limit >= 1 << 60:            # v1's "no limit" is a page-rounded 2^63 - 1
+            return None
+        usage -= stat.get("total_inactive_file", 0)
+        return max(0, limit - max(usage, 0))
     return None
 
 
 def probe_pinnable_bytes(limit: int, chunk: int = PROBE_CHUNK) -> int:
-    """Bytes of pinned memory obtainable now, in ``chunk`` steps, at most ``limit`` (CUDA);
-    everything pinned is freed before returning."""
+    """Bytes of pinned memory obtainable now, pinned ``chunk`` at a time (the last piece
+    smaller), at most ``limit`` (CUDA); everything pinned is freed before returning."""
     held: list[torch.Tensor] = []
     total = 0
     try:
-        while total + chunk <= limit:
+        while total < limit:
+            n = min(chunk, limit - total)       # the last piece may be smaller
             try:
-                held.append(torch.empty(chunk, dtype=torch.uint8, pin_memory=True))
+                held.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
             except RuntimeError:
                 break
-            total += chunk
+            total += n
     finally:
         held.clear()
         gc.collect()
@@ -115,6 +157,6 @@ def auto_host_pool_bytes(cuda: bool) -> int:
         return int(avail * CPU_FRACTION)
     limit = max(0, avail - headroom(avail))
     pinnable = probe_pinnable_bytes(limit)
-    if pinnable + PROBE_CHUNK > limit:      # the probe reached its limit: no pin failed
+    if pinnable >= limit:                   # the probe reached its limit: no pin failed
         return pinnable
     return max(0, pinnable - headroom(pinnable))

@@ -429,6 +429,17 @@ def test_host_pool_auto_without_cuda(dsv32_path, monkeypatch):
     assert llm.kv_config.num_host_blocks == int((1 << 30) * pinned.CPU_FRACTION) // per_block
 
 
+def test_host_pool_auto_with_nothing_to_pin_names_the_knob(dsv32_path, monkeypatch):
+    from hisparse import LLM
+    from hisparse.worker import pinned
+
+    monkeypatch.setattr(pinned, "available_host_memory_bytes", lambda: 0)
+    with pytest.raises(ValueError, match="host_pool_gib='auto' found no host memory"):
+        LLM(dsv32_path, device="cpu", dtype="float32", block_size=BS, max_model_len=112,
+            max_num_seqs=4, num_gpu_blocks=60, hot_buffer_size=HOT, host_pool_gib="auto",
+            max_num_batched_tokens=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", MODES)
