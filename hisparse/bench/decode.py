@@ -577,7 +577,10 @@ def main(argv: list[str] | None = None) -> int:
                 budget = max(budget, warm.gpu_kv_bytes)
     # What the process keeps after the warm-up (the profiler's buffers, ...) is not free for
     # the measured engines: a `max` planned on the warm-up's budget would be one request over
-    # theirs, and that request would run alone after the others (a tail in the whole run)
+    # theirs, and that request would run alone after the others (a tail in the whole run).
+    # Counted from before the first warm-up: part of it was already gone when hisparse's
+    # warm-up measured its budget, so this errs low (by ~1 request on the H100's cut, where the
+    # measured engines still drifted 0.54 GB below hisparse's warm-up budget), never over
     kept = max(0, free_before_warm_up - torch.cuda.mem_get_info()[0])
     budget = max_budget(budget, kept)
     print(f"warm-up ({warm_requests} x {warm_context} tokens a mode) "
