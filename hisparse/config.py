@@ -54,6 +54,14 @@ def cdiv(a: int, b: int) -> int:
 MAX_DEFAULT_STAGING_ROWS = 262144
 
 
+def watermark_for(num_gpu_blocks: int, watermark_blocks: int | None, hot_blocks: int) -> int:
+    """The arena's watermark: ``watermark_blocks`` if given, else ``max(hot_blocks,
+    num_gpu_blocks // 10)`` (the one rule the engine, the planner and the pool sizing use)."""
+    if watermark_blocks is not None:
+        return watermark_blocks
+    return max(hot_blocks, num_gpu_blocks // 10)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Sizes of the three tiers, in blocks of ``block_size`` tokens.
@@ -187,9 +195,8 @@ class KVCacheConfig:
     @property
     def watermark(self) -> int:
         """Free GPU blocks under which requests are switched to host-read mode."""
-        if self.watermark_blocks is not None:
-            return self.watermark_blocks
-        return max(self.hot_blocks_per_request, self.num_gpu_blocks // 10)
+        return watermark_for(self.num_gpu_blocks, self.watermark_blocks,
+                             self.hot_blocks_per_request)
 
     @property
     def uses_host(self) -> bool:

@@ -79,7 +79,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from hisparse.config import ACTIVE_TAIL_PAGES, MODES, cdiv, require_positive
+from hisparse.config import ACTIVE_TAIL_PAGES, MODES, cdiv, require_positive, watermark_for
 
 # Bytes per element of a KV cache dtype; "fp8" is special-cased (scales) in row/key bytes.
 DTYPE_BYTES: dict[str, int] = {
@@ -296,9 +296,7 @@ class CapacityPlan:
 
 
 def _watermark(inp: CapacityInputs, num_gpu_blocks: int, hot: int) -> int:
-    if inp.watermark_blocks is not None:
-        return inp.watermark_blocks
-    return max(hot, num_gpu_blocks // 10)
+    return watermark_for(num_gpu_blocks, inp.watermark_blocks, hot)
 
 
 def _arena_for(need: int, reserve, floor: int) -> int:
@@ -319,11 +317,7 @@ def _arena_for(need: int, reserve, floor: int) -> int:
 def arena_blocks_for(need: int, watermark_blocks: int | None, hot_blocks: int) -> int:
     """The smallest arena that keeps ``need`` blocks in use beside the watermark (``None``: the
     default rule ``max(hot_blocks, N // 10)``)."""
-    def reserve(n_blocks: int) -> int:
-        return watermark_blocks if watermark_blocks is not None else max(hot_blocks,
-                                                                         n_blocks // 10)
-
-    return _arena_for(need, reserve, need)
+    return _arena_for(need, lambda n: watermark_for(n, watermark_blocks, hot_blocks), need)
 
 
 def _pick(bounds: dict[str, int]) -> tuple[int, str]:

@@ -203,10 +203,10 @@ class KVCoordinator:
             return claimed + num_pages - len(shared) + self.cfg.watermark
 
         hits = self.prefix.lookup(token_ids)
-        free = self.gpu_pool.num_free
-        if free < need(hits):
-            if (free + self.reclaim.reclaimable_blocks() < need(hits)
-                    or not self.reclaim.ensure_free_gpu(need(hits))):
+        free, blocks = self.gpu_pool.num_free, need(hits)
+        if free < blocks:
+            if (free + self.reclaim.reclaimable_blocks() < blocks
+                    or not self.reclaim.ensure_free_gpu(blocks)):
                 return None
             hits = self.prefix.lookup(token_ids)    # reclaim may have handed GPU copies out
             if self.gpu_pool.num_free < need(hits):
