@@ -1,21 +1,25 @@
-"""How much host memory pins on this machine: cudaHostAlloc vs cudaHostRegister (CUDA).
+"""How much host memory pins on this machine: torch's pinned allocator, exact-size
+``cudaHostAlloc`` and ``cudaHostRegister`` (CUDA).
 
-    python benchmarks/probe_pinned.py                      # both methods, 8 GiB steps to 112
-    python benchmarks/probe_pinned.py --single 72,80,96    # plus one region of each size
+    python benchmarks/probe_pinned.py                      # every method, 8 GiB steps to 112
+    python benchmarks/probe_pinned.py --single 66,72,100   # plus one region of each size
     python benchmarks/probe_pinned.py --json probe.json
 
 Methods (each pins ``--step-gib`` chunks one after another, keeping them, until a chunk fails,
 ``--max-gib`` is reached or the method's share of ``--time-limit`` is spent; then frees
 everything before the next method):
 
-- ``alloc``: ``torch.empty(n, dtype=uint8, pin_memory=True)`` (``cudaHostAlloc``: what the
-  engine's host pool uses today);
+- ``alloc``: ``torch.empty(n, dtype=uint8, pin_memory=True)`` (torch's caching host allocator:
+  ``cudaHostAlloc`` of ``n`` rounded up to a power of two);
+- ``exact``: :func:`hisparse.worker.pinned.pinned_empty` (``cudaHostAlloc`` of ``n``: what the
+  engine's host pool uses);
 - ``register``: an anonymous ``mmap`` of ``n`` bytes, then ``cudaHostRegister`` (what a pool
-  shared across TP ranks uses, and what a pool larger than ``cudaHostAlloc`` allows would use).
+  shared across TP ranks uses).
 
-The chunked figures give the total pinnable memory; ``--single`` tells a per-allocation limit
-from a total one (issue 25: ``cudaHostAlloc`` of one 80 GiB pool failed with 125 GiB free). Every
-line reports the seconds per GiB of pinning. A figure marked ``(time limit)`` is a lower bound.
+The chunked figures give the total pinnable memory (8 GiB chunks are powers of two: ``alloc``
+and ``exact`` pin the same there); ``--single`` tells a per-allocation limit from a total one:
+one 66 GiB ``alloc`` region asks the driver for 128 GiB. Every line reports the seconds per GiB
+of pinning. A figure marked ``(time limit)`` is a lower bound.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class Pinned:
         self.registered = False
         if method == "alloc":
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return
+        if method == "exact":
+            from hisparse.worker.pinned import pinned_empty
+
+            self.tensor = pinned_empty((nbytes,), torch.uint8)
             return
         self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buf = (ctypes.c_char * nbytes).from_buffer(self.map)
@@ -106,7 +115,7 @@ def probe_single(method: str, nbytes: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", default="alloc,register")
+    p.add_argument("--methods", default="alloc,exact,register")
     p.add_argument("--step-gib", type=int, default=8)
     p.add_argument("--max-gib", type=int, default=112)
     p.add_argument("--time-limit", type=float, default=55.0,
@@ -120,9 +129,9 @@ def main() -> None:
     from hisparse.worker.pinned import available_host_memory_bytes
 
     methods = [m for m in a.methods.split(",") if m]
-    bad = [m for m in methods if m not in ("alloc", "register")]
+    bad = [m for m in methods if m not in ("alloc", "exact", "register")]
     if bad:
-        p.error(f"--methods: unknown {bad} (alloc, register)")
+        p.error(f"--methods: unknown {bad} (alloc, exact, register)")
     print(f"MemAvailable {available_host_memory_bytes() / GIB:.1f} GiB", flush=True)
     results = []
     for m in methods:

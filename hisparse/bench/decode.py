@@ -224,9 +224,10 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
                   method: str = "alloc") -> tuple[torch.Tensor, torch.Tensor]:
     """The benchmark's host pool, pinned (``host_buffers`` of ``LLM``, held for the whole
     run): rows and indexer keys of ``host_rows`` tokens (FP8 keys as pages); a RuntimeError if
-    it cannot be pinned. ``method``: ``alloc`` (``cudaHostAlloc``, as the engine pins) or
-    ``register`` (ordinary memory, then ``cudaHostRegister``, as the TP pool is pinned:
-    ``benchmarks/probe_pinned.py`` says which gives more)."""
+    it cannot be pinned. ``method``: ``alloc`` (``cudaHostAlloc`` of the exact size,
+    :func:`hisparse.worker.pinned.pinned_empty`, as the engine pins) or ``register`` (ordinary
+    memory, then ``cudaHostRegister``, as the TP pool is pinned: ``benchmarks/probe_pinned.py``
+    says which gives more)."""
     row_b, key_b = kv_bytes(kv_cache_dtype)
     if kv_cache_dtype == "fp8":
         shapes = (((layers, host_rows, row_b), torch.uint8),
@@ -235,7 +236,9 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
         shapes = (((layers, host_rows, 576), torch.bfloat16),
                   ((layers, host_rows, 128), torch.bfloat16))
     if method == "alloc":
-        return tuple(torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes)
+        from hisparse.worker.pinned import pinned_empty
+
+        return tuple(pinned_empty(s, d) for s, d in shapes)
     from hisparse.worker.tp import cuda_host_register
 
     out = tuple(torch.empty(s, dtype=d) for s, d in shapes)

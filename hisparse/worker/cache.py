@@ -37,6 +37,8 @@ import torch
 from hisparse.config import KVCacheConfig
 from hisparse.ops import IndexerWorkspace, ResolveWorkspace, copy_index_keys
 
+from .pinned import pinned_empty
+
 KV_CACHE_DTYPES = ("bf16", "fp8")
 
 
@@ -204,8 +206,10 @@ class KVCaches:
                 raise ValueError(f"host_buffers must be {sdt} tensors of shapes {host_shape} and "
                                  f"{idx_shape}")
         else:
-            self.host = torch.empty(host_shape, dtype=sdt, pin_memory=pin)
-            self.host_indexer = torch.empty(idx_shape, dtype=sdt, pin_memory=pin)
+            # exact-size pinning: torch's pin_memory rounds a pool up to a power of two
+            self.host = pinned_empty(host_shape, sdt) if pin else torch.empty(host_shape, dtype=sdt)
+            self.host_indexer = (pinned_empty(idx_shape, sdt) if pin
+                                 else torch.empty(idx_shape, dtype=sdt))
         R, H = cfg.max_num_seqs, cfg.hot_buffer_size
         self.hot_keys = torch.full((geo.num_layers, R, H), -1, dtype=torch.int32, device=device)
         self.hot_lru = torch.arange(H, dtype=torch.int32, device=device).repeat(

@@ -1,18 +1,30 @@
-"""How large a pinned host pool this machine gives (``host_pool_gib="auto"``).
+"""Pinned host memory: exact-size page-locked tensors (:func:`pinned_empty`) and how large a
+pinned host pool this machine gives (``host_pool_gib="auto"``).
 
-On CUDA :func:`probe_pinnable_bytes` pins chunks (``torch.empty(..., pin_memory=True)``:
-``cudaHostAlloc``, what the host pool itself uses) until one fails or ``limit`` is reached, then
-frees them all; :func:`auto_host_pool_bytes` is that minus a headroom. Pinning costs ~0.45 s per
-GiB (DESIGN section 7), so the probe doubles the pool's start-up pinning time: pass a number
-where it is known (``benchmarks/probe_pinned.py`` measures it, and compares ``cudaHostAlloc``
-with ``cudaHostRegister`` of an mmap'd region). Without CUDA nothing is pinned and the pool is
-a fraction of the available memory.
+``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
+every request up to a power of two (torch 2.11-2.13: ``PowerOf2Ceil``): a 66 GiB pool asks the
+driver for 128 GiB. That rounding was the "72-80 GiB ceiling" measured on the H200 VM (a
+72 GiB pool is 60 GiB of rows and 12 of keys, 64 + 16 GiB pinned; 80 GiB asks for 128 + 16).
+:func:`pinned_empty` calls ``cudaHostAlloc`` for the exact size instead (the libcudart torch
+loaded, through ``ctypes``) and frees it with ``cudaFreeHost`` when the last view dies.
+
+On CUDA :func:`probe_pinnable_bytes` pins chunks (:func:`pinned_empty`) until one fails or
+``limit`` is reached, then frees them all; :func:`auto_host_pool_bytes` is that minus a
+headroom. Pinning costs ~0.45 s per GiB (DESIGN section 7), so the probe doubles the pool's
+start-up pinning time: pass a number where it is known (``benchmarks/probe_pinned.py``
+measures it, and compares the methods). Without CUDA nothing is pinned and the pool is a
+fraction of the available memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +33,104 @@ PROBE_CHUNK = 4 * GIB
 HEADROOM_FRACTION = 0.1        # of the pinnable size, left for the rest of the process
 MIN_HEADROOM = 2 * GIB
 CPU_FRACTION = 0.5             # of MemAvailable, without CUDA
+
+
+@dataclass(frozen=True)
+class HostAllocator:
+    """Raw page-locked host memory: ``alloc(nbytes)`` returns an address (raises
+    ``RuntimeError`` naming the size when it cannot), ``free(address)`` releases it."""
+
+    alloc: Callable[[int], int]
+    free: Callable[[int], None]
+
+
+@functools.cache
+def _libcudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process (torch) loaded, else one the loader finds."""
+    torch.cuda.init()
+    names = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)     # address perms offset dev inode path
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if os.path.basename(path).startswith("libcudart.so") and path not in names:
+                    names.append(path)
+    except OSError:
+        pass
+    names += ["libcudart.so", f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+              if torch.version.cuda else "libcudart.so"]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                          ctypes.c_uint]
+            lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def cuda_host_allocator() -> HostAllocator | None:
+    """``cudaHostAlloc`` (default flags: portable, device-addressable under unified
+    addressing, as torch's own pinned memory) and ``cudaFreeHost``; ``None`` if no CUDA
+    runtime library can be opened."""
+    lib = _libcudart()
+    if lib is None:
+        return None
+
+    def alloc(nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        rc = lib.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0)
+        if rc != 0 or not ptr.value:
+            raise RuntimeError(f"cudaHostAlloc of {nbytes / GIB:.2f} GiB failed (cudaError "
+                               f"{rc})")
+        return ptr.value
+
+    def free(address: int) -> None:
+        lib.cudaFreeHost(ctypes.c_void_p(address))
+
+    return HostAllocator(alloc, free)
+
+
+class _Allocation:
+    """Owns one region of an allocator; frees it when garbage (the tensor's buffer holds it)."""
+
+    def __init__(self, allocator: HostAllocator, nbytes: int) -> None:
+        self.allocator, self.address = allocator, allocator.alloc(nbytes)
+
+    def __del__(self) -> None:
+        self.allocator.free(self.address)
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype,
+                 allocator: HostAllocator | None = None) -> torch.Tensor:
+    """An uninitialised contiguous host tensor of exactly ``shape`` and ``dtype``, page-locked
+    without torch's power-of-two rounding (module docstring): one ``allocator`` region
+    (default :func:`cuda_host_allocator`), freed when the last view of the tensor dies.
+    Without CUDA (and no ``allocator``): an ordinary ``torch.empty``. An empty shape, or no
+    CUDA runtime library to call, falls back to ``torch.empty(..., pin_memory=True)`` (the
+    latter with a warning: its rounding may refuse a pool that fits). Raises ``RuntimeError``
+    naming the size when the memory cannot be pinned."""
+    shape = tuple(int(n) for n in shape)
+    if allocator is None:
+        if not torch.cuda.is_available():
+            return torch.empty(shape, dtype=dtype)
+        allocator = cuda_host_allocator()
+        if allocator is None:
+            warnings.warn("pinned_empty: no CUDA runtime library to call; torch's pinned "
+                          "allocator rounds the size up to a power of two", stacklevel=2)
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+    owner = _Allocation(allocator, nbytes)
+    buf = (ctypes.c_uint8 * nbytes).from_address(owner.address)
+    buf._owner = owner      # the tensor's storage keeps ``buf`` alive, ``buf`` the region
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def available_host_memory_bytes() -> int:
@@ -130,7 +240,7 @@ def probe_pinnable_bytes(limit: int, chunk: int = PROBE_CHUNK) -> int:
         while total < limit:
             n = min(chunk, limit - total)       # the last piece may be smaller
             try:
-                held.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
+                held.append(pinned_empty((n,), torch.uint8))
             except RuntimeError:
                 break
             total += n

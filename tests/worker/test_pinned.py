@@ -90,10 +90,107 @@ def test_auto_probe_never_pins_the_last_of_the_memory(monkeypatch, avail_gib, ce
 def test_probe_pins_a_last_piece_smaller_than_a_chunk(monkeypatch):
     sizes = []
 
-    def fake_empty(n, dtype=None, pin_memory=False):
-        sizes.append(n)
+    def fake_pinned_empty(shape, dtype):
+        sizes.extend(shape)
         return object()
 
-    monkeypatch.setattr(pinned.torch, "empty", fake_empty)
+    monkeypatch.setattr(pinned, "pinned_empty", fake_pinned_empty)
     assert pinned.probe_pinnable_bytes(10 * GIB) == 10 * GIB
     assert sizes == [4 * GIB, 4 * GIB, 2 * GIB]
+
+
+# ------------------------------------------------------------------ exact-size pinned tensors
+class _CountingAllocator:
+    """libc malloc / free with a ledger (stands in for cudaHostAlloc / cudaFreeHost)."""
+
+    def __init__(self, fail_above: int | None = None) -> None:
+        import ctypes
+
+        self.libc = ctypes.CDLL(None)
+        self.libc.malloc.restype = ctypes.c_void_p
+        self.libc.malloc.argtypes = [ctypes.c_size_t]
+        self.libc.free.argtypes = [ctypes.c_void_p]
+        self.fail_above, self.sizes, self.live = fail_above, [], set()
+
+    def alloc(self, nbytes: int) -> int:
+        if self.fail_above is not None and nbytes > self.fail_above:
+            raise RuntimeError(f"cannot pin {nbytes} bytes")
+        address = self.libc.malloc(nbytes)
+        self.sizes.append(nbytes)
+        self.live.add(address)
+        return address
+
+    def free(self, address: int) -> None:
+        assert address in self.live, "freed twice or never allocated"
+        self.live.remove(address)
+        self.libc.free(address)
+
+    def allocator(self) -> pinned.HostAllocator:
+        return pinned.HostAllocator(self.alloc, self.free)
+
+
+def test_pinned_empty_asks_for_the_exact_size_and_frees_after_the_last_view():
+    """Not a power of two (torch's pinned allocator would round 3 x 5 x 7 x 4 B up to 512),
+    and the region outlives the tensor while a view of it is alive."""
+    import gc
+
+    import torch
+
+    led = _CountingAllocator()
+    t = pinned.pinned_empty((3, 5, 7), torch.float32, led.allocator())
+    assert led.sizes == [3 * 5 * 7 * 4]
+    assert t.shape == (3, 5, 7) and t.dtype == torch.float32 and t.is_contiguous()
+    src = torch.randn(3, 5, 7)
+    t.copy_(src)
+    view = t[1:, 2]
+    del t
+    gc.collect()
+    assert len(led.live) == 1, "freed while a view was alive"
+    assert torch.equal(view, src[1:, 2])
+    del view
+    gc.collect()
+    assert not led.live
+
+
+def test_pinned_empty_failure_names_the_size_and_keeps_nothing():
+    import torch
+
+    led = _CountingAllocator(fail_above=1024)
+    with pytest.raises(RuntimeError, match="2048"):
+        pinned.pinned_empty((2048,), torch.uint8, led.allocator())
+    assert not led.live
+    assert pinned.pinned_empty((0, 4), torch.uint8, led.allocator()).shape == (0, 4)
+    assert led.sizes == []                  # an empty shape allocates nothing
+
+
+def test_pinned_empty_without_cuda_is_an_ordinary_tensor(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    t = pinned.pinned_empty((4, 6), torch.bfloat16)
+    assert t.shape == (4, 6) and t.dtype == torch.bfloat16 and not t.is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_pinned_empty_on_cuda_is_page_locked_and_device_readable():
+    """cudaHostAlloc of a size torch would round (1 GiB + 4 KiB + 656 B rows): pinned, read by a
+    zero-copy Triton kernel (the miss gather) and by an async copy, bit for bit."""
+    import torch
+
+    from hisparse.ops import gather_rows
+
+    rows, width = (GIB + 4096) // 656 + 1, 656
+    host = pinned.pinned_empty((rows, width), torch.uint8)
+    assert host.is_pinned() and host.shape == (rows, width)
+    g = torch.Generator().manual_seed(7)
+    pick = torch.randint(0, rows, (4096,), generator=g)
+    data = torch.randint(0, 256, (4096, width), dtype=torch.uint8, generator=g)
+    host[pick] = data
+    want = host[pick].clone()
+    dst = torch.full((4096, width), 0xA5, dtype=torch.uint8, device="cuda")   # poisoned
+    gather_rows(host, pick.cuda(), dst)
+    assert torch.equal(dst.cpu(), want)
+    tail = torch.empty((1024, width), dtype=torch.uint8, device="cuda")
+    tail.copy_(host[-1024:], non_blocking=True)
+    assert torch.equal(tail.cpu(), host[-1024:])
