@@ -9,10 +9,11 @@ Top-k (``--only topk``): per shape ``ctx x rows x k`` (every row ``ctx`` long), 
 (``torch.topk`` sorted over int64 ``(key << 32) | ~col`` keys, as ``indexer_topk`` ran it before
 the radix select: ``torch`` over the row's length, ``torch@W`` over ``--table-width`` columns,
 the width it really ran over) against ``ops.topk.topk_select`` under each ``HISPARSE_TOPK``
-mode (``legacy``: the former radix select's launches; ``phased``; ``fused``), all checked equal
-to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints at a few shapes
-(pick the default from it). Times are per call from CUDA graphs of 10 back-to-back calls (as the
-engine replays them).
+mode (``legacy``: the former radix select's launches; ``phased``; ``fused``) and the fused
+launch in column order (``ranked=False``: what the engine runs without a hot policy's band), all
+checked equal to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints
+at a few shapes (pick the default from it). Times are per call from CUDA graphs of 10
+back-to-back calls (as the engine replays them).
 
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
 64 heads, D 128, page 64, one token per request (``group 1``) and MTP pairs (``group 2``: two
@@ -65,12 +66,12 @@ def pack(keys, lengths):
 MODES = ("legacy", "phased", "fused")
 
 
-def _timed_select(keys, lens, k, out, scratch, mode, launch=None):
+def _timed_select(keys, lens, k, out, scratch, mode, launch=None, ranked=True):
     """Graph-replay time of ``topk_select`` under ``HISPARSE_TOPK=mode`` (captured and
     replayed inside the override)."""
     with switches.override(topk=mode):
         return timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch,
-                                                launch=launch))
+                                                launch=launch, ranked=ranked))
 
 
 def _topk_inputs(ctx, T, W):
@@ -90,6 +91,8 @@ def _topk_case(ctx, T, table_width, k):
     for mode in MODES:
         t[mode] = _timed_select(keys[:, :ctx], lens, k, out, scratch, mode)
         assert torch.equal(out, want), (ctx, T, k, mode)       # the last replay's result
+    t["columns"] = _timed_select(keys[:, :ctx], lens, k, out, scratch, "fused", ranked=False)
+    assert torch.equal(out, topk_select_reference(keys[:, :ctx], lens, k, ranked=False))
     assert scratch.stalls.item() == 0, "a fused launch's row barrier gave up waiting"
     packed, packed_w = pack(keys[:, :ctx], lens), pack(keys, lens)
     t["torch"] = timeit_graph(lambda: old_topk(packed, k))
@@ -106,20 +109,22 @@ def bench_topk(res, shapes, table_width):
     print(f"\ntop-k: us per call (graph replay), x{LAYERS} layers = ms per step. torch: "
           f"torch.topk over the row's length; torch@W: over the table width (the issue's "
           f"baseline); legacy: the former radix select (HISPARSE_TOPK=legacy); phased / fused: "
-          f"the new phases, one launch each / one launch; bw: row bytes / fused time / "
-          f"{HBM_GBS / 1000:.1f} TB/s")
+          f"the new phases, one launch each / one launch; cols: fused, ranked=False (column "
+          f"order, no ranking); bw: row bytes / fused time / {HBM_GBS / 1000:.1f} TB/s")
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'torch':>7} {'torch@W':>7} {'legacy':>7} "
-          f"{'phased':>7} {'fused':>7} | {'f/torch@W':>9} {'f/legacy':>8} {'bw':>5} | "
-          f"step ms legacy -> fused")
+          f"{'phased':>7} {'fused':>7} {'cols':>7} | {'f/torch@W':>9} {'c/torch@W':>9} "
+          f"{'f/legacy':>8} {'bw':>5} | step ms legacy -> fused -> cols")
     for ctx, T, k in shapes:
         W, t = _topk_case(ctx, T, table_width, k)
         bw = T * ctx * 4 / t["fused"] / 1e9 / HBM_GBS
         res.append(dict(bench="topk", ctx=ctx, rows=T, k=k, table_width=W, hbm_fraction=bw,
                         **{f"{n}_us": v * 1e6 for n, v in t.items()}))
         print(f"  {ctx:>6} {T:>4} {k:>4} | {t['torch'] * 1e6:7.1f} {t['torch_table'] * 1e6:7.1f} "
-              f"{t['legacy'] * 1e6:7.1f} {t['phased'] * 1e6:7.1f} {t['fused'] * 1e6:7.1f} | "
-              f"{t['fused'] / t['torch_table']:9.3f} {t['fused'] / t['legacy']:8.3f} {bw:5.3f} | "
-              f"{t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}", flush=True)
+              f"{t['legacy'] * 1e6:7.1f} {t['phased'] * 1e6:7.1f} {t['fused'] * 1e6:7.1f} "
+              f"{t['columns'] * 1e6:7.1f} | {t['fused'] / t['torch_table']:9.3f} "
+              f"{t['columns'] / t['torch_table']:9.3f} {t['fused'] / t['legacy']:8.3f} "
+              f"{bw:5.3f} | {t['legacy'] * LAYERS * 1e3:.2f} -> {t['fused'] * LAYERS * 1e3:.2f}"
+              f" -> {t['columns'] * LAYERS * 1e3:.2f}", flush=True)
 
 
 SWEEP = (TopkLaunch(), TopkLaunch(per_sm=2), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),

@@ -3,7 +3,7 @@
 # sized to fit one device call each (<= ~9 min). Run from the repository root on the H200:
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
-#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step convert topk plans
+#   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
 #            cut36
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
@@ -118,6 +118,25 @@ for section in "$@"; do
         --kv-cache-dtype fp8 --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 \
         --profile-kernels 5 --contexts 32768 --concurrency 8,24 --outputs 128 --out "$out/step32k"
       rank2k step2k ;;
+    order)   # issues 24/25: the engine's selection in position order (no ranking pass;
+             # twenty-second session) against score order, same call: the GPU tests of the
+             # files it touches (~3 min), the top-k alone (ranked and column order beside
+             # torch.topk, ~1 min), then the rank's step at 2k x 96 under
+             # HISPARSE_TOPK_ORDER=ranked and auto (~5 min; H200; LAYERS=36 on an H100)
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_indexer.py
+        tests/ops/test_ops_indexer_fp8.py tests/ops/test_ops_indexer_fused.py
+        tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py" skip_or_test
+      run topk_order 200 python3 benchmarks/bench_topk.py --only topk \
+        --topk-shapes 32768x8x2048,32768x24x2048,32768x48x2048,32768x64x2048,131072x8x2048,2304x96x2048,2112x96x2048 \
+        --out "$out/topk_order.json"
+      cut=()
+      [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
+      for order in ranked auto; do
+        HISPARSE_TOPK_ORDER=$order run "step2k_$order" 170 python3 -m hisparse.cli bench \
+          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+          --concurrency 96 --outputs 256 --out "$out/step2k_$order" "${cut[@]}"
+      done ;;
     convert) # issue 25: the FP8 attention's integer e4m3 -> bf16 (HISPARSE_FP8_CONVERT=int,
              # fourteenth session, CPU-built): its GPU bits tests, the stages probe (isolated,
              # bits compared), then 2k x 96 on the rank without and with it (~6 min, H200)
@@ -299,6 +318,6 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
       run serve 470 python3 benchmarks/serve_matrix.py --out "$out/serve" --num-prompts 16 \
         --request-rate 1 --startup-timeout 180 --load-timeout 150 ;;
     *) echo "unknown section $section (tests owed resolver attnprobe attnncu rankmax fused buckets"\
-            "step convert cut36 moe rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
+            "step order convert cut36 moe rank glm gemm pinned disagg nixl kernels serve)"; exit 2 ;;
   esac
 done

@@ -162,11 +162,14 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
 
 @triton.jit
 def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, tie_base, K,
-                   BLOCK: tl.constexpr, PACKED: tl.constexpr):
+                   BLOCK: tl.constexpr, PACKED: tl.constexpr, COLUMNS: tl.constexpr):
     """Write the selected columns of one block into their slots (``PACKED``: as packed
     ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
     column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
-    tied ones at ``cgt + tie_base`` on (column order). Returns both bases past the block."""
+    tied ones at ``cgt + tie_base`` on (column order); ``COLUMNS``: every selected column at
+    its final slot in column order, ``slot_base`` (columns above the prefix before the block)
+    plus the selected ties before it, ``min(tie_base + ties so far, need)``. Returns both
+    bases past the block."""
     tl.static_assert(BLOCK <= 16384, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
@@ -182,10 +185,14 @@ def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, 
         val = (s.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))  # ties: lower column
     else:
         val = offs
-    slot = slot_base + (run & 65535) - 1
-    tl.store(o_row + slot, val, mask=gt & (slot < K))     # K: a bound if a state is wrong
     rank = tie_base + ((run >> 16) & 65535) - 1
-    tl.store(o_row + cgt + rank, val, mask=tie & (rank < need))
+    if COLUMNS:
+        slot = slot_base + (run & 65535) + tl.minimum(rank + 1, need) - 1
+        tl.store(o_row + slot, val, mask=(gt | (tie & (rank < need))) & (slot < K))
+    else:
+        slot = slot_base + (run & 65535) - 1
+        tl.store(o_row + slot, val, mask=gt & (slot < K))  # K: a bound if a state is wrong
+        tl.store(o_row + cgt + rank, val, mask=tie & (rank < need))
     total = tl.sum(both, 0)
     return slot_base + (total & 65535), tie_base + ((total >> 16) & 65535)
 
@@ -252,14 +259,41 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
 
 
 @triton.jit
-def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp, slot0, W,
-                   K, SPLITS, stride_k, stride_s, stride_o, stride_q, level, prefix, cgt, need,
-                   LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+def _own_above(split_ptr, slot0, sp, stride_s, level, prefix, LEVELS: tl.constexpr,
+               NB: tl.constexpr):
+    """The program's columns above the final prefix (``level`` 0: every valid column), counted
+    by its own split histograms: at each level below the resolved one, the digits above the
+    prefix's among the columns that match its higher digits."""
+    own = split_ptr + (slot0 + sp).to(tl.int64) * stride_s
+    lv2 = tl.arange(0, LEVELS)[:, None]
+    d2 = tl.arange(0, NB)[None, :]
+    pdig = (prefix >> (8 * tl.maximum(level - 1 - lv2, 0)).to(tl.int64)) & (NB - 1)
+    above = tl.where(level == 0, lv2 == 0, (lv2 < level) & (d2 > pdig))
+    return tl.sum(tl.sum(tl.load(own + lv2 * NB + d2, mask=above, other=0,
+                                 cache_modifier=".cg"), 1), 0)
+
+
+@triton.jit
+def _count_phase(split_ptr, count_ptr, slot0, sp, stride_s, level, prefix, LEVELS: tl.constexpr,
+                 NB: tl.constexpr):
+    """Column order's exchange: the program's columns above the final prefix into its slot of
+    ``count_ptr`` (the later splits of the row start past them)."""
+    prefix = tl.where(level == 0, -1, prefix)
+    tl.store(count_ptr + slot0 + sp, _own_above(split_ptr, slot0, sp, stride_s, level, prefix,
+                                                LEVELS, NB))
+
+
+@triton.jit
+def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sorted_ptr, row, sp,
+                   slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q, level, prefix,
+                   cgt, need, LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                    FOR_LOOP: tl.constexpr, STAGES: tl.constexpr, MAXS: tl.constexpr,
-                   PACKED: tl.constexpr):
+                   PACKED: tl.constexpr, COLUMNS: tl.constexpr):
     """The collect with the final threshold state ``(level, prefix, cgt, need)``: the selected
     columns into ``out`` (the legacy ranking) or, ``PACKED``, with their keys into the sort
-    scratch (the kernel's own ranking phases)."""
+    scratch (the kernel's own ranking phases); ``COLUMNS``: into ``out`` at their final slots,
+    in column order (after :func:`_count_phase` and its barrier), and ``-1`` past the
+    selection."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     prefix = tl.where(level == 0, -1, prefix)                       # level 0: all above it
     # ties (prefix == P) in earlier splits: their counts in the resolved level's histograms
@@ -269,34 +303,40 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row
     s2 = tl.arange(0, MAXS)
     tie_base = tl.sum(tl.load(s_row + s2 * stride_s + lv * NB + dig, mask=s2 < sp, other=0,
                               cache_modifier=".cg"), 0)
+    tie_base = tl.where(level == 0, 0, tie_base)    # level 0 has no ties (all above -1)
     shift = (32 - 8 * level).to(tl.int64)
     base = keys_ptr + row.to(tl.int64) * stride_k
     if PACKED:
         o_row = sorted_ptr + row.to(tl.int64) * stride_q
     else:
         o_row = out_ptr + row.to(tl.int64) * stride_o
-    # the program's columns above the prefix, counted by its own split histograms: at each
-    # level below the resolved one, the digits above the prefix's among the columns that match
-    # its higher digits (level 0: every valid column); one slot reservation for all its blocks
-    own = split_ptr + (slot0 + sp).to(tl.int64) * stride_s
-    lv2 = tl.arange(0, LEVELS)[:, None]
-    d2 = tl.arange(0, NB)[None, :]
-    pdig = (prefix >> (8 * tl.maximum(level - 1 - lv2, 0)).to(tl.int64)) & (NB - 1)
-    above = tl.where(level == 0, lv2 == 0, (lv2 < level) & (d2 > pdig))
-    n_gt = tl.sum(tl.sum(tl.load(own + lv2 * NB + d2, mask=above, other=0,
-                                 cache_modifier=".cg"), 1), 0)
-    slot_base = tl.atomic_add(h_row + LEVELS * NB, n_gt, mask=n_gt > 0, sem="relaxed")  # COUNTER
-    slot_base = tl.where(n_gt > 0, slot_base, 0)
+    if COLUMNS:     # the earlier splits' columns above the prefix (exchanged)
+        slot_base = tl.sum(tl.load(count_ptr + slot0 + s2, mask=s2 < sp, other=0,
+                                   cache_modifier=".cg"), 0)
+    else:           # one slot reservation for all the program's blocks
+        n_gt = _own_above(split_ptr, slot0, sp, stride_s, level, prefix, LEVELS, NB)
+        slot_base = tl.atomic_add(h_row + LEVELS * NB, n_gt, mask=n_gt > 0,
+                                  sem="relaxed")                    # COUNTER
+        slot_base = tl.where(n_gt > 0, slot_base, 0)
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
-                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED,
+                                                 COLUMNS)
     else:
         start = lo
         while start < hi:
             slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
-                                                 need, slot_base, tie_base, K, BLOCK, PACKED)
+                                                 need, slot_base, tie_base, K, BLOCK, PACKED,
+                                                 COLUMNS)
             start += BLOCK
+    if COLUMNS:     # -1 past the selection, the row's slots shared by its programs
+        n_sel = _selected(h_row, K, NB)
+        c = (n_sel // BLOCK + sp) * BLOCK
+        while c < K:
+            j = c + tl.arange(0, BLOCK)
+            tl.store(o_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n_sel) & (j < K))
+            c += SPLITS * BLOCK
 
 
 @triton.jit
@@ -373,18 +413,19 @@ def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
 
 
 @triton.jit
-def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_ptr, stall_ptr,
-                        T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s, stride_o,
-                        stride_q,
+def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_ptr, sorted_ptr,
+                        stall_ptr, T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s,
+                        stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
                         LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
-                        RANKED: tl.constexpr):
+                        RANKED: tl.constexpr, COLUMNS: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
-    sort, merge) of program ``(row, split)``, a row barrier between two phases of one launch.
+    sort, merge; ``COLUMNS``: histograms, count, collect in column order) of program ``(row,
+    split)``, a row barrier between two phases of one launch.
     ``LIVE``: ``PROGRAMS`` programs (at most the launch's; a fused launch's all resident) serve
     the non-empty rows only (:func:`_live_rows`: a padded batch's real rows get the padding's
     programs; ``FILL``, the launch that ends the ranking, writes the empty rows' ``-1``); else
@@ -431,10 +472,14 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                     h = tl.load(h_row + L * NB + tl.arange(0, NB), cache_modifier=".cg")
                     level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
                                                            NB)
-            _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp,
-                           slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q, level,
-                           pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED)
-            if LAST > LEVELS:
+            if COLUMNS:
+                _count_phase(split_ptr, count_ptr, slot0, sp, stride_s, level, pre, LEVELS, NB)
+                _barrier(h_row, LEVELS, SPLITS, stall_ptr, BAR, SPIN)
+            _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sorted_ptr,
+                           row, sp, slot0, W, K, SPLITS, stride_k, stride_s, stride_o, stride_q,
+                           level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS,
+                           RANKED, COLUMNS)
+            if LAST > LEVELS + 1:       # the ranking's sort and merge (not COLUMNS, legacy)
                 _barrier(h_row, LEVELS, SPLITS, stall_ptr, BAR, SPIN)
                 _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH, C)
                 _barrier(h_row, LEVELS + 1, SPLITS, stall_ptr, BAR, SPIN)
@@ -450,13 +495,26 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, out_ptr, sorted_
                                 STAGES)
                 elif phase == LEVELS:
                     level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
-                    _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row,
-                                   sp, slot0, W, K, SPLITS, stride_k, stride_s, stride_o,
-                                   stride_q, level, pre, cgt, need, LEVELS, NB, BLOCK, FOR_LOOP,
-                                   STAGES, MAXS, RANKED)
+                    if COLUMNS:
+                        _count_phase(split_ptr, count_ptr, slot0, sp, stride_s, level, pre,
+                                     LEVELS, NB)
+                    else:
+                        _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr,
+                                       sorted_ptr, row, sp, slot0, W, K, SPLITS, stride_k,
+                                       stride_s, stride_o, stride_q, level, pre, cgt, need,
+                                       LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED,
+                                       COLUMNS)
                 elif phase == LEVELS + 1:
-                    _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH,
-                                      C)
+                    if COLUMNS:
+                        level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
+                        _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr,
+                                       sorted_ptr, row, sp, slot0, W, K, SPLITS, stride_k,
+                                       stride_s, stride_o, stride_q, level, pre, cgt, need,
+                                       LEVELS, NB, BLOCK, FOR_LOOP, STAGES, MAXS, RANKED,
+                                       COLUMNS)
+                    else:
+                        _chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB,
+                                          CH, C)
                 else:
                     _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o,
                                  stride_q, NB, CH, LOG_CH, C, CPAD)
@@ -568,9 +626,11 @@ def _launch_config(T: int, W: int, device: torch.device, cfg: TopkLaunch, slots:
 
 def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor,
                        scratch: TopkScratch, mode: str, cfg: TopkLaunch,
-                       hist_zeroed: bool = False) -> torch.Tensor:
+                       hist_zeroed: bool = False, ranked: bool = True) -> torch.Tensor:
     """The Triton top-k (``mode``: ``fused``, ``phased`` or ``legacy``; module docstring).
-    ``hist_zeroed``: ``scratch.hist[:T]`` is zero already (the scoring kernel's work): no fill."""
+    ``hist_zeroed``: ``scratch.hist[:T]`` is zero already (the scoring kernel's work): no fill.
+    ``ranked`` false: the selection in column order (no ranking phases; ``legacy``, a
+    ranking, runs as ``phased``)."""
     T, W = keys.shape
     if keys.stride(1) != 1:
         raise ValueError("topk_select: keys must have unit column stride")
@@ -589,7 +649,9 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                          f"two counts share one int32 scan), got {cfg.block}")
     ch = min(ch, max(16, next_pow2(k)))
     C = triton.cdiv(k, ch)
-    if mode != "legacy" and C * ch > sq.shape[1]:
+    if not ranked:
+        mode = "phased" if mode == "legacy" else mode
+    elif mode != "legacy" and C * ch > sq.shape[1]:
         mode = "legacy"         # k beyond the sort scratch: one program per row sorts it
     fused = mode == "fused" and not interpreted()   # the interpreter runs programs one by one
     lengths = lengths.to(torch.int32)
@@ -599,9 +661,11 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
-                  RANKED=mode != "legacy", num_warps=cfg.warps)
+                  RANKED=ranked and mode != "legacy", COLUMNS=not ranked, num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
-    last = RADIX_LEVELS + 2 if mode != "legacy" else RADIX_LEVELS
+    # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
+    # order: count, collect)
+    last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
     one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
     per_sm = _per_sm(T, sms, cfg)
@@ -616,7 +680,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         programs = T * splits
         if live and fused and cfg.splits is None:
             programs = max(1, min(per_sm * sms, sh.shape[0], T * most))
-        args = (keys, lengths, hist, sh, out, sq, scratch.stalls, T, W, k, splits, most,
+        args = (keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, T, W, k,
+                splits, most,
                 programs, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
                 sq.stride(0))
         if not fused:

@@ -7,9 +7,9 @@ Semantics (the spec is :func:`indexer_topk_reference`)::
     selected(t)   = the min(topk, |candidates|) candidates of highest score
 
 Row ``t`` of the output lists ``selected(t)`` as logical positions, ordered by score descending,
-ties broken by the lower position, then ``-1`` padding. When ``token_pos[t] + 1 <= topk`` every
-position ``0..token_pos[t]`` is returned (still in that order). Padding tokens (``token_req == -1``)
-give a row of ``-1``.
+ties broken by the lower position, then ``-1`` padding (``ranked=False``: ascending positions).
+When ``token_pos[t] + 1 <= topk`` every position ``0..token_pos[t]`` is returned (still in that
+order). Padding tokens (``token_req == -1``) give a row of ``-1``.
 
 Relation to transformers' ``DeepseekV32Indexer`` (models/deepseek_v32/modeling_deepseek_v32.py)::
 
@@ -62,7 +62,7 @@ from .quant import (
     quantize_index_queries_reference,
 )
 from .rotation import indexer_rotation
-from .topk import TopkScratch, topk_select
+from .topk import TopkScratch, column_order, topk_select
 
 
 def fp8_query_enabled(head_dim: int) -> bool:
@@ -191,7 +191,8 @@ def fp8_key_queries_reference(q: torch.Tensor) -> torch.Tensor:
 
 def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                            block_table: torch.Tensor, token_req: torch.Tensor,
-                           token_pos: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+                           token_pos: torch.Tensor, block_size: int, topk: int,
+                           ranked: bool = True) -> torch.Tensor:
     """Plain PyTorch spec of :func:`indexer_topk` (any device)."""
     if isinstance(q, IndexerQueries):
         q, weights = q.materialize()
@@ -239,11 +240,12 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
             sel = order[:, :kk]
             keep = torch.arange(kk, device=dev)[None, :] < n_valid[:, None]
             out[a:b, :kk] = torch.where(keep, sel, torch.full_like(sel, -1)).to(torch.int32)
-    return out
+    return out if ranked else column_order(out)
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,
-                         out=None, workspace: IndexerWorkspace | None = None, group: int = 1):
+                         out=None, workspace: IndexerWorkspace | None = None, group: int = 1,
+                         ranked: bool = True):
     from ._indexer_triton import indexer_keys
 
     T = q.shape[0]
@@ -287,7 +289,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                   token_pos[a:b], block_size, out=keys_buf, lengths=lens,
                                   group=group, fp8_query=fp8_query_enabled(q.shape[-1]),
                                   hist=hist, **fold)
-        topk_select(keys, lens, topk, out=out[a:b], scratch=scratch, hist_zeroed=zero_hist)
+        topk_select(keys, lens, topk, out=out[a:b], scratch=scratch, hist_zeroed=zero_hist,
+                    ranked=ranked)
     return out
 
 
@@ -295,7 +298,8 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
                  k_cache: torch.Tensor,
                  block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
                  block_size: int, topk: int, out: torch.Tensor | None = None,
-                 workspace: IndexerWorkspace | None = None, group: int = 1) -> torch.Tensor:
+                 workspace: IndexerWorkspace | None = None, group: int = 1,
+                 ranked: bool = True) -> torch.Tensor:
     """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
 
     Args:
@@ -319,6 +323,9 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
         group: Triton path, tokens scored per program (a power of two; a speed hint, any value
             is exact): runs of that many consecutive tokens of one request (MTP verify groups)
             then read each key once for all of them.
+        ranked: True (default): the module docstring's order, score descending; False: the
+            same positions ascending (no ranking pass: for a consumer of the set, not the
+            ranks), ``-1`` after them.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores each token's
     positions ``0..pos`` in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE
@@ -332,9 +339,10 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
     """
     if want_triton(q.q if isinstance(q, IndexerQueries) else q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
-                                    block_size, topk, out=out, workspace=workspace, group=group)
+                                    block_size, topk, out=out, workspace=workspace, group=group,
+                                    ranked=ranked)
     res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,
-                                 block_size, topk)
+                                 block_size, topk, ranked)
     if out is not None:
         out.copy_(res)
         return out

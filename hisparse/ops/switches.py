@@ -12,6 +12,11 @@ HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CP
 (``force_triton``)                                                  (the interpreter tests)
 HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
+HISPARSE_TOPK_ORDER       auto, ranked                  auto        the engine's selection order:
+(``topk_order``)                                                    ``auto`` positions ascending
+                                                                    unless a hot policy reads
+                                                                    ranks (no ranking pass);
+                                                                    ``ranked`` score order always
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
 (``fused_glue``)                                                    reference (``ops.glue``), the
                                                                     indexer's queries are roped
@@ -77,6 +82,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 TOPK_MODES = ("fused", "phased", "legacy")
+TOPK_ORDERS = ("auto", "ranked")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
@@ -88,6 +94,7 @@ FLAG_VALUES = ("0", "1")
 VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "force_triton": ("HISPARSE_FORCE_TRITON", FLAG_VALUES),
     "topk": ("HISPARSE_TOPK", TOPK_MODES),
+    "topk_order": ("HISPARSE_TOPK_ORDER", TOPK_ORDERS),
     "fused_glue": ("HISPARSE_FUSED_GLUE", FLAG_VALUES),
     "fused_sums": ("HISPARSE_FUSED_SUMS", FLAG_VALUES),
     "fused_moe": ("HISPARSE_FUSED_MOE", FLAG_VALUES),
@@ -108,6 +115,7 @@ class KernelSwitches:
 
     force_triton: bool = False
     topk: str = "fused"
+    topk_order: str = "auto"
     fused_glue: bool = True
     fused_sums: bool = True
     fused_moe: bool = True

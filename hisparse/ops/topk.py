@@ -4,8 +4,9 @@ Contract (the spec is :func:`topk_select_reference`): ``keys [T, W]`` int32 hold
 order-preserving transform of fp32 scores (:func:`orderable_keys`) in columns ``0..lengths[t]-1``;
 ``INT32_MIN`` marks an invalid column (never selected). Row ``t`` of the ``[T, k]`` int32 result
 lists the ``min(k, valid)`` valid columns of highest key, ordered by key descending, ties broken
-by the lower column, then ``-1`` padding. Columns ``>= lengths[t]`` are never read (they may hold
-anything), so the work of a row is proportional to its own length, not to ``W``.
+by the lower column, then ``-1`` padding (``ranked=False``: the same columns in ascending column
+order, then ``-1``; no ranking phases run). Columns ``>= lengths[t]`` are never read (they may
+hold anything), so the work of a row is proportional to its own length, not to ``W``.
 
 :func:`orderable_keys` maps fp32 to int32 so that signed int32 order is the reference's
 ``torch.sort(descending=True, stable=True)`` order: ``-0.0`` equals ``+0.0``, every NaN ranks
@@ -64,10 +65,19 @@ def orderable_keys(score: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(s), torch.full_like(key, INT32_MAX), key)
 
 
-def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def column_order(selection: torch.Tensor) -> torch.Tensor:
+    """``[T, k]`` int32 selections (``-1`` none, after the selected) in ascending column order,
+    ``-1`` last: the ``ranked=False`` order of a ranked selection."""
+    big = torch.full_like(selection, INT32_MAX)
+    cols = torch.where(selection < 0, big, selection).sort(dim=1).values
+    return torch.where(cols == INT32_MAX, torch.full_like(cols, -1), cols)
+
+
+def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int,
+                          ranked: bool = True) -> torch.Tensor:
     """Plain PyTorch spec of :func:`topk_select`: one int64 ``(key << 32) | (2^32 - 1 - col)``
     per column (``INT64_MIN`` past the row's length or for an invalid key), sorted ``torch.topk``
-    over the whole width."""
+    over the whole width (``ranked=False``: then :func:`column_order`)."""
     T, W = keys.shape
     out = torch.full((T, k), -1, dtype=torch.int32, device=keys.device)
     if T == 0 or W == 0:
@@ -79,7 +89,7 @@ def topk_select_reference(keys: torch.Tensor, lengths: torch.Tensor, k: int) -> 
     kk = min(k, W)
     vals, idx = torch.topk(packed, kk, dim=1, largest=True, sorted=True)
     out[:, :kk] = torch.where(vals == -(2**63), torch.full_like(idx, -1), idx).to(torch.int32)
-    return out
+    return out if ranked else column_order(out)
 
 
 class TopkScratch:
@@ -88,9 +98,10 @@ class TopkScratch:
     counter and the threshold state of each level (``hist [rows, 4 * 256 + 64]``, zeroed by
     each call) and the histograms of each (row, split) program (``split_hist [rows +
     SPLIT_SLOTS, 4, 256]``, written before they are read by each call: ``rows x splits`` of
-    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``) and the
-    split sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys, written before they are
-    read by each call); ``stalls [1]`` counts a fused launch's row barriers that gave up
+    them, so a call over few long rows can split each row in up to ``MAX_SPLITS``), the split
+    sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys) and the column order's
+    per-(row, split) counts (``counts [rows + SPLIT_SLOTS]``), both written before they are
+    read by each call; ``stalls [1]`` counts a fused launch's row barriers that gave up
     waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
@@ -100,22 +111,23 @@ class TopkScratch:
         self.split_hist = torch.zeros((self.rows + SPLIT_SLOTS, RADIX_LEVELS, RADIX_BINS),
                                       dtype=torch.int32, device=dev)
         self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(self.rows + SPLIT_SLOTS, dtype=torch.int32, device=dev)
         self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
 
     @staticmethod
     def row_bytes() -> int:
         """Bytes a row of the scratch takes (``hist``, ``sorted`` and one ``split_hist`` slot)."""
-        return 4 * TOPK_HIST_WIDTH + 4 * RADIX_LEVELS * RADIX_BINS + 8 * SORT_COLS
+        return 4 * TOPK_HIST_WIDTH + 4 * RADIX_LEVELS * RADIX_BINS + 8 * SORT_COLS + 4
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
-                self.stalls.data_ptr())
+                self.counts.data_ptr(), self.stalls.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
                 out: torch.Tensor | None = None, scratch: TopkScratch | None = None,
                 splits: int | None = None, launch: TopkLaunch | None = None,
-                hist_zeroed: bool = False) -> torch.Tensor:
+                hist_zeroed: bool = False, ranked: bool = True) -> torch.Tensor:
     """Top-k columns per row: ``[T, k]`` int32, ``-1`` padding (module docstring).
 
     Args:
@@ -138,6 +150,9 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             earlier launch on this stream (the indexer's scoring kernel,
             ``indexer_keys(hist=...)``), so the call skips its fill launch. False (default):
             the call zeroes it.
+        ranked: True (default): by key descending, ties by the lower column; False: the same
+            columns in ascending column order (no sort: for a consumer that reads the set,
+            not the ranks, e.g. the attention without a hot policy's band).
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the
@@ -173,6 +188,6 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         if cfg.block is None:
             cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
         return topk_select_triton(keys, lengths, k, out, scratch,
-                                  switches.current().topk, cfg, hist_zeroed)
-    out.copy_(topk_select_reference(keys, lengths, k))
+                                  switches.current().topk, cfg, hist_zeroed, ranked)
+    out.copy_(topk_select_reference(keys, lengths, k, ranked))
     return out

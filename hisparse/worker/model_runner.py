@@ -20,6 +20,7 @@ from torch import Tensor
 from hisparse import ops
 from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.models.context import NewQuery, NewRows, materialize
+from hisparse.ops import switches
 from hisparse.ops.indexer import IndexerQueries
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
@@ -212,20 +213,23 @@ class PagedContext:
 
     def select_topk(self, layer_idx: int, index_q: Tensor | IndexerQueries,
                     index_weights: Tensor | None, keys: Tensor) -> Tensor:
-        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none; override
-        point: must stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`.
+        """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none, last),
+        ascending unless a hot policy's band needs ranks (then by score; override point: must
+        stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`.
         ``index_q`` may be an :class:`~hisparse.ops.indexer.IndexerQueries` (``index_weights``
         None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
-        k = self.index_topk
+        k, band = self.index_topk, self.caches.hot_band
         w = None if index_weights is None else index_weights.float()
-        ranked = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
-                                  self.token_slot, self.positions_i32, self.block_size,
-                                  k + self.caches.hot_band,
-                                  workspace=self.caches.workspace.indexer,
-                                  group=self.index_group)
+        # only a hot policy's band reads ranks: without one the attention and the resolver
+        # take the set, in position order (no ranking pass), unless HISPARSE_TOPK_ORDER=ranked
+        ranked = band > 0 or switches.current().topk_order == "ranked"
+        sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
+                               self.token_slot, self.positions_i32, self.block_size, k + band,
+                               workspace=self.caches.workspace.indexer,
+                               group=self.index_group, ranked=ranked)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
-        self.band = ranked[:, k:] if ranked.shape[1] > k else None
-        return ranked[:, :k]
+        self.band = sel[:, k:] if band else None
+        return sel[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows ``[T, index_topk]`` int32 of :attr:`topk` (``-1`` none): resident

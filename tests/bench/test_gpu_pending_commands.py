@@ -22,7 +22,9 @@ def bench_commands() -> list[list[str]]:
         m = re.search(r"python3 (?:-m hisparse\.cli|benchmarks/bench_rank_attn_plan\.py \S+) "
                       r"bench (.*?)(;;|$)", line)
         if m:
-            cmds.append(shlex.split(m.group(1).replace('"$out', '"/tmp/x')))
+            words = shlex.split(m.group(1).replace('"$out', '"/tmp/x'))
+            # an optional argument array the script expands ("${cut[@]}"): none here
+            cmds.append([w for w in words if not w.startswith("${")])
     return cmds
 
 

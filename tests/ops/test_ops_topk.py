@@ -10,6 +10,7 @@ from hisparse.ops.topk import (
     INT32_MIN,
     TopkLaunch,
     TopkScratch,
+    column_order,
     orderable_keys,
     topk_select,
     topk_select_reference,
@@ -102,6 +103,50 @@ def test_triton_matches_reference(triton_cpu, k, distinct, lengths, splits):
     assert torch.equal(got, want)
     n_valid = ((keys != INT32_MIN) & (torch.arange(W)[None, :] < lens[:, None])).sum(1)
     assert torch.equal((got >= 0).sum(1), n_valid.clamp(max=k).int())
+
+
+def test_column_order_reference_is_the_ranked_set_sorted():
+    """``ranked=False``'s spec: the ranked selection's columns ascending, ``-1`` last."""
+    keys, lens = make_keys(4, 90, 6, [90, 0, 13, 57], seed=5)
+    ranked = topk_select_reference(keys, lens, 20)
+    cols = topk_select_reference(keys, lens, 20, ranked=False)
+    for t in range(4):
+        chosen = sorted(c for c in ranked[t].tolist() if c >= 0)
+        assert cols[t].tolist() == chosen + [-1] * (20 - len(chosen))
+    assert torch.equal(column_order(ranked), cols)
+
+
+@pytest.mark.parametrize("mode", ["fused", "legacy"])
+@pytest.mark.parametrize("k,distinct,lengths,splits", CASES + [(40, 2, [160, 39, 41, 0], 4)])
+def test_triton_column_order_matches_reference(triton_cpu, kernel_switches, mode, k, distinct,
+                                               lengths, splits):
+    """``ranked=False``: the same selection in column order, the ties taken by lower column
+    across the programs of a row (one launch where a row has one program, else one a phase:
+    count, then collect), ``-1`` past it into a poisoned output; ``legacy`` runs as
+    ``phased``."""
+    kernel_switches(topk=mode)
+    W = 300
+    keys, lens = make_keys(len(lengths), W, distinct, lengths, seed=k + splits)
+    out = torch.full((len(lengths), k), SENTINEL, dtype=torch.int32)
+    scratch = TopkScratch(9, "cpu")
+    scratch.counts.fill_(-977)                  # written before read by each call
+    got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=splits,
+                      launch=TopkLaunch(block=32), ranked=False)
+    assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=False))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_column_order_later_digits_and_all_ties(triton_cpu, splits):
+    """Thresholds resolved at later digits and rows of one repeated key (every column a tie,
+    split over three programs): the ties kept are the lowest columns, in column order."""
+    T, W, k = 5, 150, 40
+    keys = bucket_keys(T, W, seed=9)
+    keys[3] = 4242
+    lens = torch.tensor([150, 150, 131, 150, 97], dtype=torch.int32)
+    got = topk_select(keys, lens, k, scratch=TopkScratch(T, "cpu"), splits=splits,
+                      launch=TopkLaunch(block=16), ranked=False)
+    assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=False))
+    assert got[3].tolist() == list(range(k))
 
 
 def bucket_keys(T, W, seed):
@@ -400,6 +445,27 @@ def test_gpu_modes_match_reference(kernel_switches, mode, T, W, k, distinct):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,T,W,k", [("fused", *s) for s in GPU_SHAPES]
+                         + [("phased", *s) for s in GPU_SHAPES[:2]])
+@pytest.mark.parametrize("distinct", [3, 1 << 30])
+def test_gpu_column_order_matches_reference(kernel_switches, mode, T, W, k, distinct):
+    """``ranked=False`` at the real shapes (split rows: the per-split counts exchanged at a
+    row barrier), twice on one scratch with what a call writes before it reads poisoned."""
+    kernel_switches(topk=mode)
+    keys, lens = _gpu_rows(T, W, k, seed=T + k + distinct + 1, distinct=distinct)
+    scratch = TopkScratch(T, "cuda")
+    want = topk_select_reference(keys, lens, k, ranked=False)
+    for i in range(2):
+        if i:
+            scratch.split_hist.fill_(977)
+            scratch.counts.fill_(-977)
+        out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+        assert torch.equal(topk_select(keys, lens, k, out=out, scratch=scratch, ranked=False),
+                           want)
+    assert scratch.stalls.item() == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
                                     TopkLaunch(per_sm=4), TopkLaunch(stages=4),
@@ -441,10 +507,11 @@ def test_gpu_batch_invariant():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fused", "phased"])
-def test_gpu_cuda_graph_buckets(kernel_switches, mode):
+@pytest.mark.parametrize("mode,ranked", [("fused", True), ("phased", True), ("fused", False)])
+def test_gpu_cuda_graph_buckets(kernel_switches, mode, ranked):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
-    replayed growing and shrinking on fresh data: the eager reference's selections."""
+    replayed growing and shrinking on fresh data: the eager reference's selections (ranked,
+    or in column order)."""
     kernel_switches(topk=mode)
     W, k = 32768, 2048
     buckets = [8, 16, 32, 64]
@@ -457,17 +524,17 @@ def test_gpu_cuda_graph_buckets(kernel_switches, mode):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for b in buckets:       # warm-up compiles outside the capture
-            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch)
+            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch, ranked=ranked)
     torch.cuda.current_stream().wait_stream(stream)
     for b in buckets:
         graphs[b] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[b]):
-            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch)
+            topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch, ranked=ranked)
     for i, b in enumerate([8, 32, 64, 16, 8, 64]):
         kb, lb = _gpu_keys(b, W, k, seed=100 + i, distinct=8 if i % 2 else 1 << 20)
         keys[:b].copy_(kb)
         lens[:b].copy_(lb)
         outs[b].fill_(SENTINEL)
         graphs[b].replay()
-        assert torch.equal(outs[b], topk_select_reference(kb, lb, k)), (i, b)
+        assert torch.equal(outs[b], topk_select_reference(kb, lb, k, ranked=ranked)), (i, b)
     assert scratch.stalls.item() == 0
