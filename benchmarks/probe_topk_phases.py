@@ -31,20 +31,23 @@ from kernel_copy import load_ops_module  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "hisparse" / "ops" / "_topk_triton.py"
 SLOTS = 16
-# (a statement of the one-launch branch, matched at its first line; the stamp after it)
-MARKS = (("h_row = hist_ptr + row * stride_h", "start"),
-         ("_hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,", "hist0"),
-         ("stalled = _barrier(h_row, 0,", "bar0"),
-         ("    _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W,", "hist{L}"),
-         ("stalled = stalled | _barrier(h_row, L,", "bar{L}"),
-         ("_collect_phase(keys_ptr, len_ptr, h_row, split_ptr, out_ptr, sorted_ptr, row, sp,",
-          "collect"),
-         ("_barrier(h_row, LEVELS, SPLITS", "bar_collect"),
+# (a statement of the one-launch branch, matched at its first line, where the line before it
+# holds the third entry if any; the stamp after it)
+MARKS = (("h_row = hist_ptr + row * stride_h", "start", None),
+         ("_hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,", "hist0",
+          None),
+         ("stalled = _barrier(h_row, 0,", "bar0", None),
+         ("_hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W,", "hist{L}",
+          "if done == 0"),
+         ("stalled = stalled | _barrier(h_row, L,", "bar{L}", None),
+         ("_collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sorted_ptr,",
+          "collect", None),
+         ("_barrier(h_row, LEVELS, SPLITS", "bar_collect", "if LAST > LEVELS + 1"),
          ("_chunk_sort_phase(h_row, sorted_ptr, row, sp, K, SPLITS, stride_q, NB, CH, C)",
-          "sort"),
-         ("_barrier(h_row, LEVELS + 1, SPLITS", "bar_sort"),
+          "sort", None),
+         ("_barrier(h_row, LEVELS + 1, SPLITS", "bar_sort", None),
          ("_merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, stride_q,",
-          "merge"))
+          "merge", None))
 # the stamps in slot order (hist{L} / bar{L} of the loop over L = 1..3 at 2L+1 / 2L+2)
 NAMES = ["start", "hist0", "bar0", "hist1", "bar1", "hist2", "bar2", "hist3", "bar3", "collect",
          "bar_collect", "sort", "bar_sort", "merge"]
@@ -72,27 +75,26 @@ def _stamp(slot: str, indent: str) -> list[str]:
 def instrumented_source(src: Path = SRC) -> str:
     """The module's text with a ``stamp_ptr`` argument and the stamps (module docstring)."""
     text = src.read_text()
-    sig = "out_ptr, sorted_ptr, stall_ptr,\n"
-    call = "(keys, lengths, hist, sh, out, sq, scratch.stalls, "
+    sig = "stall_ptr, T, W, K, SPLITS,"
+    call = "(keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, "
     if text.count(sig) != 1 or text.count(call) != 1:
         raise RuntimeError("probe_topk_phases: the kernel's signature or call has changed")
-    text = text.replace(sig, "out_ptr, sorted_ptr, stall_ptr, stamp_ptr,\n")
-    text = text.replace(call, "(keys, lengths, hist, sh, out, sq, scratch.stalls, _STAMPS, ")
+    text = text.replace(sig, "stall_ptr, stamp_ptr, T, W, K, SPLITS,")
+    text = text.replace(call, call + "_STAMPS, ")
     text += "\n_STAMPS = None   # the probe's [programs, 2 * SLOTS] int64 stamp buffer\n"
     lines = text.splitlines(keepends=True)
     start = next(i for i, s in enumerate(lines) if s.startswith("def _topk_select_kernel"))
     end = next(i for i, s in enumerate(lines) if "else:   # one launch a phase" in s)
     found, inserts = set(), []
     for i in range(start, end):
-        for marker, name in MARKS:
-            if lines[i].lstrip().startswith(marker.lstrip()) and (
-                    not marker.startswith(" ") or "if done == 0" in lines[i - 1]):
+        for marker, name, after in MARKS:
+            if lines[i].lstrip().startswith(marker) and (after is None or after in lines[i - 1]):
                 slot = (str(NAMES.index(name)) if name in NAMES
                         else "2 * L + 1" if name.startswith("hist") else "2 * L + 2")
                 indent = re.match(r"\s*", lines[i]).group(0)
                 inserts.append((_statement_end(lines, i), _stamp(slot, indent)))
                 found.add(name)
-    missing = {n for _, n in MARKS} - found
+    missing = {n for _, n, _ in MARKS} - found
     if missing:
         raise RuntimeError(f"probe_topk_phases: markers not found: {sorted(missing)}")
     for j, block in sorted(inserts, reverse=True):

@@ -98,10 +98,12 @@ class _Allocation:
     """Owns one region of an allocator; frees it when garbage (the tensor's buffer holds it)."""
 
     def __init__(self, allocator: HostAllocator, nbytes: int) -> None:
-        self.allocator, self.address = allocator, allocator.alloc(nbytes)
+        self.allocator, self.address = allocator, None
+        self.address = allocator.alloc(nbytes)
 
     def __del__(self) -> None:
-        self.allocator.free(self.address)
+        if self.address is not None:        # None: the allocation raised
+            self.allocator.free(self.address)
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype,
