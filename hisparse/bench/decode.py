@@ -39,6 +39,7 @@ from hisparse.bench.replay import replay_rows
 from hisparse.config import Mode, cdiv
 from hisparse.engine.arg_utils import host_pool_gib_arg
 from hisparse.models.shapes import MODEL_SHAPES, TP8_GEOMETRY, model_shape_config  # noqa: F401
+from hisparse.ops import switches
 
 
 def touched_weight_bytes(cfg, batch: int) -> int:
@@ -162,14 +163,18 @@ def check_band_policies(spec: str, policies: list[str], source=None) -> None:
 
 
 def topk_table(source, layers: int, context: int, outputs: int, k: int, streams: int = 4,
-               band: int = 0, limit_bytes: int = TABLE_LIMIT_BYTES) -> torch.Tensor | None:
+               band: int = 0, limit_bytes: int = TABLE_LIMIT_BYTES,
+               ascending: bool = False) -> torch.Tensor | None:
     """``[streams, layers, outputs, k + band]`` int32 (CPU): at decode step ``s`` of a request
     in stream ``d``, layer ``l`` selects ``table[d, l, s, :k]`` and has the next-ranked band
     ``table[d, l, s, k:]`` (best rank first); ``-1`` pads rows the source has fewer of.
     ``source``: a spec (``indexer`` gives ``None``) or a loaded source; ``band > 0`` needs a
     source with a band (``ValueError`` otherwise). Size ``streams * layers * outputs *
     (k + band) * 4`` bytes (16 MiB for 4 x 4 x 64 x 4096); more than ``limit_bytes`` raises
-    ``ValueError`` (fewer ``--outputs``: steps past the table replay its last one)."""
+    ``ValueError`` (fewer ``--outputs``: steps past the table replay its last one).
+    ``ascending``: each step's selection in ascending position order (``-1`` last), as the
+    engine's indexer gives it without a band; else the source's order (a synthetic source's
+    is random, standing in for score order)."""
     import numpy as np
 
     src = make_source(source, layers) if isinstance(source, str) else source
@@ -187,7 +192,7 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
         for layer in range(layers):
             for s in range(outputs):
                 sel = src.select(layer, d, s, context + s + 1, k)
-                table[d, layer, s, :len(sel)] = sel
+                table[d, layer, s, :len(sel)] = np.sort(sel) if ascending else sel
                 if band:
                     table[d, layer, s, k:] = src.select_band(layer, d, s, context + s + 1, k,
                                                              band)
@@ -497,10 +502,16 @@ def main(argv: list[str] | None = None) -> int:
         """The top-k table of ``spec``, with the band when a policy run on it reads one."""
         src = sources[spec]
         band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
-        table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band)
+        # the replay gives the order the engine's indexer would: positions ascending unless a
+        # band is read or HISPARSE_TOPK_ORDER=ranked (an lru run beside a band's replays the
+        # band's table: the source's order)
+        ascending = band == 0 and switches.current().topk_order == "auto"
+        table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
+                           ascending=ascending)
         if table is not None:
             print(f"top-k table {spec}: {tuple(table.shape)} int32 (top-{topk_k}"
-                  f"{f' + band {band}' if band else ''}), "
+                  f"{f' + band {band}' if band else ''}, "
+                  f"{'positions ascending' if ascending else 'the source order'}), "
                   f"{table.numel() * 4 / (1 << 20):.1f} MiB on the GPU per point", flush=True)
         return table
 

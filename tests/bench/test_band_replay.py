@@ -111,6 +111,22 @@ def test_band_table_and_override(random_trace):
     assert band is None and topk.shape == (5, k)
 
 
+def test_ascending_table_holds_each_selection_in_position_order():
+    """``ascending`` (the engine's order without a band): every step's row is the source's
+    selection, sorted, ``-1`` after it; the source's own (random) order differs somewhere."""
+    src = SyntheticTopk(0.8, 2, seed=3)
+    context, outputs, k = 40, 5, 16
+    asc = decode.topk_table(src, 2, context, outputs, k, streams=2, ascending=True)
+    raw = decode.topk_table(SyntheticTopk(0.8, 2, seed=3), 2, context, outputs, k, streams=2)
+    assert not torch.equal(asc, raw)
+    for d in range(2):
+        for layer in range(2):
+            for s in range(outputs):
+                got, sel = asc[d, layer, s].tolist(), raw[d, layer, s].tolist()
+                chosen = sorted(c for c in sel if c >= 0)
+                assert got == chosen + [-1] * (k - len(chosen))
+
+
 def test_sources_without_a_band(tmp_path, random_trace):
     _, ranked, kt = random_trace
     no_band = _write_trace(tmp_path / "nb.npz", ranked[..., :kt], None, 30)
