@@ -98,7 +98,7 @@ def probe_chunks(method: str, step: int, limit: int, seconds: float) -> dict:
         held.clear()
         gc.collect()
     return {"method": method, "pinned_gib": total / GIB, "stop": stop,
-            "s_per_gib": elapsed / max(total / GIB, 1e-9)}
+            "s_per_gib": elapsed / (total / GIB) if total else float("nan")}
 
 
 def probe_single(method: str, nbytes: int) -> dict:
