@@ -58,14 +58,16 @@ def _libcudart() -> ctypes.CDLL | None:
                     names.append(path)
     except OSError:
         pass
-    names += ["libcudart.so", f"libcudart.so.{torch.version.cuda.split('.')[0]}"
-              if torch.version.cuda else "libcudart.so"]
+    if torch.version.cuda:      # torch's major version before a toolkit's unversioned name
+        names.append(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    names.append("libcudart.so")
     for name in names:
         try:
             lib = ctypes.CDLL(name)
             lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                           ctypes.c_uint]
             lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+            lib.cudaGetLastError.argtypes = []
             return lib
         except (OSError, AttributeError):
             continue
@@ -84,6 +86,9 @@ def cuda_host_allocator() -> HostAllocator | None:
         ptr = ctypes.c_void_p()
         rc = lib.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0)
         if rc != 0 or not ptr.value:
+            # read (clear) the runtime's sticky last error, as torch's allocator does: left
+            # pending, torch's next kernel-launch check would raise it as its own
+            lib.cudaGetLastError()
             raise RuntimeError(f"cudaHostAlloc of {nbytes / GIB:.2f} GiB failed (cudaError "
                                f"{rc})")
         return ptr.value

@@ -194,3 +194,20 @@ def test_pinned_empty_on_cuda_is_page_locked_and_device_readable():
     tail = torch.empty((1024, width), dtype=torch.uint8, device="cuda")
     tail.copy_(host[-1024:], non_blocking=True)
     assert torch.equal(tail.cpu(), host[-1024:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_failed_pin_leaves_no_cuda_error_behind():
+    """A pin past the machine's memory raises naming its size, and torch's next kernel launch
+    does not inherit the runtime's sticky error (the probe of ``host_pool_gib="auto"`` ends
+    on such a failure)."""
+    import os
+
+    import torch
+
+    too_big = 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(RuntimeError, match="cudaHostAlloc of"):
+        pinned.pinned_empty((too_big,), torch.uint8)
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    assert float((x * 2).sum()) == 999000.0
