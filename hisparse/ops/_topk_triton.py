@@ -32,6 +32,12 @@ interpreter, which runs programs one after the other, unless each row has one pr
    ``_sort_kernel``) has one program per row sort all ``k`` (a bitonic network of
    ``log2(k)^2 / 2`` stages over the padded width: ~30 us on the H200 whatever the batch).
 
+Column order (``ranked=False``, constexpr ``COLUMNS``) replaces phases 4-6: 4. each program
+stores its count of columns above ``P`` (its own split histograms) in ``TopkScratch.counts``;
+5. after the row's programs meet, each writes its selected columns at their final slots in
+column order, from the earlier splits' counts, its running count and the ties taken before it
+(``min(ties so far, need)``), and ``-1`` past the selection.
+
 In the one launch the threshold state stays in registers (each program derives it from the
 row's global histograms after a barrier, so all of a row's programs agree), and a resolved row
 skips the remaining digits and their barriers: a row of at most ``k`` valid columns passes
