@@ -134,27 +134,28 @@ SWEEP = (TopkLaunch(), TopkLaunch(per_sm=2), TopkLaunch(sort_chunk=128), TopkLau
 
 
 def sweep_topk(res, shapes):
-    """The fused launch's hints (``TopkLaunch``) at a few shapes, us per call; the default
-    first (``*``: the fastest of a shape)."""
+    """The fused launch's hints (``TopkLaunch``) at a few shapes, ranked and in column order,
+    us per call; the default first (``*``: the fastest of a shape and order)."""
     print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block / "
           "stages), us")
     names = [f"{c.sort_chunk}/{c.per_sm or 'auto'}/{c.warps}/{c.block or 1024}/{c.stages}"
              for c in SWEEP]
-    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | " + " ".join(f"{n:>13}" for n in names))
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
         keys, lens = _topk_inputs(ctx, T, ctx)
         scratch = TopkScratch(T, "cuda")
         out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-        want = topk_select_reference(keys, lens, k)
-        ts = []
-        for cfg in SWEEP:
-            ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg))
-            assert torch.equal(out, want) and scratch.stalls.item() == 0, (ctx, T, k, cfg)
-            res.append(dict(bench="topk_sweep", ctx=ctx, rows=T, k=k,
-                            config=dataclasses.asdict(cfg), us=ts[-1] * 1e6))
-        best = min(ts)
-        print(f"  {ctx:>6} {T:>4} {k:>4} | " + " ".join(
-            f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
+        for ranked in (True, False):    # the ranking's launch, then the column order's
+            want = topk_select_reference(keys, lens, k, ranked=ranked)
+            ts = []
+            for cfg in SWEEP:
+                ts.append(_timed_select(keys, lens, k, out, scratch, "fused", cfg, ranked))
+                assert torch.equal(out, want) and scratch.stalls.item() == 0, (ctx, T, k, cfg)
+                res.append(dict(bench="topk_sweep", ctx=ctx, rows=T, k=k, ranked=ranked,
+                                config=dataclasses.asdict(cfg), us=ts[-1] * 1e6))
+            best = min(ts)
+            print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | " + " ".join(
+                f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
 
 
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
