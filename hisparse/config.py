@@ -54,6 +54,12 @@ def cdiv(a: int, b: int) -> int:
 MAX_DEFAULT_STAGING_ROWS = 262144
 
 
+def hot_buffer_rows(hot_buffer_size: int | None, index_topk: int) -> int:
+    """Rows per (layer, request) of a hot buffer: ``hot_buffer_size`` if given, else ``2 *
+    index_topk`` (the one default the engine, the planner and the pool sizing use)."""
+    return 2 * index_topk if hot_buffer_size is None else hot_buffer_size
+
+
 def watermark_for(num_gpu_blocks: int, watermark_blocks: int | None, hot_blocks: int) -> int:
     """The arena's watermark: ``watermark_blocks`` if given, else ``max(hot_blocks,
     num_gpu_blocks // 10)`` (the one rule the engine, the planner and the pool sizing use)."""
@@ -98,8 +104,8 @@ class KVCacheConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         object.__setattr__(self, "mode", Mode.parse(self.mode))
-        if self.hot_buffer_size is None:
-            object.__setattr__(self, "hot_buffer_size", 2 * self.index_topk)
+        object.__setattr__(self, "hot_buffer_size",
+                           hot_buffer_rows(self.hot_buffer_size, self.index_topk))
         require_positive("hot_buffer_size", self.hot_buffer_size)
         if self.hot_buffer_size < self.index_topk:
             raise ValueError(

@@ -79,7 +79,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from hisparse.config import ACTIVE_TAIL_PAGES, MODES, cdiv, require_positive, watermark_for
+from hisparse.config import (
+    ACTIVE_TAIL_PAGES,
+    MODES,
+    cdiv,
+    hot_buffer_rows,
+    require_positive,
+    watermark_for,
+)
 
 # Bytes per element of a KV cache dtype; "fp8" is special-cased (scales) in row/key bytes.
 DTYPE_BYTES: dict[str, int] = {
@@ -333,7 +340,7 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
     L, Li = geo.num_layers, geo.num_indexer_layers
     row_b, key_b = geo.row_bytes(dt), geo.key_bytes(dt)
     pages = cdiv(inp.context, bs)
-    hot = cdiv(inp.hot_buffer_size or 2 * geo.index_topk, bs)
+    hot = cdiv(hot_buffer_rows(inp.hot_buffer_size, geo.index_topk), bs)
     uses_host = mode != "gpu-only"
     # Whether requests read through a hot buffer (the engine's switch rule for hisparse).
     host_read = mode == "always-host" or (
@@ -528,7 +535,8 @@ def format_plan(plan: CapacityPlan) -> str:
         f"context {inp.context} tokens, block {inp.block_size}, kv dtype {dt} "
         f"(row {geo.row_bytes(dt)} B x {geo.num_layers} layers, key {geo.key_bytes(dt)} B x "
         f"{geo.num_indexer_layers} indexer layers), hot buffer "
-        f"{inp.hot_buffer_size or 2 * geo.index_topk} rows, hit rate {inp.hit_rate:g}",
+        f"{hot_buffer_rows(inp.hot_buffer_size, geo.index_topk)} rows, hit rate "
+        f"{inp.hit_rate:g}",
     ]
     weights = geo.weight_bytes if inp.weight_bytes is None else inp.weight_bytes
     arena_blk = inp.block_size * geo.num_layers * geo.row_bytes(dt)

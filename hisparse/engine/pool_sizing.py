@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib
+from hisparse.config import KVCacheConfig, Mode, cdiv, host_blocks_for_gib, hot_buffer_rows
 from hisparse.engine.engine_args import EngineArgs
 from hisparse.worker.cache import CacheGeometry
 from hisparse.worker.pinned import auto_host_pool_bytes, available_host_memory_bytes
@@ -85,7 +85,7 @@ def plan_pools(args: EngineArgs, mc) -> PoolPlan:
         # buffer that large can never overflow (the resolver would fail the step).
         need = (k_spec + 1) * mc.index_topk
         if hot_buffer_size is None:
-            hot_buffer_size = max(need, 2 * mc.index_topk)
+            hot_buffer_size = max(need, hot_buffer_rows(None, mc.index_topk))
         elif hot_buffer_size < need:
             raise ValueError(f"hot_buffer_size ({hot_buffer_size}) must be >= "
                              f"(num_speculative_tokens + 1) * index_topk = {need}: a "
@@ -230,7 +230,8 @@ def split_gpu_budget(plan: PoolPlan, mc, budget: int) -> tuple[int, int]:
     cap = max(kv["max_num_seqs"] * pages, min_gpu)
     if mode == Mode.HISPARSE:   # GPU-held requests: that many full-length ones, watermark free
         cap = arena_blocks_for(cap, kv["watermark_blocks"],
-                               cdiv(kv["hot_buffer_size"] or 2 * kv["index_topk"], bs))
+                               cdiv(hot_buffer_rows(kv["hot_buffer_size"], kv["index_topk"]),
+                                    bs))
     n_gpu = min(n_gpu, cap)
     if n_gpu < min_gpu:
         raise ValueError(
