@@ -215,14 +215,19 @@ class PagedContext:
                     index_weights: Tensor | None, keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none, last),
         ascending unless a hot policy's band needs ranks (then by score; override point: must
-        stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band`.
+        stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band` (the next-ranked
+        rows in a host-read forward of a policy with a band, else ``None``).
         ``index_q`` may be an :class:`~hisparse.ops.indexer.IndexerQueries` (``index_weights``
         None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
-        k, band = self.index_topk, self.caches.hot_band
+        k, policy_band = self.index_topk, self.caches.hot_band
         w = None if index_weights is None else index_weights.float()
         # only a hot policy's band reads ranks: without one the attention and the resolver
-        # take the set, in position order (no ranking pass), unless HISPARSE_TOPK_ORDER=ranked
-        ranked = band > 0 or switches.current().topk_order == "ranked"
+        # take the set, in position order (no ranking pass), unless HISPARSE_TOPK_ORDER=ranked.
+        # The order follows the policy in every forward (the attention sums in it: a forward
+        # with host reads and one without must agree); the band itself is selected only where
+        # the resolver reads it (the first k ranks are the same either way)
+        ranked = policy_band > 0 or switches.current().topk_order == "ranked"
+        band = policy_band if self.host_read else 0
         sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
                                self.token_slot, self.positions_i32, self.block_size, k + band,
                                workspace=self.caches.workspace.indexer,

@@ -348,7 +348,8 @@ def test_paged_context_selects_the_same_from_lazy_queries(triton_cpu):
     fake = SimpleNamespace(index_topk=k, caches=caches, block_size=bs, index_group=1,
                            tables={"indexer": torch.arange(2 * P, dtype=torch.int32).view(2, P)},
                            token_slot=torch.tensor([0, 1, 1, -1], dtype=torch.int32),
-                           positions_i32=torch.tensor([40, 63, 9, 0], dtype=torch.int32))
+                           positions_i32=torch.tensor([40, 63, 9, 0], dtype=torch.int32),
+                           host_read=True)
     caches.workspace.indexer = _poisoned_workspace(T, P * bs)
     got = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
     got_band = fake.band.clone()
@@ -357,6 +358,12 @@ def test_paged_context_selects_the_same_from_lazy_queries(triton_cpu):
     with switches.override(fused_glue=False):
         want = PagedContext.select_topk(fake, 0, q, w, pages)
     assert torch.equal(got, want) and torch.equal(got_band, fake.band)
+    # a forward without host reads selects no band, the same ranks (a policy with a band
+    # keeps score order in every forward: the attention sums in it)
+    fake.host_read = False
+    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+    plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
+    assert fake.band is None and torch.equal(plain, got)
 
 
 def test_dense_reference_context_takes_lazy_queries(triton_cpu):
