@@ -83,8 +83,9 @@ class ReplayTopkContext(PagedContext):
     """A :class:`PagedContext` whose selections (and band) come from ``topk_override``.
 
     With an override, ``self.band`` is the override's band (its first ``caches.hot_band``
-    columns) when the hot policy reads one (``caches.hot_band > 0``), else ``None``: never the
-    indexer's band, which ranks the rows below the cut of a different selection."""
+    columns) in a host-read forward of a hot policy that reads one (``caches.hot_band > 0``),
+    else ``None``: never the indexer's band, which ranks the rows below the cut of a different
+    selection."""
 
     topk_override = None
 
@@ -96,7 +97,7 @@ class ReplayTopkContext(PagedContext):
         out = self.topk_override(layer_idx, self.token_slot, self.positions, topk)
         topk, band = out if isinstance(out, tuple) else (out, None)
         nb = self.caches.hot_band
-        self.band = None if band is None or nb == 0 else band[:, :nb]
+        self.band = None if band is None or nb == 0 or not self.host_read else band[:, :nb]
         return topk
 
 
