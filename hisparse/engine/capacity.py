@@ -302,10 +302,6 @@ class CapacityPlan:
         return out
 
 
-def _watermark(inp: CapacityInputs, num_gpu_blocks: int, hot: int) -> int:
-    return watermark_for(num_gpu_blocks, inp.watermark_blocks, hot)
-
-
 def _arena_for(need: int, reserve, floor: int) -> int:
     """Smallest arena ``N >= floor`` with ``N - reserve(N) >= need`` blocks (reserve(N) grows
     slower than N, so ``N - reserve(N)`` is non-decreasing)."""
@@ -352,7 +348,9 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
     host_blk_b = bs * (L * row_b + Li * key_b)
 
     def reserve(n_blocks: int) -> int:
-        return _watermark(inp, n_blocks, hot) if mode == "hisparse" and host_read else 0
+        if mode == "hisparse" and host_read:
+            return watermark_for(n_blocks, inp.watermark_blocks, hot)
+        return 0
 
     # --- host pool
     if not uses_host:
@@ -401,7 +399,7 @@ def _plan_mode(mode: str, geo: ModelGeometry, inp: CapacityInputs) -> ModePlan:
         # GPU-held requests fill what the n host-backed ones leave of the GPU; the engine
         # admits one only with the watermark still free, whether or not requests switch
         def held_reserve(n_blocks: int) -> int:
-            return _watermark(inp, n_blocks, hot)
+            return watermark_for(n_blocks, inp.watermark_blocks, hot)
 
         room = inp.max_num_seqs - n
         if n_gpu_arena is not None:

@@ -3,8 +3,9 @@ pinned host pool this machine gives (``host_pool_gib="auto"``).
 
 ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
 every request up to a power of two (torch 2.11-2.13: ``PowerOf2Ceil``): a 66 GiB pool asks the
-driver for 128 GiB. That rounding was the "72-80 GiB ceiling" measured on the H200 VM (a
-72 GiB pool is 60 GiB of rows and 12 of keys, 64 + 16 GiB pinned; 80 GiB asks for 128 + 16).
+driver for 128 GiB (on a 125 GiB H100 host one such 66 GiB request failed, an exact one
+pinned). That rounding accounts for the "72-80 GiB ceiling" measured on the H200 VM (a 72 GiB
+pool is 60 GiB of rows and 12 of keys, 64 + 16 GiB pinned; 80 GiB asks for 128 + 16).
 :func:`pinned_empty` calls ``cudaHostAlloc`` for the exact size instead (the libcudart torch
 loaded, through ``ctypes``) and frees it with ``cudaFreeHost`` when the last view dies.
 
