@@ -68,6 +68,8 @@ def _libcudart() -> ctypes.CDLL | None:
             lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                           ctypes.c_uint]
             lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+            lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
             lib.cudaGetLastError.argtypes = []
             return lib
         except (OSError, AttributeError):
@@ -96,6 +98,62 @@ def cuda_host_allocator() -> HostAllocator | None:
 
     def free(address: int) -> None:
         lib.cudaFreeHost(ctypes.c_void_p(address))
+
+    return HostAllocator(alloc, free)
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def registered_host_allocator(huge_pages: bool) -> HostAllocator | None:
+    """Anonymous ``mmap`` regions page-locked by ``cudaHostRegister`` (portable, mapped),
+    unregistered and unmapped on free; ``huge_pages``: the region is 2 MiB aligned and advised
+    ``MADV_HUGEPAGE`` before it is touched, so transparent huge pages back it where the kernel
+    allows (fewer translations for the GPU's scattered reads of host rows). ``None`` if no
+    CUDA runtime library can be opened."""
+    lib = _libcudart()
+    if lib is None:
+        return None
+    libc = _libc()
+    prot, flags = 0x1 | 0x2, 0x02 | 0x20        # PROT_READ | PROT_WRITE, MAP_PRIVATE | ANON
+    spans: dict[int, tuple[int, int]] = {}      # address -> (mapping start, mapping length)
+
+    def alloc(nbytes: int) -> int:
+        pad = HUGE_PAGE if huge_pages else 0
+        length = nbytes + pad
+        base = libc.mmap(None, length, prot, flags, -1, 0)
+        if base is None or base == _MAP_FAILED:
+            raise RuntimeError(f"mmap of {nbytes / GIB:.2f} GiB failed (errno "
+                               f"{ctypes.get_errno()})")
+        address = -(-base // HUGE_PAGE) * HUGE_PAGE if huge_pages else base
+        if huge_pages:
+            libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_HUGEPAGE)
+        rc = lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, 0x1 | 0x2)
+        if rc != 0:
+            lib.cudaGetLastError()
+            libc.munmap(ctypes.c_void_p(base), length)
+            raise RuntimeError(f"cudaHostRegister of {nbytes / GIB:.2f} GiB failed "
+                               f"(cudaError {rc})")
+        spans[address] = (base, length)
+        return address
+
+    def free(address: int) -> None:
+        base, length = spans.pop(address)
+        lib.cudaHostUnregister(ctypes.c_void_p(address))
+        libc.munmap(ctypes.c_void_p(base), length)
 
     return HostAllocator(alloc, free)
 

@@ -211,3 +211,88 @@ def test_failed_pin_leaves_no_cuda_error_behind():
         pinned.pinned_empty((too_big,), torch.uint8)
     x = torch.arange(1000, device="cuda", dtype=torch.float32)
     assert float((x * 2).sum()) == 999000.0
+
+
+class _FakeCudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` that record what they were given (the
+    mapping itself is the real ``mmap``); ``fail``: register answers error 2."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.registered, self.errors_read = fail, {}, 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if self.fail:
+            return 2
+        self.registered[ptr.value] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr.value]
+        return 0
+
+    def cudaGetLastError(self):
+        self.errors_read += 1
+        return 0
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_registered_allocator_maps_registers_and_releases(monkeypatch, huge):
+    """A region of a size that is no multiple of a page: registered at the address the
+    tensor uses (2 MiB aligned with ``huge``), writable, unregistered when the last view
+    dies."""
+    import gc
+
+    import torch
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
+    alloc = pinned.registered_host_allocator(huge_pages=huge)
+    n = 3 * pinned.HUGE_PAGE + 656
+    t = pinned.pinned_empty((n,), torch.uint8, alloc)
+    (address, size), = fake.registered.items()
+    assert size == n and address == t.data_ptr()
+    assert address % (pinned.HUGE_PAGE if huge else 4096) == 0
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    t.copy_(data)
+    view = t[-1000:]
+    del t
+    gc.collect()
+    assert fake.registered, "unregistered while a view was alive"
+    assert torch.equal(view, data[-1000:])
+    del view
+    gc.collect()
+    assert not fake.registered
+
+
+def test_registered_allocator_failure_names_the_size_and_clears_the_error(monkeypatch):
+    import torch
+
+    fake = _FakeCudart(fail=True)
+    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.50 GiB failed"):
+        pinned.pinned_empty((GIB // 2,), torch.uint8, pinned.registered_host_allocator(True))
+    assert fake.errors_read == 1 and not fake.registered
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("huge", [False, True])
+def test_registered_region_is_page_locked_and_device_readable(huge):
+    """``cudaHostRegister`` of an mmap (huge pages advised or not): pinned, and the miss
+    gather's zero-copy kernel reads it bit for bit."""
+    import torch
+
+    from hisparse.ops import gather_rows
+
+    rows, width = (64 << 20) // 656 + 3, 656
+    host = pinned.pinned_empty((rows, width), torch.uint8,
+                               pinned.registered_host_allocator(huge_pages=huge))
+    assert host.is_pinned()
+    g = torch.Generator().manual_seed(11)
+    pick = torch.randint(0, rows, (2048,), generator=g)
+    host[pick] = torch.randint(0, 256, (2048, width), dtype=torch.uint8, generator=g)
+    want = host[pick].clone()
+    dst = torch.full((2048, width), 0xA5, dtype=torch.uint8, device="cuda")
+    gather_rows(host, pick.cuda(), dst)
+    assert torch.equal(dst.cpu(), want)
