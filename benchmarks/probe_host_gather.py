@@ -6,15 +6,16 @@ spread over a whole pool, 0.81-0.85 over 2 GiB (H100, fifteenth session): the GP
 translations of 4 KiB host pages, not the bookkeeping, looked like the limit. This probe pins
 one ``--gib`` region per method and times the package's zero-copy row gather
 (:func:`hisparse.ops.copy.gather_rows`: the miss gather's 16-byte chunks) over rows drawn at
-random from the first ``spread`` GiB of it, fresh rows every call (CUDA-event timed, after a
-warm-up), beside one contiguous ``cudaMemcpyAsync`` of the same bytes:
+random from the first ``spread`` GiB of it (``layers``: from one layer's slab of a
+layer-major pool a call, the layers in turn, as the engine's step reads it), fresh rows every
+call (CUDA-event timed, after a warm-up), beside one contiguous ``cudaMemcpyAsync`` of the same bytes:
 
 - ``exact``: ``cudaHostAlloc`` (what the engine's pool uses: :func:`pinned_empty`);
 - ``register``: an anonymous ``mmap``, then ``cudaHostRegister``;
 - ``register-huge``: the same, 2 MiB aligned and advised ``MADV_HUGEPAGE`` before it is
   touched (transparent huge pages where the kernel allows; ``AnonHugePages`` is reported).
 
-    python3 benchmarks/probe_host_gather.py [--gib 32] [--spreads 2,8,all]
+    python3 benchmarks/probe_host_gather.py [--gib 32] [--spreads 2,8,all,layers]
         [--rows 8192] [--methods exact,register,register-huge] [--json OUT.json]
 """
 
@@ -66,10 +67,16 @@ def _allocator(method: str):
     raise SystemExit(f"--methods: unknown {method!r} (exact, register, register-huge)")
 
 
-def _time_gather(pool: torch.Tensor, spread_rows: int, n: int, iters: int) -> float:
-    """Seconds per gather of ``n`` rows drawn from the first ``spread_rows`` of ``pool``."""
+def _time_gather(pool: torch.Tensor, spread_rows: int, n: int, iters: int,
+                 slabs: int = 1) -> float:
+    """Seconds per gather of ``n`` rows drawn from the first ``spread_rows`` of ``pool``;
+    ``slabs > 1``: call ``i`` draws from slab ``i % slabs`` of ``spread_rows // slabs`` rows
+    (the engine's pool is layer-major: one layer's misses come from its own slab, and the
+    next layer's from the next slab)."""
     dst = torch.empty(n, pool.shape[1], dtype=torch.uint8, device="cuda")
-    idx = [torch.randint(0, spread_rows, (n,), device="cuda") for _ in range(iters + 3)]
+    per = spread_rows // slabs
+    idx = [(i % slabs) * per + torch.randint(0, per, (n,), device="cuda")
+           for i in range(iters + 3)]
     for r in idx[:3]:
         gather_rows(pool, r, dst)
     torch.cuda.synchronize()
@@ -99,7 +106,10 @@ def _time_bulk(pool: torch.Tensor, nbytes: int, iters: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gib", type=float, default=32.0, help="region pinned per method")
-    p.add_argument("--spreads", default="2,8,all", help="GiB the rows are drawn from")
+    p.add_argument("--spreads", default="2,8,all,layers",
+                   help="GiB the rows are drawn from; all: the region; layers: the region "
+                        "as --layers slabs, one call a slab in turn (the engine's layers)")
+    p.add_argument("--layers", type=int, default=61)
     p.add_argument("--rows", type=int, default=8192,
                    help="rows a gather (42 requests x ~190 misses at 32k: ~8k)")
     p.add_argument("--iters", type=int, default=50)
@@ -132,13 +142,15 @@ def main() -> None:
               f"+{huge / GIB:.1f} GiB, is_pinned {pool.is_pinned()}; bulk copy "
               f"{bulk_gbs:.1f} GB/s", flush=True)
         for sp in a.spreads.split(","):
-            rows = (total_rows if sp == "all"
+            slabs = a.layers if sp == "layers" else 1
+            rows = (total_rows if sp in ("all", "layers")
                     else min(total_rows, int(float(sp) * GIB) // ROW_BYTES))
-            s = _time_gather(pool, rows, a.rows, a.iters)
+            s = _time_gather(pool, rows, a.rows, max(a.iters, 2 * slabs), slabs)
             gbs = a.rows * ROW_BYTES / s / 1e9
-            print(f"  spread {rows * ROW_BYTES / GIB:6.1f} GiB: {s * 1e6:8.1f} us a gather, "
+            what = f"{slabs} slabs" if slabs > 1 else "spread"
+            print(f"  {what} {rows * ROW_BYTES / GIB:6.1f} GiB: {s * 1e6:8.1f} us a gather, "
                   f"{gbs:5.1f} GB/s ({gbs / bulk_gbs:.2f} of bulk)", flush=True)
-            results.append(dict(method=method, spread_gib=rows * ROW_BYTES / GIB,
+            results.append(dict(method=method, spread_gib=rows * ROW_BYTES / GIB, slabs=slabs,
                                 us=s * 1e6, gbs=gbs, bulk_gbs=bulk_gbs, pin_s=pin_s,
                                 anon_huge_gib=huge / GIB))
         del pool
