@@ -8,7 +8,8 @@ one ``--gib`` region per method and times the package's zero-copy row gather
 (:func:`hisparse.ops.copy.gather_rows`: the miss gather's 16-byte chunks) over rows drawn at
 random from the first ``spread`` GiB of it (``layers``: from one layer's slab of a
 layer-major pool a call, the layers in turn, as the engine's step reads it), fresh rows every
-call (CUDA-event timed, after a warm-up), beside one contiguous ``cudaMemcpyAsync`` of the same bytes:
+call (CUDA-event timed, after a warm-up), beside one contiguous ``cudaMemcpyAsync`` of the
+same bytes:
 
 - ``exact``: ``cudaHostAlloc`` (what the engine's pool uses: :func:`pinned_empty`);
 - ``register``: an anonymous ``mmap``, then ``cudaHostRegister``;
