@@ -232,7 +232,8 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
     it cannot be pinned. ``method``: ``alloc`` (``cudaHostAlloc`` of the exact size,
     :func:`hisparse.worker.pinned.pinned_empty`, as the engine pins) or ``register`` (ordinary
     memory, then ``cudaHostRegister``, as the TP pool is pinned: ``benchmarks/probe_pinned.py``
-    says which gives more)."""
+    says which gives more) or ``huge`` (an mmap advised transparent huge pages, registered:
+    :func:`hisparse.worker.pinned.registered_host_allocator`)."""
     row_b, key_b = kv_bytes(kv_cache_dtype)
     if kv_cache_dtype == "fp8":
         shapes = (((layers, host_rows, row_b), torch.uint8),
@@ -240,10 +241,11 @@ def pin_host_pool(layers: int, host_rows: int, kv_cache_dtype: str, block_size: 
     else:
         shapes = (((layers, host_rows, 576), torch.bfloat16),
                   ((layers, host_rows, 128), torch.bfloat16))
-    if method == "alloc":
-        from hisparse.worker.pinned import pinned_empty
+    if method in ("alloc", "huge"):
+        from hisparse.worker.pinned import pinned_empty, registered_host_allocator
 
-        return tuple(pinned_empty(s, d) for s, d in shapes)
+        allocator = registered_host_allocator(huge_pages=True) if method == "huge" else None
+        return tuple(pinned_empty(s, d, allocator) for s, d in shapes)
     from hisparse.worker.tp import cuda_host_register
 
     out = tuple(torch.empty(s, dtype=d) for s, d in shapes)
@@ -435,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-pool-gib", type=host_pool_gib_arg, default=64.0,
                    help="pinned host pool of the host modes, GiB, or 'auto' (the largest that "
                    "pins, less a headroom)")
-    p.add_argument("--host-pin", choices=["alloc", "register"], default="alloc",
-                   help="how the host pool is pinned: cudaHostAlloc or cudaHostRegister of "
-                   "ordinary memory (benchmarks/probe_pinned.py measures which pins more)")
+    p.add_argument("--host-pin", choices=["alloc", "register", "huge"], default="alloc",
+                   help="how the host pool is pinned: cudaHostAlloc, cudaHostRegister of "
+                   "ordinary memory (benchmarks/probe_pinned.py measures which pins more), or "
+                   "of a 2 MiB-aligned mmap advised huge pages (benchmarks/probe_host_gather.py "
+                   "times the miss gather over each)")
     p.add_argument("--modes", default="gpu-only,hisparse,always-host")
     p.add_argument("--topk", default=None,
                    help="top-k source of the sweep: indexer, synthetic:<p> or trace:<npz>")

@@ -1,5 +1,7 @@
-"""The ``host_pool_gib="auto"`` sizing: the cgroup's room and the probe's limit (no CUDA: the
-probe is replaced by a fake that pins up to a given ceiling)."""
+"""Pinned host memory: the ``host_pool_gib="auto"`` sizing (the cgroup's room and the probe's
+limit; no CUDA: the probe is replaced by a fake that pins up to a given ceiling), exact-size
+regions and registered (huge-page) mappings (a fake CUDA runtime on the CPU; the real one in
+the ``gpu`` tests)."""
 
 from __future__ import annotations
 
@@ -296,3 +298,18 @@ def test_registered_region_is_page_locked_and_device_readable(huge):
     dst = torch.full((2048, width), 0xA5, dtype=torch.uint8, device="cuda")
     gather_rows(host, pick.cuda(), dst)
     assert torch.equal(dst.cpu(), want)
+
+
+def test_bench_pins_its_pool_on_huge_pages_when_asked(monkeypatch):
+    """``hisparse bench --host-pin huge``: both pool tensors (FP8 rows, key pages) come from
+    registered 2 MiB-aligned mappings of their exact sizes."""
+    from hisparse.bench.decode import kv_bytes, pin_host_pool
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
+    rows, keys = pin_host_pool(3, 256, "fp8", 64, "huge")
+    row_b, key_b = kv_bytes("fp8")
+    assert rows.shape == (3, 256, row_b) and keys.shape == (3, 4, 64 * key_b)
+    assert sorted(fake.registered.values()) == sorted([3 * 256 * row_b, 3 * 256 * key_b])
+    assert all(a % pinned.HUGE_PAGE == 0 for a in fake.registered)
+    assert {rows.data_ptr(), keys.data_ptr()} == set(fake.registered)
