@@ -97,7 +97,8 @@ def cuda_host_allocator() -> HostAllocator | None:
         return ptr.value
 
     def free(address: int) -> None:
-        lib.cudaFreeHost(ctypes.c_void_p(address))
+        if lib.cudaFreeHost(ctypes.c_void_p(address)) != 0:
+            lib.cudaGetLastError()
 
     return HostAllocator(alloc, free)
 
@@ -105,6 +106,7 @@ def cuda_host_allocator() -> HostAllocator | None:
 _MAP_FAILED = ctypes.c_void_p(-1).value
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 
 
 @functools.cache
@@ -118,15 +120,16 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def registered_host_allocator(huge_pages: bool) -> HostAllocator | None:
+def registered_host_allocator(huge_pages: bool) -> HostAllocator:
     """Anonymous ``mmap`` regions page-locked by ``cudaHostRegister`` (portable, mapped),
-    unregistered and unmapped on free; ``huge_pages``: the region is 2 MiB aligned and advised
+    unregistered and unmapped on free. ``huge_pages``: the region is 2 MiB aligned and advised
     ``MADV_HUGEPAGE`` before it is touched, so transparent huge pages back it where the kernel
-    allows (fewer translations for the GPU's scattered reads of host rows). ``None`` if no
-    CUDA runtime library can be opened."""
+    allows (fewer translations for the GPU's scattered reads of host rows; a warning where the
+    kernel refuses the advice); else advised ``MADV_NOHUGEPAGE`` (4 KiB pages whatever the
+    kernel's default). Raises ``RuntimeError`` if no CUDA runtime library can be opened."""
     lib = _libcudart()
     if lib is None:
-        return None
+        raise RuntimeError("registered_host_allocator: no CUDA runtime library to call")
     libc = _libc()
     prot, flags = 0x1 | 0x2, 0x02 | 0x20        # PROT_READ | PROT_WRITE, MAP_PRIVATE | ANON
     spans: dict[int, tuple[int, int]] = {}      # address -> (mapping start, mapping length)
@@ -139,11 +142,13 @@ def registered_host_allocator(huge_pages: bool) -> HostAllocator | None:
             raise RuntimeError(f"mmap of {nbytes / GIB:.2f} GiB failed (errno "
                                f"{ctypes.get_errno()})")
         address = -(-base // HUGE_PAGE) * HUGE_PAGE if huge_pages else base
-        if huge_pages:
-            libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_HUGEPAGE)
+        advice = _MADV_HUGEPAGE if huge_pages else _MADV_NOHUGEPAGE
+        if libc.madvise(ctypes.c_void_p(address), nbytes, advice) != 0 and huge_pages:
+            warnings.warn(f"registered_host_allocator: madvise(MADV_HUGEPAGE) refused (errno "
+                          f"{ctypes.get_errno()}): the region has 4 KiB pages", stacklevel=2)
         rc = lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, 0x1 | 0x2)
         if rc != 0:
-            lib.cudaGetLastError()
+            lib.cudaGetLastError()      # not left for torch's next launch check
             libc.munmap(ctypes.c_void_p(base), length)
             raise RuntimeError(f"cudaHostRegister of {nbytes / GIB:.2f} GiB failed "
                                f"(cudaError {rc})")
@@ -152,7 +157,8 @@ def registered_host_allocator(huge_pages: bool) -> HostAllocator | None:
 
     def free(address: int) -> None:
         base, length = spans.pop(address)
-        lib.cudaHostUnregister(ctypes.c_void_p(address))
+        if lib.cudaHostUnregister(ctypes.c_void_p(address)) != 0:
+            lib.cudaGetLastError()
         libc.munmap(ctypes.c_void_p(base), length)
 
     return HostAllocator(alloc, free)

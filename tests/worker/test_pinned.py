@@ -223,6 +223,7 @@ class _FakeCudart:
         self.fail, self.registered, self.errors_read = fail, {}, 0
 
     def cudaHostRegister(self, ptr, nbytes, flags):
+        assert flags == 3, "portable | mapped"
         if self.fail:
             return 2
         self.registered[ptr.value] = nbytes
@@ -237,44 +238,82 @@ class _FakeCudart:
         return 0
 
 
+class _RecordingLibc:
+    """The real libc's ``mmap`` / ``munmap`` / ``madvise``, each call recorded."""
+
+    def __init__(self) -> None:
+        self.real, self.maps, self.unmaps, self.advice = pinned._libc(), [], [], []
+
+    def mmap(self, addr, length, prot, flags, fd, off):
+        base = self.real.mmap(addr, length, prot, flags, fd, off)
+        self.maps.append((base, length))
+        return base
+
+    def munmap(self, addr, length):
+        self.unmaps.append((addr.value, length))
+        return self.real.munmap(addr, length)
+
+    def madvise(self, addr, length, advice):
+        self.advice.append((addr.value, length, advice))
+        return self.real.madvise(addr, length, advice)
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    def install(fail: bool = False):
+        fake, libc = _FakeCudart(fail), _RecordingLibc()
+        monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
+        monkeypatch.setattr(pinned, "_libc", lambda: libc)
+        return fake, libc
+    return install
+
+
 @pytest.mark.parametrize("huge", [False, True])
-def test_registered_allocator_maps_registers_and_releases(monkeypatch, huge):
+def test_registered_allocator_maps_registers_and_releases(fake_runtime, huge):
     """A region of a size that is no multiple of a page: registered at the address the
-    tensor uses (2 MiB aligned with ``huge``), writable, unregistered when the last view
-    dies."""
+    tensor uses (2 MiB aligned and advised huge pages with ``huge``, else advised none),
+    writable, unregistered and its whole mapping unmapped when the last view dies."""
     import gc
 
     import torch
 
-    fake = _FakeCudart()
-    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
-    alloc = pinned.registered_host_allocator(huge_pages=huge)
+    fake, libc = fake_runtime()
     n = 3 * pinned.HUGE_PAGE + 656
-    t = pinned.pinned_empty((n,), torch.uint8, alloc)
+    t = pinned.pinned_empty((n,), torch.uint8, pinned.registered_host_allocator(huge_pages=huge))
     (address, size), = fake.registered.items()
     assert size == n and address == t.data_ptr()
+    (base, length), = libc.maps
+    pad = pinned.HUGE_PAGE if huge else 0
+    assert length == n + pad and base <= address and address + n <= base + length
     assert address % (pinned.HUGE_PAGE if huge else 4096) == 0
+    assert libc.advice == [(address, n, 14 if huge else 15)]
     g = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
     t.copy_(data)
     view = t[-1000:]
     del t
     gc.collect()
-    assert fake.registered, "unregistered while a view was alive"
+    assert fake.registered and not libc.unmaps, "released while a view was alive"
     assert torch.equal(view, data[-1000:])
     del view
     gc.collect()
-    assert not fake.registered
+    assert not fake.registered and libc.unmaps == [(base, length)]
 
 
-def test_registered_allocator_failure_names_the_size_and_clears_the_error(monkeypatch):
+def test_registered_allocator_failure_unmaps_names_the_size_and_clears_the_error(fake_runtime):
     import torch
 
-    fake = _FakeCudart(fail=True)
-    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
-    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.50 GiB failed"):
-        pinned.pinned_empty((GIB // 2,), torch.uint8, pinned.registered_host_allocator(True))
-    assert fake.errors_read == 1 and not fake.registered
+    fake, libc = fake_runtime(fail=True)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.06 GiB failed"):
+        pinned.pinned_empty((64 << 20,), torch.uint8, pinned.registered_host_allocator(True))
+    assert fake.errors_read == 1
+    assert libc.unmaps == libc.maps and len(libc.maps) == 1
+
+
+def test_registered_allocator_without_a_runtime_refuses(monkeypatch):
+    monkeypatch.setattr(pinned, "_libcudart", lambda: None)
+    with pytest.raises(RuntimeError, match="no CUDA runtime"):
+        pinned.registered_host_allocator(huge_pages=True)
 
 
 @pytest.mark.gpu
@@ -300,16 +339,20 @@ def test_registered_region_is_page_locked_and_device_readable(huge):
     assert torch.equal(dst.cpu(), want)
 
 
-def test_bench_pins_its_pool_on_huge_pages_when_asked(monkeypatch):
+def test_bench_pins_its_pool_on_huge_pages_when_asked(fake_runtime):
     """``hisparse bench --host-pin huge``: both pool tensors (FP8 rows, key pages) come from
     registered 2 MiB-aligned mappings of their exact sizes."""
+    import gc
+
     from hisparse.bench.decode import kv_bytes, pin_host_pool
 
-    fake = _FakeCudart()
-    monkeypatch.setattr(pinned, "_libcudart", lambda: fake)
+    fake, libc = fake_runtime()
     rows, keys = pin_host_pool(3, 256, "fp8", 64, "huge")
     row_b, key_b = kv_bytes("fp8")
     assert rows.shape == (3, 256, row_b) and keys.shape == (3, 4, 64 * key_b)
     assert sorted(fake.registered.values()) == sorted([3 * 256 * row_b, 3 * 256 * key_b])
     assert all(a % pinned.HUGE_PAGE == 0 for a in fake.registered)
     assert {rows.data_ptr(), keys.data_ptr()} == set(fake.registered)
+    del rows, keys
+    gc.collect()
+    assert not fake.registered and sorted(libc.unmaps) == sorted(libc.maps)
