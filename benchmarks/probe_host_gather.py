@@ -122,6 +122,9 @@ def main() -> None:
     torch.cuda.init()
     nbytes = int(a.gib * GIB) // ROW_BYTES * ROW_BYTES
     total_rows = nbytes // ROW_BYTES
+    if total_rows < max(a.rows, a.layers):
+        p.error(f"--gib {a.gib:g} holds {total_rows} rows: fewer than --rows {a.rows} or "
+                f"--layers {a.layers}")
     print(f"{torch.cuda.get_device_name()}; THP: {_thp_mode()}; region {a.gib:g} GiB; "
           f"{a.rows} rows of {ROW_BYTES} B a gather", flush=True)
     results = []
@@ -142,7 +145,7 @@ def main() -> None:
         print(f"{method}: pinned in {pin_s:.1f} s ({pin_s / a.gib:.2f} s/GiB), AnonHugePages "
               f"+{huge / GIB:.1f} GiB, is_pinned {pool.is_pinned()}; bulk copy "
               f"{bulk_gbs:.1f} GB/s", flush=True)
-        for sp in a.spreads.split(","):
+        for sp in (x for x in a.spreads.split(",") if x):
             slabs = a.layers if sp == "layers" else 1
             rows = (total_rows if sp in ("all", "layers")
                     else min(total_rows, int(float(sp) * GIB) // ROW_BYTES))
