@@ -199,6 +199,21 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     return torch.from_numpy(table)
 
 
+def table_without_band(table: torch.Tensor | None, k: int,
+                       topk_order: str) -> torch.Tensor | None:
+    """The top-k table an engine whose hot policy reads no band (``lru``, gpu-only) replays
+    beside a band policy's run, in the order its indexer would give: where ``table`` has a band
+    and ``topk_order`` is ``auto``, its first ``k`` columns of each step in ascending position
+    order (``-1`` last); else ``table`` itself (no band: :func:`topk_table` sorted it already
+    when asked; ``ranked``: the source's order stands for score order)."""
+    if table is None or topk_order != "auto" or table.shape[-1] == k:
+        return table
+    from hisparse.ops.topk import column_order
+
+    top = table[..., :k]
+    return column_order(top.reshape(-1, k)).reshape(top.shape)
+
+
 def make_topk_override(table: torch.Tensor, context: int, k: int | None = None):
     """The ``topk_override`` replaying ``table`` (:func:`topk_table`, on the engine's device):
     returns ``(topk [T, k], band [T, NB] or None)``, ``k`` = the table's width when not given
@@ -507,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         src = sources[spec]
         band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
         # the replay gives the order the engine's indexer would: positions ascending unless a
-        # band is read or HISPARSE_TOPK_ORDER=ranked (an lru run beside a band's replays the
-        # band's table: the source's order)
+        # band is read or HISPARSE_TOPK_ORDER=ranked (a run without a band beside a band's
+        # replays this table sorted: table_of_run)
         ascending = band == 0 and switches.current().topk_order == "auto"
         table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
                            ascending=ascending)
@@ -518,6 +533,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'positions ascending' if ascending else 'the source order'}), "
                   f"{table.numel() * 4 / (1 << 20):.1f} MiB on the GPU per point", flush=True)
         return table
+
+    sorted_tables: dict[tuple[str, int], torch.Tensor | None] = {}
+
+    def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
+        """``tables[spec, context]`` in the order an engine of ``policy`` selects in (one
+        sorted copy per table, made on first use)."""
+        if needs_band(policy):
+            return tables[spec, context]
+        if (spec, context) not in sorted_tables:
+            sorted_tables[spec, context] = table_without_band(
+                tables[spec, context], topk_k, switches.current().topk_order)
+        return sorted_tables[spec, context]
 
     locality_modes = [m for m in a.modes.split(",") if m != "gpu-only"] or ["hisparse",
                                                                           "always-host"]
@@ -585,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     free_before_warm_up = torch.cuda.mem_get_info()[0]
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
-            warm = run_point(path, modes[name], a.topk, tables[a.topk, warm_context],
+            warm = run_point(path, modes[name], a.topk,
+                             table_of_run(a.topk, warm_context, policy),
                              warm_context, warm_requests, 8, num_gpu_blocks, host_buffers,
                              a.host_pool_gib, warm_requests, enforce_eager=a.eager,
                              kv_cache_dtype=a.kv_cache_dtype, hot_policy=policy, k=topk_k,
@@ -628,10 +656,10 @@ def main(argv: list[str] | None = None) -> int:
         cap = cap_of(context)
         levels = sorted({min(max_of(context), cap) if c == "max" else min(int(c), cap)
                          for c in a.concurrency.split(",")})
-        table = tables[a.topk, context]
         for conc in levels:
             for name in a.modes.split(","):
                 for policy in policies_of(name, a.topk):
+                    table = table_of_run(a.topk, context, policy)
                     record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
@@ -639,10 +667,10 @@ def main(argv: list[str] | None = None) -> int:
                                      hot_prefetch_rows=a.hot_prefetch_rows,
                                      profile_steps=a.profile_kernels))
         for spec in extra if context == contexts[0] else ():
-            table = tables[spec, context]
             conc = min(a.locality_concurrency, cap)
             for name in locality_modes:
                 for policy in policies_of(name, spec):
+                    table = table_of_run(spec, context, policy)
                     record(run_point(path, modes[name], spec, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,

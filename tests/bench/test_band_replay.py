@@ -127,6 +127,24 @@ def test_ascending_table_holds_each_selection_in_position_order():
                 assert got == chosen + [-1] * (k - len(chosen))
 
 
+def test_a_run_without_a_band_replays_the_band_table_sorted():
+    """An lru (or gpu-only) run beside a band policy's: the band's table (source order, k +
+    band wide) replays as the engine without a band would select, its top k in position
+    order with no band; ranked order, or a table without a band, is handed over as it is."""
+    src = SyntheticTopk(0.8, 2, seed=5)
+    context, outputs, k = 48, 4, 8
+    wide = decode.topk_table(src, 2, context, outputs, k, streams=2)   # stands in for k + band
+    wide = torch.cat([wide, torch.randint(0, context, wide.shape, dtype=torch.int32)], dim=-1)
+    asc = decode.topk_table(SyntheticTopk(0.8, 2, seed=5), 2, context, outputs, k, streams=2,
+                            ascending=True)
+    got = decode.table_without_band(wide, k, "auto")
+    assert got.shape == asc.shape and torch.equal(got, asc)
+    assert not torch.equal(wide[..., :k], asc)          # the source's order was not sorted
+    assert decode.table_without_band(wide, k, "ranked") is wide
+    assert decode.table_without_band(asc, k, "auto") is asc
+    assert decode.table_without_band(None, k, "auto") is None
+
+
 def test_sources_without_a_band(tmp_path, random_trace):
     _, ranked, kt = random_trace
     no_band = _write_trace(tmp_path / "nb.npz", ranked[..., :kt], None, 30)
