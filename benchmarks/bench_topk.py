@@ -18,7 +18,8 @@ back-to-back calls (as the engine replays them).
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
 64 heads, D 128, page 64, one token per request (``group 1``) and MTP pairs (``group 2``: two
 tokens of one request per program, keys read once for both); GB/s over the key bytes read (one
-read per request) against the H200's 4.8 TB/s.
+read per request) against the device's spec HBM bandwidth (``SPEC_HBM_GBS``: the H200's 4.8
+TB/s, the H100 SXM's 3.35).
 """
 
 from __future__ import annotations
@@ -46,8 +47,19 @@ from hisparse.ops.topk import (  # noqa: E402
     topk_select_reference,
 )
 
-HBM_GBS = 4800.0
+# spec HBM bandwidth by device name (GB/s): the fractions printed are of the device's own
+SPEC_HBM_GBS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0}
+HBM_GBS = 4800.0        # set from the device in main()
 LAYERS = 61
+
+
+def spec_hbm_gbs(device_name: str) -> float:
+    """The spec HBM bandwidth of ``device_name`` (the first name of SPEC_HBM_GBS it contains);
+    the H200's where none matches."""
+    for name, gbs in SPEC_HBM_GBS.items():
+        if name in device_name:
+            return gbs
+    return SPEC_HBM_GBS["H200"]
 
 
 def old_topk(packed, k):
@@ -243,6 +255,8 @@ def main():
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
+    global HBM_GBS
+    HBM_GBS = spec_hbm_gbs(torch.cuda.get_device_name())
     contexts = [int(c) for c in args.contexts.split(",")]
     only = args.only.split(",")
     res = []
