@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36
+#            cut36 hostpool
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -262,6 +262,12 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
         --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \
         --out "$out/rankmax" ;;
+    hostpool) # issue 24: the miss gather over host pools pinned three ways (cudaHostAlloc,
+             # registered mmap, the same on huge pages) at four spreads, the engine's
+             # layer-major slabs included (~2 min; the H100 host, twenty-third session: huge
+             # pages change nothing, one call's spread does)
+      run host_gather 200 python3 benchmarks/probe_host_gather.py --gib 32 \
+        --json "$out/host_gather.json" ;;
     attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
              # built): the GPU tests of the files it touches (~3 min), where its time goes at
              # 16 heads (variants leaving a stage out, the kernel before it with a bits check,
