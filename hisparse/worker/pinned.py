@@ -9,6 +9,10 @@ pool is 60 GiB of rows and 12 of keys, 64 + 16 GiB pinned; 80 GiB asks for 128 +
 :func:`pinned_empty` calls ``cudaHostAlloc`` for the exact size instead (the libcudart torch
 loaded, through ``ctypes``) and frees it with ``cudaFreeHost`` when the last view dies.
 
+:func:`registered_host_allocator` page-locks an anonymous ``mmap`` instead (``cudaHostRegister``;
+on huge pages if asked): ``pinned_empty(..., allocator)`` takes it (``hisparse bench
+--host-pin huge``); the engine's pool keeps ``cudaHostAlloc``.
+
 On CUDA :func:`probe_pinnable_bytes` pins chunks (:func:`pinned_empty`) until one fails or
 ``limit`` is reached, then frees them all; :func:`auto_host_pool_bytes` is that minus a
 headroom. Pinning costs ~0.45 s per GiB (DESIGN section 7), so the probe doubles the pool's
@@ -124,9 +128,11 @@ def registered_host_allocator(huge_pages: bool) -> HostAllocator:
     """Anonymous ``mmap`` regions page-locked by ``cudaHostRegister`` (portable, mapped),
     unregistered and unmapped on free. ``huge_pages``: the region is 2 MiB aligned and advised
     ``MADV_HUGEPAGE`` before it is touched, so transparent huge pages back it where the kernel
-    allows (fewer translations for the GPU's scattered reads of host rows; a warning where the
-    kernel refuses the advice); else advised ``MADV_NOHUGEPAGE`` (4 KiB pages whatever the
-    kernel's default). Raises ``RuntimeError`` if no CUDA runtime library can be opened."""
+    allows (a warning where the kernel refuses the advice); else advised ``MADV_NOHUGEPAGE``
+    (4 KiB pages whatever the kernel's default). Measured on an H100 host (docs/BENCHMARKS.md,
+    twenty-third session): the GPU's scattered reads of such a region are no faster than of a
+    ``cudaHostAlloc`` one, but it pins ~1.8x faster. Raises ``RuntimeError`` if no CUDA runtime
+    library can be opened."""
     lib = _libcudart()
     if lib is None:
         raise RuntimeError("registered_host_allocator: no CUDA runtime library to call")
