@@ -203,15 +203,18 @@ def table_without_band(table: torch.Tensor | None, k: int,
                        topk_order: str) -> torch.Tensor | None:
     """The top-k table an engine whose hot policy reads no band (``lru``, gpu-only) replays
     beside a band policy's run, in the order its indexer would give: where ``table`` has a band
-    and ``topk_order`` is ``auto``, its first ``k`` columns of each step in ascending position
-    order (``-1`` last); else ``table`` itself (no band: :func:`topk_table` sorted it already
-    when asked; ``ranked``: the source's order stands for score order)."""
+    and ``topk_order`` is ``auto``, a copy whose first ``k`` columns of each step are in
+    ascending position order (``-1`` last); the band columns are kept (such an engine ignores
+    them), so every policy's table takes the same GPU memory before its engine sizes its KV
+    cache. Else ``table`` itself (no band: :func:`topk_table` sorted it already when asked;
+    ``ranked``: the source's order stands for score order)."""
     if table is None or topk_order != "auto" or table.shape[-1] == k:
         return table
     from hisparse.ops.topk import column_order
 
-    top = table[..., :k]
-    return column_order(top.reshape(-1, k)).reshape(top.shape)
+    out = table.clone()
+    out[..., :k] = column_order(table[..., :k].reshape(-1, k)).reshape(table[..., :k].shape)
+    return out
 
 
 def make_topk_override(table: torch.Tensor, context: int, k: int | None = None):
@@ -523,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
         # the replay gives the order the engine's indexer would: positions ascending unless a
         # band is read or HISPARSE_TOPK_ORDER=ranked (a run without a band beside a band's
-        # replays this table sorted: table_of_run)
+        # replays a copy sorted: table_without_band)
         ascending = band == 0 and switches.current().topk_order == "auto"
         table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
                            ascending=ascending)
@@ -534,18 +537,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{table.numel() * 4 / (1 << 20):.1f} MiB on the GPU per point", flush=True)
         return table
 
-    sorted_tables: dict[tuple[str, int], torch.Tensor | None] = {}
-
-    def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
-        """``tables[spec, context]`` in the order an engine of ``policy`` selects in (one
-        sorted copy per table, made on first use)."""
-        if needs_band(policy):
-            return tables[spec, context]
-        if (spec, context) not in sorted_tables:
-            sorted_tables[spec, context] = table_without_band(
-                tables[spec, context], topk_k, switches.current().topk_order)
-        return sorted_tables[spec, context]
-
     locality_modes = [m for m in a.modes.split(",") if m != "gpu-only"] or ["hisparse",
                                                                           "always-host"]
     try:    # every table before anything is pinned or compiled (a trace may not fit a context)
@@ -553,6 +544,15 @@ def main(argv: list[str] | None = None) -> int:
                   for c in contexts for spec in [a.topk] + (extra if c == contexts[0] else [])}
     except ValueError as e:
         p.error(str(e))
+    # what an engine whose policy reads no band replays (its top-k sorted where the table has
+    # a band): made here, before the pool is pinned, like the tables
+    order = switches.current().topk_order
+    plain_tables = {key: table_without_band(t, topk_k, order) for key, t in tables.items()}
+
+    def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
+        """``tables[spec, context]`` in the order an engine of ``policy`` selects in."""
+        return tables[spec, context] if needs_band(policy) else plain_tables[spec, context]
+
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)
     if a.gpu_kv_tokens is not None:
