@@ -107,7 +107,6 @@ from ._common import (
 
 POLICIES = ("lru", "score")
 HOT_POLICIES = ("lru", "score", "score+prefetch")
-DEFAULT_HOT_POLICY = "score+prefetch"
 
 
 def hot_policy_params(name: str, index_topk: int,
