@@ -269,14 +269,20 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
       run host_gather 200 python3 benchmarks/probe_host_gather.py --gib 32 \
         --json "$out/host_gather.json" ;;
     policies) # issue 24: the step cost of the engine's default hot policy (score: a ranked
-             # top-k + band in host-read forwards, the band walk; and score+prefetch) against
-             # lru (column order, no band: what every hisparse figure above used), the rank's
-             # own indexer selecting (synthetic sources have no band; dummy weights, so the hit
-             # rates are not a real model's), hisparse at 42 x 32k, 128 outputs (~7 min, H200)
-      run policies 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --kv-cache-dtype fp8 --topk indexer --contexts 32768 --concurrency 42 \
-        --modes hisparse --hot-policies lru,score,score+prefetch --outputs 128 --host-pool-gib 64 \
-        --profile-kernels 5 --out "$out/policies" ;;
+             # top-k + band in host-read forwards, the band walk) against lru (column order, no
+             # band: what every hisparse figure above used), then score under
+             # HISPARSE_TOPK_ORDER=positions (twenty-third session, CPU-built: the k sorted after
+             # the ranked pass, no ranking in forwards without host reads); the rank's own
+             # indexer selecting (synthetic sources have no band; dummy weights, so the hit
+             # rates are not a real model's), hisparse at 42 x 32k, 128 outputs (~8 min, H200)
+      run policies_auto 330 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --kv-cache-dtype fp8 --topk indexer --contexts 32768 --concurrency 42 --modes hisparse \
+        --hot-policies lru,score --outputs 128 --host-pool-gib 64 --profile-kernels 5 \
+        --out "$out/policies_auto"
+      HISPARSE_TOPK_ORDER=positions run policies_positions 200 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk indexer \
+        --contexts 32768 --concurrency 42 --modes hisparse --hot-policies score --outputs 128 \
+        --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions" ;;
     attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
              # built): the GPU tests of the files it touches (~3 min), where its time goes at
              # 16 heads (variants leaving a stage out, the kernel before it with a bits check,

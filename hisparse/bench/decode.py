@@ -199,21 +199,17 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     return torch.from_numpy(table)
 
 
-def table_without_band(table: torch.Tensor | None, k: int,
-                       topk_order: str) -> torch.Tensor | None:
-    """The top-k table an engine whose hot policy reads no band (``lru``, gpu-only) replays
-    beside a band policy's run, in the order its indexer would give: where ``table`` has a band
-    and ``topk_order`` is ``auto``, a copy whose first ``k`` columns of each step are in
-    ascending position order (``-1`` last); the band columns are kept (such an engine ignores
-    them), so every policy's table takes the same GPU memory before its engine sizes its KV
-    cache. Else ``table`` itself (no band: :func:`topk_table` sorted it already when asked;
-    ``ranked``: the source's order stands for score order)."""
-    if table is None or topk_order != "auto" or table.shape[-1] == k:
-        return table
+def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:
+    """A copy of a top-k ``table`` whose first ``k`` columns of each step are in ascending
+    position order (``-1`` last), the later ones (a band) kept: what an engine that sorts its
+    top k replays from a table with a band (:func:`topk_table` sorts a table without one when
+    asked). The same GPU bytes as ``table``: an engine sizes its KV cache after its table is on
+    the device."""
     from hisparse.ops.topk import column_order
 
     out = table.clone()
-    out[..., :k] = column_order(table[..., :k].reshape(-1, k)).reshape(table[..., :k].shape)
+    top = table[..., :k]
+    out[..., :k] = column_order(top.reshape(-1, k)).reshape(top.shape)
     return out
 
 
@@ -525,9 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         src = sources[spec]
         band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
         # the replay gives the order the engine's indexer would: positions ascending unless a
-        # band is read or HISPARSE_TOPK_ORDER=ranked (a run without a band beside a band's
-        # replays a copy sorted: table_without_band)
-        ascending = band == 0 and switches.current().topk_order == "auto"
+        # band is read or HISPARSE_TOPK_ORDER=ranked (a table with a band holds the source's
+        # order; engines that sort their top k replay a sorted copy: table_of_run)
+        ascending = band == 0 and switches.current().topk_order != "ranked"
         table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
                            ascending=ascending)
         if table is not None:
@@ -544,14 +540,21 @@ def main(argv: list[str] | None = None) -> int:
                   for c in contexts for spec in [a.topk] + (extra if c == contexts[0] else [])}
     except ValueError as e:
         p.error(str(e))
-    # what an engine whose policy reads no band replays (its top-k sorted where the table has
-    # a band): made here, before the pool is pinned, like the tables
     order = switches.current().topk_order
-    plain_tables = {key: table_without_band(t, topk_k, order) for key, t in tables.items()}
+
+    def sorts_top_k(policy: str) -> bool:
+        """Whether an engine of ``policy`` gives its top k in position order."""
+        return order == "positions" or (order == "auto" and not needs_band(policy))
+
+    # a table with a band holds the source's order: engines that sort their top k replay a
+    # sorted copy, made here, before the pool is pinned, like the tables
+    sorted_top = {key: sort_top_k(t, topk_k) for key, t in tables.items()
+                  if t is not None and t.shape[-1] > topk_k and order != "ranked"}
 
     def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
         """``tables[spec, context]`` in the order an engine of ``policy`` selects in."""
-        return tables[spec, context] if needs_band(policy) else plain_tables[spec, context]
+        table = tables[spec, context]
+        return sorted_top.get((spec, context), table) if sorts_top_k(policy) else table
 
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)

@@ -12,11 +12,15 @@ HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CP
 (``force_triton``)                                                  (the interpreter tests)
 HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
-HISPARSE_TOPK_ORDER       auto, ranked                  auto        the engine's selection order:
+HISPARSE_TOPK_ORDER       auto, ranked, positions       auto        the engine's selection order:
 (``topk_order``)                                                    ``auto`` positions ascending
                                                                     unless a hot policy reads
                                                                     ranks (no ranking pass);
-                                                                    ``ranked`` score order always
+                                                                    ``ranked`` score order always;
+                                                                    ``positions`` ascending
+                                                                    always, a band ranked (its
+                                                                    forwards sort the top k
+                                                                    after a ranked pass)
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
 (``fused_glue``)                                                    reference (``ops.glue``), the
                                                                     indexer's queries are roped
@@ -82,7 +86,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 TOPK_MODES = ("fused", "phased", "legacy")
-TOPK_ORDERS = ("auto", "ranked")
+TOPK_ORDERS = ("auto", "ranked", "positions")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")

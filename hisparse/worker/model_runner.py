@@ -22,6 +22,7 @@ from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.models.context import NewQuery, NewRows, materialize
 from hisparse.ops import switches
 from hisparse.ops.indexer import IndexerQueries
+from hisparse.ops.topk import column_order
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
 from hisparse.worker.kv_format import kv_format
@@ -214,26 +215,35 @@ class PagedContext:
     def select_topk(self, layer_idx: int, index_q: Tensor | IndexerQueries,
                     index_weights: Tensor | None, keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none, last),
-        ascending unless a hot policy's band needs ranks (then by score; override point: must
-        stay CUDA-graph safe, fixed shapes, no host sync). Sets :attr:`band` (the next-ranked
-        rows in a host-read forward of a policy with a band, else ``None``).
+        ascending unless a hot policy's band needs ranks, then by score (``HISPARSE_TOPK_ORDER``:
+        ``ranked`` by score always, ``positions`` ascending always, the band still ranked).
+        Override point: must stay CUDA-graph safe, fixed shapes, no host sync. Sets
+        :attr:`band` (the next-ranked rows in a host-read forward of a policy with a band, else
+        ``None``).
         ``index_q`` may be an :class:`~hisparse.ops.indexer.IndexerQueries` (``index_weights``
         None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
         k, policy_band = self.index_topk, self.caches.hot_band
         w = None if index_weights is None else index_weights.float()
-        # only a hot policy's band reads ranks: without one the attention and the resolver
-        # take the set, in position order (no ranking pass), unless HISPARSE_TOPK_ORDER=ranked.
-        # The order follows the policy in every forward (the attention sums in it: a forward
-        # with host reads and one without must agree); the band itself is selected only where
-        # the resolver reads it (the first k ranks are the same either way)
-        ranked = policy_band > 0 or switches.current().topk_order == "ranked"
+        order = switches.current().topk_order
+        # only a hot policy's band reads ranks: the attention and the resolver take the set.
+        # The order of the k follows the policy and the switch in every forward (the attention
+        # sums in it: a forward with host reads and one without must agree); the band itself
+        # is selected only where the resolver reads it (the first k ranks are the same either
+        # way). ``positions``: the k ascending in every forward, so only a forward that selects
+        # a band ranks, and sorts its k after
         band = policy_band if self.host_read else 0
+        if order == "positions":
+            ranked = band > 0
+        else:
+            ranked = policy_band > 0 or order == "ranked"
         sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
                                self.token_slot, self.positions_i32, self.block_size, k + band,
                                workspace=self.caches.workspace.indexer,
                                group=self.index_group, ranked=ranked)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
         self.band = sel[:, k:] if band else None
+        if order == "positions" and ranked:
+            return column_order(sel[:, :k])
         return sel[:, :k]
 
     def _rows(self, layer: int) -> Tensor:

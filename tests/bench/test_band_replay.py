@@ -127,12 +127,11 @@ def test_ascending_table_holds_each_selection_in_position_order():
                 assert got == chosen + [-1] * (k - len(chosen))
 
 
-def test_a_run_without_a_band_replays_the_band_table_sorted():
-    """An lru (or gpu-only) run beside a band policy's: the band's table (source order, k +
-    band wide) replays as the engine without a band would select, its top k in position
-    order (``-1`` last: early steps select fewer than k), the band columns kept (ignored
-    there; the same GPU bytes as the band policy's table); ranked order, or a table without
-    a band, is handed over as it is."""
+def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted():
+    """An lru (or gpu-only) run beside a band policy's, or any run under
+    HISPARSE_TOPK_ORDER=positions: the band's table (source order, k + band wide) replays
+    with its top k in position order (``-1`` last: early steps select fewer than k), the band
+    columns kept (the same GPU bytes as the band policy's table), in a copy."""
     src = SyntheticTopk(0.8, 2, seed=5)
     context, outputs, k = 4, 6, 8                       # steps 0-2 select 5-7 of 8
     top = decode.topk_table(src, 2, context, outputs, k, streams=2)
@@ -141,12 +140,9 @@ def test_a_run_without_a_band_replays_the_band_table_sorted():
     asc = decode.topk_table(SyntheticTopk(0.8, 2, seed=5), 2, context, outputs, k, streams=2,
                             ascending=True)
     assert (asc == -1).any() and not torch.equal(top, asc)   # padded, and not sorted before
-    got = decode.table_without_band(wide, k, "auto")
+    got = decode.sort_top_k(wide, k)
     assert got.shape == wide.shape and torch.equal(got[..., :k], asc)
     assert torch.equal(got[..., k:], band) and torch.equal(wide[..., :k], top)  # a copy
-    assert decode.table_without_band(wide, k, "ranked") is wide
-    assert decode.table_without_band(asc, k, "auto") is asc
-    assert decode.table_without_band(None, k, "auto") is None
 
 
 def test_sources_without_a_band(tmp_path, random_trace):

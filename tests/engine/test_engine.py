@@ -262,3 +262,57 @@ def test_topk_barrier_give_ups_are_reported(dsv32_path, caplog):
         assert llm.stats()["topk_stalls"] == 3
     errors = [r for r in caplog.records if "gave up 3 row barrier" in r.getMessage()]
     assert len(errors) == 1
+
+
+def _host_read_selections(llm, batch, params) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(top-k, band) of the last indexer layer after every step whose forward read the host
+    with a band."""
+    for p, sp in zip(batch, params):
+        llm.add_request(p, sp)
+    seen = []
+    while llm.has_unfinished_requests():
+        llm.step()
+        ctx = llm.runner.ctx
+        if ctx.host_read and ctx.band is not None:
+            seen.append((ctx.topk.clone(), ctx.band.clone()))
+    return seen
+
+
+@pytest.mark.parametrize("order", ["positions", "auto"])
+def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_path,
+                                                                        kernel_switches, order):
+    """HISPARSE_TOPK_ORDER=positions under the score policy: in host-read forwards (the ones
+    that select a band) the top k come out in position order (``-1`` last) beside the
+    band; ``auto`` keeps them in score order there (the check can fail)."""
+    from hisparse.ops.topk import column_order
+
+    kernel_switches(topk_order=order)
+    llm = tiny_pool(dsv32_path, hot_policy="score")
+    batch = prompts(8, 90, 150, seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 8
+    seen = _host_read_selections(llm, batch, params)
+    assert seen, "no host-read forward with a band"
+    sorted_rows = [torch.equal(top, column_order(top)) for top, _ in seen]
+    if order == "positions":
+        assert all(sorted_rows)
+    else:
+        assert not all(sorted_rows)
+    for top, band in seen:          # the band: positions outside the token's top k
+        for t in range(top.shape[0]):
+            picked = set(top[t][top[t] >= 0].tolist())
+            assert not picked & set(band[t][band[t] >= 0].tolist())
+
+
+def test_lossless_under_topk_order_positions_with_the_score_policy(dsv32_path, kernel_switches):
+    """Every forward sums its rows in position order under ``positions``, a host-read one (a
+    ranked pass, then its k sorted) and one without host reads (no ranking) alike: hisparse
+    under pressure gives the unconstrained run's tokens."""
+    kernel_switches(topk_order="positions")
+    ref = unconstrained(dsv32_path, hot_policy="score")
+    batch = prompts(8, 90, 150, seed=33)
+    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randrange(10, 30),
+                             ignore_eos=True) for i in range(8)]
+    want = tokens(ref.generate(batch, params))
+    llm = tiny_pool(dsv32_path, hot_policy="score")
+    assert tokens(llm.generate(batch, params)) == want
+    assert llm.stats()["host_read_switches"] > 0
