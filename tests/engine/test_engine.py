@@ -304,9 +304,10 @@ def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_pa
 
 
 def test_lossless_under_topk_order_positions_with_the_score_policy(dsv32_path, kernel_switches):
-    """Every forward sums its rows in position order under ``positions``, a host-read one (a
-    ranked pass, then its k sorted) and one without host reads (no ranking) alike: hisparse
-    under pressure gives the unconstrained run's tokens."""
+    """Hisparse under pressure with ``positions`` and the score policy (host-read forwards
+    rank k + band and sort their k; the others do not rank) gives the unconstrained run's
+    greedy tokens. Tokens of a tiny fp32 model do not see a summation order:
+    test_ops_indexer_fused checks that both kinds of forward give the same order."""
     kernel_switches(topk_order="positions")
     ref = unconstrained(dsv32_path, hot_policy="score")
     batch = prompts(8, 90, 150, seed=33)
