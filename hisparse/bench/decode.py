@@ -199,6 +199,14 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     return torch.from_numpy(table)
 
 
+def sorts_top_k(topk_order: str, policy: str) -> bool:
+    """Whether an engine of hot policy ``policy`` gives its top k in position order under
+    ``HISPARSE_TOPK_ORDER=topk_order`` (:meth:`hisparse.worker.model_runner.PagedContext.
+    select_topk`): always under ``positions``, never under ``ranked``, under ``auto`` where
+    the policy reads no band."""
+    return topk_order == "positions" or (topk_order == "auto" and not needs_band(policy))
+
+
 def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:
     """A copy of a top-k ``table`` whose first ``k`` columns of each step are in ascending
     position order (``-1`` last), the later ones (a band) kept: what an engine that sorts its
@@ -541,11 +549,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     order = switches.current().topk_order
-
-    def sorts_top_k(policy: str) -> bool:
-        """Whether an engine of ``policy`` gives its top k in position order."""
-        return order == "positions" or (order == "auto" and not needs_band(policy))
-
     # a table with a band holds the source's order: engines that sort their top k replay a
     # sorted copy, made here, before the pool is pinned, like the tables
     sorted_top = {key: sort_top_k(t, topk_k) for key, t in tables.items()
@@ -554,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
         """``tables[spec, context]`` in the order an engine of ``policy`` selects in."""
         table = tables[spec, context]
-        return sorted_top.get((spec, context), table) if sorts_top_k(policy) else table
+        return sorted_top.get((spec, context), table) if sorts_top_k(order, policy) else table
 
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)

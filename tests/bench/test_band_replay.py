@@ -145,6 +145,14 @@ def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted():
     assert torch.equal(got[..., k:], band) and torch.equal(wide[..., :k], top)  # a copy
 
 
+@pytest.mark.parametrize("order,policy,sorts", [
+    ("auto", "lru", True), ("auto", "score", False), ("auto", "score+prefetch", False),
+    ("ranked", "lru", False), ("ranked", "score", False),
+    ("positions", "lru", True), ("positions", "score", True)])
+def test_which_engines_replay_their_top_k_sorted(order, policy, sorts):
+    assert decode.sorts_top_k(order, policy) is sorts
+
+
 def test_sources_without_a_band(tmp_path, random_trace):
     _, ranked, kt = random_trace
     no_band = _write_trace(tmp_path / "nb.npz", ranked[..., :kt], None, 30)
