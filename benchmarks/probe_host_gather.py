@@ -37,19 +37,12 @@ from hisparse.ops.copy import gather_rows  # noqa: E402
 from hisparse.worker.pinned import (  # noqa: E402
     GIB,
     cuda_host_allocator,
+    meminfo_bytes,
     pinned_empty,
     registered_host_allocator,
 )
 
 ROW_BYTES = 656         # one FP8 MLA row (512 e4m3 + 4 fp32 scales + 64 bf16 rope)
-
-
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
 
 
 def _thp_mode() -> str:
@@ -129,7 +122,7 @@ def main() -> None:
           f"{a.rows} rows of {ROW_BYTES} B a gather", flush=True)
     results = []
     for method in (m for m in a.methods.split(",") if m):
-        huge0 = _meminfo("AnonHugePages")
+        huge0 = meminfo_bytes("AnonHugePages") or 0
         t = time.perf_counter()
         try:
             pool = pinned_empty((total_rows, ROW_BYTES), torch.uint8, _allocator(method))
@@ -139,7 +132,7 @@ def main() -> None:
             continue
         pool.view(-1)[::4096].fill_(1)          # touch every page (registered: already)
         pin_s = time.perf_counter() - t
-        huge = _meminfo("AnonHugePages") - huge0
+        huge = (meminfo_bytes("AnonHugePages") or 0) - huge0
         bulk = _time_bulk(pool, a.rows * ROW_BYTES, a.iters)
         bulk_gbs = a.rows * ROW_BYTES / bulk / 1e9
         print(f"{method}: pinned in {pin_s:.1f} s ({pin_s / a.gib:.2f} s/GiB), AnonHugePages "

@@ -201,10 +201,11 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
 
 def sorts_top_k(topk_order: str, policy: str) -> bool:
     """Whether an engine of hot policy ``policy`` gives its top k in position order under
-    ``HISPARSE_TOPK_ORDER=topk_order`` (:meth:`hisparse.worker.model_runner.PagedContext.
-    select_topk`): always under ``positions``, never under ``ranked``, under ``auto`` where
-    the policy reads no band."""
-    return topk_order == "positions" or (topk_order == "auto" and not needs_band(policy))
+    ``HISPARSE_TOPK_ORDER=topk_order`` (the engine's own rule:
+    :func:`hisparse.worker.model_runner.top_k_ascending`)."""
+    from hisparse.worker.model_runner import top_k_ascending
+
+    return top_k_ascending(topk_order, needs_band(policy))
 
 
 def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:

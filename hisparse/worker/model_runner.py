@@ -102,6 +102,14 @@ def _write_rows(new, query, dst: Tensor, rows: Tensor, write_tensor) -> Tensor:
     return materialize(query)
 
 
+def top_k_ascending(topk_order: str, reads_band: bool) -> bool:
+    """Whether an engine's indexer layers give their top k in ascending position order
+    (``HISPARSE_TOPK_ORDER=topk_order``; ``reads_band``: its hot policy reads a band): always
+    under ``positions``, never under ``ranked``, under ``auto`` without a band (else score
+    order, which the band's ranks come with)."""
+    return topk_order == "positions" or (topk_order == "auto" and not reads_band)
+
+
 class PagedContext:
     """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches.
 
@@ -224,27 +232,21 @@ class PagedContext:
         None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
         k, policy_band = self.index_topk, self.caches.hot_band
         w = None if index_weights is None else index_weights.float()
-        order = switches.current().topk_order
-        # only a hot policy's band reads ranks: the attention and the resolver take the set.
-        # The order of the k follows the policy and the switch in every forward (the attention
-        # sums in it: a forward with host reads and one without must agree); the band itself
-        # is selected only where the resolver reads it (the first k ranks are the same either
-        # way). ``positions``: the k ascending in every forward, so only a forward that selects
-        # a band ranks, and sorts its k after
+        # the order of the k follows the policy and the switch in every forward (the attention
+        # sums in it: a forward with host reads and one without must agree); the band is
+        # selected only where the resolver reads it (the first k ranks are the same either
+        # way), and reads ranks: a forward that selects one ranks, then sorts its k if they
+        # go ascending
+        ascending = top_k_ascending(switches.current().topk_order, policy_band > 0)
         band = policy_band if self.host_read else 0
-        if order == "positions":
-            ranked = band > 0
-        else:
-            ranked = policy_band > 0 or order == "ranked"
+        ranked = band > 0 or not ascending
         sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
                                self.token_slot, self.positions_i32, self.block_size, k + band,
                                workspace=self.caches.workspace.indexer,
                                group=self.index_group, ranked=ranked)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
         self.band = sel[:, k:] if band else None
-        if order == "positions" and ranked:
-            return column_order(sel[:, :k])
-        return sel[:, :k]
+        return column_order(sel[:, :k]) if ranked and ascending else sel[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows ``[T, index_topk]`` int32 of :attr:`topk` (``-1`` none): resident

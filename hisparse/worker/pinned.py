@@ -211,20 +211,25 @@ def pinned_empty(shape: Sequence[int], dtype: torch.dtype,
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def meminfo_bytes(key: str) -> int | None:
+    """A ``/proc/meminfo`` field (``MemAvailable``, ``AnonHugePages``, ...) in bytes, or
+    ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_host_memory_bytes() -> int:
     """Host memory this process may still use: MemAvailable from /proc/meminfo (else total
     physical memory), at most what its cgroup's limit leaves (:func:`cgroup_room_bytes`): in a
     container MemAvailable is the host's, and pinning past the cgroup's limit is answered by
     the OOM killer, not by an error."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+    avail = meminfo_bytes("MemAvailable")
     if avail is None:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     room = cgroup_room_bytes()
