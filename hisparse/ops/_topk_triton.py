@@ -554,6 +554,29 @@ def _sort_kernel(keys_ptr, hist_ptr, out_ptr, K, stride_k, stride_h, stride_o,
                     out_ptr + row.to(tl.int64) * stride_o, K, NB, KPAD)
 
 
+@triton.jit
+def _column_order_kernel(sel_ptr, out_ptr, K, stride_s, stride_o, BLOCK: tl.constexpr):
+    """Row ``t``'s selection ``sel[t, :K]`` (distinct columns, ``-1`` none) ascending, ``-1``
+    after them: ``-1`` and the block's padding sort last as ``INT32_MAX``."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    m = j < K
+    col = tl.load(sel_ptr + t * stride_s + j, mask=m, other=-1)
+    col = tl.sort(tl.where(col < 0, 2147483647, col))
+    tl.store(out_ptr + t * stride_o + j, tl.where(col == 2147483647, -1, col), mask=m)
+
+
+def column_order_triton(selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`~hisparse.ops.topk.column_order` in one launch, one program a row (``out``:
+    ``[T, k]`` int32, unit column stride)."""
+    T, k = selection.shape
+    if T and k:
+        block = next_pow2(k)
+        _column_order_kernel[(T,)](selection, out, k, selection.stride(0), out.stride(0),
+                                   BLOCK=block, num_warps=min(16, max(4, block // 256)))
+    return out
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

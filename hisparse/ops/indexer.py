@@ -62,7 +62,7 @@ from .quant import (
     quantize_index_queries_reference,
 )
 from .rotation import indexer_rotation
-from .topk import TopkScratch, column_order, topk_select
+from .topk import TopkScratch, column_order_reference, topk_select
 
 
 def fp8_query_enabled(head_dim: int) -> bool:
@@ -240,7 +240,7 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
             sel = order[:, :kk]
             keep = torch.arange(kk, device=dev)[None, :] < n_valid[:, None]
             out[a:b, :kk] = torch.where(keep, sel, torch.full_like(sel, -1)).to(torch.int32)
-    return out if ranked else column_order(out)
+    return out if ranked else column_order_reference(out)
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,

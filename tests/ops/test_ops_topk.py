@@ -11,6 +11,7 @@ from hisparse.ops.topk import (
     TopkLaunch,
     TopkScratch,
     column_order,
+    column_order_reference,
     orderable_keys,
     topk_select,
     topk_select_reference,
@@ -114,6 +115,44 @@ def test_column_order_reference_is_the_ranked_set_sorted():
         chosen = sorted(c for c in ranked[t].tolist() if c >= 0)
         assert cols[t].tolist() == chosen + [-1] * (20 - len(chosen))
     assert torch.equal(column_order(ranked), cols)
+
+
+def _ranked_selections(T, k, W, band, seed, device="cpu"):
+    """``[T, k + band]`` int32 rows of distinct columns below ``W`` in random (rank) order,
+    row ``t`` holding ``n_t <= k`` of them in its first ``k`` slots then ``-1`` (one row
+    empty, one full), the band slots random: returns the ``[T, k]`` view of the first ``k``."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.randint(0, W, (T, k + band), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, k + 1, (T,), generator=g)
+    counts[0], counts[-1] = 0, k
+    for t in range(T):
+        n = int(counts[t])
+        sel[t, :k] = -1
+        sel[t, :n] = torch.randperm(W, generator=g)[:n].int()
+    return sel.to(device)[:, :k]
+
+
+@pytest.mark.parametrize("k,band", [(1, 0), (5, 3), (64, 64), (100, 7)])
+def test_triton_column_order_kernel_matches_reference(triton_cpu, k, band):
+    """The engine's sort of a ranked top k (a view of the k + band selection): every row's
+    columns ascending, ``-1`` last, into a poisoned output; ``column_order`` takes the view."""
+    from hisparse.ops._topk_triton import column_order_triton
+
+    sel = _ranked_selections(6, k, 3 * k + 5, band, seed=k + band)
+    want = column_order_reference(sel)
+    for t in range(6):
+        chosen = sorted(c for c in sel[t].tolist() if c >= 0)
+        assert want[t].tolist() == chosen + [-1] * (k - len(chosen))
+    out = torch.full((6, k), SENTINEL, dtype=torch.int32)
+    assert torch.equal(column_order_triton(sel, out), want)
+    assert torch.equal(column_order(sel), want)
+
+
+def test_column_order_refuses_other_shapes_and_dtypes():
+    with pytest.raises(ValueError, match="column_order: selection must be"):
+        column_order(torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="column_order: selection must be"):
+        column_order(torch.zeros(4, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("mode", ["fused", "legacy"])
@@ -463,6 +502,21 @@ def test_gpu_column_order_matches_reference(kernel_switches, mode, T, W, k, dist
         assert torch.equal(topk_select(keys, lens, k, out=out, scratch=scratch, ranked=False),
                            want)
     assert scratch.stalls.item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,W,band", [(8, 2048, 32768, 2048), (96, 2048, 2304, 0),
+                                        (42, 2048, 131072, 2048), (3, 2176, 32768, 0)])
+def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
+    """The one-launch sort of a ranked top k at the engine's shapes (a view of k + band
+    selected columns; the MTP union's k), into a poisoned output."""
+    from hisparse.ops._topk_triton import column_order_triton
+
+    sel = _ranked_selections(T, k, W, band, seed=T + k, device="cuda")
+    want = column_order_reference(sel)
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
+    assert torch.equal(column_order_triton(sel, out), want)
+    assert torch.equal(column_order(sel), want)
 
 
 @pytest.mark.gpu
