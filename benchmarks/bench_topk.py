@@ -1,7 +1,7 @@
 """Indexer top-k and scoring on the GPU (issue 24), per call and per step of 61 indexer layers.
 
 Usage (repository root, CUDA):
-    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,scoring,sweep]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,order,scoring,sweep]
         [--topk-shapes 32768x8x2048,...] [--sweep-shapes 32768x8x2048,...]
         [--contexts 32768,131072] [--score-rows 8,64] [--table-width 163840] [--out FILE]
 
@@ -139,6 +139,42 @@ def bench_topk(res, shapes, table_width):
               f" -> {t['columns'] * LAYERS * 1e3:.2f}", flush=True)
 
 
+def bench_order(res, shapes):
+    """What ``HISPARSE_TOPK_ORDER=positions`` adds to a host-read forward of a band policy:
+    the ranked top ``k + band`` (band = k, as ``score``'s), then its first ``k`` in column order
+    by ``column_order`` (one Triton sort a row) or by torch (``column_order_reference``, five
+    kernels), against the ``k`` selected in column order alone (what a forward without host
+    reads runs)."""
+    from hisparse.ops.topk import column_order, column_order_reference
+
+    print(f"\norder: us per call (graph replay), x{LAYERS} layers = ms per step. ranked: fused "
+          f"top-(k+band), band = k; +sort: then column_order (Triton) / (torch); cols: the k "
+          f"in column order alone")
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'ranked':>7} {'sort':>6} {'torch':>6} "
+          f"{'cols':>7} | step ms ranked+sort (torch) vs cols")
+    for ctx, T, k in shapes:
+        keys, lens = _topk_inputs(ctx, T, ctx)
+        scratch = TopkScratch(T, "cuda")
+        sel = torch.empty((T, 2 * k), dtype=torch.int32, device="cuda")
+        cols = torch.empty((T, k), dtype=torch.int32, device="cuda")
+        t = {"ranked": _timed_select(keys, lens, 2 * k, sel, scratch, "fused")}
+        top = sel[:, :k]
+        want = topk_select_reference(keys, lens, k, ranked=False)
+        assert torch.equal(column_order(top), want) and torch.equal(
+            column_order_reference(top), want), (ctx, T, k)
+        t["sort"] = timeit_graph(lambda top=top: column_order(top))
+        t["sort_torch"] = timeit_graph(lambda top=top: column_order_reference(top))
+        t["cols"] = _timed_select(keys, lens, k, cols, scratch, "fused", ranked=False)
+        res.append(dict(bench="order", ctx=ctx, rows=T, k=k, **{f"{n}_us": v * 1e6
+                                                                for n, v in t.items()}))
+        u = {n: v * 1e6 for n, v in t.items()}
+        print(f"  {ctx:>6} {T:>4} {k:>4} | {u['ranked']:7.1f} {u['sort']:6.1f} "
+              f"{u['sort_torch']:6.1f} {u['cols']:7.1f} | "
+              f"{(t['ranked'] + t['sort']) * LAYERS * 1e3:.2f} "
+              f"({(t['ranked'] + t['sort_torch']) * LAYERS * 1e3:.2f}) vs "
+              f"{t['cols'] * LAYERS * 1e3:.2f}", flush=True)
+
+
 SWEEP = (TopkLaunch(), TopkLaunch(per_sm=2), TopkLaunch(sort_chunk=128), TopkLaunch(sort_chunk=512),
          TopkLaunch(per_sm=1), TopkLaunch(per_sm=4), TopkLaunch(warps=8),
          TopkLaunch(block=512), TopkLaunch(block=2048), TopkLaunch(per_sm=1, block=2048),
@@ -250,7 +286,8 @@ def main():
     ap.add_argument("--table-width", type=int, default=163840,
                     help="the old path's width (max_model_len); 0: each context's own")
     ap.add_argument("--only", default="topk,scoring", help="topk, topk-sweep (the fused "
-                    "top-k's launch hints), scoring, sweep (scoring configs at the first "
+                    "top-k's launch hints), order (positions' ranked top k + band then its "
+                    "sort, at --topk-shapes), scoring, sweep (scoring configs at the first "
                     "context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
@@ -264,6 +301,8 @@ def main():
         bench_topk(res, _shapes(args.topk_shapes), args.table_width)
     if "topk-sweep" in only:
         sweep_topk(res, _shapes(args.sweep_shapes))
+    if "order" in only:
+        bench_order(res, _shapes(args.topk_shapes))
     if "scoring" in only:
         bench_scoring(res, contexts, [int(r) for r in args.score_rows.split(",")])
     if "sweep" in only:
