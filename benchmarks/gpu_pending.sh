@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies
+#            cut36 hostpool policies merge
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -283,6 +283,33 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk indexer \
         --contexts 32768 --concurrency 42 --modes hisparse --hot-policies score --outputs 128 \
         --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions" ;;
+    merge)   # issues 24/25 (twenty-fourth session, CPU-built): the attention's merge over
+             # column blocks (COMBINE_BLOCK_D) and column_order in one launch (positions'
+             # sort): their GPU tests (~2 min), the merge's plans alone beside the kernel of
+             # BASE (probe_attention_stages.py, ~1 min), positions' ranked select + sort
+             # against column order alone (~30 s), then the rank's 2k x 96 step, this tree then
+             # BASE's (~5 min; H200; LAYERS=36 on an H100). BASE: a directory holding `git
+             # archive c6912dd` unpacked
+      base=$(cd "${BASE:?merge: BASE=directory of git archive c6912dd}" && pwd)
+      GPU_TEST_FILES="tests/ops/test_ops_attention.py tests/ops/test_ops_topk.py
+        tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py" skip_or_test
+      export HISPARSE_TRITON_AUTOTUNE=0
+      run merge_probe 120 python3 benchmarks/probe_attention_stages.py --variants '' \
+        --base "$base/hisparse/ops/_attention_triton.py" --out "$out/merge_probe.json"
+      run order_sort 90 python3 benchmarks/bench_topk.py --only order \
+        --topk-shapes 32768x8x2048,32768x42x2048,2304x96x2048 --out "$out/order_sort.json"
+      unset HISPARSE_TRITON_AUTOTUNE
+      cut=()
+      [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
+      run merge_step2k_new 170 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+        --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+        --concurrency 96 --outputs 256 --out "$out/merge_step2k_new" "${cut[@]}"
+      (cd "$base" && export PYTHONPATH=$base && run merge_step2k_base 170 python3 -m \
+        hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 \
+        --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 --profile-kernels 5 \
+        --contexts 2048 --concurrency 96 --outputs 256 --out "$out/merge_step2k_base" \
+        "${cut[@]}") ;;
     attnprobe) # issue 25: the FP8 attention's one-copy dequantization (twelfth session, CPU-
              # built): the GPU tests of the files it touches (~3 min), where its time goes at
              # 16 heads (variants leaving a stage out, the kernel before it with a bits check,
