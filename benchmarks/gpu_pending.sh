@@ -150,7 +150,8 @@ for section in "$@"; do
              # then the GPU tests of the top-k, its phase probe and its launch sweep (~5 min).
              # BASE: a directory holding `git archive 9a37a43` unpacked (the device's copy has
              # no history)
-      base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd)
+      base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd) \
+        || { elapsed "topk: BASE (a directory) is not set"; continue; }
       shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x40x2048,32768x48x2048
       shapes=$shapes,32768x64x2048
       shapes=$shapes,131072x8x2048,32768x24x4096,2304x96x2048,2112x96x2048
@@ -290,7 +291,8 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
              # against column order alone (~30 s), then the rank's 2k x 96 step, this tree then
              # BASE's (~5 min; H200; LAYERS=36 on an H100). BASE: a directory holding `git
              # archive c6912dd` unpacked
-      base=$(cd "${BASE:?merge: BASE=directory of git archive c6912dd}" && pwd)
+      base=$(cd "${BASE:?merge: BASE=directory of git archive c6912dd}" && pwd) \
+        || { elapsed "merge: BASE (a directory) is not set"; continue; }
       GPU_TEST_FILES="tests/ops/test_ops_attention.py tests/ops/test_ops_topk.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py" skip_or_test
       export HISPARSE_TRITON_AUTOTUNE=0

@@ -126,6 +126,7 @@ def combine_only_us(T: int) -> dict[str, float]:
                 pl.stride(0), pl.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                 D_V=512, BLOCK_S=max(2, AT.next_pow2(S)), BLOCK_D=bd, num_warps=nw)
         out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         run()
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(lse, torch.logsumexp(pl, dim=0), rtol=1e-5, atol=1e-5)

@@ -29,7 +29,8 @@ REPLAY = "benchmark replay"
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     (REPLAY, r"_bench_"),                 # the benchmark's own top-k replay, not the engine's
     # the radix select's passes (ops/_topk_triton.py) are _hist / _collect / _sort kernels
-    ("top-k", r"topk|radix|gatherTopK|bitonic|sort|select_kernel|_hist_kernel|_collect_kernel"),
+    ("top-k", r"topk|radix|gatherTopK|bitonic|sort|select_kernel|column_order|_hist_kernel"
+              r"|_collect_kernel"),
     ("indexer scoring", r"indexer|_score"),
     ("attention", r"attention|attn|flash|mla(?!_rows)|_combine|splitkv"),
     ("resolver and miss gather", r"resolve|plan_copy|prefetch|stage_rows|gather_rows|"

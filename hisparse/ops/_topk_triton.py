@@ -571,6 +571,9 @@ def column_order_triton(selection: torch.Tensor, out: torch.Tensor) -> torch.Ten
     ``[T, k]`` int32, unit column stride)."""
     T, k = selection.shape
     if T and k:
+        if selection.stride(1) != 1 or out.stride(1) != 1 or out.shape != (T, k):
+            raise ValueError("column_order_triton: selection and out must be [T, k] with unit "
+                             "column stride")
         block = next_pow2(k)
         _column_order_kernel[(T,)](selection, out, k, selection.stride(0), out.stride(0),
                                    BLOCK=block, num_warps=min(16, max(4, block // 256)))

@@ -19,7 +19,7 @@ import torch
 from hisparse.ops import IndexerQueries, IndexerWorkspace, glue, indexer_topk, switches
 from hisparse.ops import quant as Q
 from hisparse.ops.pending import PendingSum
-from hisparse.ops.topk import TopkScratch, column_order, topk_select
+from hisparse.ops.topk import TopkScratch, column_order_reference, topk_select
 
 SENTINEL = -7
 
@@ -375,7 +375,7 @@ def test_paged_context_selects_the_same_from_lazy_queries(triton_cpu):
         caches.workspace.indexer = _poisoned_workspace(T, P * bs)
         pos_plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
     assert fake.band is None and torch.equal(pos_read, pos_plain)
-    assert torch.equal(pos_read, column_order(got)) and not torch.equal(pos_read, got)
+    assert torch.equal(pos_read, column_order_reference(got)) and not torch.equal(pos_read, got)
 
 
 def test_dense_reference_context_takes_lazy_queries(triton_cpu):

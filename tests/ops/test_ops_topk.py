@@ -114,7 +114,7 @@ def test_column_order_reference_is_the_ranked_set_sorted():
     for t in range(4):
         chosen = sorted(c for c in ranked[t].tolist() if c >= 0)
         assert cols[t].tolist() == chosen + [-1] * (20 - len(chosen))
-    assert torch.equal(column_order(ranked), cols)
+    assert torch.equal(column_order_reference(ranked), cols)
 
 
 def _ranked_selections(T, k, W, band, seed, device="cpu"):
@@ -146,6 +146,9 @@ def test_triton_column_order_kernel_matches_reference(triton_cpu, k, band):
     out = torch.full((6, k), SENTINEL, dtype=torch.int32)
     assert torch.equal(column_order_triton(sel, out), want)
     assert torch.equal(column_order(sel), want)
+    spaced = torch.full((6, 2 * k), SENTINEL, dtype=torch.int32)
+    spaced[:, ::2] = sel                        # a column stride of 2: copied first
+    assert torch.equal(column_order(spaced[:, ::2]), want)
 
 
 def test_column_order_refuses_other_shapes_and_dtypes():
@@ -506,10 +509,11 @@ def test_gpu_column_order_matches_reference(kernel_switches, mode, T, W, k, dist
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,k,W,band", [(8, 2048, 32768, 2048), (96, 2048, 2304, 0),
-                                        (42, 2048, 131072, 2048), (3, 2176, 32768, 0)])
+                                        (42, 2048, 131072, 2048), (3, 2176, 32768, 0),
+                                        (5, 100, 1000, 7), (4, 1, 9, 0)])
 def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     """The one-launch sort of a ranked top k at the engine's shapes (a view of k + band
-    selected columns; the MTP union's k), into a poisoned output."""
+    selected columns; the MTP union's k) and at small k, into a poisoned output."""
     from hisparse.ops._topk_triton import column_order_triton
 
     sel = _ranked_selections(T, k, W, band, seed=T + k, device="cuda")
