@@ -159,10 +159,11 @@ class AttnConfig:
 
 
 MAX_SPLITS = 32              # the combine holds one row of every chunk: [MAX_SPLITS, BLOCK_D] fp32
-# The merge's value columns a program: 512 (the whole row, until the twenty-fourth session) left
-# few programs resident on an SM, each one long load (22.3 us for 50 MB of partials at 96 x 2k
-# on the H200, 2.3 TB/s); the probe's combine sweep picks it
-COMBINE_BLOCK_D, COMBINE_WARPS = 128, 4
+# The merge's plan (value columns a program, warps), from the stages probe's sweep (H100,
+# docs/BENCHMARKS.md, twenty-fourth session): the whole row at 2 warps takes 0.62-0.76x the time
+# of 4 warps (the plan before; 20.8 against 27.5 us at 96 x 2k); column blocks of 64-256 were
+# slower at every point
+COMBINE_BLOCK_D, COMBINE_WARPS = 512, 2
 PARTIAL_BYTES = 128 << 20    # chunk partials of one launch at most (see _launch_chunks)
 
 
