@@ -284,13 +284,13 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk indexer \
         --contexts 32768 --concurrency 42 --modes hisparse --hot-policies score --outputs 128 \
         --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions" ;;
-    merge)   # issues 24/25 (twenty-fourth session, CPU-built): the attention's merge over
-             # column blocks (COMBINE_BLOCK_D) and column_order in one launch (positions'
+    merge)   # issues 24/25 (twenty-fourth session; measured on an H100 with LAYERS=36):
+             # the attention's merge at 2 warps and column_order in one launch (positions'
              # sort): their GPU tests (~2 min), the merge's plans alone beside the kernel of
              # BASE (probe_attention_stages.py, ~1 min), positions' ranked select + sort
              # against column order alone (~30 s), then the rank's 2k x 96 step, this tree then
-             # BASE's (~5 min; H200; LAYERS=36 on an H100). BASE: a directory holding `git
-             # archive c6912dd` unpacked
+             # BASE's (~5 min; the whole rank on an H200: is 2k x 96 under 39.5 ms?). BASE: a
+             # directory holding `git archive c6912dd` unpacked
       base=$(cd "${BASE:?merge: BASE=directory of git archive c6912dd}" && pwd) \
         || { elapsed "merge: BASE (a directory) is not set"; continue; }
       GPU_TEST_FILES="tests/ops/test_ops_attention.py tests/ops/test_ops_topk.py
