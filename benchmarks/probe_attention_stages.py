@@ -16,8 +16,9 @@ session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert`
 bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
 live). The merge kernel is timed alone on partials of the same shape, at every plan of
-``COMBINE_PLANS`` (value columns a program x warps; 512 columns is the merge before the
-twenty-fourth session) and the package's, each checked against torch's merge first.
+``COMBINE_PLANS`` (value columns a program x warps; 512 / 4 is the merge before the
+twenty-fourth session, 512 / 2 the package's since) and the package's, each checked against
+torch's merge first.
 ``--base FILE`` times another version of the module (a base commit's) in the same process, as
 ``base``, bits reported.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
