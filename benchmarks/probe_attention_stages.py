@@ -15,10 +15,10 @@ store (``no_store``), the partials in fp32 (``fp32_partials``: before the thirte
 session), the package's kernel with ``HISPARSE_FP8_CONVERT=int`` (``int_convert``: e4m3 ->
 bf16 by integer operations, with a bits check) and
 the gather and dequantization alone (``loads``: no dot, the rows summed so the loads stay
-live). The merge kernel is timed alone on partials of the same shape, at every plan of
-``COMBINE_PLANS`` (value columns a program x warps; 512 / 4 is the merge before the
-twenty-fourth session, 512 / 2 the package's since) and the package's, each checked against
-torch's merge first.
+live). The merge kernel is timed alone on partials of the same shape at every warp count of
+``COMBINE_WARP_COUNTS`` (4: the merge before the twenty-fourth session; the package's
+``COMBINE_WARPS`` since: 2), each checked against torch's merge first. (The twenty-fourth
+session also swept programs over column blocks of the row, at ``f460558``: slower everywhere.)
 ``--base FILE`` times another version of the module (a base commit's) in the same process, as
 ``base``, bits reported.
 Each copy is ``hisparse/ops/_attention_triton.py`` with one source edit, made at run time (the
@@ -101,14 +101,14 @@ def inputs(T: int, context: int):
     return q, kv8, idx
 
 
-COMBINE_PLANS = tuple((bd, nw) for bd in (512, 256, 128, 64) for nw in (2, 4, 8))
+COMBINE_WARP_COUNTS = (1, 2, 4, 8)
 
 
 def combine_only_us(T: int) -> dict[str, float]:
     """The merge kernel alone over ``T`` tokens' chunk partials (bf16) of the default plan, at
-    every (value columns a program, warps) of :data:`COMBINE_PLANS` (``"512/4"``: the merge
-    before the twenty-fourth session) and the package's plan (``"package"``). Each plan's
-    output is checked against the fp32 merge in torch (bf16 tolerance) before it is timed."""
+    every warp count of :data:`COMBINE_WARP_COUNTS` (``"4 warps"``: the merge before the
+    twenty-fourth session) and the package's (``"package"``). Each output is checked against
+    the fp32 merge in torch (bf16 tolerance), into poisoned outputs, before it is timed."""
     cfg = AT.attn_config(HEADS, K, True, False)
     S = cfg.splits(K)
     po = torch.randn(S, T, HEADS, 512, device="cuda", dtype=torch.bfloat16)
@@ -117,15 +117,15 @@ def combine_only_us(T: int) -> dict[str, float]:
     want = (po.float() * w[..., None]).sum(0)
     out = torch.empty(T, HEADS, 512, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(T, HEADS, device="cuda")
-    plans = {f"{bd}/{nw}": (bd, nw) for bd, nw in COMBINE_PLANS}
-    plans["package"] = (AT.COMBINE_BLOCK_D, AT.COMBINE_WARPS)
+    plans = {f"{nw} warps": nw for nw in COMBINE_WARP_COUNTS}
+    plans["package"] = AT.COMBINE_WARPS
     us = {}
-    for name, (bd, nw) in plans.items():
-        def run(bd=bd, nw=nw):
-            AT._combine_kernel[(T, HEADS, 512 // bd)](
+    for name, nw in plans.items():
+        def run(nw=nw):
+            AT._combine_kernel[(T, HEADS)](
                 po, pl, out, lse, HEADS, S, po.stride(0), po.stride(1), po.stride(2),
                 pl.stride(0), pl.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                D_V=512, BLOCK_S=max(2, AT.next_pow2(S)), BLOCK_D=bd, num_warps=nw)
+                D_V=512, BLOCK_S=max(2, AT.next_pow2(S)), num_warps=nw)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         run()
@@ -208,16 +208,16 @@ def main() -> None:
               + f" {r['combine_us']['package']:9.1f} {r['kv_gb_s']:8.0f}  "
               + "  ".join(f"{'equal' if r['bits_equal'][n] else 'DIFFER':>{len(n) + 5}}"
                           for n in bits_of), flush=True)
-    # the merge alone: us a call per (value columns a program / warps), partials' GB/s read
+    # the merge alone: us a call per warp count, partials' GB/s read
     names = list(rows[0]["combine_us"]) if rows else []
     print(f"\nmerge alone, us (bf16 partials read, GB/s, at the package's plan)\n{'point':>9} "
-          + " ".join(f"{n:>8}" for n in names) + "     GB/s")
+          + " ".join(f"{n:>9}" for n in names) + "     GB/s")
     S = AT.attn_config(HEADS, K, True, False).splits(K)
     for r in rows:
         c = r["combine_us"]
         gb_s = S * r["tokens"] * HEADS * 512 * 2 / (c["package"] * 1e-6) / 1e9
         print(f"{r['tokens']}x{r['context']:<6}".rjust(9) + " "
-              + " ".join(f"{c[n]:8.1f}" for n in names) + f" {gb_s:8.0f}")
+              + " ".join(f"{c[n]:9.1f}" for n in names) + f" {gb_s:8.0f}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -10,7 +10,6 @@ count only (:func:`attn_config`), so outputs are batch invariant.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -108,14 +107,11 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
 def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
                     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
                     stride_ot, stride_oh, stride_lt,
-                    D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge one (token, head)'s ``S`` chunk partials (weights from their lse) over ``BLOCK_D``
-    of its ``D_V`` value columns, grid ``(T, H, D_V // BLOCK_D)``; the first column block
-    stores the lse. ``BLOCK_D`` is :data:`COMBINE_BLOCK_D` for every batch (it may move the
-    sum's order, so it is never chosen per call)."""
+                    D_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge one (token, head)'s ``S`` chunk partials, weighted by their lse, over the whole
+    ``D_V``-column row; grid ``(T, H)``."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    db = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
     sm = offs_s < S
     l = tl.load(pl_ptr + offs_s * stride_pls + t.to(tl.int64) * stride_plt + h,
@@ -124,7 +120,7 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     lmax_use = tl.where(lmax == float("-inf"), 0.0, lmax)
     w = tl.exp(l - lmax_use)
     wsum = tl.sum(w, axis=0)
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, D_V)
     # a chunk with lse -inf (nothing selected) has weight 0 and may not have stored its output
     live = sm & (l > float("-inf"))
     po = tl.load(po_ptr + offs_s[:, None] * stride_pos + t.to(tl.int64) * stride_pot
@@ -132,11 +128,10 @@ def _combine_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, H, S,
     empty = wsum == 0.0
     wsum_safe = tl.where(empty, 1.0, wsum)
     o = tl.sum(po * w[:, None], axis=0) / wsum_safe
+    lse = tl.where(empty, float("-inf"), lmax_use + tl.log(wsum_safe))
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
              o.to(o_ptr.dtype.element_ty))
-    if db == 0:
-        lse = tl.where(empty, float("-inf"), lmax_use + tl.log(wsum_safe))
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, lse)
 
 
 @dataclass(frozen=True)
@@ -158,12 +153,11 @@ class AttnConfig:
         return triton.cdiv(K, self.k_per_split)
 
 
-MAX_SPLITS = 32              # the combine holds one row of every chunk: [MAX_SPLITS, BLOCK_D] fp32
-# The merge's plan (value columns a program, warps), from the stages probe's sweep (H100,
-# docs/BENCHMARKS.md, twenty-fourth session): the whole row at 2 warps takes 0.62-0.76x the time
-# of 4 warps (the plan before; 20.8 against 27.5 us at 96 x 2k); column blocks of 64-256 were
-# slower at every point
-COMBINE_BLOCK_D, COMBINE_WARPS = 512, 2
+MAX_SPLITS = 32              # the combine holds one row of every chunk: [MAX_SPLITS, 512] fp32
+# The merge's warps a program, from the stages probe's sweep (H100, docs/BENCHMARKS.md,
+# twenty-fourth session): 2 take 0.58-0.76x the time of 4 (the count before; 20.8 against 27.5
+# us at 96 x 2k); programs over column blocks of the row (64-256) were slower at every point
+COMBINE_WARPS = 2
 PARTIAL_BYTES = 128 << 20    # chunk partials of one launch at most (see _launch_chunks)
 
 
@@ -224,15 +218,13 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) ->
     po = torch.empty((splits, step, H, d_v), dtype=po_dtype, device=out.device)
     pl = torch.empty((splits, step, H), dtype=torch.float32, device=out.device)
     strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
-    block_d = math.gcd(COMBINE_BLOCK_D, d_v)
     for a in range(0, T, step):
         tokens = slice(a, min(a + step, T))
         launch(tokens, po, pl, strides)
         o, ls = out[tokens], lse[tokens]
-        _combine_kernel[(o.shape[0], H, d_v // block_d)](
+        _combine_kernel[(o.shape[0], H)](
             po, pl, o, ls, H, splits, *strides, o.stride(0), o.stride(1), ls.stride(0),
-            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d,
-            num_warps=COMBINE_WARPS,
+            D_V=d_v, BLOCK_S=max(2, next_pow2(splits)), num_warps=COMBINE_WARPS,
         )
 
 
