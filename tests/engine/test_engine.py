@@ -284,7 +284,7 @@ def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_pa
     """HISPARSE_TOPK_ORDER=positions under the score policy: in host-read forwards (the ones
     that select a band) the top k come out in position order (``-1`` last) beside the
     band; ``auto`` keeps them in score order there (the check can fail)."""
-    from hisparse.ops.topk import column_order
+    from hisparse.ops.topk import column_order_reference
 
     kernel_switches(topk_order=order)
     llm = tiny_pool(dsv32_path, hot_policy="score")
@@ -292,7 +292,7 @@ def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_pa
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 8
     seen = _host_read_selections(llm, batch, params)
     assert seen, "no host-read forward with a band"
-    sorted_rows = [torch.equal(top, column_order(top)) for top, _ in seen]
+    sorted_rows = [torch.equal(top, column_order_reference(top)) for top, _ in seen]
     if order == "positions":
         assert all(sorted_rows)
     else:
