@@ -142,16 +142,16 @@ def bench_topk(res, shapes, table_width):
 def bench_order(res, shapes):
     """What ``HISPARSE_TOPK_ORDER=positions`` adds to a host-read forward of a band policy:
     the ranked top ``k + band`` (band = k, as ``score``'s), then its first ``k`` in column order
-    by ``column_order`` (one Triton sort a row) or by torch (``column_order_reference``, five
-    kernels), against the ``k`` selected in column order alone (what a forward without host
-    reads runs)."""
+    by ``column_order``: counted over a bitmap in the key buffer (the engine's, in place), one
+    Triton sort a row, or torch (``column_order_reference``, five kernels), against the ``k``
+    selected in column order alone (what a forward without host reads runs)."""
     from hisparse.ops.topk import column_order, column_order_reference
 
     print(f"\norder: us per call (graph replay), x{LAYERS} layers = ms per step. ranked: fused "
-          f"top-(k+band), band = k; +sort: then column_order (Triton) / (torch); cols: the k "
-          f"in column order alone")
-    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'ranked':>7} {'sort':>6} {'torch':>6} "
-          f"{'cols':>7} | step ms ranked+sort (torch) vs cols")
+          f"top-(k+band), band = k; then column_order: count (bitmap, in place) / sort "
+          f"(Triton) / torch; cols: the k in column order alone")
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} | {'ranked':>7} {'count':>6} {'sort':>6} "
+          f"{'torch':>6} {'cols':>7} | step ms ranked+count (+sort) vs cols")
     for ctx, T, k in shapes:
         keys, lens = _topk_inputs(ctx, T, ctx)
         scratch = TopkScratch(T, "cuda")
@@ -162,16 +162,20 @@ def bench_order(res, shapes):
         want = topk_select_reference(keys, lens, k, ranked=False)
         assert torch.equal(column_order(top), want) and torch.equal(
             column_order_reference(top), want), (ctx, T, k)
+        bits = torch.empty_like(keys)   # as the engine's: a key buffer's rows
+        work = top.clone()
+        assert torch.equal(column_order(work, work, bits, ctx), want), (ctx, T, k)
+        t["count"] = timeit_graph(lambda a=(top, work, bits, ctx): column_order(*a))
         t["sort"] = timeit_graph(lambda top=top: column_order(top))
         t["sort_torch"] = timeit_graph(lambda top=top: column_order_reference(top))
         t["cols"] = _timed_select(keys, lens, k, cols, scratch, "fused", ranked=False)
         res.append(dict(bench="order", ctx=ctx, rows=T, k=k, **{f"{n}_us": v * 1e6
                                                                 for n, v in t.items()}))
         u = {n: v * 1e6 for n, v in t.items()}
-        print(f"  {ctx:>6} {T:>4} {k:>4} | {u['ranked']:7.1f} {u['sort']:6.1f} "
-              f"{u['sort_torch']:6.1f} {u['cols']:7.1f} | "
-              f"{(t['ranked'] + t['sort']) * LAYERS * 1e3:.2f} "
-              f"({(t['ranked'] + t['sort_torch']) * LAYERS * 1e3:.2f}) vs "
+        print(f"  {ctx:>6} {T:>4} {k:>4} | {u['ranked']:7.1f} {u['count']:6.1f} "
+              f"{u['sort']:6.1f} {u['sort_torch']:6.1f} {u['cols']:7.1f} | "
+              f"{(t['ranked'] + t['count']) * LAYERS * 1e3:.2f} "
+              f"({(t['ranked'] + t['sort']) * LAYERS * 1e3:.2f}) vs "
               f"{t['cols'] * LAYERS * 1e3:.2f}", flush=True)
 
 

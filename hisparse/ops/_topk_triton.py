@@ -566,17 +566,75 @@ def _column_order_kernel(sel_ptr, out_ptr, K, stride_s, stride_o, BLOCK: tl.cons
     tl.store(out_ptr + t * stride_o + j, tl.where(col == 2147483647, -1, col), mask=m)
 
 
-def column_order_triton(selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _popcount(x):
+    """Set bits of each int32 of ``x`` (SWAR on the unsigned bits), as int32."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _column_order_bitmap_kernel(sel_ptr, out_ptr, bits_ptr, K, NW, stride_s, stride_o,
+                                stride_b, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Row ``t``'s selection ascending by counting, not sorting: its columns (distinct, ``<
+    32 * NW``) set bits of a bitmap of ``NW`` words (``bits[t, :NW]``), the words' exclusive
+    prefix popcounts go to ``bits[t, NW:2 NW]``, and each column is stored at its rank (the
+    set bits below it); ``-1`` after them. Phases meet at CTA barriers (a CTA's global writes
+    are visible to it after ``bar.sync``; the words are read past L1)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    m = j < K
+    col = tl.load(sel_ptr + t * stride_s + j, mask=m, other=-1)
+    ok = m & (col >= 0) & (col < NW * 32)
+    words = bits_ptr + t * stride_b
+    w = tl.arange(0, BLOCK_W)
+    wm = w < NW
+    tl.store(words + w, tl.zeros([BLOCK_W], tl.int32), mask=wm)
+    tl.debug_barrier()
+    tl.atomic_or(words + (col >> 5), 1 << (col & 31), mask=ok)
+    tl.debug_barrier()
+    pc = _popcount(tl.load(words + w, mask=wm, other=0, cache_modifier=".cg"))
+    tl.store(words + NW + w, tl.cumsum(pc, 0) - pc, mask=wm)
+    tl.debug_barrier()
+    wi = col >> 5
+    below = tl.load(words + NW + wi, mask=ok, other=0, cache_modifier=".cg")
+    word = tl.load(words + wi, mask=ok, other=0, cache_modifier=".cg")
+    low = (tl.full([BLOCK], 1, tl.uint32) << (col & 31).to(tl.uint32)) - 1
+    rank = below + _popcount(word & low.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + t * stride_o + rank, col, mask=ok)
+    n = tl.sum(ok.to(tl.int32), 0)
+    tl.store(out_ptr + t * stride_o + j, tl.full([BLOCK], -1, tl.int32), mask=m & (j >= n))
+
+
+def column_order_triton(selection: torch.Tensor, out: torch.Tensor,
+                        bits: torch.Tensor | None = None, width: int = 0) -> torch.Tensor:
     """:func:`~hisparse.ops.topk.column_order` in one launch, one program a row (``out``:
-    ``[T, k]`` int32, unit column stride)."""
+    ``[T, k]`` int32, unit column stride): by counting over a bitmap in ``bits`` (``[>= T, >=
+    2 * ceil(width / 32)]`` int32 scratch, overwritten; columns ``< width``) when given, else
+    a sort of each row."""
     T, k = selection.shape
     if T and k:
         if selection.stride(1) != 1 or out.stride(1) != 1 or out.shape != (T, k):
             raise ValueError("column_order_triton: selection and out must be [T, k] with unit "
                              "column stride")
         block = next_pow2(k)
-        _column_order_kernel[(T,)](selection, out, k, selection.stride(0), out.stride(0),
-                                   BLOCK=block, num_warps=min(16, max(4, block // 256)))
+        if bits is None:
+            _column_order_kernel[(T,)](selection, out, k, selection.stride(0), out.stride(0),
+                                       BLOCK=block, num_warps=min(16, max(4, block // 256)))
+            return out
+        nw = triton.cdiv(width, 32)
+        if (width < 1 or bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[0] < T
+                or bits.shape[1] < 2 * nw or bits.stride(1) != 1):
+            raise ValueError(f"column_order_triton: bits must be [>= {T}, >= {2 * nw}] int32 "
+                             f"with unit column stride for width {width}, got "
+                             f"{tuple(bits.shape)} {bits.dtype}")
+        _column_order_bitmap_kernel[(T,)](selection, out, bits, k, nw, selection.stride(0),
+                                          out.stride(0), bits.stride(0), BLOCK=block,
+                                          BLOCK_W=next_pow2(nw),
+                                          num_warps=min(16, max(4, block // 256)))
     return out
 
 

@@ -62,7 +62,7 @@ from .quant import (
     quantize_index_queries_reference,
 )
 from .rotation import indexer_rotation
-from .topk import TopkScratch, column_order_reference, topk_select
+from .topk import TopkScratch, column_order, column_order_reference, topk_select
 
 
 def fp8_query_enabled(head_dim: int) -> bool:
@@ -245,7 +245,7 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos, block_size, topk,
                          out=None, workspace: IndexerWorkspace | None = None, group: int = 1,
-                         ranked: bool = True):
+                         ranked: bool = True, ascending_first: int = 0):
     from ._indexer_triton import indexer_keys
 
     T = q.shape[0]
@@ -254,6 +254,9 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
         out = torch.empty((T, topk), dtype=torch.int32, device=q.device)
     if T == 0:
         return out
+    first = min(ascending_first, topk) if ranked else 0
+    # the bitmap (ceil(W / 32) words) and its prefix counts fit in a key row of the workspace
+    fits = workspace is not None and 2 * -(-W // 32) <= workspace.max_positions
     lazy = isinstance(q, IndexerQueries)
     if lazy and not _folds(q, k_cache):
         q, weights = q.materialize()
@@ -291,6 +294,9 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                   hist=hist, **fold)
         topk_select(keys, lens, topk, out=out[a:b], scratch=scratch, hist_zeroed=zero_hist,
                     ranked=ranked)
+        if first:   # the pass's keys are spent: their buffer holds the count's bitmap
+            bits = workspace.keys[:b - a] if workspace is not None and fits else None
+            column_order(out[a:b, :first], out[a:b, :first], bits, W)
     return out
 
 
@@ -299,7 +305,7 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
                  block_table: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor,
                  block_size: int, topk: int, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, group: int = 1,
-                 ranked: bool = True) -> torch.Tensor:
+                 ranked: bool = True, ascending_first: int = 0) -> torch.Tensor:
     """Top-k logical positions per query token: ``[T, topk]`` int32, ``-1`` padding.
 
     Args:
@@ -326,6 +332,11 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
         ranked: True (default): the module docstring's order, score descending; False: the
             same positions ascending (no ranking pass: for a consumer of the set, not the
             ranks), ``-1`` after them.
+        ascending_first: with ``ranked``, the first ``ascending_first`` columns of each row
+            (its top ``ascending_first`` positions) ascending, ``-1`` after them, the rest
+            still by rank (a hot policy's next-ranked band after a top k the attention reads
+            in position order); on the Triton path counted over a bitmap in the workspace's
+            key buffer, which the selection no longer needs.
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores each token's
     positions ``0..pos`` in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE
@@ -340,9 +351,11 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
     if want_triton(q.q if isinstance(q, IndexerQueries) else q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                     block_size, topk, out=out, workspace=workspace, group=group,
-                                    ranked=ranked)
+                                    ranked=ranked, ascending_first=ascending_first)
     res = indexer_topk_reference(q, weights, k_cache, block_table, token_req, token_pos,
                                  block_size, topk, ranked)
+    if ascending_first:
+        res[:, :ascending_first] = column_order_reference(res[:, :ascending_first])
     if out is not None:
         out.copy_(res)
         return out

@@ -65,21 +65,32 @@ def orderable_keys(score: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(s), torch.full_like(key, INT32_MAX), key)
 
 
-def column_order(selection: torch.Tensor) -> torch.Tensor:
+def column_order(selection: torch.Tensor, out: torch.Tensor | None = None,
+                 bits: torch.Tensor | None = None, width: int = 0) -> torch.Tensor:
     """``[T, k]`` int32 selections (distinct columns, ``-1`` none, after the selected) in
-    ascending column order, ``-1`` last: the ``ranked=False`` order of a ranked selection. A
-    new ``[T, k]`` tensor; on CUDA one Triton launch (a sort a row) instead of torch's five
-    (:func:`column_order_reference`)."""
+    ascending column order, ``-1`` last: the ``ranked=False`` order of a ranked selection.
+
+    ``out``: the ``[T, k]`` int32 result (unit column stride; may be ``selection`` itself: each
+    row is read whole before it is written); default a new tensor. On CUDA one Triton launch,
+    one program a row, instead of torch's five (:func:`column_order_reference`): a sort of the
+    row, or with ``bits`` (``[>= T, >= 2 * ceil(width / 32)]`` int32 scratch, overwritten;
+    every column ``< width``) a count over a bitmap of the row's columns (no sort)."""
     if selection.dim() != 2 or selection.dtype != torch.int32:
         raise ValueError(f"column_order: selection must be [T, k] int32, got "
                          f"{tuple(selection.shape)} {selection.dtype}")
+    if out is not None and (out.shape != selection.shape or out.dtype != torch.int32
+                            or (out.numel() and out.stride(1) != 1)):
+        raise ValueError(f"column_order: out must be {tuple(selection.shape)} int32 with unit "
+                         f"column stride, got {tuple(out.shape)} {out.dtype}")
     if want_triton(selection):
         from ._topk_triton import column_order_triton
         if selection.shape[1] and selection.stride(1) != 1:
             selection = selection.contiguous()
-        out = torch.empty(selection.shape, dtype=torch.int32, device=selection.device)
-        return column_order_triton(selection, out)
-    return column_order_reference(selection)
+        if out is None:
+            out = torch.empty(selection.shape, dtype=torch.int32, device=selection.device)
+        return column_order_triton(selection, out, bits, width)
+    ordered = column_order_reference(selection)
+    return ordered if out is None else out.copy_(ordered)
 
 
 def column_order_reference(selection: torch.Tensor) -> torch.Tensor:

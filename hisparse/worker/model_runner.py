@@ -22,7 +22,6 @@ from hisparse.kv.plan import StepPlan, flat_rows
 from hisparse.models.context import NewQuery, NewRows, materialize
 from hisparse.ops import switches
 from hisparse.ops.indexer import IndexerQueries
-from hisparse.ops.topk import column_order
 from hisparse.worker.cache import KVCaches
 from hisparse.worker.cuda_graph import max_bucket
 from hisparse.worker.kv_format import kv_format
@@ -243,10 +242,11 @@ class PagedContext:
         sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],
                                self.token_slot, self.positions_i32, self.block_size, k + band,
                                workspace=self.caches.workspace.indexer,
-                               group=self.index_group, ranked=ranked)
+                               group=self.index_group, ranked=ranked,
+                               ascending_first=k if ranked and ascending else 0)
         # one pass: ranks k.. (sorted by score) are the hot policy's next-ranked band
         self.band = sel[:, k:] if band else None
-        return column_order(sel[:, :k]) if ranked and ascending else sel[:, :k]
+        return sel[:, :k]
 
     def _rows(self, layer: int) -> Tensor:
         """Flat arena rows ``[T, index_topk]`` int32 of :attr:`topk` (``-1`` none): resident

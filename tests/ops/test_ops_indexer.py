@@ -114,6 +114,30 @@ def test_triton_interpreter_matches_reference(triton_cpu, dtype):
     assert (got == ref).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("rows", [6, 4])
+def test_triton_interpreter_ascending_first(triton_cpu, rows):
+    """``ascending_first=k`` of a ranked top k + band: the k ascending, the band still ranked,
+    the same as the ranked call's parts. With a workspace counted over its key rows (poisoned:
+    the count clears its bitmap), in passes of fewer rows than tokens at 4 rows; without one
+    sorted."""
+    from hisparse.ops import IndexerWorkspace
+    from hisparse.ops.topk import column_order_reference
+
+    T, Hi, D, R, P, bs, k, band = 6, 8, 32, 3, 12, 16, 24, 16
+    case = make_case(T, Hi, D, R, P, bs, [150, 151, 20, 5, 100, 191], [0, 0, 1, -1, 2, 2],
+                     seed=4)
+    ranked = indexer_topk(*case, bs, k + band)
+    ws = IndexerWorkspace(rows, P * bs, "cpu")
+    ws.keys.fill_(-123456)
+    ws.keys.view(-1)[::7] = 0x7FFFFFFF
+    out = torch.full((T, k + band), SENTINEL, dtype=torch.int32)
+    got = indexer_topk(*case, bs, k + band, out=out, workspace=ws, ascending_first=k)
+    assert torch.equal(got[:, :k], column_order_reference(ranked[:, :k]))
+    assert torch.equal(got[:, k:], ranked[:, k:])
+    assert not torch.equal(got[:, :k], ranked[:, :k])
+    assert torch.equal(indexer_topk(*case, bs, k + band, ascending_first=k), got)
+
+
 def test_triton_interpreter_ties(triton_cpu):
     T, Hi, D, bs, topk = 1, 1, 16, 4, 16
     k = torch.randn(64, D)

@@ -151,6 +151,40 @@ def test_triton_column_order_kernel_matches_reference(triton_cpu, k, band):
     assert torch.equal(column_order(spaced[:, ::2]), want)
 
 
+def _poisoned_bits(rows, width, seed):
+    """Bitmap scratch for :func:`column_order` (``2 * ceil(width / 32)`` words a row, and
+    some spare), full of garbage: the count must clear what it reads."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (rows, 2 * -(-width // 32) + 5), generator=g,
+                         dtype=torch.int32)
+
+
+@pytest.mark.parametrize("k,band,W", [(1, 0, 1), (5, 3, 32), (64, 64, 197), (100, 7, 4096),
+                                      (33, 0, 33)])
+def test_triton_column_order_by_count_matches_reference(triton_cpu, k, band, W):
+    """The bitmap count (no sort) over poisoned scratch: every row's columns ascending,
+    ``-1`` last, into a poisoned output, in place (the engine's use), and from a view of the
+    k + band selection; columns at word edges (0, 31, 32, W - 1) included by the widths."""
+    sel = _ranked_selections(6, k, W, band, seed=k + W)
+    want = column_order_reference(sel)
+    bits = _poisoned_bits(7, W, seed=k)
+    out = torch.full((6, k), SENTINEL, dtype=torch.int32)
+    assert torch.equal(column_order(sel, out, bits, W), want)
+    inplace = sel.clone()
+    bits = _poisoned_bits(6, W, seed=k + 1)
+    assert torch.equal(column_order(inplace, inplace, bits, W), want)
+
+
+def test_column_order_by_count_refuses_small_scratch(triton_cpu):
+    sel = _ranked_selections(3, 8, 100, 0, seed=1)
+    with pytest.raises(ValueError, match="column_order_triton: bits must be"):
+        column_order(sel, None, torch.zeros(3, 7, dtype=torch.int32), 100)   # needs 8 words
+    with pytest.raises(ValueError, match="column_order_triton: bits must be"):
+        column_order(sel, None, torch.zeros(2, 8, dtype=torch.int32), 100)   # 3 rows
+    with pytest.raises(ValueError, match="column_order: out must be"):
+        column_order(sel, torch.zeros(3, 9, dtype=torch.int32))
+
+
 def test_column_order_refuses_other_shapes_and_dtypes():
     with pytest.raises(ValueError, match="column_order: selection must be"):
         column_order(torch.zeros(3, 4, dtype=torch.int64))
@@ -513,7 +547,8 @@ def test_gpu_column_order_matches_reference(kernel_switches, mode, T, W, k, dist
                                         (5, 100, 1000, 7), (4, 1, 9, 0)])
 def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     """The one-launch sort of a ranked top k at the engine's shapes (a view of k + band
-    selected columns; the MTP union's k) and at small k, into a poisoned output."""
+    selected columns; the MTP union's k) and at small k, into a poisoned output; the count
+    over a bitmap the same, over poisoned scratch and in place."""
     from hisparse.ops._topk_triton import column_order_triton
 
     sel = _ranked_selections(T, k, W, band, seed=T + k, device="cuda")
@@ -521,6 +556,12 @@ def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
     assert torch.equal(column_order_triton(sel, out), want)
     assert torch.equal(column_order(sel), want)
+    bits = torch.randint(-2**31, 2**31 - 1, (T, 2 * -(-W // 32)), dtype=torch.int32,
+                         device="cuda")
+    out.fill_(SENTINEL)
+    assert torch.equal(column_order(sel, out, bits, W), want)      # by count, poisoned scratch
+    inplace = sel.clone()
+    assert torch.equal(column_order(inplace, inplace, bits, W), want)
 
 
 @pytest.mark.gpu
