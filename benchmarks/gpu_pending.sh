@@ -286,15 +286,19 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions" ;;
     merge)   # issues 24/25 (twenty-fourth session; measured on an H100 with LAYERS=36):
              # the attention's merge at 2 warps and column_order in one launch (positions'
-             # sort): their GPU tests (~2 min), the merge's plans alone beside the kernel of
-             # BASE (probe_attention_stages.py, ~1 min), positions' ranked select + sort
-             # against column order alone (~30 s), then the rank's 2k x 96 step, this tree then
+             # sort; twenty-fifth session: a count over a bitmap instead): their GPU tests
+             # (~2 min), the merge's plans alone beside the kernel of BASE
+             # (probe_attention_stages.py, ~1 min), positions' ranked select + count (and
+             # sort) against column order alone (~30 s), then the rank's 2k x 96 step, this tree then
              # BASE's (~5 min; the whole rank on an H200: is 2k x 96 under 39.5 ms?). BASE: a
              # directory holding `git archive c6912dd` unpacked
       base=$(cd "${BASE:?merge: BASE=directory of git archive c6912dd}" && pwd) \
         || { elapsed "merge: BASE (a directory) is not set"; continue; }
       GPU_TEST_FILES="tests/ops/test_ops_attention.py tests/ops/test_ops_topk.py
-        tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py" skip_or_test
+        tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
+        tests/ops/test_ops_indexer_fused.py" skip_or_test
+      HISPARSE_TOPK_ORDER=positions GPU_TEST_FILES="tests/engine/test_engine_gpu.py" \
+        skip_or_test
       export HISPARSE_TRITON_AUTOTUNE=0
       run merge_probe 120 python3 benchmarks/probe_attention_stages.py --variants '' \
         --base "$base/hisparse/ops/_attention_triton.py" --out "$out/merge_probe.json"
