@@ -19,8 +19,9 @@ HISPARSE_TOPK_ORDER       auto, ranked, positions       auto        the engine's
                                                                     ``ranked`` score order always;
                                                                     ``positions`` ascending
                                                                     always, a band ranked (its
-                                                                    forwards sort the top k
-                                                                    after a ranked pass)
+                                                                    forwards count the top k
+                                                                    into position order after
+                                                                    a ranked pass)
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
 (``fused_glue``)                                                    reference (``ops.glue``), the
                                                                     indexer's queries are roped
