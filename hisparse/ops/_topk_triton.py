@@ -627,14 +627,18 @@ def column_order_triton(selection: torch.Tensor, out: torch.Tensor,
             return out
         nw = triton.cdiv(width, 32)
         if (width < 1 or bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[0] < T
-                or bits.shape[1] < 2 * nw or bits.stride(1) != 1):
+                or bits.shape[1] < 2 * nw or bits.stride(1) != 1 or bits.stride(0) < 2 * nw
+                or bits.device != selection.device):
             raise ValueError(f"column_order_triton: bits must be [>= {T}, >= {2 * nw}] int32 "
-                             f"with unit column stride for width {width}, got "
-                             f"{tuple(bits.shape)} {bits.dtype}")
+                             f"rows of their own (unit column stride) on {selection.device} "
+                             f"for width {width}, got {tuple(bits.shape)} {bits.dtype} "
+                             f"strides {bits.stride()} on {bits.device}")
+        block_w = next_pow2(nw)
         _column_order_bitmap_kernel[(T,)](selection, out, bits, k, nw, selection.stride(0),
                                           out.stride(0), bits.stride(0), BLOCK=block,
-                                          BLOCK_W=next_pow2(nw),
-                                          num_warps=min(16, max(4, block // 256)))
+                                          BLOCK_W=block_w,
+                                          num_warps=min(16, max(4, block // 256,
+                                                                block_w // 1024)))
     return out
 
 

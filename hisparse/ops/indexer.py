@@ -336,7 +336,8 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
             (its top ``ascending_first`` positions) ascending, ``-1`` after them, the rest
             still by rank (a hot policy's next-ranked band after a top k the attention reads
             in position order); on the Triton path counted over a bitmap in the workspace's
-            key buffer, which the selection no longer needs.
+            key buffer, which the selection no longer needs (every column is below the
+            table's width ``P * block_size``).
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): a Triton kernel scores each token's
     positions ``0..pos`` in fp32 (tensor-core dot with fp32 accumulation for bf16 inputs, IEEE
@@ -348,6 +349,8 @@ def indexer_topk(q: torch.Tensor | IndexerQueries, weights: torch.Tensor | None,
     buffers). The scoring kernel also zeroes the top-k's histogram scratch (one fill launch
     less; not with ``HISPARSE_FUSED_GLUE=0``).
     """
+    if ascending_first < 0:
+        raise ValueError(f"indexer_topk: ascending_first must be >= 0, got {ascending_first}")
     if want_triton(q.q if isinstance(q, IndexerQueries) else q, k_cache):
         return _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                     block_size, topk, out=out, workspace=workspace, group=group,

@@ -234,8 +234,8 @@ class PagedContext:
         # the order of the k follows the policy and the switch in every forward (the attention
         # sums in it: a forward with host reads and one without must agree); the band is
         # selected only where the resolver reads it (the first k ranks are the same either
-        # way), and reads ranks: a forward that selects one ranks, then sorts its k if they
-        # go ascending
+        # way), and reads ranks: a forward that selects one ranks, then counts its k into
+        # position order if they go ascending
         ascending = top_k_ascending(switches.current().topk_order, policy_band > 0)
         band = policy_band if self.host_read else 0
         ranked = band > 0 or not ascending

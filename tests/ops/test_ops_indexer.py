@@ -115,7 +115,7 @@ def test_triton_interpreter_matches_reference(triton_cpu, dtype):
 
 
 @pytest.mark.parametrize("rows", [6, 4])
-def test_triton_interpreter_ascending_first(triton_cpu, rows):
+def test_triton_interpreter_ascending_first(triton_cpu, rows, monkeypatch):
     """``ascending_first=k`` of a ranked top k + band: the k ascending, the band still ranked,
     the same as the ranked call's parts. With a workspace counted over its key rows (poisoned:
     the count clears its bitmap), in passes of fewer rows than tokens at 4 rows; without one
@@ -131,11 +131,25 @@ def test_triton_interpreter_ascending_first(triton_cpu, rows):
     ws.keys.fill_(-123456)
     ws.keys.view(-1)[::7] = 0x7FFFFFFF
     out = torch.full((T, k + band), SENTINEL, dtype=torch.int32)
+    import hisparse.ops.indexer as indexer_mod
+    scratch_rows = []    # the count's scratch: the workspace's key rows, every pass
+    real = indexer_mod.column_order
+
+    def spy(sel, out=None, bits=None, width=0):
+        scratch_rows.append(None if bits is None else (bits.data_ptr(), bits.shape[0], width))
+        return real(sel, out, bits, width)
+    monkeypatch.setattr(indexer_mod, "column_order", spy)
     got = indexer_topk(*case, bs, k + band, out=out, workspace=ws, ascending_first=k)
+    monkeypatch.undo()
+    passes = -(-T // rows)
+    assert scratch_rows == [(ws.keys.data_ptr(), min(rows, T - i * rows), P * bs)
+                            for i in range(passes)]
     assert torch.equal(got[:, :k], column_order_reference(ranked[:, :k]))
     assert torch.equal(got[:, k:], ranked[:, k:])
     assert not torch.equal(got[:, :k], ranked[:, :k])
     assert torch.equal(indexer_topk(*case, bs, k + band, ascending_first=k), got)
+    with pytest.raises(ValueError, match="ascending_first must be >= 0"):
+        indexer_topk(*case, bs, k, ascending_first=-1)
 
 
 def test_triton_interpreter_ties(triton_cpu):

@@ -160,7 +160,7 @@ def _poisoned_bits(rows, width, seed):
 
 
 @pytest.mark.parametrize("k,band,W", [(1, 0, 1), (5, 3, 32), (64, 64, 197), (100, 7, 4096),
-                                      (33, 0, 33)])
+                                      (33, 0, 33), (64, 4, 64)])
 def test_triton_column_order_by_count_matches_reference(triton_cpu, k, band, W):
     """The bitmap count (no sort) over poisoned scratch: every row's columns ascending,
     ``-1`` last, into a poisoned output, in place (the engine's use), and from a view of the
@@ -170,9 +170,11 @@ def test_triton_column_order_by_count_matches_reference(triton_cpu, k, band, W):
     bits = _poisoned_bits(7, W, seed=k)
     out = torch.full((6, k), SENTINEL, dtype=torch.int32)
     assert torch.equal(column_order(sel, out, bits, W), want)
-    inplace = sel.clone()
-    bits = _poisoned_bits(6, W, seed=k + 1)
-    assert torch.equal(column_order(inplace, inplace, bits, W), want)
+    whole = torch.cat([sel, torch.randint(0, W, (6, band), dtype=torch.int32)], 1)  # k + band
+    band_before = whole[:, k:].clone()
+    view = whole[:, :k]
+    assert torch.equal(column_order(view, view, _poisoned_bits(6, W, seed=k + 1), W), want)
+    assert torch.equal(whole[:, :k], want) and torch.equal(whole[:, k:], band_before)
 
 
 def test_column_order_by_count_refuses_small_scratch(triton_cpu):
@@ -181,6 +183,9 @@ def test_column_order_by_count_refuses_small_scratch(triton_cpu):
         column_order(sel, None, torch.zeros(3, 7, dtype=torch.int32), 100)   # needs 8 words
     with pytest.raises(ValueError, match="column_order_triton: bits must be"):
         column_order(sel, None, torch.zeros(2, 8, dtype=torch.int32), 100)   # 3 rows
+    with pytest.raises(ValueError, match="column_order_triton: bits must be"):   # rows overlap
+        column_order(sel, None, torch.zeros(40, dtype=torch.int32).as_strided((3, 8), (4, 1)),
+                     100)
     with pytest.raises(ValueError, match="column_order: out must be"):
         column_order(sel, torch.zeros(3, 9, dtype=torch.int32))
 
@@ -544,7 +549,8 @@ def test_gpu_column_order_matches_reference(kernel_switches, mode, T, W, k, dist
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,k,W,band", [(8, 2048, 32768, 2048), (96, 2048, 2304, 0),
                                         (42, 2048, 131072, 2048), (3, 2176, 32768, 0),
-                                        (5, 100, 1000, 7), (4, 1, 9, 0)])
+                                        (5, 100, 1000, 7), (4, 1, 9, 0), (6, 2048, 2048, 8),
+                                        (4, 33, 33, 0)])
 def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     """The one-launch sort of a ranked top k at the engine's shapes (a view of k + band
     selected columns; the MTP union's k) and at small k, into a poisoned output; the count
@@ -556,12 +562,17 @@ def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
     assert torch.equal(column_order_triton(sel, out), want)
     assert torch.equal(column_order(sel), want)
-    bits = torch.randint(-2**31, 2**31 - 1, (T, 2 * -(-W // 32)), dtype=torch.int32,
-                         device="cuda")
+    def poisoned_bits():
+        return torch.randint(-2**31, 2**31 - 1, (T, 2 * -(-W // 32)), dtype=torch.int32,
+                             device="cuda")
     out.fill_(SENTINEL)
-    assert torch.equal(column_order(sel, out, bits, W), want)      # by count, poisoned scratch
-    inplace = sel.clone()
-    assert torch.equal(column_order(inplace, inplace, bits, W), want)
+    assert torch.equal(column_order(sel, out, poisoned_bits(), W), want)   # by count
+    whole = torch.cat([sel, torch.randint(0, W, (T, band), dtype=torch.int32, device="cuda")],
+                      1)                   # in place on the k view of k + band (the engine's)
+    band_before = whole[:, k:].clone()
+    view = whole[:, :k]
+    assert torch.equal(column_order(view, view, poisoned_bits(), W), want)
+    assert torch.equal(whole[:, :k], want) and torch.equal(whole[:, k:], band_before)
 
 
 @pytest.mark.gpu
