@@ -82,7 +82,9 @@ def test_gc_freeze_off_leaves_the_collector_alone(dsv32_path):
     req = llm._requests[rid]
     assert id(req.token_ids) in _tracked_ids()
     _step_until_finished(llm, rid)
-    assert llm.core.freezer.freezes == 0 and gc.get_freeze_count() == before
+    # no freeze: the permanent generation did not grow (it may shrink meanwhile: objects an
+    # earlier test of this process froze are freed when the cycles holding them are collected)
+    assert llm.core.freezer.freezes == 0 and gc.get_freeze_count() <= before
     with pytest.raises(ValueError, match="gc_freeze"):
         tiny(dsv32_path, gc_freeze="yes")
 
