@@ -562,16 +562,15 @@ def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
     out = torch.full((T, k), SENTINEL, dtype=torch.int32, device="cuda")
     assert torch.equal(column_order_triton(sel, out), want)
     assert torch.equal(column_order(sel), want)
-    def poisoned_bits():
-        return torch.randint(-2**31, 2**31 - 1, (T, 2 * -(-W // 32)), dtype=torch.int32,
-                             device="cuda")
     out.fill_(SENTINEL)
-    assert torch.equal(column_order(sel, out, poisoned_bits(), W), want)   # by count
+    bits = _poisoned_bits(T, W, seed=T).cuda()
+    assert torch.equal(column_order(sel, out, bits, W), want)   # by count
     whole = torch.cat([sel, torch.randint(0, W, (T, band), dtype=torch.int32, device="cuda")],
                       1)                   # in place on the k view of k + band (the engine's)
     band_before = whole[:, k:].clone()
     view = whole[:, :k]
-    assert torch.equal(column_order(view, view, poisoned_bits(), W), want)
+    assert torch.equal(column_order(view, view, _poisoned_bits(T, W, seed=T + 1).cuda(), W),
+                       want)
     assert torch.equal(whole[:, :k], want) and torch.equal(whole[:, k:], band_before)
 
 
