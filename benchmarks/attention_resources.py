@@ -53,14 +53,14 @@ def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
 
 
 def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
-              int_cvt: bool = False, chunks: int = 1) -> dict:
+              int_cvt: bool = False) -> dict:
     """Compile ``_attn_fp8_kernel`` for ``cfg`` (512 + 64 latent, FP8 tiles of 128; ``int_cvt``:
     ``HISPARSE_FP8_CONVERT=int``'s dequantization) and read its resource usage from the
     cubin."""
     names = _attn_fp8_kernel.arg_names
     const = dict(K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=512,
                  D_PE=64, TILE=128, NT=4, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                 IEEE=False, DIRECT=False, SKIP_EMPTY=True, INT_CVT=int_cvt, CHUNKS=chunks)
+                 IEEE=False, DIRECT=False, SKIP_EMPTY=True, INT_CVT=int_cvt)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     # as a real launch specializes them: pointers, the strides and K are multiples of 16
@@ -76,8 +76,7 @@ def resources(cfg: AttnConfig, arch: int, maxnreg: int | None = None,
     # one warp's static instruction count (the 64-index chunk is one block: no loop)
     n_ins = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
     return dict(registers=int(got.get("REG", -1)), stack_bytes=int(got.get("STACK", -1)),
-                shared_bytes=k.metadata.shared, instructions=n_ins,
-                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"))
+                shared_bytes=k.metadata.shared, instructions=n_ins)
 
 
 def main() -> None:

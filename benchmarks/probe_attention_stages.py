@@ -61,8 +61,8 @@ EDITS: dict[str, tuple[str, str]] = {
     "no_scale": ("kn = tl.reshape(tl.reshape(f8.to(tl.bfloat16), [BLOCK_N, NT, TILE])\n"
                  "                            * sc.to(tl.bfloat16)[:, :, None], [BLOCK_N, D_V])",
                  "kn = f8.to(tl.bfloat16)"),
-    "no_store": ("tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=hm[:, None])\n"
-                 "    tl.store(lse_ptrs, lse, mask=hm)",
+    "no_store": ("tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])\n"
+                 "        tl.store(lse_ptrs, lse, mask=hm)",
                  "tl.store(lse_ptrs, lse + tl.sum(o, axis=1) * 0.0, mask=hm)"),
     # the chunks' partial outputs in fp32 (before the thirteenth session: bf16 now)
     "fp32_partials": ("po_dtype = out.dtype if out.element_size() == 2 else torch.float32",

@@ -375,47 +375,6 @@ def _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def _fp8_queries(q_base, offs_d, offs_p, hm, D_V: tl.constexpr, IEEE: tl.constexpr):
-    """The head block's queries ``(q_nope [BLOCK_H, D_V], q_pe [BLOCK_H, D_PE])`` (fp32 in the
-    IEEE path); masked heads are zeros."""
-    q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
-    q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
-    if IEEE:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-    return q_nope, q_pe
-
-
-@triton.jit
-def _fp8_chunk_partial(q_nope, q_pe, kv_u8, kv_f32, kv_bf16, idx_row, o_ptrs, lse_ptrs,
-                       k_start, K, N, qk_scale, stride_row, hm, offs_d,
-                       K_PER_SPLIT: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
-                       TILE: tl.constexpr, NT: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INT_CVT: tl.constexpr):
-    """The online softmax over the chunk's indices ``[k_start, k_start + K_PER_SPLIT)`` (and
-    below ``K``), its normalized output and lse stored at ``o_ptrs`` / ``lse_ptrs``."""
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    offs_p = tl.arange(0, D_PE)
-    offs_s = tl.arange(0, NT)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for i0 in range(0, K_PER_SPLIT, BLOCK_N):
-        valid, raw, sc, kp = _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_row,
-                                       k_start + i0 + offs_n, k_end, N, stride_row,
-                                       offs_d, offs_s, offs_p, D_V, NT)
-        m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc,
-                                   qk_scale, D_V, TILE, NT, BLOCK_N, IEEE, INT_CVT)
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=hm[:, None])
-    tl.store(lse_ptrs, lse, mask=hm)
-
-
-@triton.jit
 def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                      H, K, N, qk_scale,
                      stride_qt, stride_qh, stride_row, stride_it,
@@ -423,15 +382,10 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
                      K_PER_SPLIT: tl.constexpr, KPS_PAD: tl.constexpr, D_V: tl.constexpr,
                      D_PE: tl.constexpr, TILE: tl.constexpr, NT: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr, INT_CVT: tl.constexpr,
-                     CHUNKS: tl.constexpr):
+                     DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr, INT_CVT: tl.constexpr):
     """Same math as ``_attn_kernel`` over rows dequantized in registers: e4m3 -> float, times
-    the tile's power-of-two scale (exact in bf16), rope read as bf16. A program runs
-    ``CHUNKS`` adjacent chunks of one token one after another (program ``p`` of axis 2: chunks
-    ``p * CHUNKS ..``; the launch's splits are a multiple of ``CHUNKS``), each with its own
-    online softmax and partial, so ``CHUNKS`` changes no bit, only how many programs share the
-    token's queries and how long each streams rows. A chunk without a valid index (a padding
-    token's, a short request's tail) runs no dot (and, at ``CHUNKS = 1``, loads no query): it
+    the tile's power-of-two scale (exact in bf16), rope read as bf16. A chunk without a valid
+    index (a padding token's, a short request's tail) loads no query and runs no dot: it
     stores its lse, ``-inf``, and its output only when it is the token's result (``DIRECT``,
     one chunk: zeros); :func:`_combine_kernel` reads no output of a chunk whose lse is
     ``-inf``. The bits are those of running it: every block of such a chunk leaves the running
@@ -440,55 +394,59 @@ def _attn_fp8_kernel(q_ptr, kv_u8, kv_f32, kv_bf16, idx_ptr, o_ptr, lse_ptr,
     witness). ``INT_CVT``: :func:`_fp8_block`'s."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
-    pg = tl.program_id(2)
+    sp = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = offs_h < H
     offs_d = tl.arange(0, D_V)
+    k_start = sp * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
-    q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    o_base = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    lse_base = lse_ptr + t.to(tl.int64) * stride_lt + offs_h
-    if CHUNKS == 1:
-        k_start = pg * K_PER_SPLIT
-        offs_c = tl.arange(0, KPS_PAD)
-        chunk = tl.load(idx_row + k_start + offs_c,
-                        mask=(offs_c < K_PER_SPLIT) & (k_start + offs_c < K), other=-1)
-        n_valid = tl.sum(((chunk >= 0) & (chunk < N)).to(tl.int32), axis=0)
-        if not SKIP_EMPTY:
-            n_valid += 1
-        o_ptrs = o_base + pg.to(tl.int64) * stride_os
-        lse_ptrs = lse_base + pg.to(tl.int64) * stride_ls
-        if n_valid > 0:
-            q_nope, q_pe = _fp8_queries(q_base, offs_d, tl.arange(0, D_PE), hm, D_V, IEEE)
-            _fp8_chunk_partial(q_nope, q_pe, kv_u8, kv_f32, kv_bf16, idx_row, o_ptrs,
-                               lse_ptrs, k_start, K, N, qk_scale, stride_row, hm, offs_d,
-                               K_PER_SPLIT, D_V, D_PE, TILE, NT, BLOCK_H, BLOCK_N, IEEE,
-                               INT_CVT)
-        else:
-            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hm)
-            if DIRECT:
-                tl.store(o_ptrs, tl.zeros([BLOCK_H, D_V], o_ptr.dtype.element_ty),
-                         mask=hm[:, None])
+    offs_c = tl.arange(0, KPS_PAD)
+    chunk = tl.load(idx_row + k_start + offs_c,
+                    mask=(offs_c < K_PER_SPLIT) & (k_start + offs_c < k_end), other=-1)
+    n_valid = tl.sum(((chunk >= 0) & (chunk < N)).to(tl.int32), axis=0)
+    if not SKIP_EMPTY:
+        n_valid += 1
+    o_ptrs = o_ptr + sp.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot \
+        + offs_h[:, None] * stride_oh + offs_d[None, :]
+    lse_ptrs = lse_ptr + sp.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + offs_h
+    if n_valid > 0:
+        offs_p = tl.arange(0, D_PE)
+        offs_s = tl.arange(0, NT)
+        q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+        q_nope = tl.load(q_base + offs_d[None, :], mask=hm[:, None], other=0.0)
+        q_pe = tl.load(q_base + D_V + offs_p[None, :], mask=hm[:, None], other=0.0)
+        if IEEE:
+            q_nope = q_nope.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for i0 in range(0, K_PER_SPLIT, BLOCK_N):
+            valid, raw, sc, kp = _fp8_rows(kv_u8, kv_f32, kv_bf16, idx_row,
+                                           k_start + i0 + offs_n, k_end, N, stride_row,
+                                           offs_d, offs_s, offs_p, D_V, NT)
+            m_i, l_i, acc = _fp8_block(q_nope, q_pe, valid, raw, sc, kp, m_i, l_i, acc,
+                                       qk_scale, D_V, TILE, NT, BLOCK_N, IEEE, INT_CVT)
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+        tl.store(lse_ptrs, lse, mask=hm)
     else:
-        # no branch in the loop (the pipeliner prefetches no load under one): an empty chunk
-        # runs, with the bits it skips at CHUNKS = 1 (the docstring's)
-        q_nope, q_pe = _fp8_queries(q_base, offs_d, tl.arange(0, D_PE), hm, D_V, IEEE)
-        for c in range(CHUNKS):
-            sp = pg * CHUNKS + c
-            _fp8_chunk_partial(q_nope, q_pe, kv_u8, kv_f32, kv_bf16, idx_row,
-                               o_base + sp.to(tl.int64) * stride_os,
-                               lse_base + sp.to(tl.int64) * stride_ls, sp * K_PER_SPLIT, K, N,
-                               qk_scale, stride_row, hm, offs_d, K_PER_SPLIT, D_V, D_PE, TILE,
-                               NT, BLOCK_H, BLOCK_N, IEEE, INT_CVT)
+        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hm)
+        if DIRECT:
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, D_V], o_ptr.dtype.element_ty), mask=hm[:, None])
 
 
 def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None,
-                                    lse=None, skip_empty: bool = True,
-                                    chunks_per_program: int = 1):
+                                    lse=None, skip_empty: bool = True):
     """``kv``: FP8 byte rows ``[N, row_bytes]`` uint8 (hisparse.ops.quant layout).
     ``skip_empty``: chunks without a valid index do no work (speed only: the same bits).
-    ``chunks_per_program``: adjacent chunks one program runs in turn (speed only: the same
-    bits; it must divide the launch's chunk count, ``config.splits(K)``).
     ``HISPARSE_FP8_CONVERT=int`` (:mod:`~hisparse.ops.switches`): the rows dequantized by
     integer operations (speed only: the same bits; compiled code)."""
     from ._common import fp8_tile, mla_row_bytes
@@ -522,22 +480,18 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
     cfg = config or attn_config(H, K, True, is_fp32)
     _check_config(cfg, fp8=True)
     splits = cfg.splits(K)
-    if chunks_per_program < 1 or splits % chunks_per_program:
-        raise ValueError(f"FP8 attention: chunks_per_program ({chunks_per_program}) must be a "
-                         f"positive divisor of the launch's {splits} chunks")
     int_cvt = not is_fp32 and switches.current().fp8_convert == "int"
 
     def launch(tokens, po, pl, strides):
         qs, ids = q[tokens], indices[tokens]
-        grid = (qs.shape[0], triton.cdiv(H, cfg.block_h), splits // chunks_per_program)
-        _attn_fp8_kernel[grid](
+        _attn_fp8_kernel[(qs.shape[0], triton.cdiv(H, cfg.block_h), splits)](
             qs, kv, kv.view(torch.float32), kv.view(torch.bfloat16), ids, po, pl,
             H, K, N, sm_scale * LOG2E,
             qs.stride(0), qs.stride(1), kv.stride(0), ids.stride(0), *strides,
             K_PER_SPLIT=cfg.k_per_split, KPS_PAD=next_pow2(cfg.k_per_split), D_V=d_v,
             D_PE=d_pe, TILE=tile, NT=nt, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             IEEE=is_fp32, DIRECT=splits == 1, SKIP_EMPTY=bool(skip_empty), INT_CVT=int_cvt,
-            CHUNKS=chunks_per_program, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _launch_chunks(out, lse, splits, launch)

@@ -304,47 +304,6 @@ def test_fp8_attention_skips_empty_chunks_bit_neutral_interpreter(triton_cpu, mo
     _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 2), monkeypatch)
 
 
-def _check_chunks_are_bit_neutral(q, rows, idx, config, monkeypatch):
-    """A program running several chunks in turn (``chunks_per_program``, with 1 to 3 stages on
-    a GPU) gives the bits of one chunk a program, written into poisoned outputs from poisoned
-    chunk partials (empty chunks included: with several a program they run); a count that
-    does not divide the launch's chunks is refused by name."""
-    from hisparse.ops import _attention_triton as AT
-
-    monkeypatch.setattr(AT, "torch", _NanEmpty())
-    splits = config.splits(idx.shape[1])
-
-    def run(chunks, stages):
-        out = torch.full(q.shape[:2] + (512,), float("nan"), dtype=q.dtype, device=q.device)
-        lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-        return AT.sparse_mla_attention_fp8_triton(
-            q, rows, idx, 576 ** -0.5, config=dataclasses.replace(config, num_stages=stages),
-            out=out, lse=lse, chunks_per_program=chunks)
-
-    o, l = run(1, config.num_stages)
-    assert not torch.isnan(o).any() and not torch.isnan(l).any()
-    counts = [c for c in range(2, splits + 1) if splits % c == 0]
-    assert counts, splits
-    for chunks in counts:
-        for stages in (1, 2, 3) if q.is_cuda else (1,):
-            oc, lc = run(chunks, stages)
-            assert torch.equal(oc, o) and torch.equal(lc, l), (chunks, stages)
-    bad = next(c for c in range(2, splits + 2) if splits % c)
-    with pytest.raises(ValueError, match="chunks_per_program"):
-        run(bad, 1)
-    return o, l
-
-
-def test_fp8_attention_chunks_per_program_bit_neutral_interpreter(triton_cpu, monkeypatch):
-    """K = 90 in chunks of 16 (six, the last partial): 2, 3 and 6 chunks a program."""
-    from hisparse.ops._attention_triton import AttnConfig
-
-    q, rows, idx = _fp8_case(5, 16, 90, 180, dtype=torch.bfloat16, seed=13)
-    o, _ = _check_chunks_are_bit_neutral(q, rows, _with_empty_chunks(idx, 2),
-                                         AttnConfig(16, 16, 4, 1, 16), monkeypatch)
-    assert (o[-1] == 0).all()
-
-
 def test_attn_config_depends_on_heads_and_indices_only():
     from hisparse.ops._attention_triton import MAX_SPLITS, AttnConfig, _check_config, attn_config
 
@@ -440,18 +399,6 @@ def test_gpu_fp8_attention_skips_empty_chunks_bit_neutral(monkeypatch):
     """A 48-token bucket holding 33 requests: 15 padding tokens, chunks of -1 mid-list."""
     q, rows, idx = _fp8_case(48, 16, 2048, 64 * 2048, device="cuda", seed=21)
     _check_skip_is_bit_neutral(q, rows, _with_empty_chunks(idx, 15), monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 64])
-def test_gpu_fp8_attention_chunks_per_program_bit_neutral(H, monkeypatch):
-    """The engine's plan at top-k 2048 (32 chunks at 16 heads, 4 at 64), 48 tokens of which 15
-    are padding: every divisor of the chunk count, 1 to 3 stages."""
-    from hisparse.ops._attention_triton import attn_config
-
-    q, rows, idx = _fp8_case(48, H, 2048, 64 * 2048, device="cuda", seed=H + 5)
-    _check_chunks_are_bit_neutral(q, rows, _with_empty_chunks(idx, 15),
-                                  attn_config(H, 2048, True, False), monkeypatch)
 
 
 @pytest.mark.gpu
