@@ -199,15 +199,6 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     return torch.from_numpy(table)
 
 
-def sorts_top_k(topk_order: str, policy: str) -> bool:
-    """Whether an engine of hot policy ``policy`` gives its top k in position order under
-    ``HISPARSE_TOPK_ORDER=topk_order`` (the engine's own rule:
-    :func:`hisparse.worker.model_runner.top_k_ascending`)."""
-    from hisparse.worker.model_runner import top_k_ascending
-
-    return top_k_ascending(topk_order, needs_band(policy))
-
-
 def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:
     """A copy of a top-k ``table`` whose first ``k`` columns of each step are in ascending
     position order (``-1`` last), the later ones (a band) kept: what an engine that sorts its
@@ -555,10 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     sorted_top = {key: sort_top_k(t, topk_k) for key, t in tables.items()
                   if t is not None and t.shape[-1] > topk_k and order != "ranked"}
 
-    def table_of_run(spec: str, context: int, policy: str) -> torch.Tensor | None:
-        """``tables[spec, context]`` in the order an engine of ``policy`` selects in."""
-        table = tables[spec, context]
-        return sorted_top.get((spec, context), table) if sorts_top_k(order, policy) else table
+    def table_of_run(spec: str, context: int) -> torch.Tensor | None:
+        """``tables[spec, context]`` in the order the engines select in (every hot policy's
+        the same: the switch's)."""
+        return sorted_top.get((spec, context), tables[spec, context])
 
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)
@@ -620,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
             warm = run_point(path, modes[name], a.topk,
-                             table_of_run(a.topk, warm_context, policy),
+                             table_of_run(a.topk, warm_context),
                              warm_context, warm_requests, 8, num_gpu_blocks, host_buffers,
                              a.host_pool_gib, warm_requests, enforce_eager=a.eager,
                              kv_cache_dtype=a.kv_cache_dtype, hot_policy=policy, k=topk_k,
@@ -666,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         for conc in levels:
             for name in a.modes.split(","):
                 for policy in policies_of(name, a.topk):
-                    table = table_of_run(a.topk, context, policy)
+                    table = table_of_run(a.topk, context)
                     record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
@@ -677,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             conc = min(a.locality_concurrency, cap)
             for name in locality_modes:
                 for policy in policies_of(name, spec):
-                    table = table_of_run(spec, context, policy)
+                    table = table_of_run(spec, context)
                     record(run_point(path, modes[name], spec, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,

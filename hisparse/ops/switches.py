@@ -12,16 +12,13 @@ HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CP
 (``force_triton``)                                                  (the interpreter tests)
 HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
-HISPARSE_TOPK_ORDER       auto, ranked, positions       auto        the engine's selection order:
-(``topk_order``)                                                    ``auto`` positions ascending
-                                                                    unless a hot policy reads
-                                                                    ranks (no ranking pass);
-                                                                    ``ranked`` score order always;
-                                                                    ``positions`` ascending
-                                                                    always, a band ranked (its
-                                                                    forwards count the top k
-                                                                    into position order after
-                                                                    a ranked pass)
+HISPARSE_TOPK_ORDER       positions, ranked             positions   the engine's selection order:
+(``topk_order``)                                                    ``positions`` ascending (no
+                                                                    ranking pass; a forward that
+                                                                    selects a hot policy's band
+                                                                    ranks k + band, then counts
+                                                                    its k into position order);
+                                                                    ``ranked`` score order
 HISPARSE_FUSED_GLUE       ``0``, ``1``                  ``1``       ``0``: every glue op runs its
 (``fused_glue``)                                                    reference (``ops.glue``), the
                                                                     indexer's queries are roped
@@ -87,7 +84,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 TOPK_MODES = ("fused", "phased", "legacy")
-TOPK_ORDERS = ("auto", "ranked", "positions")
+TOPK_ORDERS = ("positions", "ranked")
 MOE_ALIGN_MODES = ("experts", "single")
 MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
@@ -120,7 +117,7 @@ class KernelSwitches:
 
     force_triton: bool = False
     topk: str = "fused"
-    topk_order: str = "auto"
+    topk_order: str = "positions"
     fused_glue: bool = True
     fused_sums: bool = True
     fused_moe: bool = True

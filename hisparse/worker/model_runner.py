@@ -101,14 +101,6 @@ def _write_rows(new, query, dst: Tensor, rows: Tensor, write_tensor) -> Tensor:
     return materialize(query)
 
 
-def top_k_ascending(topk_order: str, reads_band: bool) -> bool:
-    """Whether an engine's indexer layers give their top k in ascending position order
-    (``HISPARSE_TOPK_ORDER=topk_order``; ``reads_band``: its hot policy reads a band): always
-    under ``positions``, never under ``ranked``, under ``auto`` without a band (else score
-    order, which the band's ranks come with)."""
-    return topk_order == "positions" or (topk_order == "auto" and not reads_band)
-
-
 class PagedContext:
     """:class:`~hisparse.models.context.SparseAttentionContext` over the paged tiered caches.
 
@@ -222,8 +214,7 @@ class PagedContext:
     def select_topk(self, layer_idx: int, index_q: Tensor | IndexerQueries,
                     index_weights: Tensor | None, keys: Tensor) -> Tensor:
         """Top-k positions ``[T, index_topk]`` int32 of an indexer layer (``-1`` none, last),
-        ascending unless a hot policy's band needs ranks, then by score (``HISPARSE_TOPK_ORDER``:
-        ``ranked`` by score always, ``positions`` ascending always, the band still ranked).
+        ascending (``HISPARSE_TOPK_ORDER=ranked``: by score; a band is ranked either way).
         Override point: must stay CUDA-graph safe, fixed shapes, no host sync. Sets
         :attr:`band` (the next-ranked rows in a host-read forward of a policy with a band, else
         ``None``).
@@ -231,12 +222,12 @@ class PagedContext:
         None): :func:`hisparse.ops.indexer_topk` takes it as it is."""
         k, policy_band = self.index_topk, self.caches.hot_band
         w = None if index_weights is None else index_weights.float()
-        # the order of the k follows the policy and the switch in every forward (the attention
-        # sums in it: a forward with host reads and one without must agree); the band is
-        # selected only where the resolver reads it (the first k ranks are the same either
-        # way), and reads ranks: a forward that selects one ranks, then counts its k into
-        # position order if they go ascending
-        ascending = top_k_ascending(switches.current().topk_order, policy_band > 0)
+        # the order of the k follows the switch in every forward (the attention sums in it: a
+        # forward with host reads and one without must agree); the band is selected only where
+        # the resolver reads it (the first k ranks are the same either way), and reads ranks:
+        # a forward that selects one ranks, then counts its k into position order if they go
+        # ascending
+        ascending = switches.current().topk_order == "positions"
         band = policy_band if self.host_read else 0
         ranked = band > 0 or not ascending
         sel = ops.indexer_topk(index_q, w, keys, self.tables["indexer"],

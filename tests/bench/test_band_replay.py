@@ -128,8 +128,8 @@ def test_ascending_table_holds_each_selection_in_position_order():
 
 
 def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted():
-    """An lru (or gpu-only) run beside a band policy's, or any run under
-    HISPARSE_TOPK_ORDER=positions: the band's table (source order, k + band wide) replays
+    """Every run under HISPARSE_TOPK_ORDER=positions (the default), a band policy's or
+    not: the band's table (source order, k + band wide) replays
     with its top k in position order (``-1`` last: early steps select fewer than k), the band
     columns kept (the same GPU bytes as the band policy's table), in a copy."""
     src = SyntheticTopk(0.8, 2, seed=5)
@@ -143,14 +143,6 @@ def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted():
     got = decode.sort_top_k(wide, k)
     assert got.shape == wide.shape and torch.equal(got[..., :k], asc)
     assert torch.equal(got[..., k:], band) and torch.equal(wide[..., :k], top)  # a copy
-
-
-@pytest.mark.parametrize("order,policy,sorts", [
-    ("auto", "lru", True), ("auto", "score", False), ("auto", "score+prefetch", False),
-    ("ranked", "lru", False), ("ranked", "score", False),
-    ("positions", "lru", True), ("positions", "score", True)])
-def test_which_engines_replay_their_top_k_sorted(order, policy, sorts):
-    assert decode.sorts_top_k(order, policy) is sorts
 
 
 def test_sources_without_a_band(tmp_path, random_trace):

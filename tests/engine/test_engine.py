@@ -278,12 +278,12 @@ def _host_read_selections(llm, batch, params) -> list[tuple[torch.Tensor, torch.
     return seen
 
 
-@pytest.mark.parametrize("order", ["positions", "auto"])
+@pytest.mark.parametrize("order", ["positions", "ranked"])
 def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_path,
                                                                         kernel_switches, order):
     """HISPARSE_TOPK_ORDER=positions under the score policy: in host-read forwards (the ones
     that select a band) the top k come out in position order (``-1`` last) beside the
-    band; ``auto`` keeps them in score order there (the check can fail)."""
+    band; ``ranked`` keeps them in score order (the check can fail)."""
     from hisparse.ops.topk import column_order_reference
 
     kernel_switches(topk_order=order)

@@ -350,30 +350,33 @@ def test_paged_context_selects_the_same_from_lazy_queries(triton_cpu):
                            token_slot=torch.tensor([0, 1, 1, -1], dtype=torch.int32),
                            positions_i32=torch.tensor([40, 63, 9, 0], dtype=torch.int32),
                            host_read=True)
-    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-    got = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
-    got_band = fake.band.clone()
-    q, w = _unfused(lazy)
-    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-    with switches.override(fused_glue=False):
-        want = PagedContext.select_topk(fake, 0, q, w, pages)
-    assert torch.equal(got, want) and torch.equal(got_band, fake.band)
-    # a forward without host reads selects no band, the same ranks (a policy with a band
-    # keeps score order in every forward: the attention sums in it)
-    fake.host_read = False
-    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-    plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
-    assert fake.band is None and torch.equal(plain, got)
-    # HISPARSE_TOPK_ORDER=positions: the k ascending in both kinds of forward (a host-read one
-    # ranks k + band and sorts its k; one without host reads does not rank), the same band
-    with switches.override(topk_order="positions"):
-        fake.host_read = True
+    # HISPARSE_TOPK_ORDER=ranked: the k in score order
+    with switches.override(topk_order="ranked"):
         caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-        pos_read = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
-        assert torch.equal(fake.band, got_band)
+        got = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
+        got_band = fake.band.clone()
+        q, w = _unfused(lazy)
+        caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+        with switches.override(fused_glue=False):
+            want = PagedContext.select_topk(fake, 0, q, w, pages)
+        assert torch.equal(got, want) and torch.equal(got_band, fake.band)
+        # a forward without host reads selects no band, the same ranks (the attention sums
+        # in the k's order: both kinds of forward must agree)
         fake.host_read = False
         caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-        pos_plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
+        plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
+        assert fake.band is None and torch.equal(plain, got)
+    # the default order (positions): the k ascending in both kinds of forward (a host-read
+    # one ranks k + band and counts its k into position order; one without host reads does
+    # not rank), the same band
+    assert switches.current().topk_order == "positions"
+    fake.host_read = True
+    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+    pos_read = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
+    assert torch.equal(fake.band, got_band)
+    fake.host_read = False
+    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+    pos_plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
     assert fake.band is None and torch.equal(pos_read, pos_plain)
     assert torch.equal(pos_read, column_order_reference(got)) and not torch.equal(pos_read, got)
 
