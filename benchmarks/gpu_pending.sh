@@ -122,7 +122,8 @@ for section in "$@"; do
              # twenty-second session) against score order, same call: the GPU tests of the
              # files it touches (~3 min), the top-k alone (ranked and column order beside
              # torch.topk, ~1 min), then the rank's step at 2k x 96 under
-             # HISPARSE_TOPK_ORDER=ranked and auto (~5 min; H200; LAYERS=36 on an H100)
+             # HISPARSE_TOPK_ORDER=ranked and positions (the default since the twenty-sixth
+             # session; ~5 min; H200; LAYERS=36 on an H100)
       GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_indexer.py
         tests/ops/test_ops_indexer_fp8.py tests/ops/test_ops_indexer_fused.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py" skip_or_test
@@ -131,7 +132,7 @@ for section in "$@"; do
         --out "$out/topk_order.json"
       cut=()
       [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
-      for order in ranked auto; do
+      for order in ranked positions; do
         HISPARSE_TOPK_ORDER=$order run "step2k_$order" 170 python3 -m hisparse.cli bench \
           --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
           --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
@@ -270,20 +271,20 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
       run host_gather 200 python3 benchmarks/probe_host_gather.py --gib 32 \
         --json "$out/host_gather.json" ;;
     policies) # issue 24: the step cost of the engine's default hot policy (score: a ranked
-             # top-k + band in host-read forwards, the band walk) against lru (column order, no
-             # band: what every hisparse figure above used), then score under
-             # HISPARSE_TOPK_ORDER=positions (twenty-third session, CPU-built: the k sorted after
-             # the ranked pass, no ranking in forwards without host reads); the rank's own
-             # indexer selecting (synthetic sources have no band; dummy weights, so the hit
-             # rates are not a real model's), hisparse at 42 x 32k, 128 outputs (~8 min, H200)
-      run policies_auto 330 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
-        --kv-cache-dtype fp8 --topk indexer --contexts 32768 --concurrency 42 --modes hisparse \
-        --hot-policies lru,score --outputs 128 --host-pool-gib 64 --profile-kernels 5 \
-        --out "$out/policies_auto"
-      HISPARSE_TOPK_ORDER=positions run policies_positions 200 python3 -m hisparse.cli bench \
+             # top-k + band in host-read forwards, its k counted into position order, the band
+             # walk) against lru (position order, no band), then score under
+             # HISPARSE_TOPK_ORDER=ranked (score order in every forward: the default before the
+             # twenty-sixth session, measured there on an H100 cut); the rank's own indexer
+             # selecting (synthetic sources have no band; dummy weights, so the hit rates are
+             # not a real model's), hisparse at 42 x 32k, 128 outputs (~8 min, H200)
+      run policies_positions 330 python3 -m hisparse.cli bench \
+        --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk indexer \
+        --contexts 32768 --concurrency 42 --modes hisparse --hot-policies lru,score \
+        --outputs 128 --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions"
+      HISPARSE_TOPK_ORDER=ranked run policies_ranked 200 python3 -m hisparse.cli bench \
         --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk indexer \
         --contexts 32768 --concurrency 42 --modes hisparse --hot-policies score --outputs 128 \
-        --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_positions" ;;
+        --host-pool-gib 64 --profile-kernels 5 --out "$out/policies_ranked" ;;
     merge)   # issues 24/25 (twenty-fourth session; measured on an H100 with LAYERS=36):
              # the attention's merge at 2 warps and column_order in one launch (positions'
              # sort; twenty-fifth session: a count over a bitmap instead): their GPU tests
@@ -297,8 +298,6 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
       GPU_TEST_FILES="tests/ops/test_ops_attention.py tests/ops/test_ops_topk.py
         tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/ops/test_ops_indexer_fused.py" skip_or_test
-      HISPARSE_TOPK_ORDER=positions GPU_TEST_FILES="tests/engine/test_engine_gpu.py" \
-        skip_or_test
       export HISPARSE_TRITON_AUTOTUNE=0
       run merge_probe 120 python3 benchmarks/probe_attention_stages.py --variants '' \
         --base "$base/hisparse/ops/_attention_triton.py" --out "$out/merge_probe.json"
