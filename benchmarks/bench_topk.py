@@ -10,7 +10,8 @@ Top-k (``--only topk``): per shape ``ctx x rows x k`` (every row ``ctx`` long), 
 the radix select: ``torch`` over the row's length, ``torch@W`` over ``--table-width`` columns,
 the width it really ran over) against ``ops.topk.topk_select`` under each ``HISPARSE_TOPK``
 mode (``legacy``: the former radix select's launches; ``phased``; ``fused``) and the fused
-launch in column order (``ranked=False``: what the engine runs without a hot policy's band), all
+launch in column order (``ranked=False``: what the engine runs in a forward that selects no
+band), all
 checked equal to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints
 at a few shapes (pick the default from it). Times are per call from CUDA graphs of 10
 back-to-back calls (as the engine replays them).

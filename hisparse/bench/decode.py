@@ -173,7 +173,8 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     (k + band) * 4`` bytes (16 MiB for 4 x 4 x 64 x 4096); more than ``limit_bytes`` raises
     ``ValueError`` (fewer ``--outputs``: steps past the table replay its last one).
     ``ascending``: each step's selection in ascending position order (``-1`` last), as the
-    engine's indexer gives it without a band; else the source's order (a synthetic source's
+    engine's indexer gives it under ``HISPARSE_TOPK_ORDER=positions`` (a table with a band
+    is sorted by :func:`sort_top_k` instead); else the source's order (a synthetic source's
     is random, standing in for score order)."""
     import numpy as np
 
@@ -201,10 +202,10 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
 
 def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:
     """A copy of a top-k ``table`` whose first ``k`` columns of each step are in ascending
-    position order (``-1`` last), the later ones (a band) kept: what an engine that sorts its
-    top k replays from a table with a band (:func:`topk_table` sorts a table without one when
-    asked). The same GPU bytes as ``table``: an engine sizes its KV cache after its table is on
-    the device."""
+    position order (``-1`` last), the later ones (a band) kept: what an engine under
+    ``HISPARSE_TOPK_ORDER=positions`` replays from a table with a band (:func:`topk_table`
+    sorts a table without one when asked). The same GPU bytes as ``table``: an engine sizes
+    its KV cache after its table is on the device."""
     from hisparse.ops.topk import column_order
 
     out = table.clone()

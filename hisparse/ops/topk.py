@@ -179,7 +179,7 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
             the call zeroes it.
         ranked: True (default): by key descending, ties by the lower column; False: the same
             columns in ascending column order (no sort: for a consumer that reads the set,
-            not the ranks, e.g. the attention without a hot policy's band).
+            not the ranks, e.g. the attention in a forward that selects no band).
 
     Triton path (CUDA tensors or HISPARSE_FORCE_TRITON=1): an exact radix select over the four
     8-bit digits of each key (each level one pass over each row's real length, skipped once the

@@ -303,12 +303,15 @@ def test_topk_order_positions_sorts_the_top_k_and_keeps_the_band_ranked(dsv32_pa
             assert not picked & set(band[t][band[t] >= 0].tolist())
 
 
-def test_lossless_under_topk_order_positions_with_the_score_policy(dsv32_path, kernel_switches):
-    """Hisparse under pressure with ``positions`` and the score policy (host-read forwards
-    rank k + band and sort their k; the others do not rank) gives the unconstrained run's
-    greedy tokens. Tokens of a tiny fp32 model do not see a summation order:
-    test_ops_indexer_fused checks that both kinds of forward give the same order."""
-    kernel_switches(topk_order="positions")
+@pytest.mark.parametrize("order", ["positions", "ranked"])
+def test_lossless_under_each_topk_order_with_the_score_policy(dsv32_path, kernel_switches,
+                                                               order):
+    """Hisparse under pressure with the score policy gives the unconstrained run's greedy
+    tokens under ``positions`` (host-read forwards rank k + band and count their k into
+    position order; the others do not rank) and ``ranked`` (every forward ranks). Tokens of a
+    tiny fp32 model do not see a summation order: test_ops_indexer_fused checks that both
+    kinds of forward give the same order."""
+    kernel_switches(topk_order=order)
     ref = unconstrained(dsv32_path, hot_policy="score")
     batch = prompts(8, 90, 150, seed=33)
     params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randrange(10, 30),

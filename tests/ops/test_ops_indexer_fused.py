@@ -366,17 +366,17 @@ def test_paged_context_selects_the_same_from_lazy_queries(triton_cpu):
         caches.workspace.indexer = _poisoned_workspace(T, P * bs)
         plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
         assert fake.band is None and torch.equal(plain, got)
-    # the default order (positions): the k ascending in both kinds of forward (a host-read
-    # one ranks k + band and counts its k into position order; one without host reads does
-    # not rank), the same band
-    assert switches.current().topk_order == "positions"
-    fake.host_read = True
-    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-    pos_read = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
-    assert torch.equal(fake.band, got_band)
-    fake.host_read = False
-    caches.workspace.indexer = _poisoned_workspace(T, P * bs)
-    pos_plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
+    # HISPARSE_TOPK_ORDER=positions (the default): the k ascending in both kinds of forward (a
+    # host-read one ranks k + band and counts its k into position order; one without host
+    # reads does not rank), the same band
+    with switches.override(topk_order="positions"):
+        fake.host_read = True
+        caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+        pos_read = PagedContext.select_topk(fake, 0, lazy, None, pages).clone()
+        assert torch.equal(fake.band, got_band)
+        fake.host_read = False
+        caches.workspace.indexer = _poisoned_workspace(T, P * bs)
+        pos_plain = PagedContext.select_topk(fake, 0, lazy, None, pages)
     assert fake.band is None and torch.equal(pos_read, pos_plain)
     assert torch.equal(pos_read, column_order_reference(got)) and not torch.equal(pos_read, got)
 
