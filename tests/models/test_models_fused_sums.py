@@ -66,7 +66,7 @@ def _assert_bitwise(got, want):
 def tiny_fp8(tmp_path_factory):
     # layer 0 dense, 1-2 MoE (o_proj 96 x 64 and the dense down_proj 96 x 192 run split-K
     # with partial sums up to 16 tokens at 16-blocks), one MTP layer; 4 indexer heads (the
-    # interpreter runs a program a token and head of the queries' RoPE: 32 heads took half
+    # interpreter runs a program a token and head of the queries' RoPE: 32 heads took a fifth
     # of the test's time, and no sum goes through them)
     path = make_random_checkpoint(tmp_path_factory.mktemp("fused_sums"), "deepseek_v32", seed=3,
                                   index_topk=8, index_n_heads=4, fp8=True, fp8_block=(16, 16),
