@@ -521,13 +521,15 @@ def main(argv: list[str] | None = None) -> int:
         """The top-k table of ``spec``, with the band when a policy run on it reads one."""
         src = sources[spec]
         band = topk_k if any(needs_band(x) for x in policies_of("hisparse", spec)) else 0
-        # the replay gives the order the engine's indexer would: positions ascending unless a
-        # band is read or HISPARSE_TOPK_ORDER=ranked (a table with a band holds the source's
-        # order; engines that sort their top k replay a sorted copy: table_of_run)
-        ascending = band == 0 and switches.current().topk_order != "ranked"
+        # the order every engine of the run selects in (the switch's, whatever the policy):
+        # positions ascending, a band kept in rank order, or the source's order under
+        # HISPARSE_TOPK_ORDER=ranked
+        ascending = switches.current().topk_order == "positions"
         table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
-                           ascending=ascending)
+                           ascending=ascending and band == 0)
         if table is not None:
+            if ascending and band:
+                table = sort_top_k(table, topk_k)
             print(f"top-k table {spec}: {tuple(table.shape)} int32 (top-{topk_k}"
                   f"{f' + band {band}' if band else ''}, "
                   f"{'positions ascending' if ascending else 'the source order'}), "
@@ -541,16 +543,6 @@ def main(argv: list[str] | None = None) -> int:
                   for c in contexts for spec in [a.topk] + (extra if c == contexts[0] else [])}
     except ValueError as e:
         p.error(str(e))
-    order = switches.current().topk_order
-    # a table with a band holds the source's order: engines that sort their top k replay a
-    # sorted copy, made here, before the pool is pinned, like the tables
-    sorted_top = {key: sort_top_k(t, topk_k) for key, t in tables.items()
-                  if t is not None and t.shape[-1] > topk_k and order != "ranked"}
-
-    def table_of_run(spec: str, context: int) -> torch.Tensor | None:
-        """``tables[spec, context]`` in the order the engines select in (every hot policy's
-        the same: the switch's)."""
-        return sorted_top.get((spec, context), tables[spec, context])
 
     block_size = 64
     row_b, key_b = kv_bytes(a.kv_cache_dtype)
@@ -612,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.modes.split(","):
         for policy in policies_of(name, a.topk):
             warm = run_point(path, modes[name], a.topk,
-                             table_of_run(a.topk, warm_context),
+                             tables[a.topk, warm_context],
                              warm_context, warm_requests, 8, num_gpu_blocks, host_buffers,
                              a.host_pool_gib, warm_requests, enforce_eager=a.eager,
                              kv_cache_dtype=a.kv_cache_dtype, hot_policy=policy, k=topk_k,
@@ -658,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         for conc in levels:
             for name in a.modes.split(","):
                 for policy in policies_of(name, a.topk):
-                    table = table_of_run(a.topk, context)
+                    table = tables[a.topk, context]
                     record(run_point(path, modes[name], a.topk, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, max(levels),
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
@@ -669,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             conc = min(a.locality_concurrency, cap)
             for name in locality_modes:
                 for policy in policies_of(name, spec):
-                    table = table_of_run(spec, context)
+                    table = tables[spec, context]
                     record(run_point(path, modes[name], spec, table, context, conc, a.outputs,
                                      num_gpu_blocks, host_buffers, a.host_pool_gib, conc,
                                      enforce_eager=a.eager, kv_cache_dtype=a.kv_cache_dtype,
