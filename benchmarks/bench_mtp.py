@@ -38,12 +38,12 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
 
 import torch
 
 from hisparse import LLM, SamplingParams
+from hisparse.bench import scratch_dir
 from hisparse.models.random_checkpoint import PRODUCTION_GEOMETRY, make_random_checkpoint
 
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     if path is None:
         over = dict(PRODUCTION_GEOMETRY) if args.geometry == "production" else {}
         over["index_topk"] = args.topk or over.get("index_topk", 64)
-        path = make_random_checkpoint(tempfile.mkdtemp(prefix="bench_mtp_"), "deepseek_v32",
+        path = make_random_checkpoint(scratch_dir("bench_mtp_"), "deepseek_v32",
                                       seed=0, num_hidden_layers=args.layers,
                                       num_nextn_predict_layers=1,
                                       max_position_embeddings=args.context + args.outputs + 64,

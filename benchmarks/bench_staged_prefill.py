@@ -45,10 +45,11 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 
 import torch
+
+from hisparse.bench import scratch_dir
 
 TINY_GEOMETRY = dict(
     vocab_size=1024, hidden_size=128, intermediate_size=256, q_lora_rank=64,
@@ -68,7 +69,7 @@ def write_model(args) -> tuple[str, dict]:
         cfg.pop("quantization_config", None)
     cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0),
                                          args.context + args.gen_tokens + 64)
-    path = tempfile.mkdtemp(prefix="hisparse-staged-prefill-")
+    path = scratch_dir("hisparse-staged-prefill-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path, cfg

@@ -25,8 +25,9 @@ import argparse
 import json
 import os
 import re
-import tempfile
 from collections import Counter
+
+from hisparse.bench import scratch_dir
 
 os.environ.setdefault("HISPARSE_TRITON_AUTOTUNE", "0")   # counts do not depend on tuning
 FLAG = "HISPARSE_FUSED_GLUE"
@@ -81,7 +82,7 @@ def step_kernels(layers: int, a, settings: list[str]) -> dict[str, Counter]:
     if cpu:
         from hisparse.models.random_checkpoint import make_random_checkpoint
 
-        path = tempfile.mkdtemp(prefix="hisparse-count-")
+        path = scratch_dir("hisparse-count-")
         make_random_checkpoint(path, num_hidden_layers=layers, first_k_dense_replace=a.dense_layers)
     else:
         path = write_config(layers, shape=a.model_shape)

@@ -296,18 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (tiny models: more threads only contend)")
     a = p.parse_args(argv)
-    import tempfile
-
     import torch
+
+    from hisparse.bench import scratch_dir
 
     torch.set_num_threads(a.threads)
     cuda = a.device.startswith("cuda")
     path = a.model
     if path is None and cuda:
-        path = gpu_soak_checkpoint(tempfile.mkdtemp(prefix="hisparse-soak-"))
+        path = gpu_soak_checkpoint(scratch_dir("hisparse-soak-"))
     elif path is None:
         from hisparse.models.random_checkpoint import make_random_checkpoint
-        path = make_random_checkpoint(tempfile.mkdtemp(prefix="hisparse-soak-"),
+        path = make_random_checkpoint(scratch_dir("hisparse-soak-"),
                                       "deepseek_v32", seed=11, index_topk=16,
                                       num_hidden_layers=3)
     runs = GPU_MATRIX if cuda else [(m, {}) for m in a.modes]

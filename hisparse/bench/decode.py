@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from hisparse.bench import scratch_dir
 from hisparse.bench.replay import replay_rows
 from hisparse.config import Mode, cdiv
 from hisparse.engine.arg_utils import host_pool_gib_arg
@@ -110,7 +110,7 @@ def write_config(layers: int | None, intermediate_size: int | None = None,
     cfg = model_shape_config(shape, layers)
     if intermediate_size is not None:
         cfg["intermediate_size"] = intermediate_size
-    path = tempfile.mkdtemp(prefix="hisparse-bench-")
+    path = scratch_dir("hisparse-bench-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
