@@ -259,10 +259,12 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
     rankmax) # issues 24/25: the real rank at its 32k maximum, both modes, 512 outputs, kernel
              # profile (whole-run figures under the current warm-up; ~5 min). `max` is
              # hisparse's plan with GPU-held requests (twentieth session: ~61 against the host
-             # pool's 42): both modes run that many requests
+             # pool's 42): both modes run that many requests. A 96 GiB pool: past the VM's
+             # former 72-80 GiB "ceiling" (torch's power-of-two pinned rounding; the pool now
+             # pins its exact size); if it does not pin, the error names the knob: use 64
       run rankmax 560 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
         --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --concurrency max \
-        --modes gpu-only,hisparse --outputs 512 --host-pool-gib 64 --profile-kernels 5 \
+        --modes gpu-only,hisparse --outputs 512 --host-pool-gib 96 --profile-kernels 5 \
         --out "$out/rankmax" ;;
     hostpool) # issue 24: the miss gather over host pools pinned three ways (cudaHostAlloc,
              # registered mmap, the same on huge pages) at four spreads, the engine's
