@@ -72,7 +72,6 @@ assert BAR_OFFSET + RADIX_LEVELS + 2 <= TOPK_HIST_WIDTH, "the hist row holds eve
 LEGACY_SPLITS = 16                          # the former path's most programs per row
 SPIN_POLLS = 1 << 20                        # a fused launch's longest wait at a row barrier
 LIVE_MAX_ROWS = 512     # rows a launch maps its programs over (decode batches; one compile for all)
-FEW_SPLITS = 8          # below this many programs a row at 2 an SM, 4 an SM (TopkLaunch.per_sm)
 
 
 @triton.jit
@@ -653,14 +652,25 @@ def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
     return max(1, min(most, triton.cdiv(max(W, 1), cfg.block)))
 
 
-def _per_sm(T: int, sms: int, cfg: TopkLaunch) -> int:
-    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else 2, or 4 where 2 on each of
-    ``sms`` SMs would give each of ``T`` rows fewer than ``FEW_SPLITS`` programs (measured on
-    the H100 at 32k: 4 an SM 19-22% faster at 40-64 rows (5-6 programs a row at 2), 14% at 2k
-    x 96; slower at 8 and 24 rows (11 a row at 2))."""
+def _per_sm(T: int, W: int, sms: int, cfg: TopkLaunch) -> int:
+    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else the count of 4, 3 or 2
+    whose busiest SM reads the fewest key blocks, the most programs on a tie (they hide more of
+    the loads' latency). With ``p`` an SM each of ``T`` rows gets ``splits = p * sms // T``
+    programs (at most one a block of its ``W`` columns, and :data:`MAX_SPLITS`), a program
+    reads ``ceil(blocks / splits)`` blocks and an SM runs ``ceil(T * splits / sms)`` programs.
+    Measured on the H100 (docs/BENCHMARKS.md, twenty-seventh session) at 8-48 rows x 32k, 8-32
+    x 64k, 8-16 x 128k and 64-96 x 2.3k, both orders: this pick is the fastest of the three or
+    within 2% of it everywhere (3 only at 24 x 32k); the former rule (2 below 34 rows, else
+    4) took 1.04-1.18x its time at 8-32 x 32k and at every 64k and 128k shape."""
     if cfg.per_sm is not None:
         return cfg.per_sm
-    return 4 if 2 * sms < FEW_SPLITS * T else 2
+    blocks = triton.cdiv(max(W, 1), cfg.block or 1024)
+
+    def busiest(per_sm: int) -> int:
+        splits = max(1, min(per_sm * sms // T, MAX_SPLITS, blocks))
+        return triton.cdiv(T * splits, sms) * triton.cdiv(blocks, splits)
+
+    return min((4, 3, 2), key=busiest)
 
 
 def _fits_per_sm(n_regs: int, shared: int, warps: int, regs: int = 65536,
@@ -762,7 +772,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
     one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
-    per_sm = _per_sm(T, sms, cfg)
+    per_sm = _per_sm(T, W, sms, cfg)
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
                                 per_sm * sms)

@@ -444,17 +444,21 @@ def test_fits_per_sm_counts_each_limit():
     assert _fits_per_sm(200, 0, 2) == 4           # registers per sub-partition: 6 warps each
 
 
-def test_per_sm_default_by_rows():
-    """2 programs an SM, 4 where 2 would give a row fewer than FEW_SPLITS; a given value
-    stays."""
+def test_per_sm_default_by_the_busiest_sm():
+    """4, 3 or 2 programs an SM: the fewest key blocks on the busiest SM, the most programs on
+    a tie; a given value stays. The picks the H100 measured fastest (132 SMs, blocks of 1024)."""
     from hisparse.ops import _topk_triton as tk
-    sms = 132
-    few = 2 * sms // tk.FEW_SPLITS              # the most rows that still get FEW_SPLITS
-    assert tk._per_sm(8, sms, TopkLaunch()) == 2
-    assert tk._per_sm(few, sms, TopkLaunch()) == 2
-    assert tk._per_sm(few + 1, sms, TopkLaunch()) == 4
-    assert tk._per_sm(96, sms, TopkLaunch()) == 4
-    assert tk._per_sm(96, sms, TopkLaunch(per_sm=2)) == 2
+    sms, launch = 132, TopkLaunch(block=1024)
+    for T, W, want in [(8, 32768, 4), (16, 32768, 4), (24, 32768, 3), (32, 32768, 4),
+                       (48, 32768, 4), (8, 65536, 4), (24, 65536, 4), (8, 131072, 4),
+                       (96, 2304, 4)]:
+        assert tk._per_sm(T, W, sms, launch) == want, (T, W)
+    # 24 rows of 32 blocks: 11 programs a row at 2 an SM (3 blocks each, 2 on an SM: 6 blocks
+    # on the busiest), 16 at 3 (2 blocks, 3 on an SM: 6), 22 at 4 (2 blocks, 4 on an SM: 8)
+    # 37 rows of 32 blocks: 7 programs a row at 2 (5 blocks, 2 an SM: 10), 10 at 3 (4, 3: 12),
+    # 14 at 4 (3, 4: 12)
+    assert tk._per_sm(37, 32768, sms, launch) == 2
+    assert tk._per_sm(96, 2304, sms, TopkLaunch(per_sm=2)) == 2
 
 
 # ---------------------------------------------------------------------------------- GPU
