@@ -598,7 +598,7 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
     T, W, k = 96, 4096, 2048
     keys, lens = _gpu_rows(T, W, k, seed=11, distinct=1 << 20)
     scratch = TopkScratch(T, "cuda")
-    assert tk._per_sm(T, tk._num_sms(keys.device.index or 0), TopkLaunch()) == 4
+    assert tk._per_sm(T, W, tk._num_sms(keys.device.index or 0), TopkLaunch(block=1024)) == 4
     tk._OCCUPANCY.clear()
     got = topk_select(keys, lens, k, scratch=scratch)
     assert torch.equal(got, topk_select_reference(keys, lens, k))
