@@ -624,10 +624,10 @@ def test_gpu_batch_invariant():
 def test_gpu_cuda_graph_buckets(kernel_switches, mode, ranked):
     """Graphs captured in ascending batch-bucket order (one scratch, as the caches own it),
     replayed growing and shrinking on fresh data: the eager reference's selections (ranked,
-    or in column order)."""
+    or in column order). 24 rows of 32k take 3 programs an SM, the others 4."""
     kernel_switches(topk=mode)
     W, k = 32768, 2048
-    buckets = [8, 16, 32, 64]
+    buckets = [8, 16, 24, 32, 64]
     scratch = TopkScratch(max(buckets), "cuda")
     keys = torch.empty((max(buckets), W), dtype=torch.int32, device="cuda")
     lens = torch.zeros(max(buckets), dtype=torch.int32, device="cuda")
@@ -643,7 +643,7 @@ def test_gpu_cuda_graph_buckets(kernel_switches, mode, ranked):
         graphs[b] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[b]):
             topk_select(keys[:b], lens[:b], k, out=outs[b], scratch=scratch, ranked=ranked)
-    for i, b in enumerate([8, 32, 64, 16, 8, 64]):
+    for i, b in enumerate([8, 32, 64, 24, 16, 8, 64, 24]):
         kb, lb = _gpu_keys(b, W, k, seed=100 + i, distinct=8 if i % 2 else 1 << 20)
         keys[:b].copy_(kb)
         lens[:b].copy_(lb)
