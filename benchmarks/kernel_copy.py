@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
+
+from hisparse.bench import scratch_dir
 
 
 def load_ops_module(name: str, path: str | Path | None = None,
@@ -19,7 +20,7 @@ def load_ops_module(name: str, path: str | Path | None = None,
     if (path is None) == (text is None):
         raise ValueError("load_ops_module: give path or text")
     if text is not None:
-        path = Path(tempfile.mkdtemp()) / f"{name}.py"
+        path = Path(scratch_dir("hisparse-kernel-")) / f"{name}.py"
         path.write_text(text)
     full = f"hisparse.ops.{name}"
     spec = importlib.util.spec_from_file_location(full, path)

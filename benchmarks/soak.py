@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from hisparse import LLM, SamplingParams
+from hisparse.bench import scratch_dir
 from hisparse.config import KVCacheConfig
 
 
@@ -297,8 +298,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads (tiny models: more threads only contend)")
     a = p.parse_args(argv)
     import torch
-
-    from hisparse.bench import scratch_dir
 
     torch.set_num_threads(a.threads)
     cuda = a.device.startswith("cuda")

@@ -15,8 +15,9 @@ _scratch: list[tempfile.TemporaryDirectory] = []
 
 def scratch_dir(prefix: str) -> str:
     """A new empty directory under the system's temp folder, removed when this process exits
-    (a benchmark's generated config or random checkpoint: each run used to leave one behind).
-    Child processes may read it while the caller runs."""
+    normally (a benchmark's generated config or random checkpoint: each run used to leave one
+    behind; a killed process still leaves it). Child processes may read it while the caller
+    runs."""
     d = tempfile.TemporaryDirectory(prefix=prefix)
     _scratch.append(d)
     return d.name

@@ -652,25 +652,41 @@ def _row_cap(W: int, cfg: TopkLaunch, mode: str) -> int:
     return max(1, min(most, triton.cdiv(max(W, 1), cfg.block)))
 
 
-def _per_sm(T: int, W: int, sms: int, cfg: TopkLaunch) -> int:
-    """Programs an SM a fused launch asks for: ``cfg.per_sm``, else the count of 4, 3 or 2
-    whose busiest SM reads the fewest key blocks, the most programs on a tie (they hide more of
-    the loads' latency). With ``p`` an SM each of ``T`` rows gets ``splits = p * sms // T``
-    programs (at most one a block of its ``W`` columns, and :data:`MAX_SPLITS`), a program
-    reads ``ceil(blocks / splits)`` blocks and an SM runs ``ceil(T * splits / sms)`` programs.
-    Measured on the H100 (docs/BENCHMARKS.md, twenty-seventh session) at 8-48 rows x 32k, 8-32
-    x 64k, 8-16 x 128k and 64-96 x 2.3k, both orders: this pick is the fastest of the three or
-    within 2% of it everywhere (3 only at 24 x 32k); the former rule (2 below 34 rows, else
-    4) took 1.04-1.18x its time at 8-32 x 32k and at every 64k and 128k shape."""
+# How many more key blocks 4 programs an SM must put on the busiest SM than 3 or 2 do before
+# the launch takes fewer (see _per_sm)
+PER_SM_MARGIN = 1.25
+
+
+def _per_sm(T: int, W: int, sms: int, cfg: TopkLaunch, slots: int) -> int:
+    """Programs an SM a fused launch of ``T`` rows (padding rows included) over a ``W``-column
+    table asks for: ``cfg.per_sm``, else 4, or 3 or 2 where 4 would put at least
+    :data:`PER_SM_MARGIN` times the key blocks on the busiest SM (the one of them that puts
+    fewest; 3 on a tie); 4 where ``cfg.splits`` is given. With ``p`` an SM a row gets the
+    splits :func:`_launch_config` gives (``p * sms // T``, at most one a block of ``W`` and
+    :data:`MAX_SPLITS`), a program reads ``ceil(blocks / splits)`` blocks and an SM runs
+    ``ceil(T * splits / sms)`` programs.
+
+    ``W`` is the launch's width, not the rows' lengths (those are on the GPU): a CUDA graph's
+    table is ``max_model_len`` wide, so the model assumes rows as long as the table. It is
+    coarse (the hardware does not place programs evenly), hence 4 unless the margin is clear:
+    measured on the H100 with rows as long as the table (docs/BENCHMARKS.md, twenty-seventh
+    session), 4 was the fastest of 2-4 or within 2% at 8-48 rows x 32k, 8-32 x 64k, 8-16 x
+    128k and 64-96 x 2.3k in both orders, except 24 x 32k (3 took 0.82-0.83x the time of 4;
+    the model's busiest SM reads 8 blocks at 4 against 6 at 3). The former rule (2 below 34
+    rows, else 4) took 1.04-1.18x the time of this pick at 8-32 x 32k and at every 64k and
+    128k point. Phased and legacy launches size their splits from the pick too."""
     if cfg.per_sm is not None:
         return cfg.per_sm
-    blocks = triton.cdiv(max(W, 1), cfg.block or 1024)
+    if cfg.splits is not None:  # the splits are given: the most programs resident
+        return 4
+    cuda = torch.device("cuda")
 
     def busiest(per_sm: int) -> int:
-        splits = max(1, min(per_sm * sms // T, MAX_SPLITS, blocks))
-        return triton.cdiv(T * splits, sms) * triton.cdiv(blocks, splits)
+        splits = _launch_config(T, W, cuda, cfg, slots, "fused", True, per_sm * sms)
+        return triton.cdiv(T * splits, sms) * triton.cdiv(triton.cdiv(W, cfg.block), splits)
 
-    return min((4, 3, 2), key=busiest)
+    fewer = min((3, 2), key=busiest)
+    return fewer if busiest(4) >= PER_SM_MARGIN * busiest(fewer) else 4
 
 
 def _fits_per_sm(n_regs: int, shared: int, warps: int, regs: int = 65536,
@@ -772,7 +788,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
     one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
-    per_sm = _per_sm(T, W, sms, cfg)
+    per_sm = _per_sm(T, W, sms, cfg, sh.shape[0])
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
                                 per_sm * sms)

@@ -43,7 +43,7 @@ class TopkLaunch:
     fused launch splits rows only within ``per_sm`` programs per SM, so that all of them are
     resident); ``block``: columns per histogram / collect step (a power of two, at most
     16384); ``warps``: per program; ``sort_chunk``: selection slots per chunk of the split
-    sort (a power of two); ``per_sm``: ``None`` picks 2-4 by the rows and their blocks
+    sort (a power of two); ``per_sm``: ``None`` picks 2-4 by the rows and the table width's blocks
     (``_topk_triton._per_sm``); a fused launch takes at most what the compiled kernel fits on
     an SM; ``stages``: key blocks a histogram or collect loop keeps in flight."""
 

@@ -445,20 +445,43 @@ def test_fits_per_sm_counts_each_limit():
 
 
 def test_per_sm_default_by_the_busiest_sm():
-    """4, 3 or 2 programs an SM: the fewest key blocks on the busiest SM, the most programs on
-    a tie; a given value stays. The picks the H100 measured fastest (132 SMs, blocks of 1024)."""
+    """4 programs an SM, or 3 or 2 where 4 would put PER_SM_MARGIN times the key blocks on the
+    busiest SM; a given value stays. The picks the H100 measured (132 SMs, blocks of 1024,
+    rows as long as the table), then the margin's two sides."""
     from hisparse.ops import _topk_triton as tk
+    from hisparse.ops.topk import SPLIT_SLOTS
     sms, launch = 132, TopkLaunch(block=1024)
-    for T, W, want in [(8, 32768, 4), (16, 32768, 4), (24, 32768, 3), (32, 32768, 4),
-                       (48, 32768, 4), (8, 65536, 4), (24, 65536, 4), (8, 131072, 4),
-                       (96, 2304, 4)]:
-        assert tk._per_sm(T, W, sms, launch) == want, (T, W)
+
+    def pick(T, W, cfg=launch):
+        return tk._per_sm(T, W, sms, cfg, T + SPLIT_SLOTS)
+
+    for T, W in [(8, 32768), (16, 32768), (32, 32768), (48, 32768), (8, 65536), (24, 65536),
+                 (8, 131072), (16, 131072), (64, 2304), (96, 2304)]:
+        assert pick(T, W) == 4, (T, W)
     # 24 rows of 32 blocks: 11 programs a row at 2 an SM (3 blocks each, 2 on an SM: 6 blocks
     # on the busiest), 16 at 3 (2 blocks, 3 on an SM: 6), 22 at 4 (2 blocks, 4 on an SM: 8)
-    # 37 rows of 32 blocks: 7 programs a row at 2 (5 blocks, 2 an SM: 10), 10 at 3 (4, 3: 12),
-    # 14 at 4 (3, 4: 12)
-    assert tk._per_sm(37, 32768, sms, launch) == 2
-    assert tk._per_sm(96, 2304, sms, TopkLaunch(per_sm=2)) == 2
+    assert pick(24, 32768) == 3
+    # 33 blocks (a 32k prompt and its outputs): 3 at 3 an SM (9), 2 at 2 (6), 4 at 4 (8)
+    assert pick(24, 33280) == 2
+    # 37 rows of 32 blocks: 10 at 2 an SM, 12 at 3 and 4: within the margin, 4
+    assert pick(37, 32768) == 4
+    assert pick(96, 2304, TopkLaunch(block=1024, per_sm=2)) == 2
+
+
+def test_per_sm_model_splits_are_the_launch_splits():
+    """The model counts the splits the fused launch takes (``_launch_config``) for the rows."""
+    import triton
+
+    from hisparse.ops import _topk_triton as tk
+    from hisparse.ops.topk import SPLIT_SLOTS
+    sms, cfg = 132, TopkLaunch(block=1024)
+    for T, W in [(8, 32768), (24, 33280), (96, 2304), (200, 131072), (512, 4096)]:
+        for p in (2, 3, 4):
+            got = tk._launch_config(T, W, torch.device("cuda"), cfg, T + SPLIT_SLOTS, "fused",
+                                    True, p * sms)
+            want = max(1, min(p * sms // T, tk.MAX_SPLITS, triton.cdiv(W, 1024),
+                              (T + SPLIT_SLOTS) // T))
+            assert got == want, (T, W, p)
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -598,7 +621,8 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
     T, W, k = 96, 4096, 2048
     keys, lens = _gpu_rows(T, W, k, seed=11, distinct=1 << 20)
     scratch = TopkScratch(T, "cuda")
-    assert tk._per_sm(T, W, tk._num_sms(keys.device.index or 0), TopkLaunch(block=1024)) == 4
+    assert tk._per_sm(T, W, tk._num_sms(keys.device.index or 0), TopkLaunch(block=1024),
+                      scratch.split_hist.shape[0]) == 4
     tk._OCCUPANCY.clear()
     got = topk_select(keys, lens, k, scratch=scratch)
     assert torch.equal(got, topk_select_reference(keys, lens, k))
