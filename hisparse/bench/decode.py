@@ -172,10 +172,10 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
     source with a band (``ValueError`` otherwise). Size ``streams * layers * outputs *
     (k + band) * 4`` bytes (16 MiB for 4 x 4 x 64 x 4096); more than ``limit_bytes`` raises
     ``ValueError`` (fewer ``--outputs``: steps past the table replay its last one).
-    ``ascending``: each step's selection in ascending position order (``-1`` last), as the
-    engine's indexer gives it under ``HISPARSE_TOPK_ORDER=positions`` (a table with a band
-    is sorted by :func:`sort_top_k` instead); else the source's order (a synthetic source's
-    is random, standing in for score order)."""
+    ``ascending``: each step's selection in ascending position order (``-1`` last), its band
+    kept in rank order, as the engine's indexer gives them under
+    ``HISPARSE_TOPK_ORDER=positions``; else the source's order (a synthetic source's is
+    random, standing in for score order)."""
     import numpy as np
 
     src = make_source(source, layers) if isinstance(source, str) else source
@@ -198,20 +198,6 @@ def topk_table(source, layers: int, context: int, outputs: int, k: int, streams:
                     table[d, layer, s, k:] = src.select_band(layer, d, s, context + s + 1, k,
                                                              band)
     return torch.from_numpy(table)
-
-
-def sort_top_k(table: torch.Tensor, k: int) -> torch.Tensor:
-    """A copy of a top-k ``table`` whose first ``k`` columns of each step are in ascending
-    position order (``-1`` last), the later ones (a band) kept: what an engine under
-    ``HISPARSE_TOPK_ORDER=positions`` replays from a table with a band (:func:`topk_table`
-    sorts a table without one when asked). The same GPU bytes as ``table``: an engine sizes
-    its KV cache after its table is on the device."""
-    from hisparse.ops.topk import column_order
-
-    out = table.clone()
-    top = table[..., :k]
-    out[..., :k] = column_order(top.reshape(-1, k)).reshape(top.shape)
-    return out
 
 
 def make_topk_override(table: torch.Tensor, context: int, k: int | None = None):
@@ -526,10 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         # HISPARSE_TOPK_ORDER=ranked
         ascending = switches.current().topk_order == "positions"
         table = topk_table(src, a.layers, context, a.outputs, topk_k, band=band,
-                           ascending=ascending and band == 0)
+                           ascending=ascending)
         if table is not None:
-            if ascending and band:
-                table = sort_top_k(table, topk_k)
             print(f"top-k table {spec}: {tuple(table.shape)} int32 (top-{topk_k}"
                   f"{f' + band {band}' if band else ''}, "
                   f"{'positions ascending' if ascending else 'the source order'}), "

@@ -679,14 +679,13 @@ def _per_sm(T: int, W: int, sms: int, cfg: TopkLaunch, slots: int) -> int:
         return cfg.per_sm
     if cfg.splits is not None:  # the splits are given: the most programs resident
         return 4
-    cuda = torch.device("cuda")
-
-    def busiest(per_sm: int) -> int:
+    cuda, blocks = torch.device("cuda"), triton.cdiv(W, cfg.block)
+    busiest = {}        # programs an SM -> key blocks its busiest SM reads
+    for per_sm in (4, 3, 2):
         splits = _launch_config(T, W, cuda, cfg, slots, "fused", True, per_sm * sms)
-        return triton.cdiv(T * splits, sms) * triton.cdiv(triton.cdiv(W, cfg.block), splits)
-
-    fewer = min((3, 2), key=busiest)
-    return fewer if busiest(4) >= PER_SM_MARGIN * busiest(fewer) else 4
+        busiest[per_sm] = triton.cdiv(T * splits, sms) * triton.cdiv(blocks, splits)
+    fewer = min((3, 2), key=busiest.get)
+    return fewer if busiest[4] >= PER_SM_MARGIN * busiest[fewer] else 4
 
 
 def _fits_per_sm(n_regs: int, shared: int, warps: int, regs: int = 65536,

@@ -127,22 +127,29 @@ def test_ascending_table_holds_each_selection_in_position_order():
                 assert got == chosen + [-1] * (k - len(chosen))
 
 
-def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted():
+def test_an_engine_that_sorts_its_top_k_replays_the_band_table_sorted(random_trace):
     """Every run under HISPARSE_TOPK_ORDER=positions (the default), a band policy's or
-    not: the band's table (source order, k + band wide) replays
-    with its top k in position order (``-1`` last: early steps select fewer than k), the band
-    columns kept (the same GPU bytes as the band policy's table), in a copy."""
-    src = SyntheticTopk(0.8, 2, seed=5)
-    context, outputs, k = 4, 6, 8                       # steps 0-2 select 5-7 of 8
-    top = decode.topk_table(src, 2, context, outputs, k, streams=2)
-    band = torch.randint(0, 64, top.shape, dtype=torch.int32)
-    wide = torch.cat([top, band], dim=-1)
-    asc = decode.topk_table(SyntheticTopk(0.8, 2, seed=5), 2, context, outputs, k, streams=2,
-                            ascending=True)
-    assert (asc == -1).any() and not torch.equal(top, asc)   # padded, and not sorted before
-    got = decode.sort_top_k(wide, k)
-    assert got.shape == wide.shape and torch.equal(got[..., :k], asc)
-    assert torch.equal(got[..., k:], band) and torch.equal(wide[..., :k], top)  # a copy
+    not: the band's table (k + band wide) replays with its top k in position order (``-1``
+    last where a step selects fewer than k), the band columns kept in rank order."""
+    path, _, _ = random_trace
+    k, layers, outputs, streams = 8, 2, 6, 3
+    context = TraceTopk(path).min_context(k) + 2
+    raw = decode.topk_table(TraceTopk(path), layers, context, outputs, k, streams=streams,
+                            band=k)
+    asc = decode.topk_table(TraceTopk(path), layers, context, outputs, k, streams=streams,
+                            band=k, ascending=True)
+    assert asc.shape == raw.shape and not torch.equal(raw[..., :k], asc[..., :k])
+    assert torch.equal(asc[..., k:], raw[..., k:])
+    # and steps that select fewer than k (a synthetic source, steps 0-2 select 5-7 of 8)
+    short_raw = decode.topk_table(SyntheticTopk(0.8, 2, seed=5), 2, 4, 6, k, streams=2)
+    short = decode.topk_table(SyntheticTopk(0.8, 2, seed=5), 2, 4, 6, k, streams=2,
+                              ascending=True)
+    assert (short == -1).any()
+    for got, src in ((asc, raw), (short, short_raw)):
+        for row, want in zip(got[..., :k].reshape(-1, k).tolist(),
+                             src[..., :k].reshape(-1, k).tolist()):
+            chosen = sorted(c for c in want if c >= 0)
+            assert row == chosen + [-1] * (k - len(chosen))
 
 
 def test_sources_without_a_band(tmp_path, random_trace):
