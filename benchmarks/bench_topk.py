@@ -1,9 +1,10 @@
 """Indexer top-k and scoring on the GPU (issue 24), per call and per step of 61 indexer layers.
 
 Usage (repository root, CUDA):
-    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,order,scoring,sweep]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,wide,order,scoring,sweep]
         [--topk-shapes 32768x8x2048,...] [--sweep-shapes 32768x8x2048,...]
-        [--contexts 32768,131072] [--score-rows 8,64] [--table-width 163840] [--out FILE]
+        [--contexts 32768,131072] [--score-rows 8,64] [--table-width 163840]
+        [--row-extra 0] [--out FILE]
 
 Top-k (``--only topk``): per shape ``ctx x rows x k`` (every row ``ctx`` long), the old path
 (``torch.topk`` sorted over int64 ``(key << 32) | ~col`` keys, as ``indexer_topk`` ran it before
@@ -13,7 +14,9 @@ mode (``legacy``: the former radix select's launches; ``phased``; ``fused``) and
 launch in column order (``ranked=False``: what the engine runs in a forward that selects no
 band), all
 checked equal to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints
-at a few shapes (pick the default from it). Times are per call from CUDA graphs of 10
+at a few shapes (pick the default from it). ``--only wide``: the fused launch over the whole
+``--table-width`` (as an engine's graph launches it over ``max_model_len``) with rows ``ctx +
+--row-extra`` long, at 2-4 programs an SM. Times are per call from CUDA graphs of 10
 back-to-back calls (as the engine replays them).
 
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
@@ -211,6 +214,44 @@ def sweep_topk(res, shapes):
                 f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
 
 
+def bench_wide(res, shapes, table_width, row_extra):
+    """The fused launch over the whole table (``--table-width`` columns: a CUDA graph's
+    ``max_model_len``), its rows ``ctx + row_extra`` long, as the engine launches it: 2, 3
+    and 4 programs an SM and the default's pick (``_topk_triton._per_sm``, which sees the
+    width, not the lengths), both orders, against ``torch.topk`` over the width."""
+    from hisparse.ops import _topk_triton as tk
+
+    sms = tk._num_sms(torch.cuda.current_device())
+    print(f"\ntop-k over a {table_width}-column table, rows ctx + {row_extra} long: us per "
+          f"call (graph replay) at p programs an SM; rule: the default's pick")
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | {'p=2':>6} {'p=3':>6} {'p=4':>6} "
+          f"{'rule':>4} | {'torch@W':>7} {'rule/t@W':>8} {'best/t@W':>8}")
+    for ctx, T, k in shapes:
+        W = max(table_width, ctx + row_extra)
+        keys, _ = _topk_inputs(ctx, T, W)
+        lens = torch.full((T,), ctx + row_extra, dtype=torch.int32, device="cuda")
+        scratch = TopkScratch(T, "cuda")
+        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+        packed = pack(keys, lens)
+        t_w = timeit_graph(lambda a=(packed, k): old_topk(*a))
+        pick = tk._per_sm(T, W, sms, TopkLaunch(block=1024), scratch.split_hist.shape[0])
+        for ranked in (False, True):
+            want = topk_select_reference(keys, lens, k, ranked=ranked)
+            t = {}
+            for p in (2, 3, 4):
+                t[p] = _timed_select(keys, lens, k, out, scratch, "fused", TopkLaunch(per_sm=p),
+                                     ranked)
+                assert torch.equal(out, want), (ctx, T, k, p, ranked)
+            assert scratch.stalls.item() == 0
+            res.append(dict(bench="topk_wide", ctx=ctx, row_len=ctx + row_extra, rows=T, k=k,
+                            table_width=W, ranked=ranked, pick=pick, torch_table_us=t_w * 1e6,
+                            **{f"per_sm{p}_us": v * 1e6 for p, v in t.items()}))
+            print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | "
+                  + " ".join(f"{t[p] * 1e6:6.1f}" for p in (2, 3, 4))
+                  + f" {pick:>4} | {t_w * 1e6:7.1f} {t[pick] / t_w:8.3f} "
+                  f"{min(t.values()) / t_w:8.3f}", flush=True)
+
+
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
     """(keys name, config, us, bytes of keys read) for FP8 and bf16 keys and each
     ``indexer_keys`` config (``None``: the default; else ``(BLOCK_S, programs per SM, warps,
@@ -290,10 +331,13 @@ def main():
     ap.add_argument("--score-rows", default="8,64", help="scoring tokens")
     ap.add_argument("--table-width", type=int, default=163840,
                     help="the old path's width (max_model_len); 0: each context's own")
+    ap.add_argument("--row-extra", type=int, default=0,
+                    help="--only wide: rows ctx + this long (a decode's rows past the prompt)")
     ap.add_argument("--only", default="topk,scoring", help="topk, topk-sweep (the fused "
-                    "top-k's launch hints), order (positions' ranked top k + band then its "
-                    "sort, at --topk-shapes), scoring, sweep (scoring configs at the first "
-                    "context and the last --score-rows)")
+                    "top-k's launch hints), wide (the fused launch over --table-width "
+                    "columns at 2-4 programs an SM), order (positions' ranked top k + band "
+                    "then its sort, at --topk-shapes), scoring, sweep (scoring configs at the "
+                    "first context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -304,6 +348,8 @@ def main():
     res = []
     if "topk" in only:
         bench_topk(res, _shapes(args.topk_shapes), args.table_width)
+    if "wide" in only:
+        bench_wide(res, _shapes(args.topk_shapes), args.table_width, args.row_extra)
     if "topk-sweep" in only:
         sweep_topk(res, _shapes(args.sweep_shapes))
     if "order" in only:

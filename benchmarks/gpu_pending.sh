@@ -148,7 +148,8 @@ for section in "$@"; do
       for cvt in native int; do HISPARSE_FP8_CONVERT=$cvt rank2k step2k_$cvt; done ;;
     topk)    # issue 24: the top-k (seventeenth session: the collect's one atomic a program, 4
              # programs an SM at many rows) against the tree before it, same call, new first;
-             # then the GPU tests of the top-k, its phase probe and its launch sweep (~5 min).
+             # then the GPU tests of the top-k, its phase probe, its launch sweep and the launch
+             # over tables wider than the rows (~8 min).
              # BASE: a directory holding `git archive 9a37a43` unpacked (the device's copy has
              # no history)
       base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd) \
@@ -166,6 +167,14 @@ for section in "$@"; do
       run topk_sweep 150 python3 benchmarks/bench_topk.py --only topk-sweep \
         --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
         --out "$out/topk_sweep.json"
+      # over the engine's table width (twenty-eighth session): the bench's 32k + 512 outputs
+      # with rows halfway through the decode, then a 163,840-column max_model_len
+      run topk_wide33k 150 python3 benchmarks/bench_topk.py --only wide --table-width 33280 \
+        --row-extra 256 --topk-shapes 32768x8x2048,32768x24x2048,32768x32x2048,32768x64x2048 \
+        --out "$out/topk_wide33k.json"
+      run topk_wide160k 150 python3 benchmarks/bench_topk.py --only wide --table-width 163840 \
+        --topk-shapes 32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048,131072x16x2048 \
+        --out "$out/topk_wide160k.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     plans)   # issue 25: the 16-head FP8 attention plans with today's kernel, isolated at the
              # decode's shapes (8-96 tokens, 32k rows a token), then the rank's 2k x 96 under

@@ -633,6 +633,37 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ranked", [True, False])
+def test_gpu_table_wider_than_its_rows(ranked):
+    """A graph's launch over a ``max_model_len``-wide table whose rows are much shorter (1k to
+    32k of 160k columns, some empty): at every programs-an-SM count the graphs, replayed with
+    other lengths and ties, give the reference's selection, and no row barrier stalls."""
+    W, k, T = 163840, 2048, 24
+    keys = torch.empty((T, W), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(T, dtype=torch.int32, device="cuda")
+    out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+    scratch = TopkScratch(T, "cuda")
+    graphs = {}
+    for per_sm in (2, 3, 4):
+        launch = TopkLaunch(per_sm=per_sm)
+        topk_select(keys, lens, k, out=out, scratch=scratch, launch=launch, ranked=ranked)
+        graphs[per_sm] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[per_sm]):
+            topk_select(keys, lens, k, out=out, scratch=scratch, launch=launch, ranked=ranked)
+    for i, longest in enumerate([32768, 2048, 20000, 1024, 32768]):
+        kb, lb = _gpu_rows(T, longest, k, seed=40 + i, distinct=6 if i % 2 else 1 << 20)
+        keys.fill_(INT32_MAX)                   # past every row's length: never selected
+        keys[:, :longest].copy_(kb)
+        lens.copy_(lb)
+        want = topk_select_reference(keys, lens, k, ranked=ranked)
+        for per_sm, graph in graphs.items():
+            out.fill_(SENTINEL)
+            graph.replay()
+            assert torch.equal(out, want), (i, longest, per_sm)
+    assert scratch.stalls.item() == 0
+
+
+@pytest.mark.gpu
 def test_gpu_batch_invariant():
     """A row's selection does not depend on the other rows of the call (nor on how many)."""
     W, k = 32768, 2048
