@@ -148,8 +148,8 @@ for section in "$@"; do
       for cvt in native int; do HISPARSE_FP8_CONVERT=$cvt rank2k step2k_$cvt; done ;;
     topk)    # issue 24: the top-k (seventeenth session: the collect's one atomic a program, 4
              # programs an SM at many rows) against the tree before it, same call, new first;
-             # then the GPU tests of the top-k, its phase probe, its launch sweep and the launch
-             # over tables wider than the rows (~8 min).
+             # then the GPU tests of the top-k, its phase probe, its launch sweep, the launch
+             # over tables wider than the rows and where its programs run (~10 min).
              # BASE: a directory holding `git archive 9a37a43` unpacked (the device's copy has
              # no history)
       base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd) \
@@ -175,6 +175,14 @@ for section in "$@"; do
       run topk_wide160k 150 python3 benchmarks/bench_topk.py --only wide --table-width 163840 \
         --topk-shapes 32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048,131072x16x2048 \
         --out "$out/topk_wide160k.json"
+      # where the programs run (the twenty-eighth session's lead): 24 rows x 32k at 4 and 3
+      # an SM in the launch's order and spread, then 8 rows in a 163,840-column table
+      run topk_place4 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
+        --per-sm 4 --spread 1,4 --out "$out/topk_place4.json"
+      run topk_place3 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
+        --per-sm 3 --spread 1,3 --out "$out/topk_place3.json"
+      run topk_place_wide 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x8x2048 \
+        --width 163840 --per-sm 4 --spread 1,4 --out "$out/topk_place_wide.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     plans)   # issue 25: the 16-head FP8 attention plans with today's kernel, isolated at the
              # decode's shapes (8-96 tokens, 32k rows a token), then the rank's 2k x 96 under

@@ -1,6 +1,7 @@
 """Where the fused top-k launch's time goes, phase by phase (issue 24 item 1).
 
-    PYTHONPATH=. python benchmarks/probe_topk_phases.py [--shapes 32768x8x2048,...] [--out F.json]
+    PYTHONPATH=. python benchmarks/probe_topk_phases.py [--shapes 32768x8x2048,...]
+        [--per-sm P] [--width W] [--spread 1,4] [--out F.json]
 
 The fused launch (``hisparse/ops/_topk_triton.py``, ``_topk_select_kernel``'s one-launch branch)
 runs up to four histogram passes, a collect, a chunk sort and a merge, a row barrier after each
@@ -12,6 +13,15 @@ package's module for this process only. It runs ``topk_select`` twice back to ba
 bench's inputs (``bench_topk._topk_inputs``: keys in L2 as in its graph replay) and reports,
 per phase, the median over the programs that ran it of the cycles since the previous stamp (in
 us: cycles over the SM clock the spans give), and the launch's span in global-timer us.
+
+Where the programs ran (twenty-eighth session: at 24 rows x 32k, 4 programs an SM took
+1.16-1.22x the time of 3 with the same 16 two-block programs a row busy, splits fitted or not):
+each program also stores its SM (``%smid``) and its (row, split), and the probe reports per
+launch the SMs used, the most programs and key blocks on one SM and how often consecutive
+programs shared an SM (runs: the hardware fills an SM with consecutive ids; round robin: it
+deals them out). ``--spread G`` asks for the programs in another order (``SPREAD``: hardware
+id ``h`` serves program ``(h % G) * n / G + h // G``), ``--width`` puts the rows in a wider
+table (an engine's graph launches over ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_topk import _topk_inputs  # noqa: E402
@@ -72,16 +83,34 @@ def _stamp(slot: str, indent: str) -> list[str]:
             f"{indent}tl.store({p}, _c)\n", f"{indent}tl.store({p} + 1, _g)\n"]
 
 
+# the program order: a launch of n programs, G of them an SM, asked for in G groups of n / G
+# consecutive program ids (``--spread``)
+SPREAD = ("    if (spread_g > 1) & (tl.num_programs(0) % spread_g == 0):\n"
+          "        pid = (pid % spread_g) * (tl.num_programs(0) // spread_g) + pid // spread_g\n")
+# after the start stamp: the SM the program runs on and (row << 32 | split << 16 | splits)
+WHERE = ("_sm = tl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r,r', [pid], dtype=tl.int32, "
+         "is_pure=False, pack=1)\n",
+         f"tl.store(stamp_ptr + pid.to(tl.int64) * {2 * SLOTS} + {2 * SLOTS - 2}, "
+         "_sm.to(tl.int64))\n",
+         f"tl.store(stamp_ptr + pid.to(tl.int64) * {2 * SLOTS} + {2 * SLOTS - 1}, "
+         "(row.to(tl.int64) << 32) | (sp.to(tl.int64) << 16) | SPLITS)\n")
+
+
 def instrumented_source(src: Path = SRC) -> str:
-    """The module's text with a ``stamp_ptr`` argument and the stamps (module docstring)."""
+    """The module's text with ``stamp_ptr`` and ``spread_g`` arguments, the stamps and where
+    each program ran (module docstring), and the program order ``spread_g`` asks for."""
     text = src.read_text()
     sig = "stall_ptr, T, W, K, SPLITS,"
     call = "(keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, "
-    if text.count(sig) != 1 or text.count(call) != 1:
-        raise RuntimeError("probe_topk_phases: the kernel's signature or call has changed")
-    text = text.replace(sig, "stall_ptr, stamp_ptr, T, W, K, SPLITS,")
-    text = text.replace(call, call + "_STAMPS, ")
-    text += "\n_STAMPS = None   # the probe's [programs, 2 * SLOTS] int64 stamp buffer\n"
+    pid = "    pid = tl.program_id(0)\n"
+    if text.count(sig) != 1 or text.count(call) != 1 or text.count(pid) != 1:
+        raise RuntimeError("probe_topk_phases: the kernel's signature, call or program id has "
+                           "changed")
+    text = text.replace(sig, "stall_ptr, stamp_ptr, spread_g, T, W, K, SPLITS,")
+    text = text.replace(call, call + "_STAMPS, _SPREAD, ")
+    text = text.replace(pid, pid + SPREAD)
+    text += ("\n_STAMPS = None   # the probe's [programs, 2 * SLOTS] int64 stamp buffer\n"
+             "_SPREAD = 1      # the probe's program order (SPREAD)\n")
     lines = text.splitlines(keepends=True)
     start = next(i for i, s in enumerate(lines) if s.startswith("def _topk_select_kernel"))
     end = next(i for i, s in enumerate(lines) if "else:   # one launch a phase" in s)
@@ -92,7 +121,10 @@ def instrumented_source(src: Path = SRC) -> str:
                 slot = (str(NAMES.index(name)) if name in NAMES
                         else "2 * L + 1" if name.startswith("hist") else "2 * L + 2")
                 indent = re.match(r"\s*", lines[i]).group(0)
-                inserts.append((_statement_end(lines, i), _stamp(slot, indent)))
+                block = _stamp(slot, indent)
+                if name == "start":
+                    block += [indent + w for w in WHERE]
+                inserts.append((_statement_end(lines, i), block))
                 found.add(name)
     missing = {n for _, n, _ in MARKS} - found
     if missing:
@@ -102,9 +134,35 @@ def instrumented_source(src: Path = SRC) -> str:
     return "".join(lines)
 
 
-def probe(mod, ctx: int, T: int, k: int, launch=None) -> dict:
+def placement(where: torch.Tensor, lens: torch.Tensor, W: int, block: int) -> dict:
+    """Where the programs ran: ``where [programs, 2]`` (SM id, ``row << 32 | split << 16 |
+    splits``) of the programs that ran, the rows' ``lens`` and the launch's ``block``: per SM
+    the programs and key blocks (each program's share of its row, as ``_row_span`` splits
+    it), and how often consecutive programs shared an SM."""
+    sm = where[:, 0].tolist()
+    blocks_on, programs_on = {}, {}
+    for s_id, packed in zip(sm, where[:, 1].tolist()):
+        row, sp, splits = packed >> 32, (packed >> 16) & 0xFFFF, packed & 0xFFFF
+        n = min(max(int(lens[row]), 0), W)
+        per = triton.cdiv(triton.cdiv(n, splits), block) * block
+        lo, hi = sp * per, min(n, sp * per + per)
+        blocks_on[s_id] = blocks_on.get(s_id, 0) + max(0, triton.cdiv(hi - lo, block))
+        programs_on[s_id] = programs_on.get(s_id, 0) + 1
+    same = sum(a == b for a, b in zip(sm, sm[1:])) / max(1, len(sm) - 1)
+    return {"sms": len(programs_on), "most_programs": max(programs_on.values()),
+            "busiest_blocks": max(blocks_on.values()),
+            "mean_blocks": sum(blocks_on.values()) / len(blocks_on),
+            "next_on_same_sm": same}
+
+
+def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: int = 1) -> dict:
+    """The stamps of one launch of ``T`` rows ``ctx`` long in a table of ``max(ctx, width)``
+    columns, programs asked for in ``spread`` groups (``SPREAD``)."""
     from hisparse.ops.topk import TopkScratch, topk_select, topk_select_reference
-    keys, lens = _topk_inputs(ctx, T, ctx)
+    W = max(ctx, width)
+    keys, _ = _topk_inputs(ctx, T, W)
+    lens = torch.full((T,), ctx, dtype=torch.int32, device="cuda")
+    mod._SPREAD = spread
     scratch = TopkScratch(T, "cuda")
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     stamps = torch.full((T * 64 + 4096, 2 * SLOTS), -1, dtype=torch.int64, device="cuda")
@@ -119,7 +177,9 @@ def probe(mod, ctx: int, T: int, k: int, launch=None) -> dict:
     s = stamps.cpu()
     ran = s[:, 0] >= 0
     s = s[ran]
-    cyc, ns = s[:, 0::2].double(), s[:, 1::2].double()
+    where = placement(s[:, 2 * SLOTS - 2:], lens.cpu(), W, (launch and launch.block) or 1024)
+    cyc = s[:, 0:2 * len(NAMES):2].double()
+    ns = s[:, 1:2 * len(NAMES):2].double()
     t0 = ns[:, 0].min()
     last = ns.amax(1)                            # unwritten stamps are -1
     span_us = float((last.max() - t0) / 1e3)
@@ -138,8 +198,9 @@ def probe(mod, ctx: int, T: int, k: int, launch=None) -> dict:
                             "max_us": float(d.max())}
         prev_c = torch.where(have, cyc[:, i], prev_c)
     start_skew = float((ns[:, 0].max() - t0) / 1e3)
-    return {"ctx": ctx, "rows": T, "k": k, "programs": int(ran.sum()), "span_us": span_us,
-            "start_skew_us": start_skew, "sm_ghz": ghz, "phases": phases}
+    return {"ctx": ctx, "rows": T, "k": k, "width": W, "spread": spread,
+            "programs": int(ran.sum()), "span_us": span_us, "start_skew_us": start_skew,
+            "sm_ghz": ghz, "placement": where, "phases": phases}
 
 
 def main() -> None:
@@ -149,6 +210,13 @@ def main() -> None:
                     help="ctx x rows x k, comma-separated")
     ap.add_argument("--per-sm", type=int, default=None,
                     help="TopkLaunch.per_sm (default: the launch's own choice)")
+    ap.add_argument("--width", type=int, default=0,
+                    help="the table's columns (default: each shape's ctx, rows as wide)")
+    ap.add_argument("--spread", default="1",
+                    help="program orders, comma-separated: 1 the launch's; G > 1 the n "
+                         "programs asked for in G groups of n / G ids (G = programs an SM "
+                         "spreads each SM's run of ids over the rows if the hardware fills "
+                         "SMs in runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hisparse.ops.topk import TopkLaunch
@@ -157,13 +225,20 @@ def main() -> None:
     res = []
     for shape in args.shapes.split(","):
         ctx, T, k = (int(x) for x in shape.split("x"))
-        r = probe(mod, ctx, T, k, launch)
-        res.append(r)
-        print(f"\n{ctx} x {T}, k {k}: {r['programs']} programs, span {r['span_us']:.1f} us "
-              f"(start skew {r['start_skew_us']:.1f}), SM {r['sm_ghz']:.2f} GHz")
-        print("  phase        programs  median us  max us")
-        for name, p in r["phases"].items():
-            print(f"  {name:<12} {p['programs']:>8}  {p['median_us']:>9.2f}  {p['max_us']:>6.2f}")
+        for spread in (int(g) for g in args.spread.split(",")):
+            r = probe(mod, ctx, T, k, launch, args.width, spread)
+            res.append(r)
+            pl = r["placement"]
+            print(f"\n{ctx} x {T} of {r['width']} columns, k {k}, spread {spread}: "
+                  f"{r['programs']} programs, span {r['span_us']:.1f} us (start skew "
+                  f"{r['start_skew_us']:.1f}), SM {r['sm_ghz']:.2f} GHz; {pl['sms']} SMs, at "
+                  f"most {pl['most_programs']} programs and {pl['busiest_blocks']} key blocks "
+                  f"an SM (mean {pl['mean_blocks']:.1f}); next program on the same SM "
+                  f"{pl['next_on_same_sm']:.2f}")
+            print("  phase        programs  median us  max us")
+            for name, p in r["phases"].items():
+                print(f"  {name:<12} {p['programs']:>8}  {p['median_us']:>9.2f}  "
+                      f"{p['max_us']:>6.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
