@@ -667,7 +667,10 @@ def _per_sm(T: int, W: int, sms: int, cfg: TopkLaunch, slots: int) -> int:
     ``ceil(T * splits / sms)`` programs.
 
     ``W`` is the launch's width, not the rows' lengths (those are on the GPU): a CUDA graph's
-    table is ``max_model_len`` wide, so the model assumes rows as long as the table. It is
+    table is ``max_model_len`` wide, so the model assumes rows as long as the table (in a
+    163,840-column table 32k rows took 0.84x the time at 2 than at the pick, 4, at 8 rows and
+    0.86x at 3 at 24 rows: twenty-eighth session; splits fitted to the rows in the kernel
+    gave 0.89x at 8 rows, nothing at 24, and cost 1-5% elsewhere: not kept). It is
     coarse (the hardware does not place programs evenly), hence 4 unless the margin is clear:
     measured on the H100 with rows as long as the table (docs/BENCHMARKS.md, twenty-seventh
     session), 4 was the fastest of 2-4 or within 2% at 8-48 rows x 32k, 8-32 x 64k, 8-16 x
