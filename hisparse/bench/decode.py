@@ -722,6 +722,21 @@ def print_ratio_table(points: list[Point], baseline: str = ALL_HIT) -> None:
         print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
 
 
+def plot_series(points: list[Point]) -> list[tuple[str, list[int], list[float]]]:
+    """The plot's lines: per mode, context and top-k source, (label, concurrencies ascending,
+    decode tok/s); a single concurrency is a line of one point (drawn as its marker)."""
+    series = []
+    for mode in ("gpu-only", "hisparse", "always-host"):
+        for context in sorted({p.context for p in points}):
+            for source in sorted({p.topk_source for p in points}):
+                pts = sorted((p for p in points if p.mode == mode and p.context == context
+                              and p.topk_source == source), key=lambda p: p.concurrency)
+                if pts:
+                    series.append((f"{mode} {context // 1024}k {os.path.basename(source)}",
+                                   [p.concurrency for p in pts], [p.decode_tok_s for p in pts]))
+    return series
+
+
 def plot(points: list[Point], path: str) -> None:
     try:
         import matplotlib
@@ -731,14 +746,8 @@ def plot(points: list[Point], path: str) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("gpu-only", "hisparse", "always-host"):
-        for context in sorted({p.context for p in points}):
-            for source in sorted({p.topk_source for p in points}):
-                pts = [p for p in points if p.mode == mode and p.context == context
-                       and p.topk_source == source]
-                if len(pts) > 1:
-                    ax.plot([p.concurrency for p in pts], [p.decode_tok_s for p in pts],
-                            marker="o", label=f"{mode} {context // 1024}k {source[:12]}")
+    for label, xs, ys in plot_series(points):
+        ax.plot(xs, ys, marker="o", label=label)
     ax.set_xlabel("concurrent requests submitted")
     ax.set_ylabel("decode tokens/s")
     ax.set_xscale("log", base=2)

@@ -194,6 +194,22 @@ def test_ratio_rows_against_the_all_hit_point():
     assert rows[1]["gpu_x"] == pytest.approx(1.25) and rows[1]["prefetch_hits"] == 7
 
 
+def test_plot_series_keeps_single_points_and_sorts_by_concurrency():
+    """A bench of one concurrency still plots its points (a line of one marker each), and a
+    line's points go by concurrency, not by the order they were measured."""
+    base = decode.Point(mode="gpu-only", topk_source="synthetic:0.8", context=32768,
+                        concurrency=64, outputs=8, decode_tok_s=30.0, tpot_p50_ms=1.0,
+                        tpot_p99_ms=1.0, running_reached=4, hot_hit_rate=1.0, h2d_gb_s=0.0,
+                        gpu_mem_gib=1.0, host_pool_gib=1.0, num_preempted=0, spilled_pages=0,
+                        wall_s=1.0)
+    pts = [base, replace(base, concurrency=8, decode_tok_s=10.0),
+           replace(base, mode="hisparse", decode_tok_s=40.0),
+           replace(base, topk_source="trace:/runs/x/t.npz", decode_tok_s=20.0)]
+    assert decode.plot_series(pts) == [("gpu-only 32k synthetic:0.8", [8, 64], [10.0, 30.0]),
+                                       ("gpu-only 32k t.npz", [64], [20.0]),
+                                       ("hisparse 32k synthetic:0.8", [64], [40.0])]
+
+
 # ------------------------------------------------------------------ the engine on CPU
 # One tile (k_t = top-k; the tiling is the tests above): every selected or band row lies below
 # position 160, far below what 16 GPU blocks of 8 tokens can keep resident, so all are host-only.
