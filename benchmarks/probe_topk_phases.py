@@ -15,13 +15,14 @@ per phase, the median over the programs that ran it of the cycles since the prev
 us: cycles over the SM clock the spans give), and the launch's span in global-timer us.
 
 Where the programs ran (twenty-eighth session: at 24 rows x 32k, 4 programs an SM took
-1.16-1.22x the time of 3 with the same 16 two-block programs a row busy, splits fitted or not):
-each program also stores its SM (``%smid``) and its (row, split), and the probe reports per
-launch the SMs used, the most programs and key blocks on one SM and how often consecutive
-programs shared an SM (runs: the hardware fills an SM with consecutive ids; round robin: it
-deals them out). ``--spread G`` asks for the programs in another order (``SPREAD``: hardware
-id ``h`` serves program ``(h % G) * n / G + h // G``), ``--width`` puts the rows in a wider
-table (an engine's graph launches over ``max_model_len``).
+1.15-1.22x the time of 3 with the same 16 two-block programs a row busy, splits fitted or not):
+each program also stores its hardware id, its SM (``%smid``) and its (row, split), and the
+probe reports per launch the SMs used, the most programs and key blocks on one SM and how
+often programs of consecutive hardware ids shared an SM (runs: the hardware fills an SM with
+consecutive ids; round robin: it deals them out). ``--spread G`` asks for the programs in
+another order (``SPREAD``: hardware id ``h`` serves program ``(h % G) * n / G + h // G``; an
+error where the grid is not a multiple of ``G``), ``--width`` puts the rows in a wider table
+(an engine's graph launches over ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ def _stamp(slot: str, indent: str) -> list[str]:
 # consecutive program ids (``--spread``)
 SPREAD = ("    if (spread_g > 1) & (tl.num_programs(0) % spread_g == 0):\n"
           "        pid = (pid % spread_g) * (tl.num_programs(0) // spread_g) + pid // spread_g\n")
-# after the start stamp: the SM the program runs on and (row << 32 | split << 16 | splits)
+# after the start stamp, in the last three columns of the program's row: its hardware id
+# (``tl.program_id(0)``; the row is the program it serves), the SM it runs on and (row << 32 |
+# split << 16 | splits)
 WHERE = ("_sm = tl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r,r', [pid], dtype=tl.int32, "
          "is_pure=False, pack=1)\n",
+         f"tl.store(stamp_ptr + pid.to(tl.int64) * {2 * SLOTS} + {2 * SLOTS - 3}, "
+         "tl.program_id(0).to(tl.int64))\n",
          f"tl.store(stamp_ptr + pid.to(tl.int64) * {2 * SLOTS} + {2 * SLOTS - 2}, "
          "_sm.to(tl.int64))\n",
          f"tl.store(stamp_ptr + pid.to(tl.int64) * {2 * SLOTS} + {2 * SLOTS - 1}, "
@@ -135,13 +140,15 @@ def instrumented_source(src: Path = SRC) -> str:
 
 
 def placement(where: torch.Tensor, lens: torch.Tensor, W: int, block: int) -> dict:
-    """Where the programs ran: ``where [programs, 2]`` (SM id, ``row << 32 | split << 16 |
-    splits``) of the programs that ran, the rows' ``lens`` and the launch's ``block``: per SM
-    the programs and key blocks (each program's share of its row, as ``_row_span`` splits
-    it), and how often consecutive programs shared an SM."""
-    sm = where[:, 0].tolist()
+    """Where the programs ran: ``where [programs, 3]`` (hardware program id, SM id, ``row << 32
+    | split << 16 | splits``) of the programs that ran, the rows' ``lens`` and the launch's
+    ``block``: per SM the programs and key blocks (each program's share of its row, as
+    ``_row_span`` splits it), and how often programs of consecutive hardware ids shared an
+    SM."""
+    where = where[where[:, 0].argsort()]
+    sm = where[:, 1].tolist()
     blocks_on, programs_on = {}, {}
-    for s_id, packed in zip(sm, where[:, 1].tolist()):
+    for s_id, packed in zip(sm, where[:, 2].tolist()):
         row, sp, splits = packed >> 32, (packed >> 16) & 0xFFFF, packed & 0xFFFF
         n = min(max(int(lens[row]), 0), W)
         per = triton.cdiv(triton.cdiv(n, splits), block) * block
@@ -177,7 +184,11 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
     s = stamps.cpu()
     ran = s[:, 0] >= 0
     s = s[ran]
-    where = placement(s[:, 2 * SLOTS - 2:], lens.cpu(), W, (launch and launch.block) or 1024)
+    served = ran.nonzero().flatten()                # the program each row of s served
+    if spread > 1 and torch.equal(s[:, 2 * SLOTS - 3], served):
+        raise RuntimeError(f"probe_topk_phases: --spread {spread} did not reorder the "
+                           f"programs (the grid is not a multiple of it)")
+    where = placement(s[:, 2 * SLOTS - 3:], lens.cpu(), W, (launch and launch.block) or 1024)
     cyc = s[:, 0:2 * len(NAMES):2].double()
     ns = s[:, 1:2 * len(NAMES):2].double()
     t0 = ns[:, 0].min()

@@ -634,10 +634,12 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranked", [True, False])
-def test_gpu_table_wider_than_its_rows(ranked):
+def test_gpu_table_wider_than_its_rows(kernel_switches, ranked):
     """A graph's launch over a ``max_model_len``-wide table whose rows are much shorter (1k to
-    32k of 160k columns, some empty): at every programs-an-SM count the graphs, replayed with
-    other lengths and ties, give the reference's selection, and no row barrier stalls."""
+    32k of 160k columns, some empty): at every programs-an-SM count the fused launch's graphs,
+    replayed with other lengths and ties, give the reference's selection, and no row barrier
+    stalls."""
+    kernel_switches(topk="fused")
     W, k, T = 163840, 2048, 24
     keys = torch.empty((T, W), dtype=torch.int32, device="cuda")
     lens = torch.zeros(T, dtype=torch.int32, device="cuda")
