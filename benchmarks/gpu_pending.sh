@@ -176,13 +176,15 @@ for section in "$@"; do
         --topk-shapes 32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048,131072x16x2048 \
         --out "$out/topk_wide160k.json"
       # where the programs run (the twenty-eighth session's lead): 24 rows x 32k at 4 and 3
-      # an SM in the launch's order and spread, then 8 rows in a 163,840-column table
-      run topk_place4 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
-        --per-sm 4 --spread 1,4 --out "$out/topk_place4.json"
+      # an SM, in the launch's order and spread, splits fitted to the rows or not; then 8 and
+      # 24 rows in a 163,840-column table (4 an SM spread and fitted: 2 or 3 an SM busy?)
+      run topk_place4 120 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
+        --per-sm 4 --spread 1,4 --fit 0,1 --out "$out/topk_place4.json"
       run topk_place3 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
         --per-sm 3 --spread 1,3 --out "$out/topk_place3.json"
-      run topk_place_wide 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x8x2048 \
-        --width 163840 --per-sm 4 --spread 1,4 --out "$out/topk_place_wide.json"
+      run topk_place_wide 120 python3 benchmarks/probe_topk_phases.py --width 163840 \
+        --shapes 32768x8x2048,32768x24x2048 --per-sm 4 --spread 1,4 --fit 0,1 \
+        --out "$out/topk_place_wide.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     plans)   # issue 25: the 16-head FP8 attention plans with today's kernel, isolated at the
              # decode's shapes (8-96 tokens, 32k rows a token), then the rank's 2k x 96 under

@@ -1,7 +1,7 @@
 """Where the fused top-k launch's time goes, phase by phase (issue 24 item 1).
 
     PYTHONPATH=. python benchmarks/probe_topk_phases.py [--shapes 32768x8x2048,...]
-        [--per-sm P] [--width W] [--spread 1,4] [--out F.json]
+        [--per-sm P] [--width W] [--spread 1,4] [--fit 0,1] [--out F.json]
 
 The fused launch (``hisparse/ops/_topk_triton.py``, ``_topk_select_kernel``'s one-launch branch)
 runs up to four histogram passes, a collect, a chunk sort and a merge, a row barrier after each
@@ -21,13 +21,15 @@ probe reports per launch the SMs used, the most programs and key blocks on one S
 often programs of consecutive hardware ids shared an SM (runs: the hardware fills an SM with
 consecutive ids; round robin: it deals them out). ``--spread G`` asks for the programs in
 another order (``SPREAD``: hardware id ``h`` serves program ``(h % G) * n / G + h // G``; an
-error where the grid is not a multiple of ``G``), ``--width`` puts the rows in a wider table
-(an engine's graph launches over ``max_model_len``).
+error where the grid is not a multiple of ``G``), ``--fit 1`` fits a row's splits to the longest
+live row (``FIT``), ``--width`` puts the rows in a wider table (an engine's graph launches over
+``max_model_len``); each variant is also timed in CUDA graphs (its stamps included).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -38,6 +40,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import timeit_graph  # noqa: E402
 from bench_topk import _topk_inputs  # noqa: E402
 from kernel_copy import load_ops_module  # noqa: E402
 
@@ -101,21 +104,48 @@ WHERE = ("_sm = tl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r,r', [pid], d
          "(row.to(tl.int64) << 32) | (sp.to(tl.int64) << 16) | SPLITS)\n")
 
 
+# ``--fit``: a live row's splits fitted to the longest live row (the fewest that keep its blocks
+# a split; the twenty-eighth session's patch), so that the programs past them exit at once
+FIT = {"def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):":
+       "def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr, W,\n"
+       "               BLOCK: tl.constexpr, fit_on):",
+       "    live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0\n":
+       "    lens = tl.load(len_ptr + offs, mask=offs < T, other=0)\n    live = lens > 0\n",
+       "    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)\n":
+       "    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)\n"
+       "    if fit_on != 0:\n"
+       "        blocks = tl.maximum((tl.minimum(tl.max(lens, 0), W) + BLOCK - 1) // BLOCK, 1)\n"
+       "        per = (blocks + splits - 1) // splits\n"
+       "        splits = (blocks + per - 1) // per\n",
+       "                                                               MOST, TPAD)":
+       "                                                               MOST, TPAD, W, BLOCK,\n"
+       "                                                               fit_on)",
+       # the probe's kernel (stamps, the program order, the fit) at 4 programs of 4 warps an
+       # SM, as the package's compiles: a register cap of 128
+       "COLUMNS=not ranked, num_warps=cfg.warps)":
+       "COLUMNS=not ranked, num_warps=cfg.warps,\n                  maxnreg=_MAXNREG)"}
+
+
 def instrumented_source(src: Path = SRC) -> str:
-    """The module's text with ``stamp_ptr`` and ``spread_g`` arguments, the stamps and where
-    each program ran (module docstring), and the program order ``spread_g`` asks for."""
+    """The module's text with ``stamp_ptr``, ``spread_g`` and ``fit_on`` arguments, the stamps
+    and where each program ran (module docstring), the program order ``spread_g`` asks for and
+    the splits ``fit_on`` fits (``FIT``), compiled at most 128 registers a thread."""
     text = src.read_text()
     sig = "stall_ptr, T, W, K, SPLITS,"
     call = "(keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, "
     pid = "    pid = tl.program_id(0)\n"
-    if text.count(sig) != 1 or text.count(call) != 1 or text.count(pid) != 1:
-        raise RuntimeError("probe_topk_phases: the kernel's signature, call or program id has "
-                           "changed")
-    text = text.replace(sig, "stall_ptr, stamp_ptr, spread_g, T, W, K, SPLITS,")
-    text = text.replace(call, call + "_STAMPS, _SPREAD, ")
+    for old in (sig, call, pid, *FIT):
+        if text.count(old) != 1:
+            raise RuntimeError(f"probe_topk_phases: the kernel's source has changed: {old!r}")
+    text = text.replace(sig, "stall_ptr, stamp_ptr, spread_g, fit_on, T, W, K, SPLITS,")
+    text = text.replace(call, call + "_STAMPS, _SPREAD, _FIT, ")
     text = text.replace(pid, pid + SPREAD)
+    for old, new in FIT.items():
+        text = text.replace(old, new)
     text += ("\n_STAMPS = None   # the probe's [programs, 2 * SLOTS] int64 stamp buffer\n"
-             "_SPREAD = 1      # the probe's program order (SPREAD)\n")
+             "_SPREAD = 1      # the probe's program order (SPREAD)\n"
+             "_FIT = 0         # 1: splits fitted to the longest live row (FIT)\n"
+             "_MAXNREG = 128   # registers a thread\n")
     lines = text.splitlines(keepends=True)
     start = next(i for i, s in enumerate(lines) if s.startswith("def _topk_select_kernel"))
     end = next(i for i, s in enumerate(lines) if "else:   # one launch a phase" in s)
@@ -162,14 +192,17 @@ def placement(where: torch.Tensor, lens: torch.Tensor, W: int, block: int) -> di
             "next_on_same_sm": same}
 
 
-def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: int = 1) -> dict:
+def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: int = 1,
+          fit: int = 0) -> dict:
     """The stamps of one launch of ``T`` rows ``ctx`` long in a table of ``max(ctx, width)``
-    columns, programs asked for in ``spread`` groups (``SPREAD``)."""
+    columns, programs asked for in ``spread`` groups (``SPREAD``), splits fitted to the rows
+    where ``fit`` (``FIT``); and the call's time in CUDA graphs (stamps included)."""
     from hisparse.ops.topk import TopkScratch, topk_select, topk_select_reference
     W = max(ctx, width)
     keys, _ = _topk_inputs(ctx, T, W)
     lens = torch.full((T,), ctx, dtype=torch.int32, device="cuda")
     mod._SPREAD = spread
+    mod._FIT = fit
     scratch = TopkScratch(T, "cuda")
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     stamps = torch.full((T * 64 + 4096, 2 * SLOTS), -1, dtype=torch.int64, device="cuda")
@@ -209,9 +242,12 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
                             "max_us": float(d.max())}
         prev_c = torch.where(have, cyc[:, i], prev_c)
     start_skew = float((ns[:, 0].max() - t0) / 1e3)
-    return {"ctx": ctx, "rows": T, "k": k, "width": W, "spread": spread,
+    graph_us = timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch,
+                                                launch=launch)) * 1e6
+    assert torch.equal(out, topk_select_reference(keys, lens, k)) and scratch.stalls.item() == 0
+    return {"ctx": ctx, "rows": T, "k": k, "width": W, "spread": spread, "fit": fit,
             "programs": int(ran.sum()), "span_us": span_us, "start_skew_us": start_skew,
-            "sm_ghz": ghz, "placement": where, "phases": phases}
+            "graph_us": graph_us, "sm_ghz": ghz, "placement": where, "phases": phases}
 
 
 def main() -> None:
@@ -228,6 +264,8 @@ def main() -> None:
                          "programs asked for in G groups of n / G ids (G = programs an SM "
                          "spreads each SM's run of ids over the rows if the hardware fills "
                          "SMs in runs)")
+    ap.add_argument("--fit", default="0",
+                    help="0 / 1, comma-separated: splits fitted to the longest live row (FIT)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hisparse.ops.topk import TopkLaunch
@@ -236,13 +274,15 @@ def main() -> None:
     res = []
     for shape in args.shapes.split(","):
         ctx, T, k = (int(x) for x in shape.split("x"))
-        for spread in (int(g) for g in args.spread.split(",")):
-            r = probe(mod, ctx, T, k, launch, args.width, spread)
+        for spread, fit in itertools.product((int(g) for g in args.spread.split(",")),
+                                             (int(f) for f in args.fit.split(","))):
+            r = probe(mod, ctx, T, k, launch, args.width, spread, fit)
             res.append(r)
             pl = r["placement"]
-            print(f"\n{ctx} x {T} of {r['width']} columns, k {k}, spread {spread}: "
-                  f"{r['programs']} programs, span {r['span_us']:.1f} us (start skew "
-                  f"{r['start_skew_us']:.1f}), SM {r['sm_ghz']:.2f} GHz; {pl['sms']} SMs, at "
+            print(f"\n{ctx} x {T} of {r['width']} columns, k {k}, spread {spread}, fit {fit}: "
+                  f"{r['graph_us']:.1f} us a call in graphs; {r['programs']} programs, span "
+                  f"{r['span_us']:.1f} us (start skew {r['start_skew_us']:.1f}), SM "
+                  f"{r['sm_ghz']:.2f} GHz; {pl['sms']} SMs, at "
                   f"most {pl['most_programs']} programs and {pl['busiest_blocks']} key blocks "
                   f"an SM (mean {pl['mean_blocks']:.1f}); next program on the same SM "
                   f"{pl['next_on_same_sm']:.2f}")

@@ -1,6 +1,6 @@
 """benchmarks/probe_topk_phases.py edits a copy of the top-k kernel's source: every phase of the
-one-launch branch gets its stamp, the start where the program ran, and the edit adds only those
-and the program order (a stale marker would cost a GPU call)."""
+one-launch branch gets its stamp, the start where the program ran, and the edit adds only those,
+the program order and the fitted splits (a stale marker would cost a GPU call)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ def test_every_phase_stamped_and_nothing_else_changed(load_bench):
     assert sorted(re.findall(where, text)) == [("32", "29"), ("32", "30"), ("32", "31")]
     assert text.count(probe.SPREAD) == 1
     text = text.replace(probe.SPREAD, "")
+    for old, new in probe.FIT.items():
+        assert text.count(new) == 1, new
+        text = text.replace(new, old)
     kept = [line for line in text.splitlines(keepends=True)
             if not re.match(r"\s*(_c = |_g = |_sm = |tl\.store\(stamp_ptr)", line)]
-    restored = "".join(kept).replace("stall_ptr, stamp_ptr, spread_g,", "stall_ptr,")
-    restored = restored.replace("scratch.stalls, _STAMPS, _SPREAD, ", "scratch.stalls, ")
+    restored = "".join(kept).replace("stall_ptr, stamp_ptr, spread_g, fit_on,", "stall_ptr,")
+    restored = restored.replace("scratch.stalls, _STAMPS, _SPREAD, _FIT, ", "scratch.stalls, ")
     restored = restored.split("\n_STAMPS = None")[0]
     assert restored == src
 
