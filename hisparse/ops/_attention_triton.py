@@ -228,29 +228,39 @@ def _launch_chunks(out: torch.Tensor, lse: torch.Tensor, splits: int, launch) ->
         )
 
 
-def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
-    T, H, D = q.shape
-    if d_v != 512 or D != 576:
-        raise ValueError("Triton sparse MLA attention supports d_qk=576, d_v=512")
+def _prepare_call(q: torch.Tensor, indices: torch.Tensor, d_v: int,
+                  out: torch.Tensor | None, lse: torch.Tensor | None):
+    """A launch's operands: ``q`` and int32 ``indices`` with unit last strides, ``out [T, H,
+    d_v]`` (``q``'s dtype) and ``lse [T, H]`` fp32 allocated where not given. Returns ``(q,
+    indices, out, lse, done)``; ``done``: nothing to launch (no token, or no index: outputs
+    zeros and lse ``-inf``, written here)."""
+    T, H = q.shape[:2]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv.stride(-1) != 1:
-        raise ValueError("kv rows must be contiguous")
     indices = indices.to(torch.int32)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
-    K = indices.shape[1]
-    N = kv.shape[0]
     if out is None:
         out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
-        return out, lse
-    if K == 0:
+    if T and not indices.shape[1]:
         out.zero_()
         lse.fill_(float("-inf"))
+    return q, indices, out, lse, T == 0 or indices.shape[1] == 0
+
+
+def sparse_mla_attention_triton(q, kv, indices, sm_scale, d_v=512, config=None, out=None, lse=None):
+    T, H, D = q.shape
+    if d_v != 512 or D != 576:
+        raise ValueError("Triton sparse MLA attention supports d_qk=576, d_v=512")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv rows must be contiguous")
+    q, indices, out, lse, done = _prepare_call(q, indices, d_v, out, lse)
+    if done:
         return out, lse
+    K = indices.shape[1]
+    N = kv.shape[0]
     # fp32 inputs use IEEE fp32 dots; so does the CPU interpreter for every dtype (its bf16
     # tl.dot is wrong in triton 3.9), where operands are upcast in the kernel.
     is_fp32 = q.dtype == torch.float32 or kv.dtype == torch.float32 or not q.is_cuda
@@ -459,23 +469,11 @@ def sparse_mla_attention_fp8_triton(q, kv, indices, sm_scale, d_v=512, config=No
         raise ValueError(f"FP8 attention: kv must be uint8 [N, {mla_row_bytes(d_v, d_pe)}]")
     if kv.stride(1) != 1 or kv.stride(0) % 4 or kv.storage_offset() % 4:
         raise ValueError("FP8 attention: kv rows must be contiguous and 4-byte aligned")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    indices = indices.to(torch.int32)
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    q, indices, out, lse, done = _prepare_call(q, indices, d_v, out, lse)
+    if done:
+        return out, lse
     K = indices.shape[1]
     N = kv.shape[0]
-    if out is None:
-        out = torch.empty((T, H, d_v), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
-        return out, lse
-    if K == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
     is_fp32 = q.dtype == torch.float32 or not q.is_cuda
     cfg = config or attn_config(H, K, True, is_fp32)
     _check_config(cfg, fp8=True)
