@@ -126,10 +126,12 @@ FIT = {"def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):":
        "COLUMNS=not ranked, num_warps=cfg.warps,\n                  maxnreg=_MAXNREG)"}
 
 
-def instrumented_source(src: Path = SRC) -> str:
+def instrumented_source(src: Path = SRC, stamps: bool = True) -> str:
     """The module's text with ``stamp_ptr``, ``spread_g`` and ``fit_on`` arguments, the stamps
     and where each program ran (module docstring), the program order ``spread_g`` asks for and
-    the splits ``fit_on`` fits (``FIT``), compiled at most 128 registers a thread."""
+    the splits ``fit_on`` fits (``FIT``), compiled at most 128 registers a thread.
+    ``stamps`` false: without the stamps (PTX the interpreter cannot run: a CPU test runs the
+    program order and the fit that way)."""
     text = src.read_text()
     sig = "stall_ptr, T, W, K, SPLITS,"
     call = "(keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, "
@@ -146,6 +148,8 @@ def instrumented_source(src: Path = SRC) -> str:
              "_SPREAD = 1      # the probe's program order (SPREAD)\n"
              "_FIT = 0         # 1: splits fitted to the longest live row (FIT)\n"
              "_MAXNREG = 128   # registers a thread\n")
+    if not stamps:
+        return text
     lines = text.splitlines(keepends=True)
     start = next(i for i, s in enumerate(lines) if s.startswith("def _topk_select_kernel"))
     end = next(i for i, s in enumerate(lines) if "else:   # one launch a phase" in s)

@@ -2,6 +2,12 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # benchmarks' kernel copies run under the interpreter here: chosen before triton.language is
+    # imported (its own jit functions, tl.sum among them, are made then; tests/ops/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
