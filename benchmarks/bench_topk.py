@@ -44,6 +44,7 @@ from hisparse.ops import switches  # noqa: E402
 from hisparse.ops._indexer_triton import indexer_keys  # noqa: E402
 from hisparse.ops.quant import FP8KeyLayout, quantize_index_keys_reference  # noqa: E402
 from hisparse.ops.topk import (  # noqa: E402
+    CUDA_BLOCK,
     TopkLaunch,
     TopkScratch,
     orderable_keys,
@@ -194,7 +195,7 @@ def sweep_topk(res, shapes):
     us per call; the default first (``*``: the fastest of a shape and order)."""
     print("\ntop-k fused launch sweep (TopkLaunch: sort_chunk / per_sm / warps / block / "
           "stages), us")
-    names = [f"{c.sort_chunk}/{c.per_sm or 'auto'}/{c.warps}/{c.block or 1024}/{c.stages}"
+    names = [f"{c.sort_chunk}/{c.per_sm or 'auto'}/{c.warps}/{c.block or CUDA_BLOCK}/{c.stages}"
              for c in SWEEP]
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | " + " ".join(f"{n:>13}" for n in names))
     for ctx, T, k in shapes:
@@ -234,7 +235,8 @@ def bench_wide(res, shapes, table_width, row_extra):
         out = torch.empty((T, k), dtype=torch.int32, device="cuda")
         packed = pack(keys, lens)
         t_w = timeit_graph(lambda a=(packed, k): old_topk(*a))
-        pick = tk._per_sm(T, W, sms, TopkLaunch(block=1024), scratch.split_hist.shape[0])
+        pick = tk._per_sm(T, W, sms, TopkLaunch(block=CUDA_BLOCK),
+                          scratch.split_hist.shape[0])
         for ranked in (False, True):
             want = topk_select_reference(keys, lens, k, ranked=ranked)
             t = {}

@@ -201,7 +201,7 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
     """The stamps of one launch of ``T`` rows ``ctx`` long in a table of ``max(ctx, width)``
     columns, programs asked for in ``spread`` groups (``SPREAD``), splits fitted to the rows
     where ``fit`` (``FIT``); and the call's time in CUDA graphs (stamps included)."""
-    from hisparse.ops.topk import TopkScratch, topk_select, topk_select_reference
+    from hisparse.ops.topk import CUDA_BLOCK, TopkScratch, topk_select, topk_select_reference
     W = max(ctx, width)
     keys, _ = _topk_inputs(ctx, T, W)
     lens = torch.full((T,), ctx, dtype=torch.int32, device="cuda")
@@ -225,7 +225,8 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
     if spread > 1 and torch.equal(s[:, 2 * SLOTS - 3], served):
         raise RuntimeError(f"probe_topk_phases: --spread {spread} did not reorder the "
                            f"programs (the grid is not a multiple of it)")
-    where = placement(s[:, 2 * SLOTS - 3:], lens.cpu(), W, (launch and launch.block) or 1024)
+    where = placement(s[:, 2 * SLOTS - 3:], lens.cpu(), W,
+                      (launch and launch.block) or CUDA_BLOCK)
     cyc = s[:, 0:2 * len(NAMES):2].double()
     ns = s[:, 1:2 * len(NAMES):2].double()
     t0 = ns[:, 0].min()

@@ -34,6 +34,8 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 SPLIT_SLOTS = 1024          # split histograms beyond one per row (see TopkScratch)
 SORT_COLS = 4096            # the split sort's scratch per row: k up to this (else legacy)
+CUDA_BLOCK = 1024           # TopkLaunch.block's default on CUDA (the interpreter: 256, its cost
+                            # is per block)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class TopkLaunch:
     an SM; ``stages``: key blocks a histogram or collect loop keeps in flight."""
 
     splits: int | None = None
-    block: int | None = None    # None: 1024 on CUDA, 256 interpreted (its cost is per block)
+    block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
     warps: int = 4
     sort_chunk: int = 256
     per_sm: int | None = None
@@ -212,7 +214,7 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
         if splits is not None:
             cfg = dataclasses.replace(cfg, splits=splits)
         if cfg.block is None:
-            cfg = dataclasses.replace(cfg, block=1024 if keys.is_cuda else 256)
+            cfg = dataclasses.replace(cfg, block=CUDA_BLOCK if keys.is_cuda else 256)
         return topk_select_triton(keys, lengths, k, out, scratch,
                                   switches.current().topk, cfg, hist_zeroed, ranked)
     out.copy_(topk_select_reference(keys, lengths, k, ranked))
