@@ -122,8 +122,8 @@ FIT = {"def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):":
        "                                                               fit_on)",
        # the probe's kernel (stamps, the program order, the fit) at 4 programs of 4 warps an
        # SM, as the package's compiles: a register cap of 128
-       "COLUMNS=not ranked, num_warps=cfg.warps)":
-       "COLUMNS=not ranked, num_warps=cfg.warps,\n                  maxnreg=_MAXNREG)"}
+       "                  num_warps=cfg.warps)":
+       "                  num_warps=cfg.warps, maxnreg=_MAXNREG)"}
 
 
 def instrumented_source(src: Path = SRC, stamps: bool = True) -> str:

@@ -144,10 +144,13 @@ def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.
 
 
 @triton.jit
-def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
+                NB: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
-    that are valid and match ``prefix`` on the higher digits."""
+    that are valid and match ``prefix`` on the higher digits. Past the first digit a block
+    with at most ``SPARSE`` such columns adds them one by one into the row's (``hist_lv``) and
+    the split's (``split_lv``) histograms of the digit (atomics) and returns zeros: the
+    histogram's cost is per column of the block, matching or not."""
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
     s = tl.load(base + offs, mask=m, other=-2147483648)
@@ -158,10 +161,14 @@ def _hist_block(base, start, hi, prefix, LEVEL: tl.constexpr, NB: tl.constexpr,
     d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
     if LEVEL == 0:
         h = tl.histogram(d, NB, mask=ok)
-    else:   # past the first digit most blocks hold no column of the threshold bucket
+    else:   # past the first digit most blocks hold few columns of the threshold bucket
         h = tl.zeros([NB], dtype=tl.int32)
-        if tl.sum(ok.to(tl.int32), 0) > 0:
+        n = tl.sum(ok.to(tl.int32), 0)
+        if n > SPARSE:
             h = tl.histogram(d, NB, mask=ok)
+        elif n > 0:
+            tl.atomic_add(hist_lv + d, 1, mask=ok, sem="relaxed")
+            tl.atomic_add(split_lv + d, 1, mask=ok, sem="relaxed")
     return h
 
 
@@ -226,7 +233,8 @@ def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexp
 @triton.jit
 def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLITS, stride_k,
                 stride_s, LEVEL: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+                STATE: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+                SPARSE: tl.constexpr):
     """Histogram phase ``LEVEL`` of a launch of its own: the threshold state from the state the
     previous launch stored (split 0 stores the next one), then :func:`_hist_pass`."""
     prefix = tl.full([], -1, tl.int64)
@@ -237,30 +245,43 @@ def _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K, SPLIT
             _store_state(h_row, LEVEL - 1, level, pre, cgt, need, done, STATE)
         prefix = pre
     _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
-               stride_s, prefix, done, LEVEL, NB, BLOCK, FOR_LOOP, STAGES)
+               stride_s, prefix, done, LEVEL, NB, BLOCK, FOR_LOOP, STAGES, SPARSE)
 
 
 @triton.jit
 def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, stride_k,
                stride_s, prefix, done, LEVEL: tl.constexpr, NB: tl.constexpr,
-               BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr):
+               BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+               SPARSE: tl.constexpr):
     """Digit ``LEVEL``'s histogram over the program's columns matching ``prefix`` (none once
-    ``done``): added into the row's global histogram and stored in the program's split slot."""
+    ``done``): added into the row's global histogram and written to the program's split slot
+    (``SPARSE`` > 0 past the first digit: the slot is zeroed first, then added into, as the
+    sparse blocks add theirs: :func:`_hist_block`)."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
+    offs_b = tl.arange(0, NB)
+    hist_lv = h_row + LEVEL * NB
+    split_lv = split_ptr + (slot0 + sp).to(tl.int64) * stride_s + LEVEL * NB
+    if LEVEL > 0 and SPARSE > 0:
+        tl.store(split_lv + offs_b, tl.zeros([NB], dtype=tl.int32))
+        tl.debug_barrier()      # the zeros precede every thread's additions
     acc = tl.zeros([NB], dtype=tl.int32)
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+            acc += _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL, NB, BLOCK,
+                               SPARSE)
     else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
         start = lo
         while start < hi:
-            acc += _hist_block(base, start, hi, prefix, LEVEL, NB, BLOCK)
+            acc += _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL, NB, BLOCK,
+                               SPARSE)
             start += BLOCK
-    offs_b = tl.arange(0, NB)
-    tl.atomic_add(h_row + LEVEL * NB + offs_b, acc, mask=acc > 0, sem="relaxed")
-    tl.store(split_ptr + (slot0 + sp).to(tl.int64) * stride_s + LEVEL * NB + offs_b, acc)
+    tl.atomic_add(hist_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
+    if LEVEL > 0 and SPARSE > 0:
+        tl.atomic_add(split_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
+    else:
+        tl.store(split_lv + offs_b, acc)
 
 
 @triton.jit
@@ -427,7 +448,8 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
                         LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
-                        RANKED: tl.constexpr, COLUMNS: tl.constexpr):
+                        RANKED: tl.constexpr, COLUMNS: tl.constexpr,
+                        SPARSE: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
     sort, merge; ``COLUMNS``: histograms, count, collect in column order) of program ``(row,
     split)``, a row barrier between two phases of one launch.
@@ -461,7 +483,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
             # together
             _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS,
                        stride_k, stride_s, tl.full([], -1, tl.int64), tl.full([], 0, tl.int32),
-                       0, NB, BLOCK, FOR_LOOP, STAGES)
+                       0, NB, BLOCK, FOR_LOOP, STAGES, SPARSE)
             stalled = _barrier(h_row, 0, SPLITS, stall_ptr, BAR, SPIN)
             level, pre, cgt, need, done = _state_after(h_row, K, 0, NB, STATE)
             for L in tl.static_range(1, LEVELS):
@@ -472,7 +494,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
                     if done == 0:
                         _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W,
                                    SPLITS, stride_k, stride_s, pre, done, L, NB, BLOCK,
-                                   FOR_LOOP, STAGES)
+                                   FOR_LOOP, STAGES, SPARSE)
                     stalled = stalled | _barrier(h_row, L, SPLITS, stall_ptr, BAR, SPIN)
                     h = tl.load(h_row + L * NB + tl.arange(0, NB), cache_modifier=".cg")
                     level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
@@ -497,7 +519,7 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
                 if phase < LEVELS:
                     _hist_phase(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, K,
                                 SPLITS, stride_k, stride_s, phase, NB, BLOCK, STATE, FOR_LOOP,
-                                STAGES)
+                                STAGES, SPARSE)
                 elif phase == LEVELS:
                     level, pre, cgt, need, _ = _state_after(h_row, K, LEVELS - 1, NB, STATE)
                     if COLUMNS:
@@ -763,6 +785,9 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                          f"got {ch}")
     if cfg.stages < 1:
         raise ValueError(f"topk_select: stages must be >= 1, got {cfg.stages}")
+    if not 0 <= cfg.sparse <= cfg.block:
+        raise ValueError(f"topk_select: sparse must be in 0..block ({cfg.block}), got "
+                         f"{cfg.sparse}")
     if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -783,7 +808,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
-                  RANKED=ranked and mode != "legacy", COLUMNS=not ranked, num_warps=cfg.warps)
+                  RANKED=ranked and mode != "legacy", COLUMNS=not ranked, SPARSE=cfg.sparse,
+                  num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
     # order: count, collect)

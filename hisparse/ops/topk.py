@@ -47,7 +47,10 @@ class TopkLaunch:
     16384); ``warps``: per program; ``sort_chunk``: selection slots per chunk of the split
     sort (a power of two); ``per_sm``: ``None`` picks 2-4 by the rows and the table width's blocks
     (``_topk_triton._per_sm``); a fused launch takes at most what the compiled kernel fits on
-    an SM; ``stages``: key blocks a histogram or collect loop keeps in flight."""
+    an SM; ``stages``: key blocks a histogram or collect loop keeps in flight; ``sparse``: past
+    the first digit, a key block with at most this many columns in the threshold bucket adds
+    them into the histograms one by one (atomics) instead of histogramming the block (0:
+    never)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
@@ -55,6 +58,7 @@ class TopkLaunch:
     sort_chunk: int = 256
     per_sm: int | None = None
     stages: int = 2
+    sparse: int = 0
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:

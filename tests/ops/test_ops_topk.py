@@ -230,6 +230,35 @@ def test_triton_column_order_later_digits_and_all_ties(triton_cpu, splits):
     assert got[3].tolist() == list(range(k))
 
 
+@pytest.mark.parametrize("ranked", [True, False])
+@pytest.mark.parametrize("sparse,splits", [(1, 3), (5, 1), (5, 4), (16, 3)])
+def test_triton_sparse_blocks_add_one_by_one(triton_cpu, sparse, splits, ranked):
+    """``TopkLaunch(sparse=n)``: past the first digit a block with at most ``n`` columns in
+    the threshold bucket adds them into the histograms by atomics, the others by a histogram
+    (rows with few and with many such columns a block, both in one program): the same
+    selection and order, into split histograms poisoned first (each sparse level zeroes its
+    slot before adding)."""
+    T, W, k = 5, 150, 40
+    keys = bucket_keys(T, W, seed=sparse + splits)
+    keys[4, ::7] = INT32_MIN
+    lens = torch.tensor([150, 150, 131, 150, 97], dtype=torch.int32)
+    scratch = TopkScratch(T, "cpu")
+    scratch.split_hist.fill_(7919)
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=splits,
+                      launch=TopkLaunch(block=16, sort_chunk=16, sparse=sparse), ranked=ranked)
+    assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=ranked))
+
+
+def test_sparse_limit_checked(triton_cpu):
+    """``sparse`` beyond the block, or negative, is refused, naming the field and the limit."""
+    keys = torch.zeros((1, 64), dtype=torch.int32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match=r"sparse must be in 0\.\.block \(16\)"):
+            topk_select(keys, lens, 4, launch=TopkLaunch(block=16, sparse=bad))
+
+
 def bucket_keys(T, W, seed):
     """Keys whose top digit is shared by many columns, so that most of a row lands in the
     top digit's threshold bucket and later digits decide:
@@ -605,12 +634,19 @@ def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
 @pytest.mark.parametrize("launch", [TopkLaunch(sort_chunk=64), TopkLaunch(sort_chunk=1024),
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
                                     TopkLaunch(per_sm=4), TopkLaunch(stages=4),
-                                    TopkLaunch(per_sm=4, stages=3)])
-def test_gpu_launch_hints_are_exact(launch):
+                                    TopkLaunch(per_sm=4, stages=3), TopkLaunch(sparse=64),
+                                    TopkLaunch(sparse=1024)])
+@pytest.mark.parametrize("distinct", [50, 1 << 30])
+def test_gpu_launch_hints_are_exact(launch, distinct):
+    """Every launch hint selects exactly, in both orders, with heavy ties (50 values a row:
+    dense threshold buckets) and without (randn: sparse ones past the first digit)."""
     T, W, k = 24, 32768, 2048
-    keys, lens = _gpu_rows(T, W, k, seed=7, distinct=50)
-    got = topk_select(keys, lens, k, scratch=TopkScratch(T, "cuda"), launch=launch)
-    assert torch.equal(got, topk_select_reference(keys, lens, k))
+    keys, lens = _gpu_rows(T, W, k, seed=7, distinct=distinct)
+    scratch = TopkScratch(T, "cuda")
+    for ranked in (True, False):
+        got = topk_select(keys, lens, k, scratch=scratch, launch=launch, ranked=ranked)
+        assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=ranked))
+    assert scratch.stalls.item() == 0
 
 
 @pytest.mark.gpu
