@@ -157,7 +157,7 @@ def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
     ok = m & (s != -2147483648)
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
     if LEVEL > 0:
-        ok = ok & ((u >> (32 - 8 * LEVEL)).to(tl.int64) == prefix)
+        ok = ok & ((u >> (32 - 8 * LEVEL)) == prefix.to(tl.uint32))  # 32-bit compares
     d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
     if LEVEL == 0:
         h = tl.histogram(d, NB, mask=ok)
@@ -180,15 +180,16 @@ def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, 
     column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
     tied ones at ``cgt + tie_base`` on (column order); ``COLUMNS``: every selected column at
     its final slot in column order, ``slot_base`` (columns above the prefix before the block)
-    plus the selected ties before it, ``min(tie_base + ties so far, need)``. Returns both
-    bases past the block."""
+    plus the selected ties before it, ``min(tie_base + ties so far, need)``. ``prefix`` and
+    ``shift`` are uint32: a column is above (equal to) the prefix where its unsigned key
+    shifted right by ``shift`` is. Returns both bases past the block."""
     tl.static_assert(BLOCK <= 16384, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
     m = offs < hi
     s = tl.load(base + offs, mask=m, other=-2147483648)
     ok = m & (s != -2147483648)
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
-    pref = u.to(tl.int64) >> shift                                  # level 0: 0 > -1
+    pref = u >> shift               # unsigned 32-bit (level 0: shift 0, prefix 0 < every u)
     gt = ok & (pref > prefix)
     tie = ok & (pref == prefix)
     both = gt.to(tl.int32) | (tie.to(tl.int32) << 16)               # one scan for both counts
@@ -330,7 +331,10 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sort
     tie_base = tl.sum(tl.load(s_row + s2 * stride_s + lv * NB + dig, mask=s2 < sp, other=0,
                               cache_modifier=".cg"), 0)
     tie_base = tl.where(level == 0, 0, tie_base)    # level 0 has no ties (all above -1)
-    shift = (32 - 8 * level).to(tl.int64)
+    # in 32 bits: the resolved level's digits of a key (level 4: all of them) against the
+    # prefix; level 0 takes every valid column (its unsigned key is above 0: INT32_MIN's is 0)
+    shift = tl.where(level == 0, 0, 32 - 8 * level).to(tl.uint32)
+    prefix32 = tl.where(level == 0, 0, prefix).to(tl.uint32)
     base = keys_ptr + row.to(tl.int64) * stride_k
     if PACKED:
         o_row = sorted_ptr + row.to(tl.int64) * stride_q
@@ -346,13 +350,13 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sort
         slot_base = tl.where(n_gt > 0, slot_base, 0)
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix32, shift, cgt,
                                                  need, slot_base, tie_base, K, BLOCK, PACKED,
                                                  COLUMNS)
     else:
         start = lo
         while start < hi:
-            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix, shift, cgt,
+            slot_base, tie_base = _collect_block(base, o_row, start, hi, prefix32, shift, cgt,
                                                  need, slot_base, tie_base, K, BLOCK, PACKED,
                                                  COLUMNS)
             start += BLOCK
