@@ -789,9 +789,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
                          f"got {ch}")
     if cfg.stages < 1:
         raise ValueError(f"topk_select: stages must be >= 1, got {cfg.stages}")
-    if not 0 <= cfg.sparse <= cfg.block:
-        raise ValueError(f"topk_select: sparse must be in 0..block ({cfg.block}), got "
-                         f"{cfg.sparse}")
+    if cfg.sparse < 0:
+        raise ValueError(f"topk_select: sparse must be >= 0, got {cfg.sparse}")
     if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -812,7 +811,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
-                  RANKED=ranked and mode != "legacy", COLUMNS=not ranked, SPARSE=cfg.sparse,
+                  RANKED=ranked and mode != "legacy", COLUMNS=not ranked,
+                  SPARSE=min(cfg.sparse, cfg.block),     # past a block: every block by atomics
                   num_warps=cfg.warps)
     sort = dict(CH=ch, LOG_CH=ch.bit_length() - 1, C=C, CPAD=next_pow2(C))
     # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
