@@ -15,7 +15,8 @@ interpreter, which runs programs one after the other, unless each row has one pr
    previous level's 256-bin global histogram and the state stored in the phase before;
    program 0 of the row stores the new one; in one launch: the state in registers, below) and
    reads no key once the row is resolved (at most ``k`` valid columns, or every column of the
-   threshold bucket taken).
+   threshold bucket taken). Past digit 0 a key block with at most ``TopkLaunch.sparse`` such
+   columns adds them by atomics instead (a histogram costs the same for 1 column as for all).
 4. Collect: with the final state (``cgt`` columns strictly above the prefix ``P`` at the
    resolved level, ``need = k - cgt`` of those equal to it, by lower column) each program
    writes the columns above ``P`` into slots ``0..cgt-1`` (one atomic a program reserves its
