@@ -216,6 +216,19 @@ def sweep_topk(res, shapes):
                 f"{t * 1e6:12.1f}{'*' if t == best else ' '}" for t in ts), flush=True)
 
 
+def _wide_inputs(ctx, T, k, table_width, row_extra):
+    """A ``T``-row table ``max(table_width, ctx + row_extra)`` wide of randn keys, rows ``ctx +
+    row_extra`` long, its scratch and output, and ``torch.topk``'s time over the width:
+    ``(W, keys, lens, scratch, out, torch_us)``."""
+    W = max(table_width, ctx + row_extra)
+    keys, _ = _topk_inputs(ctx, T, W)
+    lens = torch.full((T,), ctx + row_extra, dtype=torch.int32, device="cuda")
+    scratch = TopkScratch(T, "cuda")
+    out = torch.empty((T, k), dtype=torch.int32, device="cuda")
+    packed = pack(keys, lens)
+    return W, keys, lens, scratch, out, timeit_graph(lambda: old_topk(packed, k))
+
+
 def bench_wide(res, shapes, table_width, row_extra):
     """The fused launch over the whole table (``--table-width`` columns: a CUDA graph's
     ``max_model_len``), its rows ``ctx + row_extra`` long, as the engine launches it: 2, 3
@@ -229,13 +242,7 @@ def bench_wide(res, shapes, table_width, row_extra):
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | {'p=2':>6} {'p=3':>6} {'p=4':>6} "
           f"{'rule':>4} | {'torch@W':>7} {'rule/t@W':>8} {'best/t@W':>8}")
     for ctx, T, k in shapes:
-        W = max(table_width, ctx + row_extra)
-        keys, _ = _topk_inputs(ctx, T, W)
-        lens = torch.full((T,), ctx + row_extra, dtype=torch.int32, device="cuda")
-        scratch = TopkScratch(T, "cuda")
-        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-        packed = pack(keys, lens)
-        t_w = timeit_graph(lambda a=(packed, k): old_topk(*a))
+        W, keys, lens, scratch, out, t_w = _wide_inputs(ctx, T, k, table_width, row_extra)
         pick = tk._per_sm(T, W, sms, TopkLaunch(block=CUDA_BLOCK),
                           scratch.split_hist.shape[0])
         for ranked in (False, True):
@@ -256,23 +263,17 @@ def bench_wide(res, shapes, table_width, row_extra):
 
 
 def bench_sparse(res, shapes, table_width, row_extra, sparse_values):
-    """``TopkLaunch(sparse=n)`` for each ``n`` of ``sparse_values`` (0 first: a histogram of
-    every block that holds a column of the threshold bucket) over the whole
-    ``--table-width`` table, rows ``ctx + row_extra`` long, at the default's programs an SM,
-    both orders, against ``torch.topk`` over the width."""
+    """``TopkLaunch(sparse=n)`` for each ``n`` of ``sparse_values`` (``best/1st``: against the
+    first; 0: a histogram of every block that holds a column of the threshold bucket) over the
+    whole ``--table-width`` table, rows ``ctx + row_extra`` long, at the default's programs an
+    SM, both orders, against ``torch.topk`` over the width."""
     print(f"\ntop-k, sparse blocks by atomics: us per call (graph replay) by "
           f"TopkLaunch.sparse, {table_width}-column table, rows ctx + {row_extra}")
     print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | "
           + " ".join(f"{'s=' + str(n):>7}" for n in sparse_values)
-          + f" | {'torch@W':>7} {'best/s0':>7} {'best/t@W':>8}")
+          + f" | {'torch@W':>7} {'best/1st':>8} {'best/t@W':>8}")
     for ctx, T, k in shapes:
-        W = max(table_width, ctx + row_extra)
-        keys, _ = _topk_inputs(ctx, T, W)
-        lens = torch.full((T,), ctx + row_extra, dtype=torch.int32, device="cuda")
-        scratch = TopkScratch(T, "cuda")
-        out = torch.empty((T, k), dtype=torch.int32, device="cuda")
-        packed = pack(keys, lens)
-        t_w = timeit_graph(lambda a=(packed, k): old_topk(*a))
+        W, keys, lens, scratch, out, t_w = _wide_inputs(ctx, T, k, table_width, row_extra)
         for ranked in (False, True):
             want = topk_select_reference(keys, lens, k, ranked=ranked)
             t = {}
@@ -287,7 +288,7 @@ def bench_sparse(res, shapes, table_width, row_extra, sparse_values):
             best = min(t.values())
             print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | "
                   + " ".join(f"{t[n] * 1e6:7.1f}" for n in sparse_values)
-                  + f" | {t_w * 1e6:7.1f} {best / t[sparse_values[0]]:7.3f} "
+                  + f" | {t_w * 1e6:7.1f} {best / t[sparse_values[0]]:8.3f} "
                   f"{best / t_w:8.3f}", flush=True)
 
 
