@@ -50,8 +50,9 @@ class TopkLaunch:
     an SM; ``stages``: key blocks a histogram or collect loop keeps in flight; ``sparse``: past
     the first digit, a key block with at most this many columns in the threshold bucket adds
     them into the histograms one by one (atomics) instead of histogramming the block (0:
-    never; 64: 0.76-0.96x the time of 0 at 8-64 rows x 32k and 8-24 x 128k on the H100,
-    twenty-ninth session)."""
+    never; 64: 0.76-0.96x the time of 0 at 8-64 rows x 32k and 8-24 x 128k on the H100 with
+    Triton 3.6, whose histograms are warp ballots; Triton 3.8+ lowers them to shared-memory
+    atomics, not measured)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
