@@ -3,12 +3,14 @@ SM90 target without a GPU (Triton's bundled ptxas and cuobjdump): where a launch
 before a GPU times it.
 
     python3 benchmarks/topk_resources.py [--arch 90] [--sparse 0,64] [--block 1024]
+        [--short 4096,8192]
 
 Per order (column order, ranked) and ``TopkLaunch.sparse``: registers a thread, spill bytes,
 programs an SM fits (:func:`hisparse.ops._topk_triton._fits_per_sm`, 4 warps), SASS
 instructions a warp, and for each loop of the kernel (a backward branch over more than 16
 instructions, in program order: the four digit histograms, then the collect) its instructions
-a warp and the ``VOTE`` / ``POPC`` / ``REDG`` among them. A histogram loop iteration is one key
+a warp and the ``VOTE`` / ``POPC`` / ``REDG`` among them; then the short rows' kernel
+(``TopkLaunch.short_rows``) at each ``--short``. A histogram loop iteration is one key
 block: ``tl.histogram`` of 256 bins lowers to 8 ``VOTE`` ballots a key slot (8 slots a thread at
 4 warps and 1,024 keys) and ~8 logic ops and a ``POPC`` for each of a thread's 8 bins.
 
@@ -64,6 +66,20 @@ def compile_fused(columns: bool, sparse: int, block: int, arch: int):
                           options=dict(num_warps=WARPS, num_stages=2))
 
 
+def compile_short(row: int, k: int, arch: int):
+    """The short rows' kernel (``TopkLaunch(short_rows=row)``) as ``topk_select_triton``
+    launches it for ``k``: the compiled kernel."""
+    const = dict(ROW=row, NB=RADIX_BINS, LEVELS=RADIX_LEVELS, KPAD=triton.next_power_of_2(k))
+    names = tk._topk_short_kernel.arg_names
+    ptrs = dict(keys_ptr="*i32", len_ptr="*i32", out_ptr="*i32", long_ptr="*i32")
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in ptrs or n.startswith("stride")}
+    return triton.compile(ASTSource(tk._topk_short_kernel, sig, const, attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=max(4, min(16, row // 512)), num_stages=1))
+
+
 def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
@@ -83,13 +99,15 @@ def loops(sass: str) -> list[dict]:
     return found
 
 
-def resources(columns: bool, sparse: int, block: int, arch: int) -> dict:
-    k = compile_fused(columns, sparse, block, arch)
+def resources(columns: bool, sparse: int, block: int, arch: int, short: int = 0) -> dict:
+    """``short``: the short rows' kernel for rows of that many columns (k = 2048) instead."""
+    k = compile_short(short, 2048, arch) if short else compile_fused(columns, sparse, block, arch)
+    warps = k.metadata.num_warps
     usage, sass = cuobjdump(k.asm["cubin"], "-res-usage", "-sass")
     got = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     regs = int(got.get("REG", -1))
     return dict(registers=regs, stack_bytes=int(got.get("STACK", -1)),
-                per_sm=tk._fits_per_sm(regs, k.metadata.shared, WARPS),
+                per_sm=tk._fits_per_sm(regs, k.metadata.shared, warps),
                 instructions=len(LINE.findall(sass)), loops=loops(sass))
 
 
@@ -98,6 +116,7 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sparse", default="0,64", help="TopkLaunch.sparse values")
     ap.add_argument("--block", type=int, default=1024, help="TopkLaunch.block")
+    ap.add_argument("--short", default="4096,8192", help="TopkLaunch.short_rows values")
     args = ap.parse_args()
     print(f"{'order':>7} {'sparse':>6} {'registers':>9} {'spill B':>7} {'per SM':>6} "
           f"{'SASS/warp':>9} | loops: instructions (VOTE / POPC / REDG)")
@@ -109,6 +128,12 @@ def main() -> None:
             print(f"{'cols' if columns else 'ranked':>7} {sparse:>6} {r['registers']:>9} "
                   f"{r['stack_bytes']:>7} {r['per_sm']:>6} {r['instructions']:>9} | {body}",
                   flush=True)
+    for short in (int(s) for s in args.short.split(",") if s):
+        r = resources(True, 0, args.block, args.arch, short)
+        print(f"short rows of {short} (one program a row, "
+              f"{max(4, min(16, short // 512))} warps): {r['registers']} registers, "
+              f"{r['stack_bytes']} B spill, {r['per_sm']} an SM, {r['instructions']} SASS",
+              flush=True)
 
 
 if __name__ == "__main__":

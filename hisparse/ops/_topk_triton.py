@@ -553,6 +553,57 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
 
 
 @triton.jit
+def _topk_short_kernel(keys_ptr, len_ptr, out_ptr, long_ptr, W, K, stride_k, stride_o,
+                       ROW: tl.constexpr, NB: tl.constexpr, LEVELS: tl.constexpr,
+                       KPAD: tl.constexpr):
+    """Column order for the rows of at most ``ROW`` columns (``TopkLaunch.short_rows``): one
+    program a row holds its keys in registers through the digits (no key read twice, no row
+    barrier), then writes its selection in column order and ``-1`` past it (an empty row: all
+    ``-1``). ``long_ptr[t]``: the row's length where it is longer than ``ROW`` (the fused
+    launch's rows, read as its lengths), else 0."""
+    tl.static_assert(ROW <= 32768, "a row's two counts share one int32 prefix sum")
+    t = tl.program_id(0)
+    n = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), W)
+    tl.store(long_ptr + t, tl.where(n > ROW, n, 0))
+    if n <= ROW:
+        offs = tl.arange(0, ROW)
+        m = offs < n
+        s = tl.load(keys_ptr + t.to(tl.int64) * stride_k + offs, mask=m, other=-2147483648)
+        ok = m & (s != -2147483648)
+        u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
+        total = tl.sum(ok.to(tl.int32), 0)
+        level = total * 0
+        pre = level.to(tl.int64)
+        cgt = level
+        need = level + K
+        done = (total <= K).to(tl.int32)        # at most k valid columns: all of them
+        for L in tl.static_range(LEVELS):
+            if done == 0:
+                if L == 0:
+                    match = ok
+                else:
+                    match = ok & ((u >> (32 - 8 * L)) == pre.to(tl.uint32))
+                d = ((u >> (24 - 8 * L)) & 0xFF).to(tl.int32)
+                h = tl.histogram(d, NB, mask=match)
+                level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
+                                                       NB)
+        # as the collect (_collect_block, COLUMNS): level 0 takes every valid column
+        shift = tl.where(level == 0, 0, 32 - 8 * level).to(tl.uint32)
+        pref = u >> shift
+        p32 = tl.where(level == 0, 0, pre).to(tl.uint32)
+        gt = ok & (pref > p32)
+        tie = ok & (pref == p32)
+        run = tl.cumsum(gt.to(tl.int32) | (tie.to(tl.int32) << 16), 0)  # both counts, one scan
+        rank = ((run >> 16) & 65535) - 1
+        slot = (run & 65535) + tl.minimum(rank + 1, need) - 1
+        o_row = out_ptr + t.to(tl.int64) * stride_o
+        tl.store(o_row + slot, offs, mask=(gt | (tie & (rank < need))) & (slot < K))
+        j = tl.arange(0, KPAD)
+        tl.store(o_row + j, tl.full([KPAD], -1, tl.int32),
+                 mask=(j >= tl.minimum(total, K)) & (j < K))
+
+
+@triton.jit
 def _sort_selection(k_row, h_row, o_row, K, NB: tl.constexpr, KPAD: tl.constexpr):
     """One program sorts a row's whole selection in place: the ``min(K, valid)`` collected
     columns of ``o_row`` by key descending, ties by the lower column, ``-1`` after them."""
@@ -792,6 +843,10 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         raise ValueError(f"topk_select: stages must be >= 1, got {cfg.stages}")
     if cfg.sparse < 0:
         raise ValueError(f"topk_select: sparse must be >= 0, got {cfg.sparse}")
+    sr = cfg.short_rows
+    if sr and (sr < 16 or sr > 16384 or sr & (sr - 1)):
+        raise ValueError(f"topk_select: short_rows must be 0 or a power of two in 16..16384, "
+                         f"got {sr}")
     if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
                          f"got {cfg.per_sm} and {cfg.warps}")
@@ -809,6 +864,14 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     hist = scratch.hist[:T]
     sh = scratch.split_hist
     live = T <= LIVE_MAX_ROWS
+    # column order's short rows: one program a row in registers, first; the launches below
+    # then see only the longer rows (the others as empty, which they leave alone: no fill)
+    short = sr if sr and not ranked and live else 0
+    if short:
+        _topk_short_kernel[(T,)](keys, lengths, out, scratch.long_lengths, W, k, keys.stride(0),
+                                 out.stride(0), ROW=short, NB=RADIX_BINS, LEVELS=RADIX_LEVELS,
+                                 KPAD=next_pow2(k), num_warps=max(4, min(16, short // 512)))
+        lengths = scratch.long_lengths[:T]
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,
                   SPIN=SPIN_POLLS, LIVE=live, TPAD=LIVE_MAX_ROWS if live else 1,
@@ -819,7 +882,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
     # order: count, collect)
     last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
-    one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy", **common, **sort)
+    one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy" and not short, **common,
+               **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
     per_sm = _per_sm(T, W, sms, cfg, sh.shape[0])
     while True:

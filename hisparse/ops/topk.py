@@ -52,7 +52,10 @@ class TopkLaunch:
     them into the histograms one by one (atomics) instead of histogramming the block (0:
     never; 64: 0.76-0.96x the time of 0 at 8-64 rows x 32k and 8-24 x 128k on the H100 with
     Triton 3.6, whose histograms are warp ballots; Triton 3.8+ lowers them to shared-memory
-    atomics, not measured)."""
+    atomics, not measured); ``short_rows``: column order only (``ranked=False``, up to
+    ``LIVE_MAX_ROWS`` rows), rows of at most this many columns (a power of two, at most 16384)
+    each taken by one program holding the row in registers, before the launch of the longer
+    rows (0: none; not yet timed on a GPU)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
@@ -61,6 +64,7 @@ class TopkLaunch:
     per_sm: int | None = None
     stages: int = 2
     sparse: int = 64
+    short_rows: int = 0
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,9 @@ class TopkScratch:
     sort's chunks (``sorted [rows, SORT_COLS]`` int64 packed keys) and the column order's
     per-(row, split) counts (``counts [rows + SPLIT_SLOTS]``), both written before they are
     read by each call; ``stalls [1]`` counts a fused launch's row barriers that gave up
-    waiting (a bug if ever nonzero: that call's result is not to be trusted)."""
+    waiting (a bug if ever nonzero: that call's result is not to be trusted);
+    ``long_lengths [rows]`` the lengths the launch after the short rows' sees
+    (``TopkLaunch.short_rows``), written before read."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows = max(1, int(rows))
@@ -147,15 +153,17 @@ class TopkScratch:
         self.sorted = torch.empty((self.rows, SORT_COLS), dtype=torch.int64, device=dev)
         self.counts = torch.zeros(self.rows + SPLIT_SLOTS, dtype=torch.int32, device=dev)
         self.stalls = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.long_lengths = torch.zeros(self.rows, dtype=torch.int32, device=dev)
 
     @staticmethod
     def row_bytes() -> int:
-        """Bytes a row of the scratch takes (``hist``, ``sorted`` and one ``split_hist`` slot)."""
-        return 4 * TOPK_HIST_WIDTH + 4 * RADIX_LEVELS * RADIX_BINS + 8 * SORT_COLS + 4
+        """Bytes a row of the scratch takes (``hist``, ``sorted``, one ``split_hist`` slot, one
+        of ``counts`` and of ``long_lengths``)."""
+        return 4 * TOPK_HIST_WIDTH + 4 * RADIX_LEVELS * RADIX_BINS + 8 * SORT_COLS + 4 + 4
 
     def data_ptrs(self) -> tuple[int, ...]:
         return (self.hist.data_ptr(), self.split_hist.data_ptr(), self.sorted.data_ptr(),
-                self.counts.data_ptr(), self.stalls.data_ptr())
+                self.counts.data_ptr(), self.stalls.data_ptr(), self.long_lengths.data_ptr())
 
 
 def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,

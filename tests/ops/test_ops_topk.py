@@ -250,6 +250,39 @@ def test_triton_sparse_blocks_add_one_by_one(triton_cpu, sparse, splits, ranked)
     assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=ranked))
 
 
+@pytest.mark.parametrize("mode", ["fused", "phased"])
+@pytest.mark.parametrize("short,k", [(64, 40), (256, 40), (64, 7), (256, 130)])
+def test_triton_short_rows_in_registers(triton_cpu, kernel_switches, mode, short, k):
+    """``TopkLaunch(short_rows=n)``: rows of at most ``n`` columns by the one-program kernel
+    (empty, shorter than k, decided at every digit, heavy ties, invalid keys), the longer ones
+    by the launch after it, into one poisoned output: column order as the reference's, the
+    long rows' lengths handed over in the scratch (poisoned first)."""
+    kernel_switches(topk=mode)
+    T, W = 8, 300
+    keys = torch.cat([bucket_keys(5, W, seed=short + k), make_keys(3, W, 3, [W] * 3, seed=k)[0]])
+    keys[4, ::7] = INT32_MIN
+    # row 2 (three lower-digit values) and row 7 (three scores) short: ties past what is needed
+    lens = torch.tensor([short, 150, short, short - 1, W, min(k - 2, short), short + 1, short],
+                        dtype=torch.int32)
+    lens[6 if short > 64 else 5] = 0                            # an empty row
+    scratch = TopkScratch(T, "cpu")
+    scratch.long_lengths.fill_(-31)
+    out = torch.full((T, k), SENTINEL, dtype=torch.int32)
+    got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=3,
+                      launch=TopkLaunch(block=32, short_rows=short), ranked=False)
+    assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=False))
+    assert scratch.long_lengths.tolist() == [n if n > short else 0 for n in lens.tolist()]
+
+
+def test_short_rows_limit_checked(triton_cpu):
+    """``short_rows`` not a power of two in 16..16384 is refused, naming the field."""
+    keys = torch.zeros((1, 64), dtype=torch.int32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    for bad in (8, 100, 32768):
+        with pytest.raises(ValueError, match="short_rows must be 0 or a power of two"):
+            topk_select(keys, lens, 4, launch=TopkLaunch(short_rows=bad), ranked=False)
+
+
 def test_sparse_limit_checked(triton_cpu):
     """A negative ``sparse`` is refused, naming the field and the limit."""
     keys = torch.zeros((1, 64), dtype=torch.int32)
@@ -697,6 +730,41 @@ def test_gpu_table_wider_than_its_rows(kernel_switches, ranked):
             out.fill_(SENTINEL)
             graph.replay()
             assert torch.equal(out, want), (i, longest, per_sm)
+    assert scratch.stalls.item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("short", [4096, 8192])
+def test_gpu_short_rows_in_graphs(kernel_switches, short):
+    """``TopkLaunch(short_rows=n)`` in column order over a ``max_model_len``-wide table: graphs
+    captured for 96 and 24 rows (ascending, as the engine captures), replayed with rows all
+    short, all long, mixed and some empty, give the reference's selection; no row barrier
+    stalls."""
+    kernel_switches(topk="fused")
+    W, k = 163840, 2048
+    launch = TopkLaunch(short_rows=short)
+    keys = torch.empty((96, W), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(96, dtype=torch.int32, device="cuda")
+    out = torch.empty((96, k), dtype=torch.int32, device="cuda")
+    scratch = TopkScratch(96, "cuda")
+    graphs = {}
+    for T in (24, 96):
+        topk_select(keys[:T], lens[:T], k, out=out[:T], scratch=scratch, launch=launch,
+                    ranked=False)
+        graphs[T] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[T]):
+            topk_select(keys[:T], lens[:T], k, out=out[:T], scratch=scratch, launch=launch,
+                        ranked=False)
+    for i, longest in enumerate([2304, short, 32768, short + 1, 2112]):
+        kb, lb = _gpu_rows(96, longest, k, seed=70 + i, distinct=5 if i % 2 else 1 << 20)
+        keys.fill_(INT32_MAX)                   # past every row's length: never selected
+        keys[:, :longest].copy_(kb)
+        lens.copy_(lb)
+        for T in (96, 24):
+            want = topk_select_reference(keys[:T], lens[:T], k, ranked=False)
+            out.fill_(SENTINEL)
+            graphs[T].replay()
+            assert torch.equal(out[:T], want), (i, longest, T)
     assert scratch.stalls.item() == 0
 
 
