@@ -1,8 +1,8 @@
 """Indexer top-k and scoring on the GPU (issue 24), per call and per step of 61 indexer layers.
 
 Usage (repository root, CUDA):
-    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,wide,sparse,order,
-        scoring,sweep] [--sparse 0,16,64,256]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--only topk,topk-sweep,wide,sparse,short,
+        order,scoring,sweep] [--sparse 0,16,64,256] [--short 4096,8192]
         [--topk-shapes 32768x8x2048,...] [--sweep-shapes 32768x8x2048,...]
         [--contexts 32768,131072] [--score-rows 8,64] [--table-width 163840]
         [--row-extra 0] [--out FILE]
@@ -262,34 +262,33 @@ def bench_wide(res, shapes, table_width, row_extra):
                   f"{min(t.values()) / t_w:8.3f}", flush=True)
 
 
-def bench_sparse(res, shapes, table_width, row_extra, sparse_values):
-    """``TopkLaunch(sparse=n)`` for each ``n`` of ``sparse_values`` (``best/1st``: against the
-    first; 0: a histogram of every block that holds a column of the threshold bucket) over the
-    whole ``--table-width`` table, rows ``ctx + row_extra`` long, at the default's programs an
-    SM, both orders, against ``torch.topk`` over the width."""
-    print(f"\ntop-k, sparse blocks by atomics: us per call (graph replay) by "
-          f"TopkLaunch.sparse, {table_width}-column table, rows ctx + {row_extra}")
-    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | "
-          + " ".join(f"{'s=' + str(n):>7}" for n in sparse_values)
+def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench):
+    """The fused launch under each named ``TopkLaunch`` of ``variants`` (``best/1st``: against
+    the first) over the whole ``--table-width`` table, rows ``ctx + row_extra`` long, in each
+    of ``orders`` (``ranked`` values), against ``torch.topk`` over the width; rows of JSON
+    ``bench``."""
+    names = list(variants)
+    print(f"\ntop-k, {bench}: us per call (graph replay), {table_width}-column table, rows ctx "
+          f"+ {row_extra}")
+    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | " + " ".join(f"{n:>8}" for n in names)
           + f" | {'torch@W':>7} {'best/1st':>8} {'best/t@W':>8}")
     for ctx, T, k in shapes:
         W, keys, lens, scratch, out, t_w = _wide_inputs(ctx, T, k, table_width, row_extra)
-        for ranked in (False, True):
+        for ranked in orders:
             want = topk_select_reference(keys, lens, k, ranked=ranked)
             t = {}
-            for n in sparse_values:
-                t[n] = _timed_select(keys, lens, k, out, scratch, "fused",
-                                     TopkLaunch(sparse=n), ranked)
-                assert torch.equal(out, want), (ctx, T, k, n, ranked)
+            for name, launch in variants.items():
+                t[name] = _timed_select(keys, lens, k, out, scratch, "fused", launch, ranked)
+                assert torch.equal(out, want), (ctx, T, k, name, ranked)
             assert scratch.stalls.item() == 0
-            res.append(dict(bench="topk_sparse", ctx=ctx, row_len=ctx + row_extra, rows=T,
-                            k=k, table_width=W, ranked=ranked, torch_table_us=t_w * 1e6,
-                            **{f"sparse{n}_us": v * 1e6 for n, v in t.items()}))
+            res.append(dict(bench=bench, ctx=ctx, row_len=ctx + row_extra, rows=T, k=k,
+                            table_width=W, ranked=ranked, torch_table_us=t_w * 1e6,
+                            **{f"{n}_us": v * 1e6 for n, v in t.items()}))
             best = min(t.values())
             print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | "
-                  + " ".join(f"{t[n] * 1e6:7.1f}" for n in sparse_values)
-                  + f" | {t_w * 1e6:7.1f} {best / t[sparse_values[0]]:8.3f} "
-                  f"{best / t_w:8.3f}", flush=True)
+                  + " ".join(f"{t[n] * 1e6:8.1f}" for n in names)
+                  + f" | {t_w * 1e6:7.1f} {best / t[names[0]]:8.3f} {best / t_w:8.3f}",
+                  flush=True)
 
 
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
@@ -375,10 +374,13 @@ def main():
                     help="--only wide: rows ctx + this long (a decode's rows past the prompt)")
     ap.add_argument("--sparse", default="0,16,64,256",
                     help="--only sparse: TopkLaunch.sparse values (0 first: the baseline)")
+    ap.add_argument("--short", default="4096,8192",
+                    help="--only short: TopkLaunch.short_rows values (against the default)")
     ap.add_argument("--only", default="topk,scoring", help="topk, topk-sweep (the fused "
                     "top-k's launch hints), wide (the fused launch over --table-width "
                     "columns at 2-4 programs an SM), sparse (TopkLaunch.sparse values over "
-                    "--table-width columns), order (positions' ranked top k + band "
+                    "--table-width columns), short (TopkLaunch.short_rows values, column "
+                    "order), order (positions' ranked top k + band "
                     "then its sort, at --topk-shapes), scoring, sweep (scoring configs at the "
                     "first context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
@@ -393,9 +395,15 @@ def main():
         bench_topk(res, _shapes(args.topk_shapes), args.table_width)
     if "wide" in only:
         bench_wide(res, _shapes(args.topk_shapes), args.table_width, args.row_extra)
-    if "sparse" in only:
-        bench_sparse(res, _shapes(args.topk_shapes), args.table_width, args.row_extra,
-                     [int(n) for n in args.sparse.split(",")])
+    if "sparse" in only:    # later digits' sparse blocks by atomics, both orders
+        bench_variants(res, _shapes(args.topk_shapes), args.table_width, args.row_extra,
+                       {f"sparse{n}": TopkLaunch(sparse=int(n)) for n in args.sparse.split(",")},
+                       (False, True), "topk_sparse")
+    if "short" in only:     # short rows by one program a row, column order
+        bench_variants(res, _shapes(args.topk_shapes), args.table_width, args.row_extra,
+                       {"default": TopkLaunch()} | {f"short{n}": TopkLaunch(short_rows=int(n))
+                                                    for n in args.short.split(",")},
+                       (False,), "topk_short")
     if "topk-sweep" in only:
         sweep_topk(res, _shapes(args.sweep_shapes))
     if "order" in only:

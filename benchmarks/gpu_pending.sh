@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge
+#            cut36 hostpool policies merge short
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -186,6 +186,31 @@ for section in "$@"; do
         --shapes 32768x8x2048,32768x24x2048 --per-sm 4 --spread 1,4 --fit 0,1 \
         --out "$out/topk_place_wide.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
+    short)   # issues 24/25 (twenty-ninth session, CPU-built, never run on a GPU): column
+             # order's short rows by one program a row holding the row in registers
+             # (TopkLaunch.short_rows, HISPARSE_TOPK_SHORT): its GPU tests, the top-k alone at
+             # the 2k point's rows (2,049-2,304 of a 163,840-column table) and at longer rows
+             # (the extra launch's cost where no row is short), then the rank's 2k x 96 step
+             # without and with it (LAYERS=36 on an H100; ~7 min)
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_indexer_fused.py" \
+        skip_or_test
+      export HISPARSE_TRITON_AUTOTUNE=0
+      run short_topk 150 python3 benchmarks/bench_topk.py --only short --short 4096,8192 \
+        --table-width 163840 --row-extra 256 \
+        --topk-shapes 2048x96x2048,2048x64x2048,2048x24x2048,3840x96x2048,7936x32x2048 \
+        --out "$out/short_topk.json"
+      run short_long 100 python3 benchmarks/bench_topk.py --only short --short 4096 \
+        --table-width 163840 --topk-shapes 32768x8x2048,32768x24x2048,131072x8x2048 \
+        --out "$out/short_long.json"
+      unset HISPARSE_TRITON_AUTOTUNE
+      cut=()
+      [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
+      for rows in 0 4096; do
+        HISPARSE_TOPK_SHORT=$rows run short_step2k_$rows 170 python3 -m hisparse.cli bench \
+          --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+          --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+          --concurrency 96 --outputs 256 --out "$out/short_step2k_$rows" "${cut[@]}"
+      done ;;
     plans)   # issue 25: the 16-head FP8 attention plans with today's kernel, isolated at the
              # decode's shapes (8-96 tokens, 32k rows a token), then the rank's 2k x 96 under
              # the package's plan and under the plan with the least summed time (~6 min, H200)

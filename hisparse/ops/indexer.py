@@ -48,6 +48,7 @@ always.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,13 @@ from .quant import (
     quantize_index_queries_reference,
 )
 from .rotation import indexer_rotation
-from .topk import TopkScratch, column_order, column_order_reference, topk_select
+from .topk import TopkLaunch, TopkScratch, column_order, column_order_reference, topk_select
+
+
+@functools.cache
+def _launch(short_rows: str) -> TopkLaunch:
+    """The top-k launch ``HISPARSE_TOPK_SHORT`` asks for (one object a value)."""
+    return TopkLaunch(short_rows=int(short_rows))
 
 
 def fp8_query_enabled(head_dim: int) -> bool:
@@ -293,7 +300,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_req, token_pos,
                                   group=group, fp8_query=fp8_query_enabled(q.shape[-1]),
                                   hist=hist, **fold)
         topk_select(keys, lens, topk, out=out[a:b], scratch=scratch, hist_zeroed=zero_hist,
-                    ranked=ranked)
+                    ranked=ranked, launch=_launch(switches.current().topk_short))
         if first:   # the pass's keys are spent: their buffer holds the count's bitmap
             bits = workspace.keys[:b - a] if workspace is not None and fits else None
             column_order(out[a:b, :first], out[a:b, :first], bits, W)

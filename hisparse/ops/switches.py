@@ -12,6 +12,11 @@ HISPARSE_FORCE_TRITON     ``0``, ``1``                  ``0``       Triton on CP
 (``force_triton``)                                                  (the interpreter tests)
 HISPARSE_TOPK (``topk``)  fused, phased, legacy         fused       :mod:`~hisparse.ops.topk`'s
                                                                     launches
+HISPARSE_TOPK_SHORT       ``0``, ``4096``, ``8192``     ``0``       column order's rows of at
+(``topk_short``)                                                    most that many columns by
+                                                                    one program a row
+                                                                    (``TopkLaunch.short_rows``;
+                                                                    not yet timed on a GPU)
 HISPARSE_TOPK_ORDER       positions, ranked             positions   the engine's selection order:
 (``topk_order``)                                                    ``positions`` ascending (no
                                                                     ranking pass; a forward that
@@ -90,6 +95,7 @@ MOE_QUANT_MODES = ("router", "fused", "gate_up", "kernel")
 FP8_GEMM_BACKENDS = ("auto", "reference", "triton", "triton_stream", "triton_tile", "scaled_mm")
 ATTENTION_BACKENDS = ("auto", "triton", "flashmla", "reference")
 FP8_CONVERT_MODES = ("native", "int")
+TOPK_SHORT_ROWS = ("0", "4096", "8192")
 FLAG_VALUES = ("0", "1")
 
 # field -> (variable, allowed values: a mode tuple, or FLAG_VALUES for a bool field)
@@ -97,6 +103,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "force_triton": ("HISPARSE_FORCE_TRITON", FLAG_VALUES),
     "topk": ("HISPARSE_TOPK", TOPK_MODES),
     "topk_order": ("HISPARSE_TOPK_ORDER", TOPK_ORDERS),
+    "topk_short": ("HISPARSE_TOPK_SHORT", TOPK_SHORT_ROWS),
     "fused_glue": ("HISPARSE_FUSED_GLUE", FLAG_VALUES),
     "fused_sums": ("HISPARSE_FUSED_SUMS", FLAG_VALUES),
     "fused_moe": ("HISPARSE_FUSED_MOE", FLAG_VALUES),
@@ -118,6 +125,7 @@ class KernelSwitches:
     force_triton: bool = False
     topk: str = "fused"
     topk_order: str = "positions"
+    topk_short: str = "0"
     fused_glue: bool = True
     fused_sums: bool = True
     fused_moe: bool = True

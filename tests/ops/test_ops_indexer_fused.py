@@ -173,6 +173,26 @@ def test_indexer_topk_fused_equals_unfused(triton_cpu, group, interleaved, pendi
     assert torch.equal(indexer_topk(lazy, None, pages, bt, req, pos, bs, topk, group=group), want)
 
 
+def test_indexer_topk_short_rows_switch(triton_cpu, kernel_switches):
+    """``HISPARSE_TOPK_SHORT``: the engine's column-order selection with its rows taken by the
+    one-program kernel (every row here is short) equals the default launch's, into poisoned
+    workspaces (two passes of 4 rows)."""
+    T, Hi, D, rope, bs, P, R, topk = 7, 16, 128, 64, 16, 6, 3, 20
+    lazy = _queries(T, Hi, D, rope, False, torch.bfloat16)
+    pages = _pages(D, bs, R * P + 2)
+    bt = torch.randperm(R * P + 2)[:R * P].view(R, P).to(torch.int32)
+    req = torch.tensor([0, 0, 1, 1, -1, 2, 2], dtype=torch.int32)
+    pos = torch.tensor([90, 95, 60, 61, 9, 20, 5], dtype=torch.int32)
+    want = indexer_topk(lazy, None, pages, bt, req, pos, bs, topk,
+                        workspace=_poisoned_workspace(4, P * bs), ranked=False)
+    kernel_switches(topk_short="4096")
+    ws = _poisoned_workspace(4, P * bs)
+    ws.topk.long_lengths.fill_(-5)
+    got = indexer_topk(lazy, None, pages, bt, req, pos, bs, topk, workspace=ws, ranked=False)
+    assert torch.equal(got, want)
+    assert (ws.topk.long_lengths[:3] == 0).all()     # the last pass's rows: all short
+
+
 @pytest.mark.parametrize("case", ["bf16_keys", "fp8_indexer_off", "two_tiles", "reference"])
 def test_indexer_topk_lazy_queries_elsewhere_materialize(triton_cpu, kernel_switches, case):
     """Where the query kernel cannot take them (float keys, ``HISPARSE_FP8_INDEXER=0``, heads
