@@ -69,7 +69,8 @@ def compile_fused(columns: bool, sparse: int, block: int, arch: int):
 def compile_short(row: int, k: int, arch: int):
     """The short rows' kernel (``TopkLaunch(short_rows=row)``) as ``topk_select_triton``
     launches it for ``k``: the compiled kernel."""
-    const = dict(ROW=row, NB=RADIX_BINS, LEVELS=RADIX_LEVELS, KPAD=triton.next_power_of_2(k))
+    const = dict(ROW=row, NB=RADIX_BINS, LEVELS=RADIX_LEVELS,
+                 KPAD=max(16, triton.next_power_of_2(k)))
     names = tk._topk_short_kernel.arg_names
     ptrs = dict(keys_ptr="*i32", len_ptr="*i32", out_ptr="*i32", long_ptr="*i32")
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
@@ -77,7 +78,7 @@ def compile_short(row: int, k: int, arch: int):
              if n in ptrs or n.startswith("stride")}
     return triton.compile(ASTSource(tk._topk_short_kernel, sig, const, attrs),
                           target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=max(4, min(16, row // 512)), num_stages=1))
+                          options=dict(num_warps=tk.short_warps(row), num_stages=1))
 
 
 def _opcode(text: str) -> str:
@@ -131,7 +132,7 @@ def main() -> None:
     for short in (int(s) for s in args.short.split(",") if s):
         r = resources(True, 0, args.block, args.arch, short)
         print(f"short rows of {short} (one program a row, "
-              f"{max(4, min(16, short // 512))} warps): {r['registers']} registers, "
+              f"{tk.short_warps(short)} warps): {r['registers']} registers, "
               f"{r['stack_bytes']} B spill, {r['per_sm']} an SM, {r['instructions']} SASS",
               flush=True)
 

@@ -552,6 +552,12 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
                                  stride_q, NB, CH, LOG_CH, C, CPAD)
 
 
+def short_warps(row: int) -> int:
+    """Warps of the short rows' kernel for rows of ``row`` columns (8 keys a thread at
+    least, up to 16 warps: 4,096 -> 8, 8,192 -> 16; SM90 compile, Triton 3.6: no spill)."""
+    return min(16, max(1, row // 512))
+
+
 @triton.jit
 def _topk_short_kernel(keys_ptr, len_ptr, out_ptr, long_ptr, W, K, stride_k, stride_o,
                        ROW: tl.constexpr, NB: tl.constexpr, LEVELS: tl.constexpr,
@@ -844,8 +850,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     if cfg.sparse < 0:
         raise ValueError(f"topk_select: sparse must be >= 0, got {cfg.sparse}")
     sr = cfg.short_rows
-    if sr and (sr < 16 or sr > 16384 or sr & (sr - 1)):
-        raise ValueError(f"topk_select: short_rows must be 0 or a power of two in 16..16384, "
+    if sr and (sr < 16 or sr > 8192 or sr & (sr - 1)):
+        raise ValueError(f"topk_select: short_rows must be 0 or a power of two in 16..8192, "
                          f"got {sr}")
     if (cfg.per_sm is not None and cfg.per_sm < 1) or cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"topk_select: per_sm must be >= 1 and warps a power of two <= 16, "
@@ -866,11 +872,11 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     live = T <= LIVE_MAX_ROWS
     # column order's short rows: one program a row in registers, first; the launches below
     # then see only the longer rows (the others as empty, which they leave alone: no fill)
-    short = sr if sr and not ranked and live else 0
-    if short:
+    short = min(sr, next_pow2(max(W, 16))) if sr and not ranked and live else 0
+    if short:       # (a table narrower than short_rows: every row short, none wider than W)
         _topk_short_kernel[(T,)](keys, lengths, out, scratch.long_lengths, W, k, keys.stride(0),
                                  out.stride(0), ROW=short, NB=RADIX_BINS, LEVELS=RADIX_LEVELS,
-                                 KPAD=next_pow2(k), num_warps=max(4, min(16, short // 512)))
+                                 KPAD=max(16, next_pow2(k)), num_warps=short_warps(short))
         lengths = scratch.long_lengths[:T]
     common = dict(LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=cfg.block, STATE=STATE_OFFSET,
                   BAR=BAR_OFFSET, FOR_LOOP=not interpreted(), STAGES=cfg.stages, MAXS=MAX_SPLITS,

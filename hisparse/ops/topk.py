@@ -55,7 +55,7 @@ class TopkLaunch:
     atomics, not measured); ``short_rows``: column order only (``ranked=False``, up to
     ``LIVE_MAX_ROWS`` rows), rows of at most this many columns (a power of two, at most 16384)
     each taken by one program holding the row in registers, before the launch of the longer
-    rows (0: none; not yet timed on a GPU)."""
+    rows (0: none; at most 8192; not yet timed on a GPU)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
@@ -201,7 +201,9 @@ def topk_select(keys: torch.Tensor, lengths: torch.Tensor, k: int,
     threshold is resolved), a compaction of the selected (key, column) pairs into the sort
     scratch (``legacy``: of the columns into ``out``) and their sort: chunks sorted by several
     programs per row, then each entry written at its rank (the entries above it in every
-    chunk); one launch (``HISPARSE_TOPK``), no host sync, fixed launch shapes.
+    chunk); one launch (``HISPARSE_TOPK``), no host sync, fixed launch shapes. Column order
+    with ``launch.short_rows``: a launch before it takes the rows of at most that many
+    columns, one program a row (:attr:`TopkLaunch.short_rows`).
     """
     T = keys.shape[0]
     if k < 1:

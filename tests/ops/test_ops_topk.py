@@ -251,12 +251,13 @@ def test_triton_sparse_blocks_add_one_by_one(triton_cpu, sparse, splits, ranked)
 
 
 @pytest.mark.parametrize("mode", ["fused", "phased"])
-@pytest.mark.parametrize("short,k", [(64, 40), (256, 40), (64, 7), (256, 130)])
+@pytest.mark.parametrize("short,k", [(64, 40), (256, 40), (64, 7), (256, 130), (1024, 40)])
 def test_triton_short_rows_in_registers(triton_cpu, kernel_switches, mode, short, k):
     """``TopkLaunch(short_rows=n)``: rows of at most ``n`` columns by the one-program kernel
     (empty, shorter than k, decided at every digit, heavy ties, invalid keys), the longer ones
     by the launch after it, into one poisoned output: column order as the reference's, the
-    long rows' lengths handed over in the scratch (poisoned first)."""
+    long rows' lengths handed over in the scratch (poisoned first). 1024: past the table's
+    width, every row is short (the kernel holds ``next_pow2(W)`` columns, not 1024)."""
     kernel_switches(topk=mode)
     T, W = 8, 300
     keys = torch.cat([bucket_keys(5, W, seed=short + k), make_keys(3, W, 3, [W] * 3, seed=k)[0]])
@@ -271,7 +272,9 @@ def test_triton_short_rows_in_registers(triton_cpu, kernel_switches, mode, short
     got = topk_select(keys, lens, k, out=out, scratch=scratch, splits=3,
                       launch=TopkLaunch(block=32, short_rows=short), ranked=False)
     assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=False))
-    assert scratch.long_lengths.tolist() == [n if n > short else 0 for n in lens.tolist()]
+    row = min(short, 512)                                       # next_pow2(W)
+    assert scratch.long_lengths.tolist() == [min(n, W) if min(n, W) > row else 0
+                                             for n in lens.tolist()]
 
 
 def test_short_rows_limit_checked(triton_cpu):
