@@ -146,45 +146,28 @@ for section in "$@"; do
       run attn_stages 180 python3 benchmarks/probe_attention_stages.py \
         --out "$out/attn_stages.json"
       for cvt in native int; do HISPARSE_FP8_CONVERT=$cvt rank2k step2k_$cvt; done ;;
-    topk)    # issue 24: the top-k (seventeenth session: the collect's one atomic a program, 4
-             # programs an SM at many rows) against the tree before it, same call, new first;
-             # then the GPU tests of the top-k, its phase probe, its launch sweep, the launch
-             # over tables wider than the rows and where its programs run (~10 min).
-             # BASE: a directory holding `git archive 9a37a43` unpacked (the device's copy has
-             # no history)
-      base=$(cd "${BASE:?topk: BASE=directory of git archive 9a37a43}" && pwd) \
-        || { elapsed "topk: BASE (a directory) is not set"; continue; }
+    topk)    # issue 24: the top-k's ratios against torch.topk on the H200 (the H100's at
+             # de21877: docs/BENCHMARKS.md, twenty-ninth session), its GPU tests, its phase
+             # probe, the launch over the engine's table width (the bench's 32k + 512 outputs
+             # halfway through the decode, then a 163,840-column max_model_len) and the later
+             # digits' sparse blocks against none (~9 min)
       shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x40x2048,32768x48x2048
       shapes=$shapes,32768x64x2048
       shapes=$shapes,131072x8x2048,32768x24x4096,2304x96x2048,2112x96x2048
       export HISPARSE_TRITON_AUTOTUNE=0
       run topk_new 150 python3 benchmarks/bench_topk.py --only topk --topk-shapes $shapes \
         --out "$out/topk_new.json"
-      (cd "$base" && export PYTHONPATH=$base && run topk_base 150 python3 \
-        benchmarks/bench_topk.py --only topk --topk-shapes $shapes --out "$out/topk_base.json")
       GPU_TEST_FILES="tests/ops/test_ops_topk.py" skip_or_test
       run topk_phases 90 python3 benchmarks/probe_topk_phases.py --out "$out/topk_phases.json"
-      run topk_sweep 150 python3 benchmarks/bench_topk.py --only topk-sweep \
-        --sweep-shapes 32768x8x2048,32768x24x2048,32768x64x2048,2112x96x2048 \
-        --out "$out/topk_sweep.json"
-      # over the engine's table width (twenty-eighth session): the bench's 32k + 512 outputs
-      # with rows halfway through the decode, then a 163,840-column max_model_len
       run topk_wide33k 150 python3 benchmarks/bench_topk.py --only wide --table-width 33280 \
         --row-extra 256 --topk-shapes 32768x8x2048,32768x24x2048,32768x32x2048,32768x64x2048 \
         --out "$out/topk_wide33k.json"
       run topk_wide160k 150 python3 benchmarks/bench_topk.py --only wide --table-width 163840 \
         --topk-shapes 32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048,131072x16x2048 \
         --out "$out/topk_wide160k.json"
-      # where the programs run (the twenty-eighth session's lead): 24 rows x 32k at 4 and 3
-      # an SM, in the launch's order and spread, splits fitted to the rows or not; then 8 and
-      # 24 rows in a 163,840-column table (4 an SM spread and fitted: 2 or 3 an SM busy?)
-      run topk_place4 120 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
-        --per-sm 4 --spread 1,4 --fit 0,1 --out "$out/topk_place4.json"
-      run topk_place3 90 python3 benchmarks/probe_topk_phases.py --shapes 32768x24x2048 \
-        --per-sm 3 --spread 1,3 --out "$out/topk_place3.json"
-      run topk_place_wide 120 python3 benchmarks/probe_topk_phases.py --width 163840 \
-        --shapes 32768x8x2048,32768x24x2048 --per-sm 4 --spread 1,4 --fit 0,1 \
-        --out "$out/topk_place_wide.json"
+      run topk_sparse 150 python3 benchmarks/bench_topk.py --only sparse --sparse 0,64 \
+        --table-width 163840 --topk-shapes 32768x8x2048,32768x24x2048,131072x16x2048 \
+        --out "$out/topk_sparse.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     short)   # issues 24/25 (twenty-ninth session, CPU-built, never run on a GPU): column
              # order's short rows by one program a row holding the row in registers

@@ -1,7 +1,7 @@
 """Where the fused top-k launch's time goes, phase by phase (issue 24 item 1).
 
     PYTHONPATH=. python benchmarks/probe_topk_phases.py [--shapes 32768x8x2048,...]
-        [--per-sm P] [--width W] [--spread 1,4] [--fit 0,1] [--out F.json]
+        [--per-sm P] [--width W] [--out F.json]
 
 The fused launch (``hisparse/ops/_topk_triton.py``, ``_topk_select_kernel``'s one-launch branch)
 runs up to four histogram passes, a collect, a chunk sort and a merge, a row barrier after each
@@ -14,22 +14,20 @@ bench's inputs (``bench_topk._topk_inputs``: keys in L2 as in its graph replay) 
 per phase, the median over the programs that ran it of the cycles since the previous stamp (in
 us: cycles over the SM clock the spans give), and the launch's span in global-timer us.
 
-Where the programs ran (twenty-eighth session: at 24 rows x 32k, 4 programs an SM took
-1.15-1.22x the time of 3 with the same 16 two-block programs a row busy, splits fitted or not):
-each program also stores its hardware id, its SM (``%smid``) and its (row, split), and the
-probe reports per launch the SMs used, the most programs and key blocks on one SM and how
-often programs of consecutive hardware ids shared an SM (runs: the hardware fills an SM with
-consecutive ids; round robin: it deals them out). ``--spread G`` asks for the programs in
-another order (``SPREAD``: hardware id ``h`` serves program ``(h % G) * n / G + h // G``; an
-error where the grid is not a multiple of ``G``), ``--fit 1`` fits a row's splits to the longest
-live row (``FIT``), ``--width`` puts the rows in a wider table (an engine's graph launches over
-``max_model_len``); each variant is also timed in CUDA graphs (its stamps included).
+Where the programs ran: each program also stores its hardware id, its SM (``%smid``) and its
+(row, split), and the probe reports per launch the SMs used, the most programs and key blocks on
+one SM and how often programs of consecutive hardware ids shared an SM (runs: the hardware fills
+an SM with consecutive ids; round robin: it deals them out). ``--width`` puts the rows in a
+wider table (an engine's graph launches over ``max_model_len``); each launch is also timed in
+CUDA graphs (its stamps included). (At 24 rows x 32k, 4 programs an SM take ~1.15x the time of
+3: the twenty-eighth and twenty-ninth sessions asked for the programs in another order and
+fitted the splits to the rows, here as source edits; the hardware still put 4 active programs
+and 8 key blocks on an SM, so both edits were removed.)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import statistics
@@ -87,10 +85,6 @@ def _stamp(slot: str, indent: str) -> list[str]:
             f"{indent}tl.store({p}, _c)\n", f"{indent}tl.store({p} + 1, _g)\n"]
 
 
-# the program order: a launch of n programs, G of them an SM, asked for in G groups of n / G
-# consecutive program ids (``--spread``)
-SPREAD = ("    if (spread_g > 1) & (tl.num_programs(0) % spread_g == 0):\n"
-          "        pid = (pid % spread_g) * (tl.num_programs(0) // spread_g) + pid // spread_g\n")
 # after the start stamp, in the last three columns of the program's row: its hardware id
 # (``tl.program_id(0)``; the row is the program it serves), the SM it runs on and (row << 32 |
 # split << 16 | splits)
@@ -104,52 +98,26 @@ WHERE = ("_sm = tl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r,r', [pid], d
          "(row.to(tl.int64) << 32) | (sp.to(tl.int64) << 16) | SPLITS)\n")
 
 
-# ``--fit``: a live row's splits fitted to the longest live row (the fewest that keep its blocks
-# a split; the twenty-eighth session's patch), so that the programs past them exit at once
-FIT = {"def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):":
-       "def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr, W,\n"
-       "               BLOCK: tl.constexpr, fit_on):",
-       "    live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0\n":
-       "    lens = tl.load(len_ptr + offs, mask=offs < T, other=0)\n    live = lens > 0\n",
-       "    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)\n":
-       "    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)\n"
-       "    if fit_on != 0:\n"
-       "        blocks = tl.maximum((tl.minimum(tl.max(lens, 0), W) + BLOCK - 1) // BLOCK, 1)\n"
-       "        per = (blocks + splits - 1) // splits\n"
-       "        splits = (blocks + per - 1) // per\n",
-       "                                                               MOST, TPAD)":
-       "                                                               MOST, TPAD, W, BLOCK,\n"
-       "                                                               fit_on)",
-       # the probe's kernel (stamps, the program order, the fit) at 4 programs of 4 warps an
-       # SM, as the package's compiles: a register cap of 128
-       "                  num_warps=cfg.warps)":
-       "                  num_warps=cfg.warps, maxnreg=_MAXNREG)"}
+# the probe's kernel (stamps, where it ran) at 4 programs of 4 warps an SM, as the package's
+# compiles: a register cap of 128
+CAP = ("                  num_warps=cfg.warps)",
+       "                  num_warps=cfg.warps, maxnreg=_MAXNREG)")
 
 
-def instrumented_source(src: Path = SRC, stamps: bool = True) -> str:
-    """The module's text with ``stamp_ptr``, ``spread_g`` and ``fit_on`` arguments, the stamps
-    and where each program ran (module docstring), the program order ``spread_g`` asks for and
-    the splits ``fit_on`` fits (``FIT``), compiled at most 128 registers a thread.
-    ``stamps`` false: without the stamps (PTX the interpreter cannot run: a CPU test runs the
-    program order and the fit that way)."""
+def instrumented_source(src: Path = SRC) -> str:
+    """The module's text with a ``stamp_ptr`` argument, the stamps and where each program ran
+    (module docstring), compiled at most 128 registers a thread (``CAP``)."""
     text = src.read_text()
     sig = "stall_ptr, T, W, K, SPLITS,"
     call = "(keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, "
-    pid = "    pid = tl.program_id(0)\n"
-    for old in (sig, call, pid, *FIT):
+    for old in (sig, call, CAP[0]):
         if text.count(old) != 1:
             raise RuntimeError(f"probe_topk_phases: the kernel's source has changed: {old!r}")
-    text = text.replace(sig, "stall_ptr, stamp_ptr, spread_g, fit_on, T, W, K, SPLITS,")
-    text = text.replace(call, call + "_STAMPS, _SPREAD, _FIT, ")
-    text = text.replace(pid, pid + SPREAD)
-    for old, new in FIT.items():
-        text = text.replace(old, new)
+    text = text.replace(sig, "stall_ptr, stamp_ptr, T, W, K, SPLITS,")
+    text = text.replace(call, call + "_STAMPS, ")
+    text = text.replace(*CAP)
     text += ("\n_STAMPS = None   # the probe's [programs, 2 * SLOTS] int64 stamp buffer\n"
-             "_SPREAD = 1      # the probe's program order (SPREAD)\n"
-             "_FIT = 0         # 1: splits fitted to the longest live row (FIT)\n"
              "_MAXNREG = 128   # registers a thread\n")
-    if not stamps:
-        return text
     lines = text.splitlines(keepends=True)
     start = next(i for i, s in enumerate(lines) if s.startswith("def _topk_select_kernel"))
     end = next(i for i, s in enumerate(lines) if "else:   # one launch a phase" in s)
@@ -196,17 +164,13 @@ def placement(where: torch.Tensor, lens: torch.Tensor, W: int, block: int) -> di
             "next_on_same_sm": same}
 
 
-def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: int = 1,
-          fit: int = 0) -> dict:
+def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0) -> dict:
     """The stamps of one launch of ``T`` rows ``ctx`` long in a table of ``max(ctx, width)``
-    columns, programs asked for in ``spread`` groups (``SPREAD``), splits fitted to the rows
-    where ``fit`` (``FIT``); and the call's time in CUDA graphs (stamps included)."""
+    columns, and the call's time in CUDA graphs (stamps included)."""
     from hisparse.ops.topk import CUDA_BLOCK, TopkScratch, topk_select, topk_select_reference
     W = max(ctx, width)
     keys, _ = _topk_inputs(ctx, T, W)
     lens = torch.full((T,), ctx, dtype=torch.int32, device="cuda")
-    mod._SPREAD = spread
-    mod._FIT = fit
     scratch = TopkScratch(T, "cuda")
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     stamps = torch.full((T * 64 + 4096, 2 * SLOTS), -1, dtype=torch.int64, device="cuda")
@@ -221,10 +185,6 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
     s = stamps.cpu()
     ran = s[:, 0] >= 0
     s = s[ran]
-    served = ran.nonzero().flatten()                # the program each row of s served
-    if spread > 1 and torch.equal(s[:, 2 * SLOTS - 3], served):
-        raise RuntimeError(f"probe_topk_phases: --spread {spread} did not reorder the "
-                           f"programs (the grid is not a multiple of it)")
     where = placement(s[:, 2 * SLOTS - 3:], lens.cpu(), W,
                       (launch and launch.block) or CUDA_BLOCK)
     cyc = s[:, 0:2 * len(NAMES):2].double()
@@ -250,7 +210,7 @@ def probe(mod, ctx: int, T: int, k: int, launch=None, width: int = 0, spread: in
     graph_us = timeit_graph(lambda: topk_select(keys, lens, k, out=out, scratch=scratch,
                                                 launch=launch)) * 1e6
     assert torch.equal(out, topk_select_reference(keys, lens, k)) and scratch.stalls.item() == 0
-    return {"ctx": ctx, "rows": T, "k": k, "width": W, "spread": spread, "fit": fit,
+    return {"ctx": ctx, "rows": T, "k": k, "width": W,
             "programs": int(ran.sum()), "span_us": span_us, "start_skew_us": start_skew,
             "graph_us": graph_us, "sm_ghz": ghz, "placement": where, "phases": phases}
 
@@ -264,13 +224,6 @@ def main() -> None:
                     help="TopkLaunch.per_sm (default: the launch's own choice)")
     ap.add_argument("--width", type=int, default=0,
                     help="the table's columns (default: each shape's ctx, rows as wide)")
-    ap.add_argument("--spread", default="1",
-                    help="program orders, comma-separated: 1 the launch's; G > 1 the n "
-                         "programs asked for in G groups of n / G ids (G = programs an SM "
-                         "spreads each SM's run of ids over the rows if the hardware fills "
-                         "SMs in runs)")
-    ap.add_argument("--fit", default="0",
-                    help="0 / 1, comma-separated: splits fitted to the longest live row (FIT)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hisparse.ops.topk import TopkLaunch
@@ -279,22 +232,19 @@ def main() -> None:
     res = []
     for shape in args.shapes.split(","):
         ctx, T, k = (int(x) for x in shape.split("x"))
-        for spread, fit in itertools.product((int(g) for g in args.spread.split(",")),
-                                             (int(f) for f in args.fit.split(","))):
-            r = probe(mod, ctx, T, k, launch, args.width, spread, fit)
-            res.append(r)
-            pl = r["placement"]
-            print(f"\n{ctx} x {T} of {r['width']} columns, k {k}, spread {spread}, fit {fit}: "
-                  f"{r['graph_us']:.1f} us a call in graphs; {r['programs']} programs, span "
-                  f"{r['span_us']:.1f} us (start skew {r['start_skew_us']:.1f}), SM "
-                  f"{r['sm_ghz']:.2f} GHz; {pl['sms']} SMs, at "
-                  f"most {pl['most_programs']} programs and {pl['busiest_blocks']} key blocks "
-                  f"an SM (mean {pl['mean_blocks']:.1f}); next program on the same SM "
-                  f"{pl['next_on_same_sm']:.2f}")
-            print("  phase        programs  median us  max us")
-            for name, p in r["phases"].items():
-                print(f"  {name:<12} {p['programs']:>8}  {p['median_us']:>9.2f}  "
-                      f"{p['max_us']:>6.2f}")
+        r = probe(mod, ctx, T, k, launch, args.width)
+        res.append(r)
+        pl = r["placement"]
+        print(f"\n{ctx} x {T} of {r['width']} columns, k {k}: {r['graph_us']:.1f} us a call "
+              f"in graphs; {r['programs']} programs, span {r['span_us']:.1f} us (start skew "
+              f"{r['start_skew_us']:.1f}), SM {r['sm_ghz']:.2f} GHz; {pl['sms']} SMs, at "
+              f"most {pl['most_programs']} programs and {pl['busiest_blocks']} key blocks "
+              f"an SM (mean {pl['mean_blocks']:.1f}); next program on the same SM "
+              f"{pl['next_on_same_sm']:.2f}")
+        print("  phase        programs  median us  max us")
+        for name, p in r["phases"].items():
+            print(f"  {name:<12} {p['programs']:>8}  {p['median_us']:>9.2f}  "
+                  f"{p['max_us']:>6.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

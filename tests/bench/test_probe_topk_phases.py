@@ -1,13 +1,11 @@
 """benchmarks/probe_topk_phases.py edits a copy of the top-k kernel's source: every phase of the
-one-launch branch gets its stamp, the start where the program ran, and the edit adds only those,
-the program order and the fitted splits (a stale marker would cost a GPU call)."""
+one-launch branch gets its stamp, the start where the program ran, and the edit adds only those
+and the register cap (a stale marker would cost a GPU call)."""
 
 from __future__ import annotations
 
 import ast
 import re
-
-import pytest
 
 
 def test_every_phase_stamped_and_nothing_else_changed(load_bench):
@@ -23,15 +21,12 @@ def test_every_phase_stamped_and_nothing_else_changed(load_bench):
     assert text.count("_sm = tl.inline_asm_elementwise('mov.u32 $0, %smid;'") == 1
     where = r"tl\.store\(stamp_ptr \+ pid\.to\(tl\.int64\) \* (\d+) \+ (\d+), "
     assert sorted(re.findall(where, text)) == [("32", "29"), ("32", "30"), ("32", "31")]
-    assert text.count(probe.SPREAD) == 1
-    text = text.replace(probe.SPREAD, "")
-    for old, new in probe.FIT.items():
-        assert text.count(new) == 1, new
-        text = text.replace(new, old)
+    assert text.count(probe.CAP[1]) == 1
+    text = text.replace(probe.CAP[1], probe.CAP[0])
     kept = [line for line in text.splitlines(keepends=True)
             if not re.match(r"\s*(_c = |_g = |_sm = |tl\.store\(stamp_ptr)", line)]
-    restored = "".join(kept).replace("stall_ptr, stamp_ptr, spread_g, fit_on,", "stall_ptr,")
-    restored = restored.replace("scratch.stalls, _STAMPS, _SPREAD, _FIT, ", "scratch.stalls, ")
+    restored = "".join(kept).replace("stall_ptr, stamp_ptr,", "stall_ptr,")
+    restored = restored.replace("scratch.stalls, _STAMPS, ", "scratch.stalls, ")
     restored = restored.split("\n_STAMPS = None")[0]
     assert restored == src
 
@@ -52,54 +47,3 @@ def test_placement_counts_each_sms_programs_and_key_blocks(load_bench):
     got = probe.placement(where, torch.tensor([4096, 2500]), 8192, 1024)
     assert got == {"sms": 3, "most_programs": 2, "busiest_blocks": 4, "mean_blocks": 7 / 3,
                    "next_on_same_sm": 1 / 3}
-
-
-@pytest.mark.parametrize("spread", [1, 4])
-@pytest.mark.parametrize("ranked", [True, False])
-def test_program_order_and_fitted_splits_keep_the_selection(load_bench, kernel_switches,
-                                                            spread, ranked):
-    """The probe's kernel (without the stamps, which the interpreter cannot run) with its
-    programs asked for in another order and the splits fitted to the longest live row
-    selects what the reference does: one live row of 10 blocks takes 5 splits of the 8
-    programs, two take 4 each (no fit), the order a permutation of the grid."""
-    import sys
-
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test")
-    kernel_switches(force_triton=True, topk="fused")
-    probe = load_bench("probe_topk_phases")
-    from kernel_copy import load_ops_module
-
-    from hisparse.ops.topk import (
-        TopkLaunch,
-        TopkScratch,
-        orderable_keys,
-        topk_select,
-        topk_select_reference,
-    )
-    name = "hisparse.ops._topk_triton"
-    before = sys.modules.get(name)
-    try:
-        mod = load_ops_module("_topk_triton", text=probe.instrumented_source(stamps=False))
-        mod._SPREAD, mod._FIT = spread, 1
-        g = torch.Generator().manual_seed(spread)
-        T, W, k = 8, 640, 48
-        for lengths in ([600] + [0] * 7, [0, 0, 600, 0, 0, 333, 0, 0]):
-            keys = orderable_keys(torch.randint(-40, 40, (T, W), generator=g).float())
-            lens = torch.tensor(lengths, dtype=torch.int32)
-            keys[torch.arange(W)[None, :] >= lens[:, None]] = 2**31 - 1   # never read
-            scratch = TopkScratch(T, "cpu")
-            scratch.split_hist.fill_(-5)
-            got = topk_select(keys, lens, k, scratch=scratch, ranked=ranked,
-                              launch=TopkLaunch(block=64, sort_chunk=16))
-            assert torch.equal(got, topk_select_reference(keys, lens, k, ranked=ranked))
-            used = 5 if lengths[0] else 8                   # the split slots the programs wrote
-            assert (scratch.split_hist[:used, 0] != -5).all()
-            assert (scratch.split_hist[used:] == -5).all()
-    finally:
-        if before is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = before
