@@ -228,7 +228,8 @@ def test_fp8_lossless_through_the_triton_kernels(dsv32_path, monkeypatch):
     monkeypatch.setenv("HISPARSE_FUSED_GLUE", "0")
     monkeypatch.setattr(indexer_mod, "topk_select",
                         lambda keys, lengths, k, out, scratch=None, hist_zeroed=False,
-                        ranked=True: out.copy_(topk_select_reference(keys, lengths, k, ranked)))
+                        ranked=True, launch=None:
+                        out.copy_(topk_select_reference(keys, lengths, k, ranked)))
     # and the routed experts (fp32 weights: not the FP8 KV path; tests/ops/test_ops_moe.py)
     from functools import partial
 
