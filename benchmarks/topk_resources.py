@@ -41,10 +41,24 @@ from hisparse.ops import _topk_triton as tk  # noqa: E402
 from hisparse.ops._common import MAX_SPLITS, RADIX_BINS, RADIX_LEVELS  # noqa: E402
 
 POINTERS = dict(keys_ptr="*i32", len_ptr="*i32", hist_ptr="*i32", split_ptr="*i32",
-                count_ptr="*i32", out_ptr="*i32", sorted_ptr="*i64", stall_ptr="*i32")
+                count_ptr="*i32", out_ptr="*i32", sorted_ptr="*i64", stall_ptr="*i32",
+                long_ptr="*i32")
 WARPS = 4
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 COUNTED = ("VOTE", "POPC", "REDG")
+
+
+def _compile(kernel, const: dict, pointers: dict, warps: int, stages: int, arch: int):
+    """``kernel`` compiled for ``arch`` with ``const`` constexprs, ``pointers`` typed as given
+    and the other arguments int32; pointers and strides specialized as a real launch does
+    (multiples of 16)."""
+    names = kernel.arg_names
+    const = {n: v for n, v in const.items() if n in names}
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in pointers or n.startswith("stride")}
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
 
 
 def compile_fused(columns: bool, sparse: int, block: int, arch: int):
@@ -56,14 +70,7 @@ def compile_fused(columns: bool, sparse: int, block: int, arch: int):
                  LOG_CH=8, C=8, CPAD=8, MAXS=MAX_SPLITS, SPIN=tk.SPIN_POLLS, LIVE=True,
                  TPAD=tk.LIVE_MAX_ROWS, FILL=True, RANKED=not columns, COLUMNS=columns,
                  SPARSE=min(sparse, block))
-    names = tk._topk_select_kernel.arg_names
-    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
-    # as a real launch specializes them: pointers and strides multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in POINTERS or n.startswith("stride")}
-    return triton.compile(ASTSource(tk._topk_select_kernel, sig, const, attrs),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=WARPS, num_stages=2))
+    return _compile(tk._topk_select_kernel, const, POINTERS, WARPS, 2, arch)
 
 
 def compile_short(row: int, k: int, arch: int):
@@ -71,14 +78,7 @@ def compile_short(row: int, k: int, arch: int):
     launches it for ``k``: the compiled kernel."""
     const = dict(ROW=row, NB=RADIX_BINS, LEVELS=RADIX_LEVELS,
                  KPAD=max(16, triton.next_power_of_2(k)))
-    names = tk._topk_short_kernel.arg_names
-    ptrs = dict(keys_ptr="*i32", len_ptr="*i32", out_ptr="*i32", long_ptr="*i32")
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in ptrs or n.startswith("stride")}
-    return triton.compile(ASTSource(tk._topk_short_kernel, sig, const, attrs),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=tk.short_warps(row), num_stages=1))
+    return _compile(tk._topk_short_kernel, const, POINTERS, tk.short_warps(row), 1, arch)
 
 
 def _opcode(text: str) -> str:

@@ -145,6 +145,33 @@ def _store_state(h_row, L: tl.constexpr, level, pre, cgt, need, done, STATE: tl.
 
 
 @triton.jit
+def _load_keys(base, offs, hi):
+    """Keys ``base[offs]`` below ``hi`` (``INT32_MIN`` past it) and which are valid."""
+    m = offs < hi
+    s = tl.load(base + offs, mask=m, other=-2147483648)
+    return s, m & (s != -2147483648)
+
+
+@triton.jit
+def _digit(s, ok, prefix, LEVEL: tl.constexpr):
+    """Digit ``LEVEL`` (bits ``31-8L..24-8L`` of the unsigned key) of keys ``s``, and which
+    of the valid ``ok`` match ``prefix`` (the higher digits; 32-bit compares)."""
+    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
+    if LEVEL > 0:
+        ok = ok & ((u >> (32 - 8 * LEVEL)) == prefix.to(tl.uint32))
+    return ok, ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+
+
+@triton.jit
+def _final_prefix(level, pre):
+    """The resolved state's ``(prefix, shift)`` as uint32 for :func:`_place_selected`: the
+    ``level`` digits of a key (level 4: all of them) against ``pre``; level 0 takes every
+    valid column (shift 0 against prefix 0: only ``INT32_MIN``'s unsigned key is 0)."""
+    return (tl.where(level == 0, 0, pre).to(tl.uint32),
+            tl.where(level == 0, 0, 32 - 8 * level).to(tl.uint32))
+
+
+@triton.jit
 def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
                 NB: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
@@ -153,13 +180,8 @@ def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
     the split's (``split_lv``) histograms of the digit (atomics) and returns zeros: the
     histogram's cost is per column of the block, matching or not."""
     offs = start + tl.arange(0, BLOCK)
-    m = offs < hi
-    s = tl.load(base + offs, mask=m, other=-2147483648)
-    ok = m & (s != -2147483648)
-    u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
-    if LEVEL > 0:
-        ok = ok & ((u >> (32 - 8 * LEVEL)) == prefix.to(tl.uint32))  # 32-bit compares
-    d = ((u >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+    s, ok = _load_keys(base, offs, hi)
+    ok, d = _digit(s, ok, prefix, LEVEL)
     if LEVEL == 0:
         h = tl.histogram(d, NB, mask=ok)
     else:   # past the first digit most blocks hold few columns of the threshold bucket
@@ -176,21 +198,28 @@ def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
 @triton.jit
 def _collect_block(base, o_row, start, hi, prefix, shift, cgt, need, slot_base, tie_base, K,
                    BLOCK: tl.constexpr, PACKED: tl.constexpr, COLUMNS: tl.constexpr):
-    """Write the selected columns of one block into their slots (``PACKED``: as packed
-    ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's sort scratch ``o_row``; else the
-    column into the row of ``out``): the columns above the prefix from ``slot_base`` on, the
-    tied ones at ``cgt + tie_base`` on (column order); ``COLUMNS``: every selected column at
-    its final slot in column order, ``slot_base`` (columns above the prefix before the block)
-    plus the selected ties before it, ``min(tie_base + ties so far, need)``. ``prefix`` and
-    ``shift`` are uint32: a column is above (equal to) the prefix where its unsigned key
-    shifted right by ``shift`` is. Returns both bases past the block."""
+    """:func:`_place_selected` over columns ``start .. start + BLOCK - 1`` (``< hi``)."""
     tl.static_assert(BLOCK <= 16384, "a block's two counts share one int32 prefix sum")
     offs = start + tl.arange(0, BLOCK)
-    m = offs < hi
-    s = tl.load(base + offs, mask=m, other=-2147483648)
-    ok = m & (s != -2147483648)
+    s, ok = _load_keys(base, offs, hi)
+    return _place_selected(o_row, s, ok, offs, prefix, shift, cgt, need, slot_base, tie_base,
+                           K, PACKED, COLUMNS)
+
+
+@triton.jit
+def _place_selected(o_row, s, ok, offs, prefix, shift, cgt, need, slot_base, tie_base, K,
+                    PACKED: tl.constexpr, COLUMNS: tl.constexpr):
+    """Write the selected columns ``offs`` (keys ``s``, valid ``ok``; fewer than 65,536) into
+    their slots (``PACKED``: as packed ``(key << 32) | (2^32 - 1 - col)`` int64 into the row's
+    sort scratch ``o_row``; else the column into the row of ``out``): the columns above the
+    prefix from ``slot_base`` on, the tied ones at ``cgt + tie_base`` on (column order);
+    ``COLUMNS``: every selected column at its final slot in column order, ``slot_base``
+    (columns above the prefix before these) plus the selected ties before it, ``min(tie_base
+    + ties so far, need)``. ``prefix`` and ``shift`` are uint32 (:func:`_final_prefix`): a
+    column is above (equal to) the prefix where its unsigned key shifted right by ``shift``
+    is. Returns both bases past these columns."""
     u = (s ^ -2147483648).to(tl.uint32, bitcast=True)
-    pref = u >> shift               # unsigned 32-bit (level 0: shift 0, prefix 0 < every u)
+    pref = u >> shift
     gt = ok & (pref > prefix)
     tie = ok & (pref == prefix)
     both = gt.to(tl.int32) | (tie.to(tl.int32) << 16)               # one scan for both counts
@@ -332,10 +361,7 @@ def _collect_phase(keys_ptr, len_ptr, h_row, split_ptr, count_ptr, out_ptr, sort
     tie_base = tl.sum(tl.load(s_row + s2 * stride_s + lv * NB + dig, mask=s2 < sp, other=0,
                               cache_modifier=".cg"), 0)
     tie_base = tl.where(level == 0, 0, tie_base)    # level 0 has no ties (all above -1)
-    # in 32 bits: the resolved level's digits of a key (level 4: all of them) against the
-    # prefix; level 0 takes every valid column (its unsigned key is above 0: INT32_MIN's is 0)
-    shift = tl.where(level == 0, 0, 32 - 8 * level).to(tl.uint32)
-    prefix32 = tl.where(level == 0, 0, prefix).to(tl.uint32)
+    prefix32, shift = _final_prefix(level, prefix)
     base = keys_ptr + row.to(tl.int64) * stride_k
     if PACKED:
         o_row = sorted_ptr + row.to(tl.int64) * stride_q
@@ -573,10 +599,7 @@ def _topk_short_kernel(keys_ptr, len_ptr, out_ptr, long_ptr, W, K, stride_k, str
     tl.store(long_ptr + t, tl.where(n > ROW, n, 0))
     if n <= ROW:
         offs = tl.arange(0, ROW)
-        m = offs < n
-        s = tl.load(keys_ptr + t.to(tl.int64) * stride_k + offs, mask=m, other=-2147483648)
-        ok = m & (s != -2147483648)
-        u = (s ^ -2147483648).to(tl.uint32, bitcast=True)               # unsigned order
+        s, ok = _load_keys(keys_ptr + t.to(tl.int64) * stride_k, offs, n)
         total = tl.sum(ok.to(tl.int32), 0)
         level = total * 0
         pre = level.to(tl.int64)
@@ -585,25 +608,13 @@ def _topk_short_kernel(keys_ptr, len_ptr, out_ptr, long_ptr, W, K, stride_k, str
         done = (total <= K).to(tl.int32)        # at most k valid columns: all of them
         for L in tl.static_range(LEVELS):
             if done == 0:
-                if L == 0:
-                    match = ok
-                else:
-                    match = ok & ((u >> (32 - 8 * L)) == pre.to(tl.uint32))
-                d = ((u >> (24 - 8 * L)) & 0xFF).to(tl.int32)
+                match, d = _digit(s, ok, pre, L)
                 h = tl.histogram(d, NB, mask=match)
                 level, pre, cgt, need, done = _advance(h, K, L, level, pre, cgt, need, done,
                                                        NB)
-        # as the collect (_collect_block, COLUMNS): level 0 takes every valid column
-        shift = tl.where(level == 0, 0, 32 - 8 * level).to(tl.uint32)
-        pref = u >> shift
-        p32 = tl.where(level == 0, 0, pre).to(tl.uint32)
-        gt = ok & (pref > p32)
-        tie = ok & (pref == p32)
-        run = tl.cumsum(gt.to(tl.int32) | (tie.to(tl.int32) << 16), 0)  # both counts, one scan
-        rank = ((run >> 16) & 65535) - 1
-        slot = (run & 65535) + tl.minimum(rank + 1, need) - 1
         o_row = out_ptr + t.to(tl.int64) * stride_o
-        tl.store(o_row + slot, offs, mask=(gt | (tie & (rank < need))) & (slot < K))
+        prefix32, shift = _final_prefix(level, pre)
+        _place_selected(o_row, s, ok, offs, prefix32, shift, cgt, need, 0, 0, K, False, True)
         j = tl.arange(0, KPAD)
         tl.store(o_row + j, tl.full([KPAD], -1, tl.int32),
                  mask=(j >= tl.minimum(total, K)) & (j < K))
