@@ -371,7 +371,8 @@ def main():
     ap.add_argument("--table-width", type=int, default=163840,
                     help="the old path's width (max_model_len); 0: each context's own")
     ap.add_argument("--row-extra", type=int, default=0,
-                    help="--only wide: rows ctx + this long (a decode's rows past the prompt)")
+                    help="--only wide, sparse, short: rows ctx + this long (a decode's rows past "
+                         "the prompt)")
     ap.add_argument("--sparse", default="0,16,64,256",
                     help="--only sparse: TopkLaunch.sparse values (0 first: the baseline)")
     ap.add_argument("--short", default="4096,8192",
