@@ -172,13 +172,13 @@ def _final_prefix(level, pre):
 
 
 @triton.jit
-def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
+def _hist_block(base, start, hi, prefix, split_lv, LEVEL: tl.constexpr,
                 NB: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     """Histogram of digit ``LEVEL`` over columns ``start .. start + BLOCK - 1`` (``< hi``)
     that are valid and match ``prefix`` on the higher digits. Past the first digit a block
-    with at most ``SPARSE`` such columns adds them one by one into the row's (``hist_lv``) and
-    the split's (``split_lv``) histograms of the digit (atomics) and returns zeros: the
-    histogram's cost is per column of the block, matching or not."""
+    with at most ``SPARSE`` such columns adds them one by one into the split's histogram of
+    the digit (``split_lv``; atomics, the program's own: no other program contends) and
+    returns zeros: the histogram's cost is per column of the block, matching or not."""
     offs = start + tl.arange(0, BLOCK)
     s, ok = _load_keys(base, offs, hi)
     ok, d = _digit(s, ok, prefix, LEVEL)
@@ -190,7 +190,6 @@ def _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL: tl.constexpr,
         if n > SPARSE:
             h = tl.histogram(d, NB, mask=ok)
         elif n > 0:
-            tl.atomic_add(hist_lv + d, 1, mask=ok, sem="relaxed")
             tl.atomic_add(split_lv + d, 1, mask=ok, sem="relaxed")
     return h
 
@@ -285,9 +284,9 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
                BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                SPARSE: tl.constexpr):
     """Digit ``LEVEL``'s histogram over the program's columns matching ``prefix`` (none once
-    ``done``): added into the row's global histogram and written to the program's split slot
+    ``done``): written to the program's split slot and added into the row's global histogram
     (``SPARSE`` > 0 past the first digit: the slot is zeroed first, then added into, as the
-    sparse blocks add theirs: :func:`_hist_block`)."""
+    sparse blocks add theirs (:func:`_hist_block`), and the row's gets the slot's sum once)."""
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
@@ -300,19 +299,19 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
     acc = tl.zeros([NB], dtype=tl.int32)
     if FOR_LOOP:
         for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            acc += _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL, NB, BLOCK,
-                               SPARSE)
+            acc += _hist_block(base, start, hi, prefix, split_lv, LEVEL, NB, BLOCK, SPARSE)
     else:   # the interpreter of triton 3.6 cannot take loaded bounds in a `for`
         start = lo
         while start < hi:
-            acc += _hist_block(base, start, hi, prefix, hist_lv, split_lv, LEVEL, NB, BLOCK,
-                               SPARSE)
+            acc += _hist_block(base, start, hi, prefix, split_lv, LEVEL, NB, BLOCK, SPARSE)
             start += BLOCK
-    tl.atomic_add(hist_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
     if LEVEL > 0 and SPARSE > 0:
         tl.atomic_add(split_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
+        tl.debug_barrier()      # every thread's additions precede the slot's read
+        acc = tl.load(split_lv + offs_b, cache_modifier=".cg")
     else:
         tl.store(split_lv + offs_b, acc)
+    tl.atomic_add(hist_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
 
 
 @triton.jit

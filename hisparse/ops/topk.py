@@ -53,9 +53,9 @@ class TopkLaunch:
     never; 64: 0.76-0.96x the time of 0 at 8-64 rows x 32k and 8-24 x 128k on the H100 with
     Triton 3.6, whose histograms are warp ballots; Triton 3.8+ lowers them to shared-memory
     atomics, not measured); ``short_rows``: column order only (``ranked=False``, up to
-    ``LIVE_MAX_ROWS`` rows), rows of at most this many columns (a power of two, at most 16384)
-    each taken by one program holding the row in registers, before the launch of the longer
-    rows (0: none; at most 8192; not yet timed on a GPU)."""
+    ``LIVE_MAX_ROWS`` rows), rows of at most this many columns (0: none; else a power of two
+    in 16..8192) each taken by one program holding the row in registers, before the launch
+    of the longer rows (not yet timed on a GPU)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
