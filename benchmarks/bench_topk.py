@@ -232,41 +232,27 @@ def _wide_inputs(ctx, T, k, table_width, row_extra):
 def bench_wide(res, shapes, table_width, row_extra):
     """The fused launch over the whole table (``--table-width`` columns: a CUDA graph's
     ``max_model_len``), its rows ``ctx + row_extra`` long, as the engine launches it: 2, 3
-    and 4 programs an SM and the default's pick (``_topk_triton._per_sm``, which sees the
-    width, not the lengths), both orders, against ``torch.topk`` over the width."""
+    and 4 programs an SM, both orders, against ``torch.topk`` over the width; each row of
+    JSON also names the default's pick (``_topk_triton._per_sm``, which sees the width, not
+    the lengths)."""
     from hisparse.ops import _topk_triton as tk
 
     sms = tk._num_sms(torch.cuda.current_device())
-    print(f"\ntop-k over a {table_width}-column table, rows ctx + {row_extra} long: us per "
-          f"call (graph replay) at p programs an SM; rule: the default's pick")
-    print(f"  {'ctx':>6} {'rows':>4} {'k':>4} {'ord':>4} | {'p=2':>6} {'p=3':>6} {'p=4':>6} "
-          f"{'rule':>4} | {'torch@W':>7} {'rule/t@W':>8} {'best/t@W':>8}")
-    for ctx, T, k in shapes:
-        W, keys, lens, scratch, out, t_w = _wide_inputs(ctx, T, k, table_width, row_extra)
-        pick = tk._per_sm(T, W, sms, TopkLaunch(block=CUDA_BLOCK),
-                          scratch.split_hist.shape[0])
-        for ranked in (False, True):
-            want = topk_select_reference(keys, lens, k, ranked=ranked)
-            t = {}
-            for p in (2, 3, 4):
-                t[p] = _timed_select(keys, lens, k, out, scratch, "fused", TopkLaunch(per_sm=p),
-                                     ranked)
-                assert torch.equal(out, want), (ctx, T, k, p, ranked)
-            assert scratch.stalls.item() == 0
-            res.append(dict(bench="topk_wide", ctx=ctx, row_len=ctx + row_extra, rows=T, k=k,
-                            table_width=W, ranked=ranked, pick=pick, torch_table_us=t_w * 1e6,
-                            **{f"per_sm{p}_us": v * 1e6 for p, v in t.items()}))
-            print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | "
-                  + " ".join(f"{t[p] * 1e6:6.1f}" for p in (2, 3, 4))
-                  + f" {pick:>4} | {t_w * 1e6:7.1f} {t[pick] / t_w:8.3f} "
-                  f"{min(t.values()) / t_w:8.3f}", flush=True)
+
+    def pick(T, W, scratch):
+        return dict(pick=tk._per_sm(T, W, sms, TopkLaunch(block=CUDA_BLOCK),
+                                    scratch.split_hist.shape[0]))
+
+    bench_variants(res, shapes, table_width, row_extra,
+                   {f"per_sm{p}": TopkLaunch(per_sm=p) for p in (2, 3, 4)}, (False, True),
+                   "topk_wide", extra=pick)
 
 
-def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench):
+def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench, extra=None):
     """The fused launch under each named ``TopkLaunch`` of ``variants`` (``best/1st``: against
     the first) over the whole ``--table-width`` table, rows ``ctx + row_extra`` long, in each
     of ``orders`` (``ranked`` values), against ``torch.topk`` over the width; rows of JSON
-    ``bench``."""
+    ``bench``, each with ``extra(rows, width, scratch)``'s items (printed after the shape)."""
     names = list(variants)
     print(f"\ntop-k, {bench}: us per call (graph replay), {table_width}-column table, rows ctx "
           f"+ {row_extra}")
@@ -274,6 +260,7 @@ def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench)
           + f" | {'torch@W':>7} {'best/1st':>8} {'best/t@W':>8}")
     for ctx, T, k in shapes:
         W, keys, lens, scratch, out, t_w = _wide_inputs(ctx, T, k, table_width, row_extra)
+        more = extra(T, W, scratch) if extra else {}
         for ranked in orders:
             want = topk_select_reference(keys, lens, k, ranked=ranked)
             t = {}
@@ -282,13 +269,13 @@ def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench)
                 assert torch.equal(out, want), (ctx, T, k, name, ranked)
             assert scratch.stalls.item() == 0
             res.append(dict(bench=bench, ctx=ctx, row_len=ctx + row_extra, rows=T, k=k,
-                            table_width=W, ranked=ranked, torch_table_us=t_w * 1e6,
+                            table_width=W, ranked=ranked, torch_table_us=t_w * 1e6, **more,
                             **{f"{n}_us": v * 1e6 for n, v in t.items()}))
             best = min(t.values())
             print(f"  {ctx:>6} {T:>4} {k:>4} {'rank' if ranked else 'cols'} | "
                   + " ".join(f"{t[n] * 1e6:8.1f}" for n in names)
-                  + f" | {t_w * 1e6:7.1f} {best / t[names[0]]:8.3f} {best / t_w:8.3f}",
-                  flush=True)
+                  + f" | {t_w * 1e6:7.1f} {best / t[names[0]]:8.3f} {best / t_w:8.3f}"
+                  + "".join(f" {key}={v}" for key, v in more.items()), flush=True)
 
 
 def _score_case(ctx, T, group, bs, Hi, D, configs=(None,), kinds=("fp8", "bf16")):
