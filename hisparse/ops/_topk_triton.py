@@ -254,8 +254,8 @@ def _place_selected(o_row, s, ok, offs, prefix, shift, cgt, need, slot_base, tie
 def _barrier(h_row, idx, SPLITS, stall_ptr, BAR: tl.constexpr, SPIN: tl.constexpr):
     """Wait until the row's ``SPLITS`` programs have all finished phase ``idx`` (fused launch
     only: one arrival counter per phase in the row's hist state, zeroed by each call). Safe
-    because the launch is sized to be resident at once (``_launch_config``). A wait is
-    bounded (``SPIN`` polls, about a second):
+    because a row's programs are adjacent in launch order and the launch is sized to be
+    resident at once (``_launch_config``). A wait is bounded (``SPIN`` polls, about a second):
     one that runs out is counted in ``stall_ptr`` (``TopkScratch.stalls``, never expected)
     rather than wedging the GPU; returns 1 then (else 0)."""
     tl.debug_barrier()                      # every thread's writes of the phase precede ...
@@ -462,25 +462,21 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
     """The programs of a launch over the rows with a non-empty prefix (``lengths > 0``; a
     graph bucket's padding rows are empty): ``SPLITS = min(MOST, PROGRAMS // live rows)``
-    programs per live row, program ``pid`` serving split ``pid // live rows`` of the ``pid %
-    live rows``-th live row (its split slots from ``ordinal * SPLITS``): every row's first
-    splits come first in launch order, so where a row leaves its later splits idle (column
-    order, rows shorter than the table) the busy programs are the first ones, spread over
-    the SMs. Returns ``(row, sp, slot0, SPLITS, active, empty_row)``: ``active`` false past
-    the live rows' programs; ``empty_row``, the ``pid``-th empty row (-1 none), is this
-    program's to fill with -1."""
+    programs per live row, program ``pid`` serving split ``pid % SPLITS`` of the ``pid //
+    SPLITS``-th live row (its split slots from ``pid - sp``). Returns ``(row, sp, slot0,
+    SPLITS, active, empty_row)``: ``active`` false past the live rows' programs;
+    ``empty_row``, the ``pid``-th empty row (-1 none), is this program's to fill with -1."""
     offs = tl.arange(0, TPAD)
     live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0
     empty = (offs < T) & (~live)
     n_live = tl.sum(live.to(tl.int32), 0)
     splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
-    n_rows = tl.maximum(n_live, 1)
-    ordinal = pid % n_rows
-    sp = pid // n_rows
+    ordinal = pid // splits
+    sp = pid % splits
     row = tl.sum(tl.where(live & (tl.cumsum(live.to(tl.int32), 0) == ordinal + 1), offs, 0), 0)
     empty_row = tl.sum(tl.where(empty & (tl.cumsum(empty.to(tl.int32), 0) == pid + 1),
                                 offs + 1, 0), 0) - 1
-    return row, sp, ordinal * splits, splits, (sp < splits) & (n_live > 0), empty_row
+    return row, sp, ordinal * splits, splits, ordinal < n_live, empty_row
 
 
 @triton.jit
@@ -929,7 +925,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         # programs over the live rows (a batch's padding rows are empty): up to the per-row
         # cap a full launch has, or the caller's own split count; a fused launch of its own
         # splits spreads all the programs that are resident at once (each its own split
-        # slot), the grid at least one program a row
+        # slot), a row's programs adjacent, the grid at least one program a row
         most = splits if cfg.splits is not None else _row_cap(W, cfg, mode)
         programs = T * splits
         if live and fused and cfg.splits is None:
