@@ -87,17 +87,6 @@ def _row_span(len_ptr, row, sp, W, SPLITS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_programs(len_ptr, row, W, SPLITS, BLOCK: tl.constexpr):
-    """How many of the row's ``SPLITS`` programs have columns (:func:`_row_span`): at least 1.
-    The spans of ``_row_span(..., returned value, ...)`` are the same as with ``SPLITS``
-    (``per`` rounds up to whole blocks, so ``ceil(n / per)`` programs give the same ``per``)."""
-    n = tl.load(len_ptr + row)
-    n = tl.minimum(tl.maximum(n, 0), W)
-    per = ((n + SPLITS - 1) // SPLITS + BLOCK - 1) // BLOCK * BLOCK
-    return tl.maximum((n + per - 1) // tl.maximum(per, 1), 1)
-
-
-@triton.jit
 def _advance(h, K, L: tl.constexpr, level, pre, cgt, need, done, NB: tl.constexpr):
     """The threshold state after level ``L`` from the one before it and the row's global
     histogram ``h [NB]`` of digit ``L``. State: ``(level, pre, cgt, need, done)``. ``level`` 0
@@ -515,12 +504,6 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
         sp = pid % SPLITS
         slot0 = row * SPLITS
         active = pid >= 0
-    if COLUMNS:
-        # a row shorter than the table leaves programs without columns: they leave at once and
-        # the row's barriers wait for the others only, not for idle programs polling beside
-        # them (the ranking's sort and merge phases need every program: not there)
-        SPLITS = _row_programs(len_ptr, row, W, SPLITS, BLOCK)
-        active = active & (sp < SPLITS)
     if active:
         h_row = hist_ptr + row * stride_h
         if FIRST == 0 and LAST >= LEVELS:
