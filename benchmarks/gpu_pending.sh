@@ -169,7 +169,8 @@ for section in "$@"; do
         --table-width 163840 --topk-shapes 32768x8x2048,32768x24x2048,131072x16x2048 \
         --out "$out/topk_sparse.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
-    short)   # issues 24/25 (twenty-ninth session, CPU-built, never run on a GPU): column
+    short)   # issues 24/25 (twenty-ninth session; first run on an H100 in the thirtieth, no
+             # step gain on the 36-layer cut): column
              # order's short rows by one program a row holding the row in registers
              # (TopkLaunch.short_rows, HISPARSE_TOPK_SHORT): its GPU tests, the top-k alone at
              # the 2k point's rows (2,049-2,304 of a 163,840-column table) and at longer rows

@@ -16,7 +16,7 @@ HISPARSE_TOPK_SHORT       ``0``, ``4096``, ``8192``     ``0``       column order
 (``topk_short``)                                                    most that many columns by
                                                                     one program a row
                                                                     (``TopkLaunch.short_rows``;
-                                                                    not yet timed on a GPU)
+                                                                    no step gain measured)
 HISPARSE_TOPK_ORDER       positions, ranked             positions   the engine's selection order:
 (``topk_order``)                                                    ``positions`` ascending (no
                                                                     ranking pass; a forward that

@@ -55,7 +55,9 @@ class TopkLaunch:
     atomics, not measured); ``short_rows``: column order only (``ranked=False``, up to
     ``LIVE_MAX_ROWS`` rows), rows of at most this many columns (0: none; else a power of two
     in 16..8192) each taken by one program holding the row in registers, before the launch
-    of the longer rows (not yet timed on a GPU)."""
+    of the longer rows (H100, 163,840-column table: 4096 takes 0.80x the time at 96 rows of
+    2k, 1.04-1.06x where no row is short; no step gain in the rank at 2k x 96; 8192 slower
+    everywhere: docs/BENCHMARKS.md, thirtieth session)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
