@@ -448,18 +448,46 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 
 
 @triton.jit
-def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
+def _fitted_splits(n_live, longest, MOST, PROGRAMS, SMS, BLOCK: tl.constexpr):
+    """Programs per live row (``TopkLaunch.fit``) by :func:`_per_sm`'s model over the live
+    rows' ``longest`` length instead of the table's width: of 4, 3 and 2 programs an SM (at
+    most the launch's ``PROGRAMS``), each giving a row ``min(MOST, its blocks, programs //
+    rows)`` splits, 3 or 2 where 4 puts :data:`PER_SM_MARGIN` (5/4) times the key blocks of
+    the one of them that puts fewest (3 on a tie) on the busiest SM, else 4."""
+    rows = tl.maximum(n_live, 1)
+    blocks = tl.maximum((longest + BLOCK - 1) // BLOCK, 1)
+    most = tl.minimum(MOST, blocks)
+    s4 = tl.maximum(tl.minimum(most, tl.minimum(4 * SMS, PROGRAMS) // rows), 1)
+    s3 = tl.maximum(tl.minimum(most, tl.minimum(3 * SMS, PROGRAMS) // rows), 1)
+    s2 = tl.maximum(tl.minimum(most, tl.minimum(2 * SMS, PROGRAMS) // rows), 1)
+    b4 = (rows * s4 + SMS - 1) // SMS * ((blocks + s4 - 1) // s4)
+    b3 = (rows * s3 + SMS - 1) // SMS * ((blocks + s3 - 1) // s3)
+    b2 = (rows * s2 + SMS - 1) // SMS * ((blocks + s2 - 1) // s2)
+    sf = tl.where(b2 < b3, s2, s3)
+    bf = tl.where(b2 < b3, b2, b3)
+    return tl.where(4 * b4 >= 5 * bf, sf, s4)
+
+
+@triton.jit
+def _live_rows(len_ptr, pid, T, W, PROGRAMS, MOST, SMS, TPAD: tl.constexpr, FIT: tl.constexpr,
+               BLOCK: tl.constexpr):
     """The programs of a launch over the rows with a non-empty prefix (``lengths > 0``; a
     graph bucket's padding rows are empty): ``SPLITS = min(MOST, PROGRAMS // live rows)``
-    programs per live row, program ``pid`` serving split ``pid % SPLITS`` of the ``pid //
-    SPLITS``-th live row (its split slots from ``pid - sp``). Returns ``(row, sp, slot0,
+    programs per live row (``FIT``: :func:`_fitted_splits` from the longest live row),
+    program ``pid`` serving split ``pid % SPLITS`` of the ``pid // SPLITS``-th live row (its
+    split slots from ``pid - sp``). Returns ``(row, sp, slot0,
     SPLITS, active, empty_row)``: ``active`` false past the live rows' programs;
     ``empty_row``, the ``pid``-th empty row (-1 none), is this program's to fill with -1."""
     offs = tl.arange(0, TPAD)
-    live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0
+    lens = tl.load(len_ptr + offs, mask=offs < T, other=0)
+    live = lens > 0
     empty = (offs < T) & (~live)
     n_live = tl.sum(live.to(tl.int32), 0)
-    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
+    if FIT:
+        splits = _fitted_splits(n_live, tl.max(tl.minimum(lens, W), 0), MOST, PROGRAMS, SMS,
+                                BLOCK)
+    else:
+        splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
     ordinal = pid // splits
     sp = pid % splits
     row = tl.sum(tl.where(live & (tl.cumsum(live.to(tl.int32), 0) == ordinal + 1), offs, 0), 0)
@@ -470,14 +498,15 @@ def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
 
 @triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_ptr, sorted_ptr,
-                        stall_ptr, T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s,
-                        stride_o, stride_q,
+                        stall_ptr, T, W, K, SPLITS, MOST, PROGRAMS, SMS, stride_k, stride_h,
+                        stride_s, stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
-                        LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
+                        LIVE: tl.constexpr, TPAD: tl.constexpr, FIT: tl.constexpr,
+                        FILL: tl.constexpr,
                         RANKED: tl.constexpr, COLUMNS: tl.constexpr,
                         SPARSE: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
@@ -491,8 +520,8 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
     whose ``_sort_kernel`` sorts the columns the collect writes into ``out``."""
     pid = tl.program_id(0)
     if LIVE:
-        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, PROGRAMS,
-                                                               MOST, TPAD)
+        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, W, PROGRAMS,
+                                                               MOST, SMS, TPAD, FIT, BLOCK)
         if FILL:
             if empty_row >= 0:
                 for c in tl.static_range(C):
@@ -901,7 +930,11 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy" and not short, **common,
                **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
-    per_sm = _per_sm(T, W, sms, cfg, sh.shape[0])
+    # TopkLaunch.fit: the launch's programs an SM picked in the kernel, from the live rows'
+    # lengths (the host sees only the table's width); the grid is sized for the most, 4
+    fit = cfg.fit and live and fused and cfg.splits is None and cfg.per_sm is None
+    one["FIT"] = fit
+    per_sm = 4 if fit else _per_sm(T, W, sms, cfg, sh.shape[0])
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
                                 per_sm * sms)
@@ -914,9 +947,8 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         if live and fused and cfg.splits is None:
             programs = max(1, min(per_sm * sms, sh.shape[0], T * most))
         args = (keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, T, W, k,
-                splits, most,
-                programs, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
-                sq.stride(0))
+                splits, most, programs, sms, keys.stride(0), hist.stride(0), sh.stride(0),
+                out.stride(0), sq.stride(0))
         if not fused:
             break                       # no program waits for another
         # a row's programs wait for each other: all must be resident at once, so never ask
@@ -942,7 +974,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     else:
         unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
         for phase in range(last + 1):
-            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase,
+            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, FIT=False,
                                       FILL=one["FILL"] and phase == last, **common,
                                       **(sort if phase > RADIX_LEVELS else unused))
     if mode == "legacy":
