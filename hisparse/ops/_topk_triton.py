@@ -448,6 +448,14 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 
 
 @triton.jit
+def _splits_at(per_sm, rows, blocks, most, PROGRAMS, SMS):
+    """:func:`_per_sm`'s model at ``per_sm`` programs an SM (at most ``PROGRAMS`` in all):
+    the splits a row gets and the key blocks the busiest SM reads."""
+    splits = tl.maximum(tl.minimum(most, tl.minimum(per_sm * SMS, PROGRAMS) // rows), 1)
+    return splits, (rows * splits + SMS - 1) // SMS * ((blocks + splits - 1) // splits)
+
+
+@triton.jit
 def _fitted_splits(n_live, longest, MOST, PROGRAMS, SMS, BLOCK: tl.constexpr):
     """Programs per live row (``TopkLaunch.fit``) by :func:`_per_sm`'s model over the live
     rows' ``longest`` length instead of the table's width: of 4, 3 and 2 programs an SM (at
@@ -457,12 +465,9 @@ def _fitted_splits(n_live, longest, MOST, PROGRAMS, SMS, BLOCK: tl.constexpr):
     rows = tl.maximum(n_live, 1)
     blocks = tl.maximum((longest + BLOCK - 1) // BLOCK, 1)
     most = tl.minimum(MOST, blocks)
-    s4 = tl.maximum(tl.minimum(most, tl.minimum(4 * SMS, PROGRAMS) // rows), 1)
-    s3 = tl.maximum(tl.minimum(most, tl.minimum(3 * SMS, PROGRAMS) // rows), 1)
-    s2 = tl.maximum(tl.minimum(most, tl.minimum(2 * SMS, PROGRAMS) // rows), 1)
-    b4 = (rows * s4 + SMS - 1) // SMS * ((blocks + s4 - 1) // s4)
-    b3 = (rows * s3 + SMS - 1) // SMS * ((blocks + s3 - 1) // s3)
-    b2 = (rows * s2 + SMS - 1) // SMS * ((blocks + s2 - 1) // s2)
+    s4, b4 = _splits_at(4, rows, blocks, most, PROGRAMS, SMS)
+    s3, b3 = _splits_at(3, rows, blocks, most, PROGRAMS, SMS)
+    s2, b2 = _splits_at(2, rows, blocks, most, PROGRAMS, SMS)
     sf = tl.where(b2 < b3, s2, s3)
     bf = tl.where(b2 < b3, b2, b3)
     return tl.where(4 * b4 >= 5 * bf, sf, s4)
@@ -475,9 +480,9 @@ def _live_rows(len_ptr, pid, T, W, PROGRAMS, MOST, SMS, TPAD: tl.constexpr, FIT:
     graph bucket's padding rows are empty): ``SPLITS = min(MOST, PROGRAMS // live rows)``
     programs per live row (``FIT``: :func:`_fitted_splits` from the longest live row),
     program ``pid`` serving split ``pid % SPLITS`` of the ``pid // SPLITS``-th live row (its
-    split slots from ``pid - sp``). Returns ``(row, sp, slot0,
-    SPLITS, active, empty_row)``: ``active`` false past the live rows' programs;
-    ``empty_row``, the ``pid``-th empty row (-1 none), is this program's to fill with -1."""
+    split slots from ``pid - sp``). Returns ``(row, sp, slot0, SPLITS, active,
+    empty_row)``: ``active`` false past the live rows' programs; ``empty_row``, the
+    ``pid``-th empty row (-1 none), is this program's to fill with -1."""
     offs = tl.arange(0, TPAD)
     lens = tl.load(len_ptr + offs, mask=offs < T, other=0)
     live = lens > 0
@@ -927,13 +932,12 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
     # order: count, collect)
     last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
-    one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy" and not short, **common,
-               **sort)
-    sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
     # TopkLaunch.fit: the launch's programs an SM picked in the kernel, from the live rows'
     # lengths (the host sees only the table's width); the grid is sized for the most, 4
     fit = cfg.fit and live and fused and cfg.splits is None and cfg.per_sm is None
-    one["FIT"] = fit
+    one = dict(FIRST=0, LAST=last, FIT=fit, FILL=live and mode != "legacy" and not short,
+               **common, **sort)
+    sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
     per_sm = 4 if fit else _per_sm(T, W, sms, cfg, sh.shape[0])
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
