@@ -17,8 +17,8 @@ band), all
 checked equal to the reference. ``--only topk-sweep``: the fused launch's ``TopkLaunch`` hints
 at a few shapes (pick the default from it). ``--only wide``: the fused launch over the whole
 ``--table-width`` (as an engine's graph launches it over ``max_model_len``) with rows ``ctx +
---row-extra`` long, at 2-4 programs an SM and picked in the kernel (``fit``). Times are per
-call from CUDA graphs of 10 back-to-back calls (as the engine replays them).
+--row-extra`` long, at 2-4 programs an SM. Times are per call from CUDA graphs of 10
+back-to-back calls (as the engine replays them).
 
 Scoring: ``_indexer_triton.indexer_keys`` over FP8 page-split keys (132 B) and bf16 keys (256 B),
 64 heads, D 128, page 64, one token per request (``group 1``) and MTP pairs (``group 2``: two
@@ -232,9 +232,9 @@ def _wide_inputs(ctx, T, k, table_width, row_extra):
 def bench_wide(res, shapes, table_width, row_extra):
     """The fused launch over the whole table (``--table-width`` columns: a CUDA graph's
     ``max_model_len``), its rows ``ctx + row_extra`` long, as the engine launches it: 2, 3
-    and 4 programs an SM and ``TopkLaunch.fit`` (the count picked in the kernel from the rows'
-    lengths), both orders, against ``torch.topk`` over the width; each row of JSON also names
-    the default's pick (``_topk_triton._per_sm``, which sees the width, not the lengths)."""
+    and 4 programs an SM, both orders, against ``torch.topk`` over the width; each row of
+    JSON also names the default's pick (``_topk_triton._per_sm``, which sees the width, not
+    the lengths)."""
     from hisparse.ops import _topk_triton as tk
 
     sms = tk._num_sms(torch.cuda.current_device())
@@ -244,8 +244,8 @@ def bench_wide(res, shapes, table_width, row_extra):
                                     scratch.split_hist.shape[0]))
 
     bench_variants(res, shapes, table_width, row_extra,
-                   {f"per_sm{p}": TopkLaunch(per_sm=p) for p in (2, 3, 4)}
-                   | {"fit": TopkLaunch(fit=True)}, (False, True), "topk_wide", extra=pick)
+                   {f"per_sm{p}": TopkLaunch(per_sm=p) for p in (2, 3, 4)}, (False, True),
+                   "topk_wide", extra=pick)
 
 
 def bench_variants(res, shapes, table_width, row_extra, variants, orders, bench, extra=None):
@@ -366,11 +366,11 @@ def main():
                     help="--only short: TopkLaunch.short_rows values (against the default)")
     ap.add_argument("--only", default="topk,scoring", help="topk, topk-sweep (the fused "
                     "top-k's launch hints), wide (the fused launch over --table-width "
-                    "columns at 2-4 programs an SM and TopkLaunch.fit), sparse "
-                    "(TopkLaunch.sparse values over --table-width columns), short "
-                    "(TopkLaunch.short_rows values, column order), order (positions' ranked "
-                    "top k + band then its sort, at --topk-shapes), scoring, sweep (scoring "
-                    "configs at the first context and the last --score-rows)")
+                    "columns at 2-4 programs an SM), sparse (TopkLaunch.sparse values over "
+                    "--table-width columns), short (TopkLaunch.short_rows values, column "
+                    "order), order (positions' ranked top k + band "
+                    "then its sort, at --topk-shapes), scoring, sweep (scoring configs at the "
+                    "first context and the last --score-rows)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"

@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge short fit
+#            cut36 hostpool policies merge short
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -168,22 +168,6 @@ for section in "$@"; do
       run topk_sparse 150 python3 benchmarks/bench_topk.py --only sparse --sparse 0,64 \
         --table-width 163840 --topk-shapes 32768x8x2048,32768x24x2048,131072x16x2048 \
         --out "$out/topk_sparse.json"
-      unset HISPARSE_TRITON_AUTOTUNE ;;
-    fit)     # issue 24 (thirtieth session, CPU-built, never run on a GPU): TopkLaunch.fit,
-             # the programs an SM picked in the kernel from the live rows' longest length (the
-             # host rule sees the table's width): its GPU tests (the launch hints, graphs over
-             # a 163,840-column table), then the launch at 2-4 an SM and fit over that table
-             # and over a table as wide as the rows (~4 min, any GPU)
-      export HISPARSE_TRITON_AUTOTUNE=0
-      run fit_tests 200 python3 -m pytest -q -m gpu tests/ops/test_ops_topk.py \
-        -k "launch_hints or wider or fits"
-      shapes=32768x8x2048,32768x16x2048,32768x24x2048,32768x32x2048,32768x48x2048
-      shapes=$shapes,32768x64x2048,131072x8x2048,131072x16x2048,131072x24x2048
-      run fit_wide160k 150 python3 benchmarks/bench_topk.py --only wide --table-width 163840 \
-        --topk-shapes $shapes --out "$out/fit_wide160k.json"
-      run fit_wide33k 100 python3 benchmarks/bench_topk.py --only wide --table-width 33280 \
-        --row-extra 256 --topk-shapes 32768x8x2048,32768x24x2048,32768x32x2048,32768x64x2048 \
-        --out "$out/fit_wide33k.json"
       unset HISPARSE_TRITON_AUTOTUNE ;;
     short)   # issues 24/25 (twenty-ninth session; first run on an H100 in the thirtieth, no
              # step gain on the 36-layer cut): column

@@ -3,14 +3,13 @@ SM90 target without a GPU (Triton's bundled ptxas and cuobjdump): where a launch
 before a GPU times it.
 
     python3 benchmarks/topk_resources.py [--arch 90] [--sparse 0,64] [--block 1024]
-        [--short 4096,8192] [--fit]
+        [--short 4096,8192]
 
 Per order (column order, ranked) and ``TopkLaunch.sparse``: registers a thread, spill bytes,
 programs an SM fits (:func:`hisparse.ops._topk_triton._fits_per_sm`, 4 warps), SASS
 instructions a warp, and for each loop of the kernel (a backward branch over more than 16
 instructions, in program order: the four digit histograms, then the collect) its instructions
-a warp and the ``VOTE`` / ``POPC`` / ``REDG`` among them (``--fit``: also with
-``TopkLaunch.fit``'s programs an SM picked in the kernel); then the short rows' kernel
+a warp and the ``VOTE`` / ``POPC`` / ``REDG`` among them; then the short rows' kernel
 (``TopkLaunch.short_rows``) at each ``--short``. A histogram loop iteration is one key
 block: ``tl.histogram`` of 256 bins lowers to 8 ``VOTE`` ballots a key slot (8 slots a thread at
 4 warps and 1,024 keys) and ~8 logic ops and a ``POPC`` for each of a thread's 8 bins.
@@ -62,15 +61,15 @@ def _compile(kernel, const: dict, pointers: dict, warps: int, stages: int, arch:
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_fused(columns: bool, sparse: int, block: int, arch: int, fit: bool = False):
+def compile_fused(columns: bool, sparse: int, block: int, arch: int):
     """The one-launch kernel as ``topk_select_triton`` launches it by default (live rows, k up
     to 2,048 in chunks of 256), for ``arch``: the compiled kernel."""
     last = RADIX_LEVELS + (1 if columns else 2)
     const = dict(FIRST=0, LAST=last, LEVELS=RADIX_LEVELS, NB=RADIX_BINS, BLOCK=block,
                  STATE=tk.STATE_OFFSET, BAR=tk.BAR_OFFSET, FOR_LOOP=True, STAGES=2, CH=256,
                  LOG_CH=8, C=8, CPAD=8, MAXS=MAX_SPLITS, SPIN=tk.SPIN_POLLS, LIVE=True,
-                 TPAD=tk.LIVE_MAX_ROWS, FIT=fit, FILL=True, RANKED=not columns,
-                 COLUMNS=columns, SPARSE=min(sparse, block))
+                 TPAD=tk.LIVE_MAX_ROWS, FILL=True, RANKED=not columns, COLUMNS=columns,
+                 SPARSE=min(sparse, block))
     return _compile(tk._topk_select_kernel, const, POINTERS, WARPS, 2, arch)
 
 
@@ -101,11 +100,9 @@ def loops(sass: str) -> list[dict]:
     return found
 
 
-def resources(columns: bool, sparse: int, block: int, arch: int, short: int = 0,
-              fit: bool = False) -> dict:
+def resources(columns: bool, sparse: int, block: int, arch: int, short: int = 0) -> dict:
     """``short``: the short rows' kernel for rows of that many columns (k = 2048) instead."""
-    k = (compile_short(short, 2048, arch) if short
-         else compile_fused(columns, sparse, block, arch, fit))
+    k = compile_short(short, 2048, arch) if short else compile_fused(columns, sparse, block, arch)
     warps = k.metadata.num_warps
     usage, sass = cuobjdump(k.asm["cubin"], "-res-usage", "-sass")
     got = dict(re.findall(r"(REG|STACK):(\d+)", usage))
@@ -121,19 +118,17 @@ def main() -> None:
     ap.add_argument("--sparse", default="0,64", help="TopkLaunch.sparse values")
     ap.add_argument("--block", type=int, default=1024, help="TopkLaunch.block")
     ap.add_argument("--short", default="4096,8192", help="TopkLaunch.short_rows values")
-    ap.add_argument("--fit", action="store_true", help="also with TopkLaunch.fit")
     args = ap.parse_args()
-    print(f"{'order':>7} {'sparse':>6} {'fit':>3} {'registers':>9} {'spill B':>7} {'per SM':>6} "
+    print(f"{'order':>7} {'sparse':>6} {'registers':>9} {'spill B':>7} {'per SM':>6} "
           f"{'SASS/warp':>9} | loops: instructions (VOTE / POPC / REDG)")
     for columns in (True, False):
         for sparse in (int(s) for s in args.sparse.split(",")):
-            for fit in (False, True) if args.fit else (False,):
-                r = resources(columns, sparse, args.block, args.arch, fit=fit)
-                body = "  ".join(f"{lp['instructions']} ({lp['VOTE']}/{lp['POPC']}/{lp['REDG']})"
-                                 for lp in r["loops"])
-                print(f"{'cols' if columns else 'ranked':>7} {sparse:>6} {int(fit):>3} "
-                      f"{r['registers']:>9} {r['stack_bytes']:>7} {r['per_sm']:>6} "
-                      f"{r['instructions']:>9} | {body}", flush=True)
+            r = resources(columns, sparse, args.block, args.arch)
+            body = "  ".join(f"{lp['instructions']} ({lp['VOTE']}/{lp['POPC']}/{lp['REDG']})"
+                             for lp in r["loops"])
+            print(f"{'cols' if columns else 'ranked':>7} {sparse:>6} {r['registers']:>9} "
+                  f"{r['stack_bytes']:>7} {r['per_sm']:>6} {r['instructions']:>9} | {body}",
+                  flush=True)
     for short in (int(s) for s in args.short.split(",") if s):
         r = resources(True, 0, args.block, args.arch, short)
         print(f"short rows of {short} (one program a row, "

@@ -448,51 +448,18 @@ def _merge_phase(h_row, out_ptr, sorted_ptr, row, sp, K, SPLITS, stride_o, strid
 
 
 @triton.jit
-def _splits_at(per_sm, rows, blocks, most, PROGRAMS, SMS):
-    """:func:`_per_sm`'s model at ``per_sm`` programs an SM (at most ``PROGRAMS`` in all):
-    the splits a row gets and the key blocks the busiest SM reads."""
-    splits = tl.maximum(tl.minimum(most, tl.minimum(per_sm * SMS, PROGRAMS) // rows), 1)
-    return splits, (rows * splits + SMS - 1) // SMS * ((blocks + splits - 1) // splits)
-
-
-@triton.jit
-def _fitted_splits(n_live, longest, MOST, PROGRAMS, SMS, BLOCK: tl.constexpr):
-    """Programs per live row (``TopkLaunch.fit``) by :func:`_per_sm`'s model over the live
-    rows' ``longest`` length instead of the table's width: of 4, 3 and 2 programs an SM (at
-    most the launch's ``PROGRAMS``), each giving a row ``min(MOST, its blocks, programs //
-    rows)`` splits, 3 or 2 where 4 puts :data:`PER_SM_MARGIN` (5/4) times the key blocks of
-    the one of them that puts fewest (3 on a tie) on the busiest SM, else 4."""
-    rows = tl.maximum(n_live, 1)
-    blocks = tl.maximum((longest + BLOCK - 1) // BLOCK, 1)
-    most = tl.minimum(MOST, blocks)
-    s4, b4 = _splits_at(4, rows, blocks, most, PROGRAMS, SMS)
-    s3, b3 = _splits_at(3, rows, blocks, most, PROGRAMS, SMS)
-    s2, b2 = _splits_at(2, rows, blocks, most, PROGRAMS, SMS)
-    sf = tl.where(b2 < b3, s2, s3)
-    bf = tl.where(b2 < b3, b2, b3)
-    return tl.where(4 * b4 >= 5 * bf, sf, s4)
-
-
-@triton.jit
-def _live_rows(len_ptr, pid, T, W, PROGRAMS, MOST, SMS, TPAD: tl.constexpr, FIT: tl.constexpr,
-               BLOCK: tl.constexpr):
+def _live_rows(len_ptr, pid, T, PROGRAMS, MOST, TPAD: tl.constexpr):
     """The programs of a launch over the rows with a non-empty prefix (``lengths > 0``; a
     graph bucket's padding rows are empty): ``SPLITS = min(MOST, PROGRAMS // live rows)``
-    programs per live row (``FIT``: :func:`_fitted_splits` from the longest live row),
-    program ``pid`` serving split ``pid % SPLITS`` of the ``pid // SPLITS``-th live row (its
-    split slots from ``pid - sp``). Returns ``(row, sp, slot0, SPLITS, active,
-    empty_row)``: ``active`` false past the live rows' programs; ``empty_row``, the
-    ``pid``-th empty row (-1 none), is this program's to fill with -1."""
+    programs per live row, program ``pid`` serving split ``pid % SPLITS`` of the ``pid //
+    SPLITS``-th live row (its split slots from ``pid - sp``). Returns ``(row, sp, slot0,
+    SPLITS, active, empty_row)``: ``active`` false past the live rows' programs;
+    ``empty_row``, the ``pid``-th empty row (-1 none), is this program's to fill with -1."""
     offs = tl.arange(0, TPAD)
-    lens = tl.load(len_ptr + offs, mask=offs < T, other=0)
-    live = lens > 0
+    live = tl.load(len_ptr + offs, mask=offs < T, other=0) > 0
     empty = (offs < T) & (~live)
     n_live = tl.sum(live.to(tl.int32), 0)
-    if FIT:
-        splits = _fitted_splits(n_live, tl.max(tl.minimum(lens, W), 0), MOST, PROGRAMS, SMS,
-                                BLOCK)
-    else:
-        splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
+    splits = tl.maximum(tl.minimum(MOST, PROGRAMS // tl.maximum(n_live, 1)), 1)
     ordinal = pid // splits
     sp = pid % splits
     row = tl.sum(tl.where(live & (tl.cumsum(live.to(tl.int32), 0) == ordinal + 1), offs, 0), 0)
@@ -503,15 +470,14 @@ def _live_rows(len_ptr, pid, T, W, PROGRAMS, MOST, SMS, TPAD: tl.constexpr, FIT:
 
 @triton.jit
 def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_ptr, sorted_ptr,
-                        stall_ptr, T, W, K, SPLITS, MOST, PROGRAMS, SMS, stride_k, stride_h,
-                        stride_s, stride_o, stride_q,
+                        stall_ptr, T, W, K, SPLITS, MOST, PROGRAMS, stride_k, stride_h, stride_s,
+                        stride_o, stride_q,
                         FIRST: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr,
                         NB: tl.constexpr, BLOCK: tl.constexpr, STATE: tl.constexpr,
                         BAR: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
                         CH: tl.constexpr, LOG_CH: tl.constexpr, C: tl.constexpr,
                         CPAD: tl.constexpr, MAXS: tl.constexpr, SPIN: tl.constexpr,
-                        LIVE: tl.constexpr, TPAD: tl.constexpr, FIT: tl.constexpr,
-                        FILL: tl.constexpr,
+                        LIVE: tl.constexpr, TPAD: tl.constexpr, FILL: tl.constexpr,
                         RANKED: tl.constexpr, COLUMNS: tl.constexpr,
                         SPARSE: tl.constexpr):
     """Phases ``FIRST..LAST`` (module docstring: ``0..LEVELS-1`` histograms, collect, chunk
@@ -525,8 +491,8 @@ def _topk_select_kernel(keys_ptr, len_ptr, hist_ptr, split_ptr, count_ptr, out_p
     whose ``_sort_kernel`` sorts the columns the collect writes into ``out``."""
     pid = tl.program_id(0)
     if LIVE:
-        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, W, PROGRAMS,
-                                                               MOST, SMS, TPAD, FIT, BLOCK)
+        row, sp, slot0, SPLITS, active, empty_row = _live_rows(len_ptr, pid, T, PROGRAMS,
+                                                               MOST, TPAD)
         if FILL:
             if empty_row >= 0:
                 for c in tl.static_range(C):
@@ -932,13 +898,10 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     # the phases after the histograms: collect, chunk sort, merge (legacy: the collect; column
     # order: count, collect)
     last = RADIX_LEVELS + (1 if not ranked else 2 if mode != "legacy" else 0)
-    # TopkLaunch.fit: the launch's programs an SM picked in the kernel, from the live rows'
-    # lengths (the host sees only the table's width); the grid is sized for the most, 4
-    fit = cfg.fit and live and fused and cfg.splits is None and cfg.per_sm is None
-    one = dict(FIRST=0, LAST=last, FIT=fit, FILL=live and mode != "legacy" and not short,
-               **common, **sort)
+    one = dict(FIRST=0, LAST=last, FILL=live and mode != "legacy" and not short, **common,
+               **sort)
     sms = _num_sms(keys.device.index or 0) if keys.is_cuda else 1
-    per_sm = 4 if fit else _per_sm(T, W, sms, cfg, sh.shape[0])
+    per_sm = _per_sm(T, W, sms, cfg, sh.shape[0])
     while True:
         splits = _launch_config(T, W, keys.device, cfg, sh.shape[0], mode, fused,
                                 per_sm * sms)
@@ -951,8 +914,9 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
         if live and fused and cfg.splits is None:
             programs = max(1, min(per_sm * sms, sh.shape[0], T * most))
         args = (keys, lengths, hist, sh, scratch.counts, out, sq, scratch.stalls, T, W, k,
-                splits, most, programs, sms, keys.stride(0), hist.stride(0), sh.stride(0),
-                out.stride(0), sq.stride(0))
+                splits, most,
+                programs, keys.stride(0), hist.stride(0), sh.stride(0), out.stride(0),
+                sq.stride(0))
         if not fused:
             break                       # no program waits for another
         # a row's programs wait for each other: all must be resident at once, so never ask
@@ -978,7 +942,7 @@ def topk_select_triton(keys: torch.Tensor, lengths: torch.Tensor, k: int, out: t
     else:
         unused = dict(CH=16, LOG_CH=4, C=1, CPAD=1)     # one compile of phases 0-4 for any k
         for phase in range(last + 1):
-            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase, FIT=False,
+            _topk_select_kernel[grid](*args, FIRST=phase, LAST=phase,
                                       FILL=one["FILL"] and phase == last, **common,
                                       **(sort if phase > RADIX_LEVELS else unused))
     if mode == "legacy":

@@ -57,11 +57,7 @@ class TopkLaunch:
     in 16..8192) each taken by one program holding the row in registers, before the launch
     of the longer rows (H100, 163,840-column table: 4096 takes 0.80x the time at 96 rows of
     2k, 1.04-1.06x where no row is short; no step gain in the rank at 2k x 96; 8192 slower
-    everywhere: docs/BENCHMARKS.md, thirtieth session); ``fit``: a fused launch over live
-    rows (without ``splits`` or ``per_sm``) picks its programs an SM in the kernel, by the
-    default's model (``_topk_triton._per_sm``) over the live rows' longest length instead of
-    the table's width, which a CUDA graph fixes at ``max_model_len`` (not yet timed on a
-    GPU)."""
+    everywhere: docs/BENCHMARKS.md, thirtieth session)."""
 
     splits: int | None = None
     block: int | None = None    # None: CUDA_BLOCK on CUDA, 256 interpreted
@@ -71,7 +67,6 @@ class TopkLaunch:
     stages: int = 2
     sparse: int = 64
     short_rows: int = 0
-    fit: bool = False
 
 
 def orderable_keys(score: torch.Tensor) -> torch.Tensor:

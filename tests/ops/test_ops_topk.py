@@ -548,42 +548,6 @@ def test_per_sm_model_splits_are_the_launch_splits():
             assert got == want, (T, W, p)
 
 
-def test_fitted_splits_are_the_rule_over_the_longest_row(triton_cpu):
-    """``TopkLaunch.fit``: the kernel's pick of splits a row from the live rows' count and
-    longest length (``_fitted_splits``, interpreted) equals the host's rule and launch model
-    (``_per_sm`` then ``_launch_config``) given those rows and that length as the table's
-    width, over SM counts, block sizes and scratch sizes that bind and that do not."""
-    from _fit_probe import fit_probe  # tests/ops (pytest puts it on sys.path)
-
-    from hisparse.ops import _topk_triton as tk
-    cuda = torch.device("cuda")
-    rows = [1, 2, 3, 5, 8, 12, 16, 24, 32, 37, 48, 64, 96, 131, 200, 512]
-    # 5 rows of 66,816 at 132 SMs and blocks of 256: 4 an SM puts exactly 5/4 of 2's blocks
-    # on the busiest SM (15 against 12), the margin's edge: 2
-    longest = [1, 700, 2048, 2304, 20000, 32768, 33280, 66816, 131072, 163840]
-    for sms, block, extra in [(132, 1024, 1024), (78, 1024, 1024), (16, 256, 1024),
-                              (132, 256, 1024), (132, 1024, 64)]:
-        cfg = TopkLaunch(block=block)
-        cases = [(T, L) for T in rows for L in longest]
-        n = torch.tensor([T for T, _ in cases], dtype=torch.int32)
-        lg = torch.tensor([L for _, L in cases], dtype=torch.int32)
-        for T0 in (512, 24):        # the launch's rows (padding included) bound the grid
-            slots = T0 + extra
-            most = tk._row_cap(163840, cfg, "fused")
-            programs = max(1, min(4 * sms, slots, T0 * most))
-            got = torch.full((len(cases),), -1, dtype=torch.int32)
-            fit_probe[(len(cases),)](n, lg, got, most, programs, sms, BLOCK=block)
-            for (T, L), g in zip(cases, got.tolist()):
-                if T > T0:
-                    continue
-                # the host's model sees T live rows of a table L wide, within this launch's
-                # programs (its per-row cap at most ``slots // T`` too)
-                per = tk._per_sm(T, L, sms, cfg, slots)
-                want = tk._launch_config(T, L, cuda, cfg, slots, "fused", True,
-                                         min(per * sms, programs))
-                assert g == want, (sms, block, slots, T, L, per)
-
-
 # ---------------------------------------------------------------------------------- GPU
 def _gpu_keys(T, W, k, seed, distinct):
     g = torch.Generator().manual_seed(seed)
@@ -706,7 +670,7 @@ def test_gpu_column_order_kernel_matches_reference(T, k, W, band):
                                     TopkLaunch(splits=8, warps=8), TopkLaunch(block=256),
                                     TopkLaunch(per_sm=4), TopkLaunch(stages=4),
                                     TopkLaunch(per_sm=4, stages=3), TopkLaunch(sparse=0),
-                                    TopkLaunch(sparse=1024), TopkLaunch(fit=True)])
+                                    TopkLaunch(sparse=1024)])
 @pytest.mark.parametrize("distinct", [50, 1 << 30])
 def test_gpu_launch_hints_are_exact(launch, distinct):
     """Every launch hint selects exactly, in both orders, with heavy ties (50 values a row:
@@ -743,9 +707,9 @@ def test_gpu_fused_launch_asks_no_more_than_fits():
 @pytest.mark.parametrize("ranked", [True, False])
 def test_gpu_table_wider_than_its_rows(kernel_switches, ranked):
     """A graph's launch over a ``max_model_len``-wide table whose rows are much shorter (1k to
-    32k of 160k columns, some empty): at every programs-an-SM count, and with the count picked
-    in the kernel from the rows' lengths (``fit``), the fused launch's graphs, replayed with
-    other lengths and ties, give the reference's selection, and no row barrier stalls."""
+    32k of 160k columns, some empty): at every programs-an-SM count the fused launch's graphs,
+    replayed with other lengths and ties, give the reference's selection, and no row barrier
+    stalls."""
     kernel_switches(topk="fused")
     W, k, T = 163840, 2048, 24
     keys = torch.empty((T, W), dtype=torch.int32, device="cuda")
@@ -753,8 +717,8 @@ def test_gpu_table_wider_than_its_rows(kernel_switches, ranked):
     out = torch.empty((T, k), dtype=torch.int32, device="cuda")
     scratch = TopkScratch(T, "cuda")
     graphs = {}
-    launches = {p: TopkLaunch(per_sm=p) for p in (2, 3, 4)} | {"fit": TopkLaunch(fit=True)}
-    for per_sm, launch in launches.items():
+    for per_sm in (2, 3, 4):
+        launch = TopkLaunch(per_sm=per_sm)
         topk_select(keys, lens, k, out=out, scratch=scratch, launch=launch, ranked=ranked)
         graphs[per_sm] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[per_sm]):
