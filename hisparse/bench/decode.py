@@ -89,10 +89,12 @@ class Point:
     hot_prefetched: int = 0                  # band rows copied ahead (score+prefetch)
     hot_prefetch_hits: int = 0               # prefetched rows later selected
     # --profile-kernels: device ms per step by kernel class (hisparse.bench.kernels), kernels
-    # per step and per decoder layer, the costliest kernels
+    # per step and per decoder layer, the costliest kernels; every kernel as [name, ms per step,
+    # launches per step]
     kernel_ms: dict | None = None
     kernels_per_layer: float = float("nan")
     top_kernels: list | None = None
+    by_kernel: list | None = None
 
 
 PROFILES = {
@@ -407,6 +409,7 @@ def _measure(llm, clock, mode, topk_source: str, context: int, concurrency: int,
         kernels_per_layer=(float("nan") if kernels is None
                            else kernels.per_layer(llm.model_config.num_layers)),
         top_kernels=None if kernels is None else kernels.top,
+        by_kernel=None if kernels is None else [list(k) for k in kernels.by_kernel],
         planned_tok_s=planned.decode_tok_s, hot_policy=hot_policy,
         hot_demand_misses=s["hot_demand_misses"], hot_prefetched=s["hot_prefetched"],
         hot_prefetch_hits=s["hot_prefetch_hits"])
@@ -672,9 +675,11 @@ def print_kernel_table(points: list[Point]) -> None:
     for cls in ["all"] + [c for c, _ in KERNEL_CLASSES] + [OTHER]:
         print(f"{cls} | " + " | ".join(f"{pt.kernel_ms.get(cls, 0.0):.2f}" for pt in prof))
     print("kernels per layer | " + " | ".join(f"{pt.kernels_per_layer:.1f}" for pt in prof))
-    for pt in prof:
+    for pt in prof:    # ms a step, and launches a step when the point has them
+        top = pt.by_kernel or [(name, ms, None) for name, ms in pt.top_kernels]
         print(f"top kernels, {pt.mode} {pt.context // 1024}k x {pt.running_reached}: " + "; ".join(
-            f"{name[:60]} {ms:.2f}" for name, ms in pt.top_kernels))
+            f"{name[:60]} {ms:.2f}" + (f" ({n:.0f}x)" if n is not None else "")
+            for name, ms, n in top[:10]))
 
 
 def print_table(points: list[Point]) -> None:

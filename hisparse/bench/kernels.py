@@ -57,12 +57,17 @@ def kernel_class(name: str) -> str:
 @dataclass
 class KernelProfile:
     """Device time of ``steps`` engine steps: ``ms_per_step`` per class (and ``"all"``),
-    ``kernels_per_step`` (device events), ``top`` = the ten costliest kernel names with their
-    ms per step."""
+    ``kernels_per_step`` (device events), ``by_kernel`` = every kernel name with its ms and
+    launches per step, costliest first (the benchmark's replay included, under its own name),
+    and ``top`` = the first ten of them as (name, ms per step)."""
     steps: int
     ms_per_step: dict[str, float] = field(default_factory=dict)
     kernels_per_step: float = 0.0
-    top: list[tuple[str, float]] = field(default_factory=list)
+    by_kernel: list[tuple[str, float, float]] = field(default_factory=list)
+
+    @property
+    def top(self) -> list[tuple[str, float]]:
+        return [(name, ms) for name, ms, _ in self.by_kernel[:10]]
 
     def per_layer(self, num_layers: int) -> float:
         """Device events per step and decoder layer."""
@@ -73,7 +78,7 @@ class KernelProfile:
         rows = [f"  {cls:<26} {ms:8.3f} ms" for cls, ms in self.ms_per_step.items()]
         rows.append(f"  kernels per step {self.kernels_per_step:.0f} "
                     f"({self.per_layer(num_layers):.1f} per decoder layer)")
-        rows += [f"    {ms:7.3f} ms  {name[:90]}" for name, ms in self.top]
+        rows += [f"    {ms:7.3f} ms {n:6.0f}x  {name[:90]}" for name, ms, n in self.by_kernel[:10]]
         return "\n".join(rows)
 
 
@@ -81,6 +86,7 @@ def summarize(events, steps: int) -> KernelProfile:
     """Sum device events (``torch.profiler`` ``FunctionEvent`` of a CUDA device type) by class."""
     per_class: dict[str, float] = defaultdict(float)
     per_name: Counter[str] = Counter()
+    launches: Counter[str] = Counter()
     count = 0
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CPU:
@@ -89,14 +95,16 @@ def summarize(events, steps: int) -> KernelProfile:
         cls = kernel_class(e.name)
         per_class[cls] += us
         per_name[e.name] += us
+        launches[e.name] += 1
         count += cls != REPLAY
     order = [c for c, _ in KERNEL_CLASSES] + [OTHER]
     ms = {c: per_class[c] / 1e3 / steps for c in order if c in per_class}
     total = sum(per_class.values())
     # "engine": what the targets count (the replay stands in for the indexer's selection)
     ms = {"all": total / 1e3 / steps, "engine": (total - per_class[REPLAY]) / 1e3 / steps, **ms}
-    top = [(n, us / 1e3 / steps) for n, us in per_name.most_common(10)]
-    return KernelProfile(steps=steps, ms_per_step=ms, kernels_per_step=count / steps, top=top)
+    by_kernel = [(n, us / 1e3 / steps, launches[n] / steps) for n, us in per_name.most_common()]
+    return KernelProfile(steps=steps, ms_per_step=ms, kernels_per_step=count / steps,
+                         by_kernel=by_kernel)
 
 
 def profile_kernels(step: Callable[[], object], steps: int) -> KernelProfile:

@@ -1,5 +1,6 @@
 """Kernel classes of ``hisparse bench --profile-kernels`` (names as CUPTI reports them)."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -44,6 +45,9 @@ def test_summarize_sums_device_events_per_step_and_skips_cpu_ops():
     # kernels per step / layer count the engine's kernels, not the replay's
     assert kp.kernels_per_step == 1.5 and kp.per_layer(3) == 0.5
     assert kp.top[0] == ("_resolve_kernel", 0.2)
+    # every kernel, costliest first, with its launches per step (the replay under its name)
+    assert kp.by_kernel == [("_resolve_kernel", 0.2, 1.0), ("_moe_gate_up_kernel", 0.1, 0.5),
+                            ("_bench_topk_replay_kernel", 0.03, 0.5)]
 
 
 def test_every_triton_kernel_of_the_package_has_a_class():
@@ -61,3 +65,25 @@ def test_every_triton_kernel_of_the_package_has_a_class():
     assert unclassified == []
     assert kernel_class("_mla_rows_kernel") == "norms and elementwise"
     assert kernel_class("_fp8_stream_kernel") == "GEMM"
+
+
+def test_kernel_table_prints_launches_where_a_point_has_them(capsys):
+    """The bench's kernel table: launches a step beside each top kernel (``by_kernel``), and
+    a point read from an older JSON (``top_kernels`` only) prints without them."""
+    from hisparse.bench import decode
+
+    base = decode.Point(mode="gpu-only", topk_source="synthetic:0.8", context=2048,
+                        concurrency=96, outputs=8, decode_tok_s=1.0, tpot_p50_ms=1.0,
+                        tpot_p99_ms=1.0, running_reached=96, hot_hit_rate=1.0, h2d_gb_s=0.0,
+                        gpu_mem_gib=1.0, host_pool_gib=0.0, num_preempted=0, spilled_pages=0,
+                        wall_s=1.0, kernel_ms={"all": 3.5, "GEMM": 2.5, "MoE": 1.0},
+                        kernels_per_layer=4.0,
+                        top_kernels=[("_fp8_splitk_kernel", 2.5), ("_moe_down_kernel", 1.0)],
+                        by_kernel=[("_fp8_splitk_kernel", 2.5, 183.0),
+                                   ("_moe_down_kernel", 1.0, 33.0)])
+    decode.print_kernel_table([base, replace(base, context=32768, by_kernel=None)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "kernel class | gpu-only lru 2k x 96 | gpu-only lru 32k x 96"
+    assert "GEMM | 2.50 | 2.50" in lines
+    assert lines[-2].endswith("_fp8_splitk_kernel 2.50 (183x); _moe_down_kernel 1.00 (33x)")
+    assert lines[-1].endswith("_fp8_splitk_kernel 2.50; _moe_down_kernel 1.00")
