@@ -468,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV format: bf16 rows (1152 B) or FlashMLA FP8 rows (656 B) + FP8 keys")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="profile N decode steps of every point (once every request decodes) "
-                        "and print device ms per step by kernel class and kernels per layer")
+                        "and print device ms per step by kernel class and kernels per layer "
+                        "(the JSON keeps every kernel's ms and launches per step: by_kernel)")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
     real_rank = a.model_shape != "tp8-stand-in"
