@@ -676,11 +676,9 @@ def print_kernel_table(points: list[Point]) -> None:
     for cls in ["all"] + [c for c, _ in KERNEL_CLASSES] + [OTHER]:
         print(f"{cls} | " + " | ".join(f"{pt.kernel_ms.get(cls, 0.0):.2f}" for pt in prof))
     print("kernels per layer | " + " | ".join(f"{pt.kernels_per_layer:.1f}" for pt in prof))
-    for pt in prof:    # ms a step, and launches a step when the point has them
-        top = pt.by_kernel or [(name, ms, None) for name, ms in pt.top_kernels]
+    for pt in prof:    # ms a step and launches a step
         print(f"top kernels, {pt.mode} {pt.context // 1024}k x {pt.running_reached}: " + "; ".join(
-            f"{name[:60]} {ms:.2f}" + (f" ({n:.0f}x)" if n is not None else "")
-            for name, ms, n in top[:10]))
+            f"{name[:60]} {ms:.2f} ({n:.0f}x)" for name, ms, n in pt.by_kernel[:10]))
 
 
 def print_table(points: list[Point]) -> None:

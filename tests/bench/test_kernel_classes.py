@@ -67,9 +67,9 @@ def test_every_triton_kernel_of_the_package_has_a_class():
     assert kernel_class("_fp8_stream_kernel") == "GEMM"
 
 
-def test_kernel_table_prints_launches_where_a_point_has_them(capsys):
-    """The bench's kernel table: launches a step beside each top kernel (``by_kernel``), and
-    a point read from an older JSON (``top_kernels`` only) prints without them."""
+def test_kernel_table_prints_launches_beside_the_top_kernels(capsys):
+    """The bench's kernel table: a column per profiled point, launches a step beside each top
+    kernel (``by_kernel``)."""
     from hisparse.bench import decode
 
     base = decode.Point(mode="gpu-only", topk_source="synthetic:0.8", context=2048,
@@ -81,9 +81,9 @@ def test_kernel_table_prints_launches_where_a_point_has_them(capsys):
                         top_kernels=[("_fp8_splitk_kernel", 2.5), ("_moe_down_kernel", 1.0)],
                         by_kernel=[("_fp8_splitk_kernel", 2.5, 183.0),
                                    ("_moe_down_kernel", 1.0, 33.0)])
-    decode.print_kernel_table([base, replace(base, context=32768, by_kernel=None)])
+    decode.print_kernel_table([base, replace(base, context=32768, kernel_ms={"all": 1.0,
+                                                                            "GEMM": 1.0})])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "kernel class | gpu-only lru 2k x 96 | gpu-only lru 32k x 96"
-    assert "GEMM | 2.50 | 2.50" in lines
+    assert "GEMM | 2.50 | 1.00" in lines and "MoE | 1.00 | 0.00" in lines
     assert lines[-2].endswith("_fp8_splitk_kernel 2.50 (183x); _moe_down_kernel 1.00 (33x)")
-    assert lines[-1].endswith("_fp8_splitk_kernel 2.50; _moe_down_kernel 1.00")
