@@ -534,10 +534,12 @@ def bench_align(device: str, batches, configs) -> list[dict]:
     return rows
 
 
-def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dict]:
+def bench_router(device: str, batches, configs, smoke: bool = False,
+                 gates=("fp32", "bf16")) -> list[dict]:
     """The router GEMM (with the FP8 quantization of ``x``) + routing alone (one rank: 256
     experts of 7168, top 8 of 8 groups, + the shared expert) per T under each candidate
-    launch, us per call."""
+    launch and gate dtype (the same bf16 values: fp32 multiplies in 3xTF32, bf16 in one
+    pass, ``moe_layer.router_precision``), us per call."""
     from hisparse.ops.moe_layer import RoutingConfig, route_quantized
 
     E, D, k, G = (16, 128, 4, 4) if smoke else (256, 7168, 8, 8)
@@ -549,10 +551,12 @@ def bench_router(device: str, batches, configs, smoke: bool = False) -> list[dic
     for T in batches:
         x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
         row = {"T": T}
-        for c in configs:
-            row[_router_str(c)] = time_fn(functools.partial(
-                route_quantized, x, w, b, rc, 1, 32 if smoke else 128, False, c),
-                device=device) * 1e6
+        for gate in gates:
+            wg = w.bfloat16() if gate == "bf16" else w
+            for c in configs:
+                row[f"{_router_str(c)}/{gate}"] = time_fn(functools.partial(
+                    route_quantized, x, wg, b, rc, 1, 32 if smoke else 128, False, c),
+                    device=device) * 1e6
         rows.append(row)
     return rows
 
@@ -602,13 +606,13 @@ def _align_str(c) -> str:
     return f"e{c.experts}/c{c.chunk}/w{c.num_warps}"
 
 
-def print_router(rows: list[dict], configs) -> None:
+def print_router(rows: list[dict]) -> None:
     from hisparse.ops.moe_layer import ROUTER_CONFIG
 
-    names = [_router_str(c) for c in configs]
+    names = [k for k in rows[0] if k != "T"]
     print(f"\nrouter GEMM (+ x quant) + routing alone, us per call; launch = K split / tokens / "
-          f"experts per program / K step / GEMM warps / routing tokens + warps per program "
-          f"(default: {_router_str(ROUTER_CONFIG)})")
+          f"experts per program / K step / GEMM warps / routing tokens + warps per program / "
+          f"gate dtype (default: {_router_str(ROUTER_CONFIG)})")
     for i, n in enumerate(names):
         print(f"  [{i}] {n}")
     print(f"{'T':>4} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(names))) + " | best")
@@ -705,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
             configs = [RouterConfig(k_split=64, block_k=32, block_e=8),
                        RouterConfig(block_e=32, **four)]
         out["router"] = bench_router(device, moe_batches, configs, a.smoke)
-        print_router(out["router"], configs)
+        print_router(out["router"])
     if a.sweep:
         ops = [o for o in a.sweep_ops.split(",") if o]
         bad = [o for o in ops if o not in linears]

@@ -125,7 +125,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
 
 def load_weights(args: EngineArgs, mc, num_mtp_layers: int) -> torch.nn.Module:
     """The model on ``args.device`` (rank 0's shard under tensor parallelism: the whole model is
-    loaded, then sharded), its projections stacked. Out of device memory: an
+    loaded, then sharded), its weights finalized (``finalize_weights_``). Out of device memory: an
     :class:`EngineStartupError` with the weights' size against the device's memory."""
     tp = args.tensor_parallel_size
     try:
@@ -136,7 +136,7 @@ def load_weights(args: EngineArgs, mc, num_mtp_layers: int) -> torch.nn.Module:
             from hisparse.models.tp import shard_model_
             shard_model_(model, 0, tp)
         # before the KV cache is sized: the stacked copies are made while the GPU has room
-        model.stack_projections_()
+        model.finalize_weights_()
         return model
     except torch.OutOfMemoryError as e:
         traceback.clear_frames(e.__traceback__)     # the partial model's tensors, freed below

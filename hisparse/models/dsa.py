@@ -210,6 +210,32 @@ class DSAAttention(nn.Module):
             self.proj_q = StackedLinears([self.q_b_proj, ix.wq_b])
         return bool(self.stacks())
 
+    def narrow_router_gates_(self) -> int:
+        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
+        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
+        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
+        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
+        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
+        a gate with any other value stays fp32."""
+        if self.dtype != torch.bfloat16:
+            return 0
+        gates = [m for m in self.modules()
+                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
+        for g, ok in zip(gates, exact):
+            if ok:
+                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
+                                        requires_grad=g.weight.requires_grad)
+        return sum(exact)
+
+    def finalize_weights_(self) -> None:
+        """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
+        the memory or a graph is captured: :meth:`stack_projections_`, then
+        :meth:`narrow_router_gates_`."""
+        self.stack_projections_()
+        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
+
     def stacks(self) -> list[StackedLinears]:
         return [st for st in (self.proj_x, self.proj_q) if st is not None]
 
@@ -280,6 +306,32 @@ class DSAMLP(nn.Module):
         if self.gate_up is None and StackedLinears.can_stack([self.gate_proj, self.up_proj]):
             self.gate_up = StackedLinears([self.gate_proj, self.up_proj])
         return bool(self.stacks())
+
+    def narrow_router_gates_(self) -> int:
+        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
+        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
+        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
+        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
+        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
+        a gate with any other value stays fp32."""
+        if self.dtype != torch.bfloat16:
+            return 0
+        gates = [m for m in self.modules()
+                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
+        for g, ok in zip(gates, exact):
+            if ok:
+                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
+                                        requires_grad=g.weight.requires_grad)
+        return sum(exact)
+
+    def finalize_weights_(self) -> None:
+        """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
+        the memory or a graph is captured: :meth:`stack_projections_`, then
+        :meth:`narrow_router_gates_`."""
+        self.stack_projections_()
+        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         return [] if self.gate_up is None else [self.gate_up]
@@ -548,6 +600,8 @@ class DSAForCausalLM(nn.Module):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif name.endswith("mlp.gate.weight"):   # bf16 values, as DeepSeek's checkpoints
+                p.copy_(torch.randn_like(p).mul_(std).bfloat16())
             else:
                 p.normal_(0.0, std)
 
@@ -578,6 +632,32 @@ class DSAForCausalLM(nn.Module):
         if len(self.stacks()) > before and self.model.embed_tokens.weight.is_cuda:
             torch.cuda.empty_cache()   # the parts' former storage goes back to the device
         return n
+
+    def narrow_router_gates_(self) -> int:
+        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
+        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
+        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
+        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
+        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
+        a gate with any other value stays fp32."""
+        if self.dtype != torch.bfloat16:
+            return 0
+        gates = [m for m in self.modules()
+                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
+        for g, ok in zip(gates, exact):
+            if ok:
+                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
+                                        requires_grad=g.weight.requires_grad)
+        return sum(exact)
+
+    def finalize_weights_(self) -> None:
+        """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
+        the memory or a graph is captured: :meth:`stack_projections_`, then
+        :meth:`narrow_router_gates_`."""
+        self.stack_projections_()
+        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         """The :class:`StackedLinears` the layers run (empty before :meth:`stack_projections_`)."""

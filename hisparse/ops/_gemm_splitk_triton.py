@@ -189,17 +189,24 @@ def _fp32_split_dot(x_ptr, w_ptr, rows, rmask, offs_n, nmask, ps, K, stride_x, s
                     K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Split ``ps``'s partial ``x[rows, ps*K_SPLIT:(ps+1)*K_SPLIT] @ w[offs_n, ...]^T``
-    ``[BLOCK_T, BLOCK_N]`` in fp32 (K steps of ``BLOCK_K`` from zero in order; the router
-    GEMM's and :func:`fp32_linear_splitk`'s)."""
+    ``[BLOCK_T, BLOCK_N]`` accumulated in fp32 (K steps of ``BLOCK_K`` from zero in order; the
+    router GEMM's and :func:`fp32_linear_splitk`'s). ``PRECISION``: ``tl.dot``'s
+    ``input_precision`` over fp32 operands (``"ieee"``, ``"tf32x3"``), or ``"bf16"``: one bf16
+    MMA pass, for operands whose values are all bf16 (each product then exact, as in the
+    fp32 passes, which for such operands multiply zeros in all but one)."""
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for kk in range(0, K_SPLIT, BLOCK_K):
         offs_k = ps * K_SPLIT + kk + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if PRECISION == "bf16":
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision=PRECISION)
     return acc
 
 

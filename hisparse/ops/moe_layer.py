@@ -8,9 +8,11 @@ of the batch it runs in):
    ``D`` (token tiles of ``RouterConfig.block_t`` whatever ``T``). The checkpoints keep the
    gate in fp32 and transformers computes it in fp32 (``_keep_in_fp32_modules_strict``);
    DeepSeek stores the gate weight in bf16, so with bf16 activations every product is exact in
-   fp32. The kernel reads the fp32 weight and multiplies on the tensor cores in 3xTF32 (exact
-   products for bf16-valued operands, about fp32 otherwise), accumulating in fp32: the
-   reference up to summation order.
+   fp32. The model keeps such a gate in bf16 (:meth:`hisparse.models.dsa.DSAForCausalLM.
+   narrow_router_gates_`: only when every value is a bf16 value) and the kernel multiplies in
+   one bf16 MMA pass; an fp32 gate is multiplied in 3xTF32 (exact products for bf16-valued
+   operands, about fp32 otherwise); both accumulate in fp32: the reference up to summation
+   order.
    FP8 experts: its programs of the first expert block also quantize ``x`` (step 4);
 2. routing (:func:`route`): per token, the partials summed in split order, ``sigmoid``, plus
    ``e_score_correction_bias`` for the choice, group-limited top-k (group score = sum of its two
@@ -177,11 +179,23 @@ def combine_reference(y: Tensor, T: int, dtype: torch.dtype) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- dispatch
+def router_precision(x: Tensor, weight: Tensor) -> str:
+    """The router GEMM's products: ``"bf16"`` (one bf16 MMA pass) when ``x`` and ``weight``
+    are both bf16 tensors (every product exact, as in fp32), ``"tf32x3"`` for fp32 operands on
+    CUDA (exact products for bf16-valued ones, about fp32 otherwise), ``"ieee"`` in the
+    interpreter. The summation is fp32 in each; the grouping inside the MMA differs, so the
+    last bits of a logit may."""
+    if interpreted() or not x.is_cuda:
+        return "ieee"
+    return "bf16" if x.dtype == weight.dtype == torch.bfloat16 else "tf32x3"
+
+
 def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
           n_shared: int = 0, use_triton: bool | None = None, config: RouterConfig | None = None
           ) -> tuple[Tensor, Tensor]:
     """:func:`route_reference` in two kernels (router GEMM, routing). ``x [T, D]`` (the normed
-    hidden, any float dtype), ``weight [E, D]`` (fp32), ``bias [E]`` fp32 or None; launches
+    hidden, any float dtype), ``weight [E, D]`` (fp32, or bf16: :func:`router_precision`),
+    ``bias [E]`` fp32 or None; launches
     ``config`` (:data:`ROUTER_CONFIG` when None)."""
     ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None,
                        config or ROUTER_CONFIG)
@@ -239,8 +253,7 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
         xq.stride(0), xs.stride(0),
         K_SPLIT=c.k_split, BLOCK_T=c.block_t, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
-        PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
-        QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
+        PRECISION=router_precision(x, weight), QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)

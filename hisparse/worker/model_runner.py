@@ -292,11 +292,12 @@ class ModelRunner:
                  enforce_eager: bool = False, num_speculative_tokens: int = 0,
                  bucketed: bool | None = None) -> None:
         self.model = model
-        if hasattr(model, "stack_projections_"):
+        if hasattr(model, "finalize_weights_"):
             # the weights are final here (loaded, sharded, cast): the linears that share an
-            # input become one GEMM each, before any graph is captured (engine start-up
-            # stacks before sizing the KV cache; this covers runners built directly)
-            model.stack_projections_()
+            # input become one GEMM each and exact router gates bf16, before any graph is
+            # captured (engine start-up does it before sizing the KV cache; this covers
+            # runners built directly)
+            model.finalize_weights_()
             if not all(st.aliased() for st in model.stacks()):
                 raise RuntimeError("ModelRunner: a stacked projection's parameters were "
                                    "replaced after stacking: its GEMM would read stale weights")

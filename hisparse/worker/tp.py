@@ -246,7 +246,7 @@ def _build_rank(spec: dict, rank: int, host_buffers):
     model, _ = load_model(spec["model"], dtype=spec["dtype"], device=device,
                           load_format=spec["load_format"], config=spec["model_config"])
     shard_model_(model, rank, spec["world"])
-    model.stack_projections_()           # before the KV cache takes the memory
+    model.finalize_weights_()            # before the KV cache takes the memory
     caches = KVCaches(spec["kv_config"], spec["geometry"], device, host_buffers)
     caches.set_hot_policy(spec["hot_policy"])
     runner = (spec["runner_cls"] or ModelRunner)(model, caches, spec["model_config"].index_topk,

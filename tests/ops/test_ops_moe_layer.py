@@ -71,6 +71,20 @@ def test_route_matches_reference(triton_cpu, T, E, G, tg, k, ns, norm, bias):
                                t_w.gather(1, order), rtol=1e-5, atol=1e-7)
 
 
+def test_route_takes_a_bf16_gate(triton_cpu):
+    """A gate stored in bf16 (``DSAForCausalLM.narrow_router_gates_``) routes as its fp32
+    form: the same values."""
+    E, D, T = 32, 80, 9
+    w, b = _router(E, D, seed=4)
+    cfg = RoutingConfig(6, 8, 3, True, 2.5)
+    x = torch.randn(T, D).bfloat16()
+    ids, wt = route(x, w.bfloat16(), b, cfg, 1)
+    want_ids, want_w = route(x, w, b, cfg, 1)
+    assert torch.equal(ids, want_ids) and torch.equal(wt, want_w)
+    from hisparse.ops.moe_layer import router_precision
+    assert router_precision(x, w.bfloat16()) == "ieee"     # the interpreter's fp32 dots
+
+
 def test_route_ties_go_to_the_lower_index(triton_cpu):
     E, D, G = 16, 64, 4
     g = torch.Generator().manual_seed(3)
@@ -356,9 +370,31 @@ def test_gpu_route_matches_reference(T):
     for c in (None, RouterConfig(route_tokens=1, route_warps=1), RouterConfig(block_e=64),
               RouterConfig(k_split=256, block_k=128, gemm_warps=8), RouterConfig(block_e=16),
               RouterConfig(block_t=32), RouterConfig(block_t=64, block_e=64, gemm_warps=8)):
-        ids, wt = route(x, w, b, RANK, 1, config=c)
-        assert torch.equal(ids, want_ids), c
-        torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+        for gate in (w, w.bfloat16()):      # 3xTF32 and the one bf16 pass
+            ids, wt = route(x, gate, b, RANK, 1, config=c)
+            assert torch.equal(ids, want_ids), (c, gate.dtype)
+            torch.testing.assert_close(wt, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_gate_is_batch_invariant_and_routes_as_fp32():
+    """The bf16 pass on a DeepSeek-like gate: rows bitwise alone or in any batch; the same
+    experts as the 3xTF32 pass over the same (bf16-valued) fp32 weight but for near ties,
+    whose logits differ by the MMAs' fp32 summation only."""
+    from hisparse.ops.moe_layer import router_precision
+
+    E, D = 256, 7168
+    w, b = _router(E, D, seed=21, device="cuda")
+    x = torch.randn(512, D, device="cuda", dtype=torch.bfloat16)
+    assert router_precision(x, w.bfloat16()) == "bf16" and router_precision(x, w) == "tf32x3"
+    ids, wt = route(x, w.bfloat16(), b, RANK, 1)
+    for T in (1, 8, 16, 24, 48, 96, 128, 256):
+        i2, w2 = route(x[:T], w.bfloat16(), b, RANK, 1)
+        assert torch.equal(i2, ids[:T]) and torch.equal(w2, wt[:T]), T
+    ids32, wt32 = route(x, w, b, RANK, 1)
+    same = (ids == ids32).all(1)
+    assert same.float().mean() >= 0.98
+    torch.testing.assert_close(wt[same], wt32[same], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
