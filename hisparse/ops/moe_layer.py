@@ -253,7 +253,8 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
         xq.stride(0), xs.stride(0),
         K_SPLIT=c.k_split, BLOCK_T=c.block_t, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
-        PRECISION=router_precision(x, weight), QUANT=quant is not None, QBK=qbk, POW2=pow2, num_warps=c.gemm_warps)
+        PRECISION=router_precision(x, weight), QUANT=quant is not None, QBK=qbk, POW2=pow2,
+        num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)
     w = torch.empty(T, k_out, device=x.device, dtype=torch.float32)

@@ -5,6 +5,7 @@ run, in bf16."""
 import random
 
 import pytest
+import torch
 
 from hisparse import LLM, SamplingParams
 from hisparse.models.random_checkpoint import PRODUCTION_GEOMETRY, make_random_checkpoint
@@ -21,7 +22,9 @@ def checkpoint(tmp_path_factory, name, seed, **overrides):
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    return checkpoint(tmp_path_factory, "gpu_moe", 3, num_hidden_layers=2)
+    # bf16 tensors, as DeepSeek's checkpoints: the router gates run the one bf16 pass
+    return checkpoint(tmp_path_factory, "gpu_moe", 3, num_hidden_layers=2,
+                      save_dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,9 @@ def lossless_run(path, mode, num_prompts, gpu_blocks, seed, kv_cache_dtype="bf16
 def test_lossless_on_gpu_bf16_moe_eager(moe_path, mode):
     llm = lossless_run(moe_path, mode, num_prompts=8, gpu_blocks=60, seed=0)
     assert llm.runner.graphs is not None  # the fused MoE has no host sync: captured
+    from hisparse.models.dsa import DSARouter
+    gates = [m.weight.dtype for m in llm.model.modules() if isinstance(m, DSARouter)]
+    assert gates and set(gates) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("mode", ["hisparse", "always-host"])
