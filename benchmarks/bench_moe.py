@@ -539,7 +539,7 @@ def bench_router(device: str, batches, configs, smoke: bool = False,
     """The router GEMM (with the FP8 quantization of ``x``) + routing alone (one rank: 256
     experts of 7168, top 8 of 8 groups, + the shared expert) per T under each candidate
     launch and gate dtype (the same bf16 values: fp32 multiplies in 3xTF32, bf16 in one
-    pass, ``moe_layer.router_precision``), us per call."""
+    pass, ``_gemm_splitk_triton.fp32_precision``), us per call."""
     from hisparse.ops.moe_layer import RoutingConfig, route_quantized
 
     E, D, k, G = (16, 128, 4, 4) if smoke else (256, 7168, 8, 8)

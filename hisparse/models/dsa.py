@@ -58,6 +58,9 @@ from .linear import FP8Linear, StackedLinears, make_linear
 # Parameters kept in float32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
                        "mlp.gate.e_score_correction_bias")
+# Those of them DeepSeek's checkpoints store in bf16 (vLLM and SGLang load both in the model
+# dtype): DSAForCausalLM.narrow_fp32_weights_ stores them so again when every value is bf16
+BF16_VALUED_FP32_WEIGHTS = ("indexer.weights_proj.weight", "mlp.gate.weight")
 
 _ACT = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -152,14 +155,16 @@ class DSAIndexer(nn.Module):
         q_raw = self.wq_b(q_resid) if q_raw is None else q_raw
         k = NewKeys(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight,
                     self.k_norm.bias, self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved)
-        wdt = self.weights_proj.weight.dtype
-        xw = x32 if x32 is not None and wdt == torch.float32 else x.to(wdt)
-        if wdt == torch.float32 and glue.fused(xw):
+        wp = self.weights_proj.weight
+        # fp32 products and sums whatever wp's storage: an fp32 wp multiplies x32 (or
+        # x.float()); a bf16 one (narrow_fp32_weights_: bf16 values) the bf16 x itself
+        xw = x if wp.dtype == x.dtype else x32 if x32 is not None else x.to(wp.dtype)
+        if glue.fused(xw):
             # batch invariant fp32 (cuBLAS picks its sgemm by shape), and with the fused sums
             # its K-split partials are added by the FP8 query kernel: no reduction launch
-            w = fp32_linear(xw, self.weights_proj.weight, pending=fuses_sums(xw))
+            w = fp32_linear(xw, wp, pending=fuses_sums(xw))
         else:
-            w = self.weights_proj(xw)
+            w = F.linear(xw.float(), wp.float())
         q = IndexerQueries(q_raw.view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim,
                            self.interleaved, w, self.weight_scale)
         if glue.fused(q.q):
@@ -210,31 +215,34 @@ class DSAAttention(nn.Module):
             self.proj_q = StackedLinears([self.q_b_proj, ix.wq_b])
         return bool(self.stacks())
 
-    def narrow_router_gates_(self) -> int:
-        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
-        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
-        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
-        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
-        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
-        a gate with any other value stays fp32."""
+    def narrow_fp32_weights_(self) -> int:
+        """Store each of :data:`BF16_VALUED_FP32_WEIGHTS` (the MoE router gates, the indexer's
+        ``weights_proj``: kept in fp32, loaded from bf16) in bf16 where every one of its values
+        is a bf16 value and the model computes in bf16. Their GEMMs then multiply the bf16
+        activations in one bf16 MMA pass instead of 3xTF32, with the same exact products and
+        fp32 sums (:func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), and the indexer
+        needs no fp32 copy of its input. Call once the weights are final
+        (:meth:`finalize_weights_`). Returns the number narrowed; a weight with any other
+        value stays fp32."""
         if self.dtype != torch.bfloat16:
             return 0
-        gates = [m for m in self.modules()
-                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
-        for g, ok in zip(gates, exact):
+        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
+                  for suffix in BF16_VALUED_FP32_WEIGHTS
+                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
+        for (m, _), ok in zip(owners, exact):
             if ok:
-                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
-                                        requires_grad=g.weight.requires_grad)
+                m.weight = nn.Parameter(m.weight.detach().bfloat16(),
+                                        requires_grad=m.weight.requires_grad)
         return sum(exact)
 
     def finalize_weights_(self) -> None:
         """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
         the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_router_gates_`."""
+        :meth:`narrow_fp32_weights_`."""
         self.stack_projections_()
-        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
+        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         return [st for st in (self.proj_x, self.proj_q) if st is not None]
@@ -307,31 +315,34 @@ class DSAMLP(nn.Module):
             self.gate_up = StackedLinears([self.gate_proj, self.up_proj])
         return bool(self.stacks())
 
-    def narrow_router_gates_(self) -> int:
-        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
-        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
-        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
-        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
-        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
-        a gate with any other value stays fp32."""
+    def narrow_fp32_weights_(self) -> int:
+        """Store each of :data:`BF16_VALUED_FP32_WEIGHTS` (the MoE router gates, the indexer's
+        ``weights_proj``: kept in fp32, loaded from bf16) in bf16 where every one of its values
+        is a bf16 value and the model computes in bf16. Their GEMMs then multiply the bf16
+        activations in one bf16 MMA pass instead of 3xTF32, with the same exact products and
+        fp32 sums (:func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), and the indexer
+        needs no fp32 copy of its input. Call once the weights are final
+        (:meth:`finalize_weights_`). Returns the number narrowed; a weight with any other
+        value stays fp32."""
         if self.dtype != torch.bfloat16:
             return 0
-        gates = [m for m in self.modules()
-                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
-        for g, ok in zip(gates, exact):
+        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
+                  for suffix in BF16_VALUED_FP32_WEIGHTS
+                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
+        for (m, _), ok in zip(owners, exact):
             if ok:
-                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
-                                        requires_grad=g.weight.requires_grad)
+                m.weight = nn.Parameter(m.weight.detach().bfloat16(),
+                                        requires_grad=m.weight.requires_grad)
         return sum(exact)
 
     def finalize_weights_(self) -> None:
         """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
         the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_router_gates_`."""
+        :meth:`narrow_fp32_weights_`."""
         self.stack_projections_()
-        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
+        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         return [] if self.gate_up is None else [self.gate_up]
@@ -483,9 +494,15 @@ class DSADecoderLayer(nn.Module):
         mlp_type = mlp_type or cfg.mlp_layer_types[layer_idx]
         self.mlp = (DSAMoE(cfg) if mlp_type == "sparse"
                     else DSAMLP(cfg, cfg.intermediate_size))
-        # the fp32 copies of the normed inputs the reference's fp32 linears read
-        self.attn_fp32 = self.self_attn.indexer is not None
+        # the fp32 copy of the normed input the MoE's unfused fp32 router reads
         self.mlp_fp32 = mlp_type == "sparse"
+
+    @property
+    def attn_fp32(self) -> bool:
+        """The input norm also writes an fp32 copy: for the indexer's fp32 ``weights_proj``
+        (none once narrowed to bf16, :meth:`DSAForCausalLM.narrow_fp32_weights_`)."""
+        ix = self.self_attn.indexer
+        return ix is not None and ix.weights_proj.weight.dtype == torch.float32
 
     def forward(self, h: Tensor | PendingSum, cos: Tensor, sin: Tensor,
                 ctx: SparseAttentionContext, residual: Tensor | None = None,
@@ -600,7 +617,7 @@ class DSAForCausalLM(nn.Module):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            elif name.endswith("mlp.gate.weight"):   # bf16 values, as DeepSeek's checkpoints
+            elif name.endswith(BF16_VALUED_FP32_WEIGHTS):  # bf16 values, as the checkpoints
                 p.copy_(torch.randn_like(p).mul_(std).bfloat16())
             else:
                 p.normal_(0.0, std)
@@ -633,31 +650,34 @@ class DSAForCausalLM(nn.Module):
             torch.cuda.empty_cache()   # the parts' former storage goes back to the device
         return n
 
-    def narrow_router_gates_(self) -> int:
-        """Store each MoE router's fp32 gate weight in bf16 where every one of its values is a
-        bf16 value (DeepSeek's checkpoints store the gate in bf16; the load widens it), and
-        the model computes in bf16: the router GEMM then multiplies in one bf16 pass, with the
-        same exact products (:func:`hisparse.ops.moe_layer.router_precision`). Call once the
-        weights are final (:meth:`finalize_weights_`). Returns the number of gates narrowed;
-        a gate with any other value stays fp32."""
+    def narrow_fp32_weights_(self) -> int:
+        """Store each of :data:`BF16_VALUED_FP32_WEIGHTS` (the MoE router gates, the indexer's
+        ``weights_proj``: kept in fp32, loaded from bf16) in bf16 where every one of its values
+        is a bf16 value and the model computes in bf16. Their GEMMs then multiply the bf16
+        activations in one bf16 MMA pass instead of 3xTF32, with the same exact products and
+        fp32 sums (:func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), and the indexer
+        needs no fp32 copy of its input. Call once the weights are final
+        (:meth:`finalize_weights_`). Returns the number narrowed; a weight with any other
+        value stays fp32."""
         if self.dtype != torch.bfloat16:
             return 0
-        gates = [m for m in self.modules()
-                 if isinstance(m, DSARouter) and m.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(g.weight, g.weight.bfloat16().float())) for g in gates]
-        for g, ok in zip(gates, exact):
+        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
+                  for suffix in BF16_VALUED_FP32_WEIGHTS
+                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
+        for (m, _), ok in zip(owners, exact):
             if ok:
-                g.weight = nn.Parameter(g.weight.detach().bfloat16(),
-                                        requires_grad=g.weight.requires_grad)
+                m.weight = nn.Parameter(m.weight.detach().bfloat16(),
+                                        requires_grad=m.weight.requires_grad)
         return sum(exact)
 
     def finalize_weights_(self) -> None:
         """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
         the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_router_gates_`."""
+        :meth:`narrow_fp32_weights_`."""
         self.stack_projections_()
-        if self.narrow_router_gates_() and self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()   # the fp32 gates' storage goes back to the device
+        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         """The :class:`StackedLinears` the layers run (empty before :meth:`stack_projections_`)."""

@@ -597,9 +597,20 @@ FP32_SPLIT = Fp32SplitConfig()
 FP32_MAX_ROWS = 4096     # rows a call's partials cover (a prefill chunk: in row slices)
 
 
+def fp32_precision(x: torch.Tensor, w: torch.Tensor) -> str:
+    """:func:`_fp32_split_dot`'s products for ``x @ w^T``: one bf16 MMA pass (``"bf16"``) for
+    two bf16 tensors on CUDA (each product exact, as in fp32), 3xTF32 for fp32 ones (exact for
+    bf16-valued operands, about fp32 otherwise), IEEE fp32 in the interpreter. The sums are
+    fp32 in each; the grouping inside the MMA differs, so the last bits of a sum may."""
+    if interpreted() or not x.is_cuda:
+        return "ieee"
+    return "bf16" if x.dtype == w.dtype == torch.bfloat16 else "tf32x3"
+
+
 def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
                        config: Fp32SplitConfig = FP32_SPLIT) -> torch.Tensor | PendingSum:
-    """``x [T, K] @ w [N, K]^T`` in fp32 (both fp32, unit last stride): fixed K-split partials
+    """``x [T, K] @ w [N, K]^T`` in fp32 (both fp32 or both bf16: :func:`fp32_precision`; unit
+    last stride): fixed K-split partials
     ``[S, T, N]`` then their sum from zero in split order, so a row's result does not depend on
     ``T`` (cuBLAS picks its kernel, and with it the summation, by shape). ``defer``: the
     partials as a :class:`PendingSum` (one group of ``S``) for a consumer that sums them (up to
@@ -620,8 +631,7 @@ def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
         _fp32_splitk_parts_kernel[grid](
             x, w, dst, T, N, K, x.stride(0), w.stride(0), dst.stride(0),
             K_SPLIT=c.k_split, BLOCK_T=FP32_BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            PRECISION="ieee" if interpreted() or not x.is_cuda else "tf32x3",
-            num_warps=c.num_warps)
+            PRECISION=fp32_precision(x, w), num_warps=c.num_warps)
     reduce = functools.partial(_reduce_parts, dst, T, N, parts, parts, torch.float32)
     if defer:
         return PendingSum(dst, rows=T, cols=N, row_stride=N, part_stride=T * N, count=parts,

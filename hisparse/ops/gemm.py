@@ -191,18 +191,22 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False
                 ) -> torch.Tensor | PendingSum:
-    """``x [T, K] @ weight [N, K]^T``, both fp32 (the linears DeepSeek computes in fp32: the
-    indexer's ``weights_proj``), output ``[T, N]`` fp32. With Triton (CUDA, or forced): fixed
-    K-split partials summed in split order (:func:`_gemm_splitk_triton.fp32_linear_splitk`,
-    tf32x3 products on CUDA), so a row's result does not depend on the batch; ``pending``
+    """``x [T, K] @ weight [N, K]^T`` in fp32 (the linears DeepSeek computes in fp32: the
+    indexer's ``weights_proj``), output ``[T, N]`` fp32; ``x`` and ``weight`` both fp32, or
+    both bf16 (a weight whose values are bf16 stored so: every product exact either way).
+    With Triton (CUDA, or forced): fixed K-split partials summed in split order
+    (:func:`_gemm_splitk_triton.fp32_linear_splitk`: tf32x3 products on CUDA, one bf16 MMA
+    pass for bf16 operands), so a row's result does not depend on the batch; ``pending``
     returns the partials as a :class:`~hisparse.ops.pending.PendingSum` for a consumer that
-    sums them (the FP8 indexer query kernel). Otherwise ``F.linear`` (torch's fp32 GEMM)."""
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
-            or weight.dim() != 2 or weight.shape[1] != x.shape[1]):
-        raise ValueError(f"fp32_linear: x [T, K] and weight [N, K] must be fp32, got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    sums them (the FP8 indexer query kernel). Otherwise ``F.linear`` over fp32 operands
+    (torch's fp32 GEMM)."""
+    if (x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype
+            or x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]):
+        raise ValueError(f"fp32_linear: x [T, K] and weight [N, K] must be both fp32 or both "
+                         f"bf16, got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} "
+                         f"{weight.dtype}")
     if not want_triton(x, weight):
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x.float(), weight.float())
     from ._gemm_splitk_triton import fp32_linear_splitk
     x = x if x.stride(1) == 1 else x.contiguous()
     return fp32_linear_splitk(x, weight.contiguous(), defer=pending)

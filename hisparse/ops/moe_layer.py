@@ -9,7 +9,7 @@ of the batch it runs in):
    gate in fp32 and transformers computes it in fp32 (``_keep_in_fp32_modules_strict``);
    DeepSeek stores the gate weight in bf16, so with bf16 activations every product is exact in
    fp32. The model keeps such a gate in bf16 (:meth:`hisparse.models.dsa.DSAForCausalLM.
-   narrow_router_gates_`: only when every value is a bf16 value) and the kernel multiplies in
+   narrow_fp32_weights_`: only when every value is a bf16 value) and the kernel multiplies in
    one bf16 MMA pass; an fp32 gate is multiplied in 3xTF32 (exact products for bf16-valued
    operands, about fp32 otherwise); both accumulate in fp32: the reference up to summation
    order.
@@ -179,22 +179,12 @@ def combine_reference(y: Tensor, T: int, dtype: torch.dtype) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- dispatch
-def router_precision(x: Tensor, weight: Tensor) -> str:
-    """The router GEMM's products: ``"bf16"`` (one bf16 MMA pass) when ``x`` and ``weight``
-    are both bf16 tensors (every product exact, as in fp32), ``"tf32x3"`` for fp32 operands on
-    CUDA (exact products for bf16-valued ones, about fp32 otherwise), ``"ieee"`` in the
-    interpreter. The summation is fp32 in each; the grouping inside the MMA differs, so the
-    last bits of a logit may."""
-    if interpreted() or not x.is_cuda:
-        return "ieee"
-    return "bf16" if x.dtype == weight.dtype == torch.bfloat16 else "tf32x3"
-
-
 def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
           n_shared: int = 0, use_triton: bool | None = None, config: RouterConfig | None = None
           ) -> tuple[Tensor, Tensor]:
     """:func:`route_reference` in two kernels (router GEMM, routing). ``x [T, D]`` (the normed
-    hidden, any float dtype), ``weight [E, D]`` (fp32, or bf16: :func:`router_precision`),
+    hidden, any float dtype), ``weight [E, D]`` (fp32, or bf16 with a bf16 ``x``: one bf16
+    MMA pass, :func:`hisparse.ops._gemm_splitk_triton.fp32_precision`),
     ``bias [E]`` fp32 or None; launches
     ``config`` (:data:`ROUTER_CONFIG` when None)."""
     ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None,
@@ -232,6 +222,7 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
     if not use_triton or T == 0:
         q = quantize_act(x, quant[0], quant[1], use_triton=False) if quant else None
         return (*route_reference(x, weight, bias, cfg, n_shared), q)
+    from ._gemm_splitk_triton import fp32_precision
     from ._moe_layer_triton import _moe_route_kernel, _moe_router_gemm_kernel
 
     if (c.k_split & (c.k_split - 1) or c.block_k & (c.block_k - 1) or c.k_split % c.block_k
@@ -253,7 +244,7 @@ def _route(x, weight, bias, cfg, n_shared, use_triton, quant, c: RouterConfig):
         x, weight, part, xq, xs, T, E, D, kb, x.stride(0), weight.stride(0), part.stride(0),
         xq.stride(0), xs.stride(0),
         K_SPLIT=c.k_split, BLOCK_T=c.block_t, BLOCK_E=c.block_e, BLOCK_K=c.block_k,
-        PRECISION=router_precision(x, weight), QUANT=quant is not None, QBK=qbk, POW2=pow2,
+        PRECISION=fp32_precision(x, weight), QUANT=quant is not None, QBK=qbk, POW2=pow2,
         num_warps=c.gemm_warps)
     k_out = cfg.top_k + n_shared
     ids = torch.empty(T, k_out, device=x.device, dtype=torch.int32)

@@ -59,11 +59,28 @@ def test_long_inputs_run_in_row_slices(triton_cpu, monkeypatch):
     assert isinstance(got, torch.Tensor) and torch.equal(got, whole)
 
 
+def test_bf16_operands_give_the_fp32_operands_bits(triton_cpu, poisoned_empty):
+    """Both bf16 (a bf16-valued weight stored so: ``narrow_fp32_weights_``): fp32 output, the
+    values of the same call over their fp32 forms (the interpreter computes both in IEEE fp32;
+    on CUDA the bf16 operands take one bf16 MMA pass: ``test_gpu_bf16_weights_proj``)."""
+    x, w = _inputs(21, 40, 700, seed=5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got = fp32_linear(xb, wb)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, fp32_linear(xb.float(), wb.float()))
+    assert torch.equal(fp32_linear(xb, wb, pending=True).materialize(), got)
+
+
 def test_torch_without_triton_and_bad_inputs():
     x, w = _inputs(4, 8, 64, seed=3)
     assert torch.equal(fp32_linear(x, w), torch.nn.functional.linear(x, w))
-    with pytest.raises(ValueError, match="fp32_linear: x .* must be fp32"):
+    xb, wb = x.bfloat16(), w.bfloat16()         # fp32 products and output without Triton too
+    assert torch.equal(fp32_linear(xb, wb),
+                       torch.nn.functional.linear(xb.float(), wb.float()))
+    with pytest.raises(ValueError, match="fp32_linear: x .* both fp32 or both bf16"):
         fp32_linear(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="fp32_linear"):
+        fp32_linear(x.half(), w.half())
     with pytest.raises(ValueError, match="fp32_linear"):
         fp32_linear(x[None], w)
     with pytest.raises(ValueError, match="fp32_linear"):
@@ -90,3 +107,29 @@ def test_gpu_weights_proj_shape(T):
     xs.copy_(x[96 - T:])
     graph.replay()
     assert torch.equal(out, full[96 - T:])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weights_proj():
+    """The rank's ``weights_proj`` stored in bf16 (bf16 values) over a bf16 hidden: one bf16
+    MMA pass, rows batch invariant, graph-safe, and within fp32 summation order of the 3xTF32
+    call over the same values."""
+    from hisparse.ops._gemm_splitk_triton import fp32_precision
+
+    x, w = _inputs(96, 64, 7168, device="cuda", seed=6)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert fp32_precision(xb, wb) == "bf16"
+    full = fp32_linear(xb, wb)
+    for T in (1, 8, 24, 96):
+        assert torch.equal(fp32_linear(xb[:T], wb), full[:T]), T
+        assert torch.equal(fp32_linear(xb[96 - T:], wb), full[96 - T:]), T
+    want = fp32_linear(xb.float(), wb.float())               # 3xTF32: exact products too
+    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(fp32_linear(xb, wb, pending=True).materialize(), full)
+    xs = xb[:8].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp32_linear(xs, wb)
+    xs.copy_(xb[88:])
+    graph.replay()
+    assert torch.equal(out, full[88:])

@@ -72,7 +72,7 @@ def test_route_matches_reference(triton_cpu, T, E, G, tg, k, ns, norm, bias):
 
 
 def test_route_takes_a_bf16_gate(triton_cpu):
-    """A gate stored in bf16 (``DSAForCausalLM.narrow_router_gates_``) routes as its fp32
+    """A gate stored in bf16 (``DSAForCausalLM.narrow_fp32_weights_``) routes as its fp32
     form: the same values."""
     E, D, T = 32, 80, 9
     w, b = _router(E, D, seed=4)
@@ -81,8 +81,8 @@ def test_route_takes_a_bf16_gate(triton_cpu):
     ids, wt = route(x, w.bfloat16(), b, cfg, 1)
     want_ids, want_w = route(x, w, b, cfg, 1)
     assert torch.equal(ids, want_ids) and torch.equal(wt, want_w)
-    from hisparse.ops.moe_layer import router_precision
-    assert router_precision(x, w.bfloat16()) == "ieee"     # the interpreter's fp32 dots
+    from hisparse.ops._gemm_splitk_triton import fp32_precision
+    assert fp32_precision(x, w.bfloat16()) == "ieee"       # the interpreter's fp32 dots
 
 
 def test_route_ties_go_to_the_lower_index(triton_cpu):
@@ -381,12 +381,12 @@ def test_gpu_bf16_gate_is_batch_invariant_and_routes_as_fp32():
     """The bf16 pass on a DeepSeek-like gate: rows bitwise alone or in any batch; the same
     experts as the 3xTF32 pass over the same (bf16-valued) fp32 weight but for near ties,
     whose logits differ by the MMAs' fp32 summation only."""
-    from hisparse.ops.moe_layer import router_precision
+    from hisparse.ops._gemm_splitk_triton import fp32_precision
 
     E, D = 256, 7168
     w, b = _router(E, D, seed=21, device="cuda")
     x = torch.randn(512, D, device="cuda", dtype=torch.bfloat16)
-    assert router_precision(x, w.bfloat16()) == "bf16" and router_precision(x, w) == "tf32x3"
+    assert fp32_precision(x, w.bfloat16()) == "bf16" and fp32_precision(x, w) == "tf32x3"
     ids, wt = route(x, w.bfloat16(), b, RANK, 1)
     for T in (1, 8, 16, 24, 48, 96, 128, 256):
         i2, w2 = route(x[:T], w.bfloat16(), b, RANK, 1)
