@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge short
+#            cut36 hostpool policies merge short narrow
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -47,7 +47,9 @@ for section in "$@"; do
              # hits, test_engine_gpu's last test: never run on a GPU); then run its sections
              # with SKIP_TESTS=1
       GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
-        tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py" \
+        tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py
+        tests/ops/test_ops_moe_layer.py tests/ops/test_ops_fp32_linear.py
+        tests/models/test_models_moe_gpu.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
@@ -231,6 +233,34 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
             --model-shape deepseek-v3.2-tp8-rank --layers 36 --kv-cache-dtype fp8 \
             --topk synthetic:0.8 --modes gpu-only --host-pool-gib 1 --profile-kernels 5 \
             --contexts 2048 --concurrency 96 --outputs 128 --out "$out/cut36_$name"
+        )
+      done ;;
+    narrow)  # issue 25 (thirty-second session, never run on a GPU): the router gate and the
+             # indexer's weights_proj in bf16 where their values are bf16 (one bf16 MMA pass,
+             # narrow_fp32_weights_): the GPU tests of the files it touches, the router sweep
+             # (both gate dtypes), then 2k x 96 and 8 x 32k on the rank this tree and, with
+             # BASE (a directory holding `git archive 9555d82` unpacked), the tree before
+             # (~9 min on an H100 with LAYERS=36; H200 without)
+      GPU_TEST_FILES="tests/ops/test_ops_moe_layer.py tests/ops/test_ops_fp32_linear.py
+        tests/engine/test_engine_gpu.py tests/models/test_models_moe_gpu.py" skip_or_test
+      HISPARSE_TRITON_AUTOTUNE=0 run router 90 python3 benchmarks/bench_moe.py --router-sweep \
+        --skip-gemm --skip-moe --moe-batches 8,24,96 --out "$out/router.json"
+      cut=()
+      [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
+      runs="new:$PWD"
+      [ -n "${BASE:-}" ] && runs="$runs base:$(cd "$BASE" && pwd)"
+      for r in $runs; do
+        name=${r%%:*}; dir=${r#*:}
+        (
+          cd "$dir" && export PYTHONPATH=$dir
+          run narrow2k_$name 170 python3 -m hisparse.cli bench \
+            --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+            --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
+            --concurrency 96 --outputs 128 --out "$out/narrow2k_$name" "${cut[@]}"
+          run narrow32k_$name 150 python3 -m hisparse.cli bench \
+            --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
+            --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 32768 \
+            --concurrency 8 --outputs 128 --out "$out/narrow32k_$name" "${cut[@]}"
         )
       done ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
