@@ -215,35 +215,6 @@ class DSAAttention(nn.Module):
             self.proj_q = StackedLinears([self.q_b_proj, ix.wq_b])
         return bool(self.stacks())
 
-    def narrow_fp32_weights_(self) -> int:
-        """Store each of :data:`BF16_VALUED_FP32_WEIGHTS` (the MoE router gates, the indexer's
-        ``weights_proj``: kept in fp32, loaded from bf16) in bf16 where every one of its values
-        is a bf16 value and the model computes in bf16. Their GEMMs then multiply the bf16
-        activations in one bf16 MMA pass instead of 3xTF32, with the same exact products and
-        fp32 sums (:func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), and the indexer
-        needs no fp32 copy of its input. Call once the weights are final
-        (:meth:`finalize_weights_`). Returns the number narrowed; a weight with any other
-        value stays fp32."""
-        if self.dtype != torch.bfloat16:
-            return 0
-        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
-                  for suffix in BF16_VALUED_FP32_WEIGHTS
-                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
-        for (m, _), ok in zip(owners, exact):
-            if ok:
-                m.weight = nn.Parameter(m.weight.detach().bfloat16(),
-                                        requires_grad=m.weight.requires_grad)
-        return sum(exact)
-
-    def finalize_weights_(self) -> None:
-        """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
-        the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_fp32_weights_`."""
-        self.stack_projections_()
-        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
-
     def stacks(self) -> list[StackedLinears]:
         return [st for st in (self.proj_x, self.proj_q) if st is not None]
 
@@ -314,35 +285,6 @@ class DSAMLP(nn.Module):
         if self.gate_up is None and StackedLinears.can_stack([self.gate_proj, self.up_proj]):
             self.gate_up = StackedLinears([self.gate_proj, self.up_proj])
         return bool(self.stacks())
-
-    def narrow_fp32_weights_(self) -> int:
-        """Store each of :data:`BF16_VALUED_FP32_WEIGHTS` (the MoE router gates, the indexer's
-        ``weights_proj``: kept in fp32, loaded from bf16) in bf16 where every one of its values
-        is a bf16 value and the model computes in bf16. Their GEMMs then multiply the bf16
-        activations in one bf16 MMA pass instead of 3xTF32, with the same exact products and
-        fp32 sums (:func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), and the indexer
-        needs no fp32 copy of its input. Call once the weights are final
-        (:meth:`finalize_weights_`). Returns the number narrowed; a weight with any other
-        value stays fp32."""
-        if self.dtype != torch.bfloat16:
-            return 0
-        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
-                  for suffix in BF16_VALUED_FP32_WEIGHTS
-                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
-        for (m, _), ok in zip(owners, exact):
-            if ok:
-                m.weight = nn.Parameter(m.weight.detach().bfloat16(),
-                                        requires_grad=m.weight.requires_grad)
-        return sum(exact)
-
-    def finalize_weights_(self) -> None:
-        """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
-        the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_fp32_weights_`."""
-        self.stack_projections_()
-        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
 
     def stacks(self) -> list[StackedLinears]:
         return [] if self.gate_up is None else [self.gate_up]
@@ -661,11 +603,11 @@ class DSAForCausalLM(nn.Module):
         value stays fp32."""
         if self.dtype != torch.bfloat16:
             return 0
-        owners = [(mod, name.rsplit(".", 1)[-1]) for name, mod in self.named_modules()
-                  for suffix in BF16_VALUED_FP32_WEIGHTS
-                  if (name + ".weight").endswith(suffix) and mod.weight.dtype == torch.float32]
-        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m, _ in owners]
-        for (m, _), ok in zip(owners, exact):
+        owners = [mod for name, mod in self.named_modules()
+                  if (name + ".weight").endswith(BF16_VALUED_FP32_WEIGHTS)
+                  and mod.weight.dtype == torch.float32]
+        exact = [bool(torch.equal(m.weight, m.weight.bfloat16().float())) for m in owners]
+        for m, ok in zip(owners, exact):
             if ok:
                 m.weight = nn.Parameter(m.weight.detach().bfloat16(),
                                         requires_grad=m.weight.requires_grad)
