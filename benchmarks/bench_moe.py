@@ -315,7 +315,8 @@ def moe_config(smoke: bool, fp8: bool):
 def random_moe(cfg, device: str):
     """One :class:`~hisparse.models.dsa.DSAMoE` of ``cfg`` on ``device`` with benchmark weights:
     FP8 experts ~N(0, 32) clamped to e4m3 with scales 0.02 / 32 (about N(0, 0.02)), biases 0,
-    every other weight ~N(0, 0.02); frozen."""
+    every other weight ~N(0, 0.02); the router gate stored in bf16 (bf16 values, as the
+    engine keeps DeepSeek's: ``DSAForCausalLM.narrow_fp32_weights_``); frozen."""
     from hisparse.models.dsa import DSAMoE
 
     with torch.device(device):
@@ -331,6 +332,7 @@ def random_moe(cfg, device: str):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)
+    moe.gate.weight = torch.nn.Parameter(moe.gate.weight.detach().bfloat16())
     return moe.requires_grad_(False)
 
 
@@ -415,7 +417,7 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
         moe = random_moe(cfg, device)
         if not fp8:
             moe = moe.to(torch.bfloat16)
-            moe.gate.float()
+            moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.float()
         moe.requires_grad_(False)
         ex = moe.experts
         E, k, I, D = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
@@ -423,7 +425,7 @@ def bench_moe(peaks: dict, device: str, batches, smoke: bool, weights=("fp8", "b
         wbytes = 1 if fp8 else 2
         per_expert = 3 * I * D * wbytes
         shared = 3 * I * cfg.n_shared_experts * D * wbytes
-        router = E * D * 4
+        router = E * D * moe.gate.weight.element_size()
         for T in batches:
             g = torch.Generator(device="cpu").manual_seed(T)
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)

@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge short narrow
+#            cut36 hostpool policies merge short narrow narrow32k
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -237,14 +237,17 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
       done ;;
     narrow)  # issue 25 (thirty-second session, never run on a GPU): the router gate and the
              # indexer's weights_proj in bf16 where their values are bf16 (one bf16 MMA pass,
-             # narrow_fp32_weights_): the GPU tests of the files it touches, the router sweep
-             # (both gate dtypes), then 2k x 96 and 8 x 32k on the rank this tree and, with
-             # BASE (a directory holding `git archive 9555d82` unpacked), the tree before
-             # (~9 min on an H100 with LAYERS=36; H200 without)
-      GPU_TEST_FILES="tests/ops/test_ops_moe_layer.py tests/ops/test_ops_fp32_linear.py
-        tests/engine/test_engine_gpu.py tests/models/test_models_moe_gpu.py" skip_or_test
+             # narrow_fp32_weights_); its GPU tests are in `owed` (run that first). The router
+             # sweep (both gate dtypes), then 2k x 96 on the rank, this tree and, with BASE (a
+             # directory holding `git archive 9555d82` unpacked), the tree before (~8 min; an
+             # H100 with LAYERS=36). The base tree draws other dummy gate values: compare the
+             # router's and weights_proj's kernel times, not only the step
       HISPARSE_TRITON_AUTOTUNE=0 run router 90 python3 benchmarks/bench_moe.py --router-sweep \
         --skip-gemm --skip-moe --moe-batches 8,24,96 --out "$out/router.json"
+      NARROW_CTX=2048 NARROW_CONC=96 bash "$0" "$out" narrow_rank ;;
+    narrow32k) # the same at 8 x 32k (~6 min)
+      NARROW_CTX=32768 NARROW_CONC=8 bash "$0" "$out" narrow_rank ;;
+    narrow_rank) # (narrow's, narrow32k's) one point on the rank, this tree and BASE's
       cut=()
       [ -n "${LAYERS:-}" ] && cut=(--layers "$LAYERS")
       runs="new:$PWD"
@@ -253,14 +256,11 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         name=${r%%:*}; dir=${r#*:}
         (
           cd "$dir" && export PYTHONPATH=$dir
-          run narrow2k_$name 170 python3 -m hisparse.cli bench \
+          run narrow${NARROW_CTX}_$name 170 python3 -m hisparse.cli bench \
             --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-            --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 2048 \
-            --concurrency 96 --outputs 128 --out "$out/narrow2k_$name" "${cut[@]}"
-          run narrow32k_$name 150 python3 -m hisparse.cli bench \
-            --model-shape deepseek-v3.2-tp8-rank --kv-cache-dtype fp8 --topk synthetic:0.8 \
-            --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts 32768 \
-            --concurrency 8 --outputs 128 --out "$out/narrow32k_$name" "${cut[@]}"
+            --modes gpu-only --host-pool-gib 1 --profile-kernels 5 --contexts "$NARROW_CTX" \
+            --concurrency "$NARROW_CONC" --outputs 128 --out "$out/narrow${NARROW_CTX}_$name" \
+            "${cut[@]}"
         )
       done ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,

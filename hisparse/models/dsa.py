@@ -55,7 +55,8 @@ from .config import DSAConfig
 from .context import IndexerQueries, NewKeys, NewQuery, NewRows, SparseAttentionContext
 from .linear import FP8Linear, StackedLinears, make_linear
 
-# Parameters kept in float32 whatever the model dtype (as transformers does).
+# Parameters loaded in float32 whatever the model dtype (as transformers keeps them); the
+# bf16-valued ones below may be stored in bf16 again once the weights are final
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "mlp.gate.weight",
                        "mlp.gate.e_score_correction_bias")
 # Those of them DeepSeek's checkpoints store in bf16 (vLLM and SGLang load both in the model
@@ -146,19 +147,24 @@ class DSAIndexer(nn.Module):
         keys)`` instead: the context runs their RoPE and weight scale, in the FP8 query kernel
         where it can (:func:`hisparse.ops.indexer.indexer_topk`), else as
         :meth:`IndexerQueries.materialize`, the two ops this ran before. ``weights_proj`` runs
-        in fp32 as transformers' reference keeps it (``_keep_in_fp32_modules``), on ``x32``
-        (``x.float()``, made by the norm kernel) when given; with the glue fused as
-        :func:`hisparse.ops.fp32_linear` (batch invariant; its partials pending with the fused
-        sums, for the query kernel to add). ``q_raw`` / ``k_raw``: ``wq_b``'s
+        in fp32 products and sums as transformers' reference keeps it
+        (``_keep_in_fp32_modules``): an fp32 weight on ``x32`` (``x.float()``, made by the norm
+        kernel) when given, a bf16 one (:meth:`DSAForCausalLM.narrow_fp32_weights_`) on the
+        bf16 ``x``; with the glue fused as :func:`hisparse.ops.fp32_linear` (batch invariant;
+        its partials pending with the fused sums, for the query kernel to add). ``q_raw`` /
+        ``k_raw``: ``wq_b``'s
         / ``wk``'s outputs when the attention computed them in its stacked GEMMs."""
         T = x.shape[0]
         q_raw = self.wq_b(q_resid) if q_raw is None else q_raw
         k = NewKeys(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight,
                     self.k_norm.bias, self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved)
         wp = self.weights_proj.weight
-        # fp32 products and sums whatever wp's storage: an fp32 wp multiplies x32 (or
-        # x.float()); a bf16 one (narrow_fp32_weights_: bf16 values) the bf16 x itself
-        xw = x if wp.dtype == x.dtype else x32 if x32 is not None else x.to(wp.dtype)
+        # the operands in one dtype, never narrower than either: x itself where wp has its
+        # dtype (both bf16: a narrowed wp; both fp32), else both in fp32
+        if wp.dtype == x.dtype:
+            xw = x
+        else:
+            xw, wp = (x32 if x32 is not None else x.float()), wp.float()
         if glue.fused(xw):
             # batch invariant fp32 (cuBLAS picks its sgemm by shape), and with the fused sums
             # its K-split partials are added by the FP8 query kernel: no reduction launch
@@ -441,10 +447,12 @@ class DSADecoderLayer(nn.Module):
 
     @property
     def attn_fp32(self) -> bool:
-        """The input norm also writes an fp32 copy: for the indexer's fp32 ``weights_proj``
-        (none once narrowed to bf16, :meth:`DSAForCausalLM.narrow_fp32_weights_`)."""
+        """The input norm also writes an fp32 copy: for an indexer whose ``weights_proj`` is
+        fp32 in a model computed in another dtype (none once narrowed to bf16,
+        :meth:`DSAForCausalLM.narrow_fp32_weights_`, nor in an fp32 model)."""
         ix = self.self_attn.indexer
-        return ix is not None and ix.weights_proj.weight.dtype == torch.float32
+        return (ix is not None
+                and ix.weights_proj.weight.dtype != self.input_layernorm.weight.dtype)
 
     def forward(self, h: Tensor | PendingSum, cos: Tensor, sin: Tensor,
                 ctx: SparseAttentionContext, residual: Tensor | None = None,
@@ -613,13 +621,15 @@ class DSAForCausalLM(nn.Module):
                                         requires_grad=m.weight.requires_grad)
         return sum(exact)
 
-    def finalize_weights_(self) -> None:
+    def finalize_weights_(self) -> tuple[int, int]:
         """Once the weights are final (loaded, sharded, cast) and before the KV cache takes
         the memory or a graph is captured: :meth:`stack_projections_`, then
-        :meth:`narrow_fp32_weights_`."""
-        self.stack_projections_()
-        if self.narrow_fp32_weights_() and self.model.embed_tokens.weight.is_cuda:
+        :meth:`narrow_fp32_weights_`. Returns both counts."""
+        stacked = self.stack_projections_()
+        narrowed = self.narrow_fp32_weights_()
+        if narrowed and self.model.embed_tokens.weight.is_cuda:
             torch.cuda.empty_cache()   # the fp32 copies' storage goes back to the device
+        return stacked, narrowed
 
     def stacks(self) -> list[StackedLinears]:
         """The :class:`StackedLinears` the layers run (empty before :meth:`stack_projections_`)."""

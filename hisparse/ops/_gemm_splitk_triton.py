@@ -600,8 +600,10 @@ FP32_MAX_ROWS = 4096     # rows a call's partials cover (a prefill chunk: in row
 def fp32_precision(x: torch.Tensor, w: torch.Tensor) -> str:
     """:func:`_fp32_split_dot`'s products for ``x @ w^T``: one bf16 MMA pass (``"bf16"``) for
     two bf16 tensors on CUDA (each product exact, as in fp32), 3xTF32 for fp32 ones (exact for
-    bf16-valued operands, about fp32 otherwise), IEEE fp32 in the interpreter. The sums are
-    fp32 in each; the grouping inside the MMA differs, so the last bits of a sum may."""
+    bf16-valued operands, about fp32 otherwise), IEEE fp32 in the interpreter (whose bf16
+    ``tl.dot`` is wrong in recent Triton releases: the bf16 branch runs on GPUs only, and GPU
+    tests check it). The sums are fp32 in each; the grouping inside the MMA differs, so the
+    last bits of a sum may."""
     if interpreted() or not x.is_cuda:
         return "ieee"
     return "bf16" if x.dtype == w.dtype == torch.bfloat16 else "tf32x3"

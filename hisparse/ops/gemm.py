@@ -191,7 +191,7 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False
                 ) -> torch.Tensor | PendingSum:
-    """``x [T, K] @ weight [N, K]^T`` in fp32 (the linears DeepSeek computes in fp32: the
+    """``x [T, K] @ weight [N, K]^T`` in fp32 (the linears transformers keeps in fp32: the
     indexer's ``weights_proj``), output ``[T, N]`` fp32; ``x`` and ``weight`` both fp32, or
     both bf16 (a weight whose values are bf16 stored so: every product exact either way).
     With Triton (CUDA, or forced): fixed K-split partials summed in split order

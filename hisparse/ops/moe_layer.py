@@ -5,8 +5,8 @@ none of them a general sort or a host sync (CUDA-graph capturable; every row com
 of the batch it runs in):
 
 1. router GEMM (:func:`route`): logits ``x @ gate^T`` as fp32 partials over a K split fixed by
-   ``D`` (token tiles of ``RouterConfig.block_t`` whatever ``T``). The checkpoints keep the
-   gate in fp32 and transformers computes it in fp32 (``_keep_in_fp32_modules_strict``);
+   ``D`` (token tiles of ``RouterConfig.block_t`` whatever ``T``). The model loads the gate
+   in fp32 and transformers computes it in fp32 (``_keep_in_fp32_modules_strict``);
    DeepSeek stores the gate weight in bf16, so with bf16 activations every product is exact in
    fp32. The model keeps such a gate in bf16 (:meth:`hisparse.models.dsa.DSAForCausalLM.
    narrow_fp32_weights_`: only when every value is a bf16 value) and the kernel multiplies in

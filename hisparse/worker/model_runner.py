@@ -294,7 +294,8 @@ class ModelRunner:
         self.model = model
         if hasattr(model, "finalize_weights_"):
             # the weights are final here (loaded, sharded, cast): the linears that share an
-            # input become one GEMM each and exact router gates bf16, before any graph is
+            # input become one GEMM each and the bf16-valued router gates and weights_proj
+            # bf16 (narrow_fp32_weights_), before any graph is
             # captured (engine start-up does it before sizing the KV cache; this covers
             # runners built directly)
             model.finalize_weights_()

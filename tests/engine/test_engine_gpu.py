@@ -56,9 +56,12 @@ def lossless_run(path, mode, num_prompts, gpu_blocks, seed, kv_cache_dtype="bf16
 def test_lossless_on_gpu_bf16_moe_eager(moe_path, mode):
     llm = lossless_run(moe_path, mode, num_prompts=8, gpu_blocks=60, seed=0)
     assert llm.runner.graphs is not None  # the fused MoE has no host sync: captured
-    from hisparse.models.dsa import DSARouter
-    gates = [m.weight.dtype for m in llm.model.modules() if isinstance(m, DSARouter)]
-    assert gates and set(gates) == {torch.bfloat16}
+    from hisparse.models.dsa import DSADecoderLayer, DSAIndexer, DSARouter
+    narrowed = [m.weight.dtype for m in llm.model.modules() if isinstance(m, DSARouter)]
+    narrowed += [m.weights_proj.weight.dtype for m in llm.model.modules()
+                 if isinstance(m, DSAIndexer)]
+    assert narrowed and set(narrowed) == {torch.bfloat16}
+    assert not any(m.attn_fp32 for m in llm.model.modules() if isinstance(m, DSADecoderLayer))
 
 
 @pytest.mark.parametrize("mode", ["hisparse", "always-host"])
