@@ -152,8 +152,8 @@ class DSAIndexer(nn.Module):
         kernel) when given, a bf16 one (:meth:`DSAForCausalLM.narrow_fp32_weights_`) on the
         bf16 ``x``; with the glue fused as :func:`hisparse.ops.fp32_linear` (batch invariant;
         its partials pending with the fused sums, for the query kernel to add). ``q_raw`` /
-        ``k_raw``: ``wq_b``'s
-        / ``wk``'s outputs when the attention computed them in its stacked GEMMs."""
+        ``k_raw``: ``wq_b``'s / ``wk``'s outputs when the attention computed them in its
+        stacked GEMMs."""
         T = x.shape[0]
         q_raw = self.wq_b(q_resid) if q_raw is None else q_raw
         k = NewKeys(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight,

@@ -612,9 +612,9 @@ def fp32_precision(x: torch.Tensor, w: torch.Tensor) -> str:
 def fp32_linear_splitk(x: torch.Tensor, w: torch.Tensor, defer: bool = False,
                        config: Fp32SplitConfig = FP32_SPLIT) -> torch.Tensor | PendingSum:
     """``x [T, K] @ w [N, K]^T`` in fp32 (both fp32 or both bf16: :func:`fp32_precision`; unit
-    last stride): fixed K-split partials
-    ``[S, T, N]`` then their sum from zero in split order, so a row's result does not depend on
-    ``T`` (cuBLAS picks its kernel, and with it the summation, by shape). ``defer``: the
+    last stride): fixed K-split partials ``[S, T, N]`` then their sum from zero in split order,
+    so a row's result does not depend on ``T`` (cuBLAS picks its kernel, and with it the
+    summation, by shape). ``defer``: the
     partials as a :class:`PendingSum` (one group of ``S``) for a consumer that sums them (up to
     :data:`FP32_MAX_ROWS` rows; more: the summed tensor)."""
     c = config

@@ -184,9 +184,8 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: RoutingConfig,
           ) -> tuple[Tensor, Tensor]:
     """:func:`route_reference` in two kernels (router GEMM, routing). ``x [T, D]`` (the normed
     hidden, any float dtype), ``weight [E, D]`` (fp32, or bf16 with a bf16 ``x``: one bf16
-    MMA pass, :func:`hisparse.ops._gemm_splitk_triton.fp32_precision`),
-    ``bias [E]`` fp32 or None; launches
-    ``config`` (:data:`ROUTER_CONFIG` when None)."""
+    MMA pass, :func:`hisparse.ops._gemm_splitk_triton.fp32_precision`), ``bias [E]`` fp32 or
+    None; launches ``config`` (:data:`ROUTER_CONFIG` when None)."""
     ids, w, _ = _route(x, weight, bias, cfg, n_shared, use_triton, None,
                        config or ROUTER_CONFIG)
     return ids, w

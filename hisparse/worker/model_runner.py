@@ -295,9 +295,8 @@ class ModelRunner:
         if hasattr(model, "finalize_weights_"):
             # the weights are final here (loaded, sharded, cast): the linears that share an
             # input become one GEMM each and the bf16-valued router gates and weights_proj
-            # bf16 (narrow_fp32_weights_), before any graph is
-            # captured (engine start-up does it before sizing the KV cache; this covers
-            # runners built directly)
+            # bf16 (narrow_fp32_weights_), before any graph is captured (engine start-up does
+            # it before sizing the KV cache; this covers runners built directly)
             model.finalize_weights_()
             if not all(st.aliased() for st in model.stacks()):
                 raise RuntimeError("ModelRunner: a stacked projection's parameters were "

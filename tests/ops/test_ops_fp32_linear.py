@@ -1,6 +1,7 @@
 """``hisparse.ops.fp32_linear``: the linears transformers keeps in fp32 (the indexer's
-``weights_proj``; fp32 or bf16-stored operands, fp32 products and sums) as fixed K-split partials summed in split order (batch invariant), optionally
-left pending for the FP8 query kernel (:class:`hisparse.ops.pending.PendingSum`).
+``weights_proj``; fp32 or bf16-stored operands, fp32 products and sums) as fixed K-split
+partials summed in split order (batch invariant), optionally left pending for the FP8 query
+kernel (:class:`hisparse.ops.pending.PendingSum`).
 
 CPU: the interpreter on fresh random data, outputs poisoned; GPU (``gpu``): a TP-8 rank's
 ``weights_proj`` (64 heads from hidden 7168) at 1-96 tokens.
