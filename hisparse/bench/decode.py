@@ -660,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile_kernels:
         print_kernel_table(points)
     print_ratio_table(points)
+    print_efficiency_table(points)
     plot(points, os.path.join(a.out, "bench_decode.png"))
     return 0
 
@@ -720,6 +721,66 @@ def print_ratio_table(points: list[Point], baseline: str = ALL_HIT) -> None:
         return
     print(f"step time vs the all-hit baseline ({baseline}, lru) of the same mode, context and "
           f"concurrency:")
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+
+
+def efficiency_rows(points: list[Point]) -> list[dict]:
+    """Issue 24's per-request efficiency of every HiSparse-mode point (hisparse, always-host)
+    against the GPU-only point of the same context, top-k source and hot policy ``lru`` with
+    the most running requests below its own (none: no row):
+
+    - ``efficiency``: (steady tok/s ratio) / (running ratio), the issue's figure;
+    - where GPU-only ran at two or more running counts, its steps fitted as ``F + c * n`` (wall
+      ms, least squares) give ``ceiling``, the figure a HiSparse step on GPU-only's own line
+      would reach, ``(F + c * n_g) / (F + c * n_h)``: below 1 whenever ``F > 0``, so a fixed
+      cost that shrinks lowers the figure with no per-request cost changed; ``vs_line``, the
+      tok/s against that line at HiSparse's count (1: an extra request costs HiSparse what it
+      costs GPU-only); and the ms per extra request, HiSparse's from GPU-only's point to its
+      own against GPU-only's ``c``. ``nan`` where there is no fit.
+    """
+    nan = float("nan")
+    rows = []
+    for h in points:
+        if h.mode == "gpu-only":
+            continue
+        same = [g for g in points if g.mode == "gpu-only" and g.context == h.context
+                and g.topk_source == h.topk_source and g.hot_policy == "lru"
+                and g.steady_tok_s == g.steady_tok_s]
+        below = [g for g in same if g.running_reached < h.running_reached]
+        if not below:
+            continue
+        g = max(below, key=lambda x: (x.running_reached, x.concurrency))
+        n_g, n_h = g.running_reached, h.running_reached
+        fit = {}
+        for x in same:   # one step time per running count (the larger concurrency's)
+            fit[x.running_reached] = x.wall_ms_per_step
+        f = c = nan
+        if len(fit) >= 2:
+            ns = list(fit)
+            mn, my = sum(ns) / len(ns), sum(fit.values()) / len(ns)
+            c = (sum((n - mn) * (fit[n] - my) for n in ns) / sum((n - mn) ** 2 for n in ns))
+            f = my - c * mn
+        rows.append(dict(
+            mode=h.mode, policy=h.hot_policy, context=h.context,
+            running=n_h, gpu_only_running=n_g,
+            efficiency=(h.steady_tok_s / g.steady_tok_s) / (n_h / n_g),
+            fixed_ms=f, ms_per_request=c,
+            ceiling=(f + c * n_g) / (f + c * n_h),
+            vs_line=(f + c * n_h) / h.wall_ms_per_step,
+            extra_ms_per_request=(h.wall_ms_per_step - g.wall_ms_per_step) / (n_h - n_g)))
+    return rows
+
+
+def print_efficiency_table(points: list[Point]) -> None:
+    rows = efficiency_rows(points)
+    if not rows:
+        return
+    print("per-request efficiency (issue 24) against GPU-only's most running; ceiling: the figure "
+          "at GPU-only's own per-request cost (fixed_ms + ms_per_request * n, fitted over its "
+          "points); vs_line: tok/s against that line at the same running count:")
     cols = list(rows[0])
     print(" | ".join(cols))
     for r in rows:
