@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse.bench import decode
+from hisparse.bench import decode, report
 from hisparse.bench.locality import SyntheticTopk, TraceTopk
 
 
@@ -179,7 +179,7 @@ def test_bench_refuses_band_policies_on_synthetic_before_the_device(capsys):
 
 
 def test_ratio_rows_against_the_all_hit_point():
-    base = decode.Point(mode="always-host", topk_source="synthetic:1.0", context=64,
+    base = report.Point(mode="always-host", topk_source="synthetic:1.0", context=64,
                         concurrency=4, outputs=8, decode_tok_s=1.0, tpot_p50_ms=1.0,
                         tpot_p99_ms=1.0, running_reached=4, hot_hit_rate=0.99, h2d_gb_s=0.0,
                         gpu_mem_gib=1.0, host_pool_gib=1.0, num_preempted=0, spilled_pages=0,
@@ -188,7 +188,7 @@ def test_ratio_rows_against_the_all_hit_point():
            replace(base, topk_source="trace:/x/t.npz", hot_policy="score+prefetch",
                    wall_ms_per_step=10.4, gpu_ms_per_step=10.0, hot_prefetch_hits=7),
            replace(base, topk_source="trace:/x/t.npz", concurrency=8)]     # no baseline
-    rows = decode.ratio_rows(pts)
+    rows = report.ratio_rows(pts)
     assert [r["source"] for r in rows] == ["synthetic:1.0", "t.npz"]
     assert rows[0]["wall_x"] == 1.0 and rows[1]["wall_x"] == pytest.approx(1.04)
     assert rows[1]["gpu_x"] == pytest.approx(1.25) and rows[1]["prefetch_hits"] == 7
@@ -197,7 +197,7 @@ def test_ratio_rows_against_the_all_hit_point():
 def test_plot_series_keeps_single_points_and_sorts_by_concurrency():
     """A bench of one concurrency still plots its points (a line of one marker each), and a
     line's points go by concurrency, not by the order they were measured."""
-    base = decode.Point(mode="gpu-only", topk_source="synthetic:0.8", context=32768,
+    base = report.Point(mode="gpu-only", topk_source="synthetic:0.8", context=32768,
                         concurrency=64, outputs=8, decode_tok_s=30.0, tpot_p50_ms=1.0,
                         tpot_p99_ms=1.0, running_reached=4, hot_hit_rate=1.0, h2d_gb_s=0.0,
                         gpu_mem_gib=1.0, host_pool_gib=1.0, num_preempted=0, spilled_pages=0,
@@ -205,7 +205,7 @@ def test_plot_series_keeps_single_points_and_sorts_by_concurrency():
     pts = [base, replace(base, concurrency=8, decode_tok_s=10.0),
            replace(base, mode="hisparse", decode_tok_s=40.0),
            replace(base, topk_source="trace:/runs/x/t.npz", decode_tok_s=20.0)]
-    assert decode.plot_series(pts) == [("gpu-only 32k synthetic:0.8", [8, 64], [10.0, 30.0]),
+    assert report.plot_series(pts) == [("gpu-only 32k synthetic:0.8", [8, 64], [10.0, 30.0]),
                                        ("gpu-only 32k t.npz", [64], [20.0]),
                                        ("hisparse 32k synthetic:0.8", [64], [40.0])]
 

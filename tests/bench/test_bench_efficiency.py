@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from hisparse.bench import decode
+from hisparse.bench import report
 
 
-def _point(mode: str, running: int, wall_ms: float, **kw) -> decode.Point:
+def _point(mode: str, running: int, wall_ms: float, **kw) -> report.Point:
     """A measured point whose steady tok/s follows from its running count and step time."""
-    return decode.Point(mode=mode, topk_source="synthetic:0.8", context=32768,
+    return report.Point(mode=mode, topk_source="synthetic:0.8", context=32768,
                         concurrency=kw.pop("concurrency", running), outputs=256,
                         decode_tok_s=0.0, tpot_p50_ms=1.0, tpot_p99_ms=1.0,
                         running_reached=running, hot_hit_rate=0.9, h2d_gb_s=0.0, gpu_mem_gib=1.0,
@@ -22,7 +22,7 @@ def test_efficiency_against_gpu_only_line():
     # GPU-only on the line 5 + 0.5 n; HiSparse at 56 one ms above that line
     pts = [_point("gpu-only", 8, 9.0), _point("gpu-only", 24, 17.0),
            _point("gpu-only", 31, 20.5, concurrency=56), _point("hisparse", 56, 34.0)]
-    (row,) = decode.efficiency_rows(pts)
+    (row,) = report.efficiency_rows(pts)
     assert (row["running"], row["gpu_only_running"]) == (56, 31)
     assert row["efficiency"] == pytest.approx((56 / 34.0) / (31 / 20.5) / (56 / 31))
     assert row["fixed_ms"] == pytest.approx(5.0) and row["ms_per_request"] == pytest.approx(0.5)
@@ -35,13 +35,13 @@ def test_efficiency_against_gpu_only_line():
 
 def test_efficiency_needs_a_gpu_only_point_below_and_two_for_the_fit():
     one = [_point("gpu-only", 31, 20.5), _point("always-host", 56, 40.0, hot_policy="lru")]
-    (row,) = decode.efficiency_rows(one)
+    (row,) = report.efficiency_rows(one)
     assert row["efficiency"] == pytest.approx((56 / 40.0) / (31 / 20.5) / (56 / 31))
     assert all(math.isnan(row[k]) for k in ("fixed_ms", "ms_per_request", "ceiling", "vs_line"))
     # HiSparse at or below GPU-only's count, or another context / source: no row
     level = _point("hisparse", 31, 21.0)
-    assert decode.efficiency_rows([_point("gpu-only", 31, 20.5), level]) == []
+    assert report.efficiency_rows([_point("gpu-only", 31, 20.5), level]) == []
     other = replace(_point("hisparse", 56, 34.0), context=65536)
-    assert decode.efficiency_rows([_point("gpu-only", 31, 20.5), other]) == []
+    assert report.efficiency_rows([_point("gpu-only", 31, 20.5), other]) == []
     src = replace(_point("hisparse", 56, 34.0), topk_source="synthetic:0.9")
-    assert decode.efficiency_rows([_point("gpu-only", 31, 20.5), src]) == []
+    assert report.efficiency_rows([_point("gpu-only", 31, 20.5), src]) == []

@@ -70,9 +70,9 @@ def test_every_triton_kernel_of_the_package_has_a_class():
 def test_kernel_table_prints_launches_beside_the_top_kernels(capsys):
     """The bench's kernel table: a column per profiled point, launches a step beside each top
     kernel (``by_kernel``)."""
-    from hisparse.bench import decode
+    from hisparse.bench import report
 
-    base = decode.Point(mode="gpu-only", topk_source="synthetic:0.8", context=2048,
+    base = report.Point(mode="gpu-only", topk_source="synthetic:0.8", context=2048,
                         concurrency=96, outputs=8, decode_tok_s=1.0, tpot_p50_ms=1.0,
                         tpot_p99_ms=1.0, running_reached=96, hot_hit_rate=1.0, h2d_gb_s=0.0,
                         gpu_mem_gib=1.0, host_pool_gib=0.0, num_preempted=0, spilled_pages=0,
@@ -81,7 +81,7 @@ def test_kernel_table_prints_launches_beside_the_top_kernels(capsys):
                         top_kernels=[("_fp8_splitk_kernel", 2.5), ("_moe_down_kernel", 1.0)],
                         by_kernel=[("_fp8_splitk_kernel", 2.5, 183.0),
                                    ("_moe_down_kernel", 1.0, 33.0)])
-    decode.print_kernel_table([base, replace(base, context=32768, kernel_ms={"all": 1.0,
+    report.print_kernel_table([base, replace(base, context=32768, kernel_ms={"all": 1.0,
                                                                             "GEMM": 1.0})])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "kernel class | gpu-only lru 2k x 96 | gpu-only lru 32k x 96"
