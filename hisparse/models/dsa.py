@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ..ops import glue, switches
 from ..ops._common import want_triton
+from ..ops.block_fp8 import FP8Rows
 from ..ops.gemm import FP8_DTYPE, cdiv, fp32_linear
 from ..ops.moe import fused_moe, fused_moe_graph_safe
 from ..ops.moe_layer import (
@@ -53,7 +54,7 @@ from ..ops.moe_layer import (
 from ..ops.pending import PendingSum, fuses_sums
 from .config import DSAConfig
 from .context import IndexerQueries, NewKeys, NewQuery, NewRows, SparseAttentionContext
-from .linear import FP8Linear, StackedLinears, make_linear
+from .linear import FP8Linear, StackedLinears, apply_linear, fp8_input_format, make_linear
 
 # Parameters loaded in float32 whatever the model dtype (as transformers keeps them); the
 # bf16-valued ones below may be stored in bf16 again once the weights are final
@@ -100,12 +101,14 @@ class RMSNorm(nn.Module):
         y, _ = glue.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)
         return y.view(*lead, y.shape[-1])
 
-    def add(self, x: Tensor | PendingSum, residual: Tensor | None, fp32_copy: bool = False
-            ) -> tuple[Tensor, ...]:
+    def add(self, x: Tensor | PendingSum, residual: Tensor | None, fp32_copy: bool = False,
+            fp8_rows: tuple[int, bool] | None = None) -> tuple[Tensor | FP8Rows | None, ...]:
         """``h = x + residual`` (``x`` when None) -> ``(rms_norm(h), h)``; ``[T, D]``; with
-        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel). ``x`` may be a
-        :class:`PendingSum` (its sum done by the norm's kernel, the same bits)."""
-        return glue.add_rms_norm(x, residual, self.weight, self.eps, fp32_copy)
+        ``fp32_copy`` also ``rms_norm(h).float()`` (same kernel); with ``fp8_rows = (block_k,
+        pow2_scale)`` last the normed rows quantized for an FP8 linear (same kernel; None where
+        the norm runs unfused). ``x`` may be a :class:`PendingSum` (its sum done by the norm's
+        kernel, the same bits)."""
+        return glue.add_rms_norm(x, residual, self.weight, self.eps, fp32_copy, fp8_rows)
 
 
 class Rotary:
@@ -224,22 +227,37 @@ class DSAAttention(nn.Module):
     def stacks(self) -> list[StackedLinears]:
         return [st for st in (self.proj_x, self.proj_q) if st is not None]
 
+    def input_format(self, rows: int, device: torch.device) -> tuple[int, bool] | None:
+        """``(block_k, pow2_scale)`` when the projections of the layer input read it as
+        :class:`FP8Rows` (:func:`fp8_input_format`): for the input norm to make them."""
+        first = self.proj_x if self.proj_x is not None else self.q_a_proj
+        return fp8_input_format(first, rows, device)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: SparseAttentionContext,
-                x32: Tensor | None = None, pending: bool = False) -> Tensor | PendingSum:
+                x32: Tensor | None = None, pending: bool = False,
+                x_fp8: FP8Rows | None = None) -> Tensor | PendingSum:
         """``x32``: ``x.float()`` when the caller has it (the indexer's fp32 weights).
-        ``pending``: the output may be ``o_proj``'s :class:`PendingSum` (:meth:`out_proj`)."""
+        ``pending``: the output may be ``o_proj``'s :class:`PendingSum` (:meth:`out_proj`).
+        ``x_fp8``: ``x`` quantized in :meth:`input_format` by the norm that wrote it."""
         T, H = x.shape[0], self.num_heads
         k_raw = q_raw = None        # the indexer's wk / wq_b outputs, when stacked here
         if self.proj_x is not None:
-            q_a, *k_raw, kv = self.proj_x(x)
+            q_a, *k_raw, kv = self.proj_x(x, x_fp8)
             k_raw = k_raw[0] if k_raw else None
         else:
-            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        q_resid = self.q_a_layernorm(q_a)
-        if self.proj_q is not None:
-            q, q_raw = self.proj_q(q_resid)
+            q_a, kv = (apply_linear(self.q_a_proj, x, x_fp8),
+                       apply_linear(self.kv_a_proj_with_mqa, x, x_fp8))
+        # the q_a norm quantizes its output for the q projections in the same kernel
+        on_q = self.proj_q if self.proj_q is not None else self.q_b_proj
+        q_format = fp8_input_format(on_q, T, x.device)
+        if q_format is None:
+            q_resid, q_fp8 = self.q_a_layernorm(q_a), None
         else:
-            q = self.q_b_proj(q_resid)
+            q_resid, _, q_fp8 = self.q_a_layernorm.add(q_a, None, fp8_rows=q_format)
+        if self.proj_q is not None:
+            q, q_raw = self.proj_q(q_resid, q_fp8)
+        else:
+            q = apply_linear(self.q_b_proj, q_resid, q_fp8)
         q = q.view(T, H, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         norm = self.kv_a_layernorm
@@ -464,9 +482,12 @@ class DSADecoderLayer(nn.Module):
         combine or the dense ``down_proj``'s split-K partials, summed by that norm); ``h`` may
         be one (the previous layer's). Inside the layer ``o_proj``'s partials go to the
         post-attention norm the same way. Both when :func:`fuses_sums` (bit-neutral)."""
-        x, residual, *x32 = self.input_layernorm.add(h, residual, self.attn_fp32)
+        x_format = self.self_attn.input_format(h.shape[0], h.device)
+        x, residual, *extra = self.input_layernorm.add(h, residual, self.attn_fp32, x_format)
+        x32 = extra[:1] if self.attn_fp32 else []
+        x_fp8 = extra[-1] if x_format is not None else None
         fuse = fuses_sums(x)
-        a = self.self_attn(x, cos, sin, ctx, *x32, pending=fuse)
+        a = self.self_attn(x, cos, sin, ctx, *x32, pending=fuse, x_fp8=x_fp8)
         fp32 = self.mlp_fp32 and not self.mlp.fused(x)   # x: `a` may be a PendingSum
         x, residual, *x32 = self.post_attention_layernorm.add(a, residual, fp32)
         return self.mlp(x, *x32, pending=pending and fuse), residual

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear
+from ..ops.block_fp8 import FP8Rows
+from ..ops.gemm import FP8_DTYPE, cdiv, fp8_block_linear, takes_fp8_rows
 from ..ops.pending import PendingSum
 from .config import DSAConfig
 
@@ -38,10 +39,18 @@ class FP8Linear(nn.Module):
                        dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, x_fp8: FP8Rows | None = None) -> Tensor:
+        """``x_fp8``: ``x`` already quantized (:attr:`input_format`), e.g. by the norm that
+        wrote it; read where the kernel takes it, else ``x`` is quantized as always."""
         y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block,
-                             pow2_scale=self.pow2_scale)
+                             pow2_scale=self.pow2_scale, x_fp8=x_fp8)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @property
+    def input_format(self) -> tuple[int, bool]:
+        """``(block_k, pow2_scale)``: how this linear quantizes its input (the
+        :class:`~hisparse.ops.block_fp8.FP8Rows` it reads)."""
+        return self.block[1], self.pow2_scale
 
     def forward_pending(self, x: Tensor) -> Tensor | PendingSum:
         """:meth:`forward` of ``x [M, in]``, or, where the split-K kernel runs with partial
@@ -57,6 +66,26 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block={self.block}, bias={self.bias is not None}")
+
+
+def fp8_input_format(lin: nn.Module | StackedLinears | None, rows: int, device: torch.device
+                     ) -> tuple[int, bool] | None:
+    """``(block_k, pow2_scale)`` when ``lin`` (an :class:`FP8Linear` or an FP8 stack) would read
+    :class:`~hisparse.ops.block_fp8.FP8Rows` of its ``rows``-row input on ``device``
+    (:func:`hisparse.ops.gemm.takes_fp8_rows`), for the norm writing that input to make them;
+    else None."""
+    if isinstance(lin, StackedLinears):
+        lin = lin.linear if lin.fp8 else None
+    if not isinstance(lin, FP8Linear) or not takes_fp8_rows(rows, device):
+        return None
+    return lin.input_format
+
+
+def apply_linear(lin: nn.Module, x: Tensor, x_fp8: FP8Rows | None = None) -> Tensor:
+    """``lin(x)``, handing an :class:`FP8Linear` the rows ``x_fp8`` of ``x`` when given."""
+    if x_fp8 is not None and isinstance(lin, FP8Linear):
+        return lin(x, x_fp8)
+    return lin(x)
 
 
 def make_linear(cfg: DSAConfig, in_features: int, out_features: int, bias: bool = False
@@ -165,5 +194,7 @@ class StackedLinears:
                    and (not self.fp8 or same(p.weight_scale_inv, self.scale_inv))
                    for p in self._parts)
 
-    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
-        return self.linear(x).split(self.sizes, dim=-1)
+    def __call__(self, x: Tensor, x_fp8: FP8Rows | None = None) -> tuple[Tensor, ...]:
+        """``x_fp8`` (FP8 stacks): ``x`` already quantized, as :meth:`FP8Linear.forward`."""
+        y = self.linear(x, x_fp8) if self.fp8 else self.linear(x)
+        return y.split(self.sizes, dim=-1)

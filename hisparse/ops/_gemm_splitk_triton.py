@@ -49,7 +49,7 @@ from triton.runtime.errors import OutOfResources
 
 from ._common import bucket_of, interpreted
 from ._gemm_triton import _quant_rows, k_groups, quantize_fp8_act_triton
-from .block_fp8 import quantize_fp8_act
+from .block_fp8 import FP8Rows, quantize_fp8_act
 from .pending import PendingSum
 
 TARGET_PROGRAMS = 512  # 64-row chunk programs per launch (~4 per SM of an H200)
@@ -482,7 +482,8 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
                             block: tuple[int, int], out_dtype: torch.dtype,
                             pow2_scale: bool = False, config: SplitKConfig | None = None,
                             plan: SplitKPlan | None = None, quant: str | None = None,
-                            pending: bool = False) -> torch.Tensor | PendingSum:
+                            pending: bool = False, x_fp8: FP8Rows | None = None
+                            ) -> torch.Tensor | PendingSum:
     """``x [M, K]`` times FP8 ``w [N, K]`` -> ``[M, N]`` ``out_dtype``: one launch (level
     ``all``, or one part), two (chunk or group sums, then their reduction), one more with
     ``quant="kernel"``. Row ``i`` equals that row computed in any other batch, bitwise, whatever
@@ -496,7 +497,9 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     attention output as the ``w_uv`` product leaves it, heads strided): with ``K // G`` a
     multiple of ``bk`` the kernels load its blocks where they lie (:func:`_gemm_triton.
     k_groups`; the same values as from the flattened copy, so the same bits), else it is
-    flattened first."""
+    flattened first. ``x_fp8``: ``x`` (2-D) already quantized in this call's format (the caller
+    checked :meth:`FP8Rows.fits`): read as ``quant="kernel"`` reads its own (``quant`` is then
+    ignored)."""
     M = x.shape[0]
     K = x.shape[1] if x.dim() == 2 else x.shape[1] * x.shape[2]
     N = w.shape[0]
@@ -509,9 +512,11 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
     if cfg.level not in LEVELS:
         raise ValueError(f"fp8_block_linear_splitk: level must be one of {LEVELS}, "
                          f"got {cfg.level!r}")
-    quant = quant or (cfg.quant if x.is_cuda else "torch")
+    quant = "rows" if x_fp8 is not None else quant or (cfg.quant if x.is_cuda else "torch")
     x, stride_g, bpg = k_groups(x, bk)
-    if quant == "gemm":
+    if quant == "rows":
+        xq, xs, stride_g, bpg = x_fp8.q, x_fp8.scale, bk, 1
+    elif quant == "gemm":
         xq, xs = x, x  # xs unused
     elif quant == "kernel":
         xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from ._common import fp8_tile, next_pow2
+from ._gemm_triton import _quant_rows
 from ._quant_triton import _TL_DTYPE, _bf16_bits, _hadamard, _rnd, _store_fp8_tiles
+from .block_fp8 import FP8Rows
 
 
 @triton.jit
@@ -69,14 +71,17 @@ def _ordered_sum(ptr, m, stride_p, PARTS: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, D, stride_x,
-                         stride_p, stride_r, stride_y, stride_h, stride_y32, eps,
-                         PARTS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_RES: tl.constexpr, HAS_Y32: tl.constexpr, BLOCK: tl.constexpr,
-                         DT: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, q_ptr, s_ptr, D,
+                         stride_x, stride_p, stride_r, stride_y, stride_h, stride_y32, stride_q,
+                         stride_s, eps, PARTS: tl.constexpr, GROUP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_Y32: tl.constexpr,
+                         QUANT: tl.constexpr, QBK: tl.constexpr, POW2: tl.constexpr,
+                         BLOCK: tl.constexpr, DT: tl.constexpr):
     """``PARTS = 0``: ``x`` is the row; else the row is the pending sum of ``PARTS`` parts
     ``stride_p`` apart (:mod:`hisparse.ops.pending`), rounded to DT as its own reduction's
-    store rounds (a cast), plus the bias (rounded, as torch's add)."""
+    store rounds (a cast), plus the bias (rounded, as torch's add). ``QUANT``: the output row
+    also as FP8 per ``1 x QBK`` tile (``q``, ``s``), through the FP8 linears' own quantizer
+    (``_quant_rows``) on the stored values: bitwise what a linear reading ``y`` makes of it."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -99,9 +104,39 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, D, s
     tl.store(y_ptr + t * stride_y + offs, y, mask=m)
     if HAS_Y32:
         tl.store(y32_ptr + t * stride_y32 + offs, y.to(tl.float32), mask=m)
+    if QUANT:   # the row's tiles as the rows of a [BLOCK / QBK, QBK] tile (the tail is zeros)
+        q, sa = _quant_rows(tl.reshape(y.to(tl.float32), (BLOCK // QBK, QBK)), POW2)
+        tiles = tl.arange(0, BLOCK // QBK)
+        at = tiles[:, None] * QBK + tl.arange(0, QBK)[None, :]
+        tl.store(q_ptr + t * stride_q + at, q, mask=at < D)
+        tl.store(s_ptr + t * stride_s + tiles, sa, mask=tiles * QBK < D)
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False):
+def _fp8_outputs(T: int, D: int, device, fp8_rows: tuple[int, bool] | None):
+    """``(q, s, FP8Rows | None)`` for the norm's FP8 copy (placeholders when not asked)."""
+    if fp8_rows is None:
+        return None, None, None
+    bk, pow2 = fp8_rows
+    q = torch.empty(T, D, device=device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(T, triton.cdiv(D, bk), device=device, dtype=torch.float32)
+    return q, s, FP8Rows(q, s, bk, bool(pow2))
+
+
+def _norm_block(D: int, fp8_rows: tuple[int, bool] | None) -> int:
+    block = next_pow2(D)
+    if fp8_rows is not None:
+        bk = fp8_rows[0]
+        if bk < 16 or bk & (bk - 1):
+            raise ValueError(f"add_rms_norm: fp8_rows block_k must be a power of two >= 16, "
+                             f"got {bk}")
+        block = max(block, bk)
+    return block
+
+
+def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False,
+                        fp8_rows: tuple[int, bool] | None = None):
+    """``(y, h)``, then ``y32`` with ``fp32_copy``, then an :class:`FP8Rows` of ``y`` with
+    ``fp8_rows = (block_k, pow2_scale)``."""
     T, D = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(T, D, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
@@ -111,16 +146,22 @@ def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False
         r = residual if residual.stride(1) == 1 else residual.contiguous()
         h = torch.empty_like(x)
     y32 = torch.empty(T, D, device=x.device, dtype=torch.float32) if fp32_copy else y
-    block = next_pow2(D)
-    _add_rms_norm_kernel[(T,)](x, r, weight, weight, y, h, y32, D, x.stride(0), 0,
-                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0), float(eps),
-                               PARTS=0, GROUP=1, HAS_BIAS=False, HAS_RES=residual is not None,
-                               HAS_Y32=fp32_copy, BLOCK=block, DT=_TL_DTYPE[x.dtype],
-                               num_warps=min(16, max(1, block // 512)))
-    return (y, h, y32) if fp32_copy else (y, h)
+    q, s, rows = _fp8_outputs(T, D, x.device, fp8_rows)
+    block = _norm_block(D, fp8_rows)
+    _add_rms_norm_kernel[(T,)](x, r, weight, weight, y, h, y32, y if q is None else q,
+                               y if s is None else s, D, x.stride(0), 0, r.stride(0),
+                               y.stride(0), h.stride(0), y32.stride(0),
+                               0 if q is None else q.stride(0), 0 if s is None else s.stride(0),
+                               float(eps), PARTS=0, GROUP=1, HAS_BIAS=False,
+                               HAS_RES=residual is not None, HAS_Y32=fp32_copy,
+                               QUANT=rows is not None, QBK=rows.block_k if rows else 16,
+                               POW2=bool(rows and rows.pow2_scale), BLOCK=block,
+                               DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
+    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows else ())
 
 
-def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = False):
+def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = False,
+                            fp8_rows: tuple[int, bool] | None = None):
     """:func:`add_rms_norm_triton` of a :class:`~hisparse.ops.pending.PendingSum` ``s``: the
     sum done in the norm's program (``h`` is always a new tensor: the sum's value)."""
     T, D = s.shape
@@ -130,14 +171,20 @@ def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = F
     r = h if residual is None else (residual if residual.stride(1) == 1
                                     else residual.contiguous())
     y32 = torch.empty(T, D, device=s.device, dtype=torch.float32) if fp32_copy else y
+    q, sc, rows = _fp8_outputs(T, D, s.device, fp8_rows)
     b = weight if s.bias is None else s.bias.to(dtype)
-    block = next_pow2(D)
-    _add_rms_norm_kernel[(T,)](s.base, r, weight, b, y, h, y32, D, s.row_stride, s.part_stride,
-                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0), float(eps),
-                               PARTS=s.count, GROUP=s.group, HAS_BIAS=s.bias is not None,
-                               HAS_RES=residual is not None, HAS_Y32=fp32_copy, BLOCK=block,
+    block = _norm_block(D, fp8_rows)
+    _add_rms_norm_kernel[(T,)](s.base, r, weight, b, y, h, y32, y if q is None else q,
+                               y if sc is None else sc, D, s.row_stride, s.part_stride,
+                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0),
+                               0 if q is None else q.stride(0), 0 if sc is None else sc.stride(0),
+                               float(eps), PARTS=s.count, GROUP=s.group,
+                               HAS_BIAS=s.bias is not None, HAS_RES=residual is not None,
+                               HAS_Y32=fp32_copy, QUANT=rows is not None,
+                               QBK=rows.block_k if rows else 16,
+                               POW2=bool(rows and rows.pow2_scale), BLOCK=block,
                                DT=_TL_DTYPE[dtype], num_warps=min(16, max(1, block // 512)))
-    return (y, h, y32) if fp32_copy else (y, h)
+    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows else ())
 
 
 # ----------------------------------------------------------------------------- MLA rows

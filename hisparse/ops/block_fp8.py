@@ -10,6 +10,8 @@ Weights ``w [..., N, K]`` float8_e4m3fn with ``scale_inv [..., ceil(N/bn), ceil(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._common import cdiv
@@ -40,6 +42,29 @@ def quantize_fp8_act(x: torch.Tensor, block_k: int = 128, pow2_scale: bool = Fal
         s = pow2_ceil(s)
     q = (xf / s[..., None]).to(FP8_DTYPE).view(M, kb * block_k)[:, :K]
     return q, s
+
+
+@dataclass(frozen=True)
+class FP8Rows:
+    """Activation rows ``x [M, K]`` already quantized as :func:`quantize_fp8_act` specifies, by
+    the kernel that wrote ``x`` (:func:`hisparse.ops.glue.add_rms_norm` with ``fp8_rows``):
+    ``q [M, K]`` float8_e4m3fn and ``scale [M, ceil(K / block_k)]`` fp32, both row-contiguous,
+    power-of-two scales when ``pow2_scale``. An FP8 linear reading ``x`` takes them instead of
+    quantizing ``x`` again (:func:`hisparse.ops.gemm.fp8_block_linear`'s ``x_fp8``): the same
+    values, one launch fewer."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+    pow2_scale: bool
+
+    def fits(self, x: torch.Tensor, block_k: int, pow2_scale: bool) -> bool:
+        """Whether these are ``x``'s rows in the format a linear with ``block_k`` and
+        ``pow2_scale`` quantizes to."""
+        return (self.block_k == block_k and self.pow2_scale == pow2_scale and x.dim() == 2
+                and tuple(self.q.shape) == tuple(x.shape) and self.q.dtype == FP8_DTYPE
+                and tuple(self.scale.shape) == (x.shape[0], cdiv(x.shape[1], block_k))
+                and self.q.is_contiguous() and self.scale.is_contiguous())
 
 
 def dequantize_fp8_act(q: torch.Tensor, s: torch.Tensor, block_k: int = 128) -> torch.Tensor:

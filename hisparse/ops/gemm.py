@@ -49,9 +49,10 @@ from __future__ import annotations
 import torch
 
 from . import switches
-from ._common import cdiv, want_triton
+from ._common import cdiv, triton_available, want_triton
 from .block_fp8 import (
     FP8_DTYPE,
+    FP8Rows,
     dequantize_fp8_act,
     dequantize_fp8_weight,
     quantize_fp8_act,
@@ -133,7 +134,8 @@ def _scaled_mm_usable(x2: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tens
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), *, backend: str | None = None,
                      out_dtype: torch.dtype | None = None, pow2_scale: bool = False,
-                     pending: bool = False) -> torch.Tensor | PendingSum:
+                     pending: bool = False, x_fp8: FP8Rows | None = None
+                     ) -> torch.Tensor | PendingSum:
     """``y = x @ (w * scale_inv)^T`` for ``x [..., K]`` (bf16/fp16/fp32), FP8 block-scaled ``w
     [N, K]``; fp32 accumulation, output ``out_dtype`` (default ``x.dtype``). See the module doc
     for the backends (the fast ones quantize ``x`` per 1 x bk tile). ``pending``: where the
@@ -144,7 +146,12 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     Or ``x [M, G, K // G]`` (3-D, last dim not ``K``): row ``m`` is ``x[m]`` flattened, output
     ``[M, N]``; the attention's per-head output ``[T, H, v_head]`` as the ``w_uv`` product
     leaves it (heads strided). The split-K kernel reads it in place when ``K // G`` is a
-    multiple of ``bk`` (bitwise the flattened copy's result); every other path flattens it."""
+    multiple of ``bk`` (bitwise the flattened copy's result); every other path flattens it.
+
+    ``x_fp8``: ``x`` (2-D) already quantized by the kernel that wrote it (:class:`~hisparse.ops.
+    block_fp8.FP8Rows`, e.g. the norm before this linear): the split-K kernel reads it instead
+    of quantizing ``x`` (the same values: the same bits, one launch fewer where it would have
+    quantized first); every other path, or rows in another format, quantize ``x`` as always."""
     if w.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn, got {w.dtype}")
     N, K = w.shape
@@ -176,9 +183,11 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     if b in ("triton", "triton_stream") and x2.shape[0] <= BATCH_INVARIANT_MAX_M:
         if b == "triton":
             from ._gemm_splitk_triton import fp8_block_linear_splitk
+            pre = x_fp8 if x_fp8 is not None and x_fp8.fits(x2, bk, pow2_scale) else None
             y = fp8_block_linear_splitk(x2, w, w_scale_inv, block, out_dtype,
                                         pow2_scale=pow2_scale,
-                                        pending=pending and (x.dim() == 2 or in_place))
+                                        pending=pending and (x.dim() == 2 or in_place),
+                                        x_fp8=pre)
             if isinstance(y, PendingSum):
                 return y
         else:
@@ -187,6 +196,16 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     else:
         y = fp8_block_linear_triton(x2, w, w_scale_inv, block, out_dtype, pow2_scale=pow2_scale)
     return y.reshape(*lead, N)
+
+
+def takes_fp8_rows(rows: int, device: torch.device) -> bool:
+    """Whether an FP8 linear on ``rows`` rows on ``device`` would read
+    :class:`~hisparse.ops.block_fp8.FP8Rows` of its input (the split-K kernel on CUDA: backend
+    ``triton``, up to the batch-invariant M): where a norm writes that input, it is worth making
+    them in the norm's kernel. (On CPU the interpreter's FP8 cast rounds unlike torch's, which
+    quantizes the activations there.)"""
+    return (torch.device(device).type == "cuda" and _backend(None) in ("triton", "auto")
+            and triton_available() and 0 < rows <= _splitk_max_m())
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import switches
 from ._common import want_triton
+from .block_fp8 import FP8Rows
 from .pending import PendingSum, fuses_sums
 from .quant import check_mla_rows_dst, quantize_write_index_keys, quantize_write_mla_rows
 
@@ -135,11 +136,16 @@ def _check_q_latent(q_abs: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor) -> No
 
 
 def add_rms_norm(x: Tensor | PendingSum, residual: Tensor | None, weight: Tensor, eps: float,
-                 fp32_copy: bool = False) -> tuple[Tensor, ...]:
+                 fp32_copy: bool = False, fp8_rows: tuple[int, bool] | None = None
+                 ) -> tuple[Tensor | FP8Rows | None, ...]:
     """Fused :func:`add_rms_norm_reference`: ``x, residual [T, D]`` -> ``(normed [T, D],
     h [T, D])``, one kernel (``h`` is ``x`` itself when ``residual`` is None); with
     ``fp32_copy`` a third output ``normed.float()`` from the same kernel (the fp32 linears the
     reference keeps -- the router, the indexer's ``weights_proj`` -- read it: no cast kernel).
+    With ``fp8_rows = (block_k, pow2_scale)`` a last output: ``normed`` quantized per ``1 x
+    block_k`` tile by the same kernel (:class:`~hisparse.ops.block_fp8.FP8Rows`, bitwise what
+    an FP8 linear's own quantizer makes of ``normed``), or None where the norm runs unfused
+    (the linear then quantizes ``normed`` itself).
     ``x`` may be a :class:`~hisparse.ops.pending.PendingSum` (a split-K GEMM's partials, the
     MoE layer's slot rows): the kernel does its sum first, the same additions and rounding as
     its own reduction (bitwise :meth:`~hisparse.ops.pending.PendingSum.materialize` then the
@@ -152,13 +158,14 @@ def add_rms_norm(x: Tensor | PendingSum, residual: Tensor | None, weight: Tensor
         else:
             _check_norm_args(x.shape, residual, weight)
             from ._glue_triton import add_rms_norm_sum_triton
-            return add_rms_norm_sum_triton(x, residual, weight, eps, fp32_copy)
+            return add_rms_norm_sum_triton(x, residual, weight, eps, fp32_copy, fp8_rows)
     _check_norm_args(tuple(x.shape), residual, weight)
     if x.shape[0] == 0 or not fused(x):
         y, h = add_rms_norm_reference(x, residual, weight, eps)
-        return (y, h, y.float()) if fp32_copy else (y, h)
+        return ((y, h) + ((y.float(),) if fp32_copy else ())
+                + ((None,) if fp8_rows is not None else ()))
     from ._glue_triton import add_rms_norm_triton
-    return add_rms_norm_triton(x, residual, weight, eps, fp32_copy)
+    return add_rms_norm_triton(x, residual, weight, eps, fp32_copy, fp8_rows)
 
 
 def _check_norm_args(shape: tuple[int, ...], residual: Tensor | None, weight: Tensor) -> None:

@@ -110,3 +110,76 @@ def test_gpu_model_forward_fused_sums_bitwise(tmp_path_factory, monkeypatch, T):
     got, want, n_fused = _both(model, cfg, ids.cuda(), "cuda", monkeypatch)
     _assert_bitwise(got, want)
     assert n_fused > 0
+
+
+# ------------------------------------------------------------------ the norms' FP8 rows
+def _with_and_without_norm_rows(model, cfg, ids, device, monkeypatch, kernel_launches):
+    """``(with, without)`` outputs of the main and MTP forwards: the input and ``q_a`` norms
+    quantizing for the projections after them, then not; and how many norm launches made rows
+    (``QUANT``)."""
+    from hisparse.models import linear
+
+    launches = kernel_launches(_glue_triton, "_add_rms_norm_kernel", "QUANT")
+    hidden_in = torch.randn(ids.numel(), cfg.hidden_size, device=device).to(model.dtype)
+    got = _forward(model, cfg, ids, device, hidden_in)
+    n_rows = sum(launches)
+    monkeypatch.setattr(linear, "takes_fp8_rows", lambda rows, dev: False)
+    launches.clear()
+    want = _forward(model, cfg, ids, device, hidden_in)
+    assert not any(launches)
+    return got, want, n_rows
+
+
+def test_model_forward_norm_rows_bitwise(tiny_fp8, kernel_switches, monkeypatch,
+                                         kernel_launches):
+    """CPU: the wiring (which norm quantizes for which linear, the rows reaching the stacked
+    GEMMs). The interpreter's FP8 cast rounds unlike torch's, so here the split-K kernel
+    quantizes through its own quantizer both times (``quant="kernel"``, what CUDA runs)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    from hisparse.models import linear
+    from hisparse.ops import _gemm_splitk_triton
+
+    model, cfg = tiny_fp8
+    kernel_switches(force_triton=True, fp8_gemm="triton")
+    real = _gemm_splitk_triton.fp8_block_linear_splitk
+    read = []
+
+    def splitk(*a, quant=None, **kw):
+        read.append(kw.get("x_fp8") is not None)
+        return real(*a, quant=quant or "kernel", **kw)
+
+    monkeypatch.setattr(_gemm_splitk_triton, "fp8_block_linear_splitk", splitk)
+    monkeypatch.setattr(linear, "takes_fp8_rows", lambda rows, dev: 0 < rows <= 512)
+    ids = torch.randint(2, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(2))
+    got, want, n_rows = _with_and_without_norm_rows(model, cfg, ids, "cpu", monkeypatch,
+                                                    kernel_launches)
+    _assert_bitwise(got, want)
+    # the input norm and the q_a norm of each of the 3 main layers and the MTP layer; unstacked,
+    # q_a_proj and kv_a_proj read the first, q_b_proj the second (wq_b takes the bf16 latent)
+    layers = cfg.num_layers + 1
+    assert n_rows == 2 * layers, n_rows
+    assert sum(read) == 3 * layers, sum(read)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 96])
+def test_gpu_model_forward_norm_rows_bitwise(tmp_path_factory, monkeypatch, kernel_launches, T):
+    """CUDA: the norms' FP8 rows (the production path) give the bits of the linears
+    quantizing their inputs themselves."""
+    path = make_random_checkpoint(tmp_path_factory.mktemp("norm_rows_gpu"), "deepseek_v32",
+                                  seed=5, hidden_size=512, num_attention_heads=16,
+                                  num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=128,
+                                  qk_nope_head_dim=64, v_head_dim=128, intermediate_size=1024,
+                                  moe_intermediate_size=256, n_routed_experts=16, n_group=4,
+                                  topk_group=2, num_experts_per_tok=8, num_hidden_layers=3,
+                                  first_k_dense_replace=1, index_topk=32, fp8=True,
+                                  num_nextn_predict_layers=1)
+    model, cfg = load_model(path, torch.bfloat16, "cuda", load_format="dummy", num_mtp_layers=1)
+    model.finalize_weights_()
+    ids = torch.randint(2, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+    got, want, n_rows = _with_and_without_norm_rows(model, cfg, ids.cuda(), "cuda", monkeypatch,
+                                                    kernel_launches)
+    _assert_bitwise(got, want)
+    assert n_rows == 2 * (cfg.num_layers + 1), n_rows    # each read by one stacked GEMM
