@@ -4,6 +4,7 @@ the plot. Pure functions of :class:`Point` lists (no device, no engine)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -12,6 +13,10 @@ ALL_HIT = "synthetic:1.0"     # the all-hit baseline source of the ratio table
 
 @dataclass
 class Point:
+    """One measured point of ``hisparse bench``: a mode at a context and concurrency (one JSON
+    object of ``bench_decode.json``). ``running_reached``: the most requests decoding together;
+    the steady figures are over the decode steps at that count."""
+
     mode: str
     topk_source: str
     context: int
@@ -132,15 +137,15 @@ def efficiency_rows(points: list[Point]) -> list[dict]:
             continue
         same = [g for g in points if g.mode == "gpu-only" and g.context == h.context
                 and g.topk_source == h.topk_source and g.hot_policy == "lru"
-                and g.steady_tok_s == g.steady_tok_s]
+                and not math.isnan(g.steady_tok_s)]
         below = [g for g in same if g.running_reached < h.running_reached]
         if not below:
             continue
         g = max(below, key=lambda x: (x.running_reached, x.concurrency))
         n_g, n_h = g.running_reached, h.running_reached
         fit = {}
-        for x in same:   # one step time per running count (the larger concurrency's)
-            fit[x.running_reached] = x.wall_ms_per_step
+        for x in sorted(same, key=lambda x: x.concurrency):   # per running count: the point
+            fit[x.running_reached] = x.wall_ms_per_step        # of the largest concurrency
         f = c = nan
         if len(fit) >= 2:
             ns = list(fit)

@@ -20,8 +20,10 @@ def _point(mode: str, running: int, wall_ms: float, **kw) -> report.Point:
 
 def test_efficiency_against_gpu_only_line():
     # GPU-only on the line 5 + 0.5 n; HiSparse at 56 one ms above that line
+    # a second point at 31 running, of a smaller concurrency (listed later): not the fit's
     pts = [_point("gpu-only", 8, 9.0), _point("gpu-only", 24, 17.0),
-           _point("gpu-only", 31, 20.5, concurrency=56), _point("hisparse", 56, 34.0)]
+           _point("gpu-only", 31, 20.5, concurrency=56), _point("hisparse", 56, 34.0),
+           _point("gpu-only", 31, 25.0, concurrency=31)]
     (row,) = report.efficiency_rows(pts)
     assert (row["running"], row["gpu_only_running"]) == (56, 31)
     assert row["efficiency"] == pytest.approx((56 / 34.0) / (31 / 20.5) / (56 / 31))
