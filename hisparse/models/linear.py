@@ -76,7 +76,9 @@ def fp8_input_format(lin: nn.Module | StackedLinears | None, rows: int, device: 
     else None."""
     if isinstance(lin, StackedLinears):
         lin = lin.linear if lin.fp8 else None
-    if not isinstance(lin, FP8Linear) or not takes_fp8_rows(rows, device):
+    if not isinstance(lin, FP8Linear):
+        return None
+    if not takes_fp8_rows(rows, device, tuple(lin.weight.shape), lin.block):
         return None
     return lin.input_format
 

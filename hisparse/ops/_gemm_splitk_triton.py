@@ -454,6 +454,13 @@ def splitk_config(M: int, N: int, K: int, plan: SplitKPlan) -> SplitKConfig:
     return SplitKConfig(bt, bn, warps, 3, level, quant)
 
 
+@functools.cache
+def quantizes_first(M: int, N: int, K: int, bk: int = 128) -> bool:
+    """Whether the default launch for ``M`` rows of a weight ``[N, K]`` quantizes the
+    activations in a kernel of their own before the GEMM (``quant="kernel"``)."""
+    return splitk_config(M, N, K, splitk_plan(N, K, bk)).quant == "kernel"
+
+
 def splitk_configs(M: int) -> list[SplitKConfig]:
     """Candidate launches for ``M`` rows (the benchmark's sweep; every one gives the same bits):
     a handful per M bucket, so the sweep compiles few kernels."""
@@ -513,20 +520,24 @@ def fp8_block_linear_splitk(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch
         raise ValueError(f"fp8_block_linear_splitk: level must be one of {LEVELS}, "
                          f"got {cfg.level!r}")
     quant = "rows" if x_fp8 is not None else quant or (cfg.quant if x.is_cuda else "torch")
-    x, stride_g, bpg = k_groups(x, bk)
     if quant == "rows":
+        if x_fp8 is None:
+            raise ValueError("fp8_block_linear_splitk: quant='rows' reads x_fp8 (the rows "
+                             "quantized by their producer): none given")
         xq, xs, stride_g, bpg = x_fp8.q, x_fp8.scale, bk, 1
-    elif quant == "gemm":
-        xq, xs = x, x  # xs unused
-    elif quant == "kernel":
-        xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)
-        stride_g, bpg = bk, 1
-    elif quant == "torch":
-        xq, xs = quantize_fp8_act(x.reshape(M, K), bk, pow2_scale)
-        xq, stride_g, bpg = xq.contiguous(), bk, 1
     else:
-        raise ValueError(f"fp8_block_linear_splitk: quant must be gemm, kernel or torch, "
-                         f"got {quant!r}")
+        x, stride_g, bpg = k_groups(x, bk)
+        if quant == "gemm":
+            xq, xs = x, x  # xs unused
+        elif quant == "kernel":
+            xq, xs = quantize_fp8_act_triton(x, bk, pow2_scale)
+            stride_g, bpg = bk, 1
+        elif quant == "torch":
+            xq, xs = quantize_fp8_act(x.reshape(M, K), bk, pow2_scale)
+            xq, stride_g, bpg = xq.contiguous(), bk, 1
+        else:
+            raise ValueError(f"fp8_block_linear_splitk: quant must be gemm, kernel, torch or "
+                             f"rows (with x_fp8), got {quant!r}")
     w = w if w.stride(1) == 1 else w.contiguous()
     ws = w_scale_inv.float().contiguous()
     # one part of either kind: its program walks all of K (the same additions, no reduction)

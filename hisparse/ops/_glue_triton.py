@@ -123,14 +123,9 @@ def _fp8_outputs(T: int, D: int, device, fp8_rows: tuple[int, bool] | None):
 
 
 def _norm_block(D: int, fp8_rows: tuple[int, bool] | None) -> int:
-    block = next_pow2(D)
-    if fp8_rows is not None:
-        bk = fp8_rows[0]
-        if bk < 16 or bk & (bk - 1):
-            raise ValueError(f"add_rms_norm: fp8_rows block_k must be a power of two >= 16, "
-                             f"got {bk}")
-        block = max(block, bk)
-    return block
+    """A row's block: ``D`` rounded up to a power of two, and to whole FP8 tiles (the caller,
+    :func:`hisparse.ops.glue.add_rms_norm`, checked ``block_k``)."""
+    return next_pow2(D) if fp8_rows is None else max(next_pow2(D), fp8_rows[0])
 
 
 def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False,
@@ -154,10 +149,10 @@ def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False
                                0 if q is None else q.stride(0), 0 if s is None else s.stride(0),
                                float(eps), PARTS=0, GROUP=1, HAS_BIAS=False,
                                HAS_RES=residual is not None, HAS_Y32=fp32_copy,
-                               QUANT=rows is not None, QBK=rows.block_k if rows else 16,
-                               POW2=bool(rows and rows.pow2_scale), BLOCK=block,
+                               QUANT=rows is not None, QBK=rows.block_k if rows is not None else 16,
+                               POW2=rows is not None and rows.pow2_scale, BLOCK=block,
                                DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
-    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows else ())
+    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows is not None else ())
 
 
 def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = False,
@@ -181,10 +176,10 @@ def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = F
                                float(eps), PARTS=s.count, GROUP=s.group,
                                HAS_BIAS=s.bias is not None, HAS_RES=residual is not None,
                                HAS_Y32=fp32_copy, QUANT=rows is not None,
-                               QBK=rows.block_k if rows else 16,
-                               POW2=bool(rows and rows.pow2_scale), BLOCK=block,
+                               QBK=rows.block_k if rows is not None else 16,
+                               POW2=rows is not None and rows.pow2_scale, BLOCK=block,
                                DT=_TL_DTYPE[dtype], num_warps=min(16, max(1, block // 512)))
-    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows else ())
+    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows is not None else ())
 
 
 # ----------------------------------------------------------------------------- MLA rows

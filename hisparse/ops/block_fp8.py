@@ -44,7 +44,7 @@ def quantize_fp8_act(x: torch.Tensor, block_k: int = 128, pow2_scale: bool = Fal
     return q, s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FP8Rows:
     """Activation rows ``x [M, K]`` already quantized as :func:`quantize_fp8_act` specifies, by
     the kernel that wrote ``x`` (:func:`hisparse.ops.glue.add_rms_norm` with ``fp8_rows``):
@@ -59,10 +59,13 @@ class FP8Rows:
     pow2_scale: bool
 
     def fits(self, x: torch.Tensor, block_k: int, pow2_scale: bool) -> bool:
-        """Whether these are ``x``'s rows in the format a linear with ``block_k`` and
-        ``pow2_scale`` quantizes to."""
+        """Whether these rows have ``x``'s shape and device in the format a linear with
+        ``block_k`` and ``pow2_scale`` quantizes to (that they were made from ``x`` is the
+        producer's word: the shape cannot tell)."""
         return (self.block_k == block_k and self.pow2_scale == pow2_scale and x.dim() == 2
                 and tuple(self.q.shape) == tuple(x.shape) and self.q.dtype == FP8_DTYPE
+                and self.scale.dtype == torch.float32 and self.q.device == x.device
+                and self.scale.device == x.device
                 and tuple(self.scale.shape) == (x.shape[0], cdiv(x.shape[1], block_k))
                 and self.q.is_contiguous() and self.scale.is_contiguous())
 

@@ -198,14 +198,22 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     return y.reshape(*lead, N)
 
 
-def takes_fp8_rows(rows: int, device: torch.device) -> bool:
-    """Whether an FP8 linear on ``rows`` rows on ``device`` would read
-    :class:`~hisparse.ops.block_fp8.FP8Rows` of its input (the split-K kernel on CUDA: backend
-    ``triton``, up to the batch-invariant M): where a norm writes that input, it is worth making
-    them in the norm's kernel. (On CPU the interpreter's FP8 cast rounds unlike torch's, which
-    quantizes the activations there.)"""
-    return (torch.device(device).type == "cuda" and _backend(None) in ("triton", "auto")
-            and triton_available() and 0 < rows <= _splitk_max_m())
+def takes_fp8_rows(rows: int, device: torch.device, weight_shape: tuple[int, int],
+                   block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether an FP8 linear with a weight of ``weight_shape`` on ``rows`` rows on ``device``
+    is worth handing :class:`~hisparse.ops.block_fp8.FP8Rows` of its input, made by the norm
+    that writes the input: the split-K kernel on CUDA (backend ``triton``, up to the
+    batch-invariant M) whose launch for these rows quantizes the input in a kernel of its own
+    first (``SplitKConfig.quant == "kernel"``; where it quantizes in its K loop, at few rows,
+    the rows would save no launch). (On CPU the interpreter's FP8 cast rounds unlike torch's,
+    which quantizes the activations there.)"""
+    if not (torch.device(device).type == "cuda" and _backend(None) in ("triton", "auto")
+            and triton_available() and 0 < rows <= _splitk_max_m()):
+        return False
+    from ._gemm_splitk_triton import quantizes_first
+
+    N, K = weight_shape
+    return quantizes_first(rows, N, K, block[1])
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, pending: bool = False

@@ -152,6 +152,12 @@ def add_rms_norm(x: Tensor | PendingSum, residual: Tensor | None, weight: Tensor
     norm; ``h`` is then the sum plus the residual, a new tensor). Where the norm does not fuse
     (``HISPARSE_FUSED_GLUE=0`` or ``HISPARSE_FUSED_SUMS=0``, no Triton) the sum is
     materialized first."""
+    if fp8_rows is not None:
+        bk, pow2 = fp8_rows
+        if not isinstance(bk, int) or bk < 16 or bk & (bk - 1) or not isinstance(pow2, bool):
+            raise ValueError(f"add_rms_norm: fp8_rows must be (block_k, pow2_scale) with "
+                             f"block_k a power of two >= 16 and pow2_scale a bool, got "
+                             f"{fp8_rows!r}")
     if isinstance(x, PendingSum):
         if x.rows == 0 or not fuses_sums(x.base):
             x = x.materialize()

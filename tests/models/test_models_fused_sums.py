@@ -123,7 +123,7 @@ def _with_and_without_norm_rows(model, cfg, ids, device, monkeypatch, kernel_lau
     hidden_in = torch.randn(ids.numel(), cfg.hidden_size, device=device).to(model.dtype)
     got = _forward(model, cfg, ids, device, hidden_in)
     n_rows = sum(launches)
-    monkeypatch.setattr(linear, "takes_fp8_rows", lambda rows, dev: False)
+    monkeypatch.setattr(linear, "takes_fp8_rows", lambda *_: False)
     launches.clear()
     want = _forward(model, cfg, ids, device, hidden_in)
     assert not any(launches)
@@ -151,7 +151,7 @@ def test_model_forward_norm_rows_bitwise(tiny_fp8, kernel_switches, monkeypatch,
         return real(*a, quant=quant or "kernel", **kw)
 
     monkeypatch.setattr(_gemm_splitk_triton, "fp8_block_linear_splitk", splitk)
-    monkeypatch.setattr(linear, "takes_fp8_rows", lambda rows, dev: 0 < rows <= 512)
+    monkeypatch.setattr(linear, "takes_fp8_rows", lambda rows, *_: 0 < rows <= 512)
     ids = torch.randint(2, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(2))
     got, want, n_rows = _with_and_without_norm_rows(model, cfg, ids, "cpu", monkeypatch,
                                                     kernel_launches)
@@ -182,4 +182,6 @@ def test_gpu_model_forward_norm_rows_bitwise(tmp_path_factory, monkeypatch, kern
     got, want, n_rows = _with_and_without_norm_rows(model, cfg, ids.cuda(), "cuda", monkeypatch,
                                                     kernel_launches)
     _assert_bitwise(got, want)
-    assert n_rows == 2 * (cfg.num_layers + 1), n_rows    # each read by one stacked GEMM
+    # each read by one stacked GEMM, where its launch quantizes first (this model's shapes:
+    # above 64 rows, splitk_config)
+    assert n_rows == (2 * (cfg.num_layers + 1) if T > 64 else 0), n_rows

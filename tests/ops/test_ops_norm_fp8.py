@@ -66,6 +66,10 @@ def test_norm_of_a_pending_sum_quantizes_its_rows(triton_cpu, poisoned_empty):
     y0, h0 = glue.add_rms_norm(pending_combine(slots, T, torch.bfloat16), r, w, 1e-6)
     assert torch.equal(y, y0) and torch.equal(h, h0)
     _assert_rows_of(rows, y, bk, False)
+    y2, _, y32, rows2 = glue.add_rms_norm(pending_combine(slots, T, torch.bfloat16), r, w, 1e-6,
+                                          fp32_copy=True, fp8_rows=(bk, True))
+    assert torch.equal(y2, y) and torch.equal(y32, y.float())
+    _assert_rows_of(rows2, y, bk, True)
 
 
 def test_unfused_norm_returns_no_rows(triton_cpu, kernel_switches):
@@ -76,10 +80,15 @@ def test_unfused_norm_returns_no_rows(triton_cpu, kernel_switches):
     assert rows is None and torch.equal(h, x)
 
 
-def test_norm_refuses_a_bad_block(triton_cpu):
+@pytest.mark.parametrize("fused", [True, False])
+def test_norm_refuses_a_bad_block(triton_cpu, kernel_switches, fused):
+    kernel_switches(fused_glue=fused)
     x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.rand(64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fp8_rows block_k"):
-        glue.add_rms_norm(x, None, w, 1e-6, fp8_rows=(24, False))
+    for bad in [(24, False), (0, False), (-16, False), (8, False), (32, 1)]:
+        with pytest.raises(ValueError, match="fp8_rows must be"):
+            glue.add_rms_norm(x, None, w, 1e-6, fp8_rows=bad)
+    with pytest.raises(ValueError, match="fp8_rows must be"):
+        glue.add_rms_norm(x[:0], None, w, 1e-6, fp8_rows=(24, False))
 
 
 def _fp8_weight(N: int, K: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,19 +127,35 @@ def test_fp8_rows_fit():
     assert not FP8Rows(q.t().contiguous().t(), s, 32, False).fits(x, 32, False)
 
 
-def test_takes_fp8_rows_only_on_cuda_up_to_the_invariant_rows(kernel_switches):
-    from hisparse.ops._gemm_triton import BATCH_INVARIANT_MAX_M
+def test_splitk_refuses_rows_mode_without_rows(triton_cpu):
+    from hisparse.ops._gemm_splitk_triton import fp8_block_linear_splitk
 
-    assert not takes_fp8_rows(8, torch.device("cpu"))
+    w, ws = _fp8_weight(32, 64, 16)
+    with pytest.raises(ValueError, match="x_fp8"):
+        fp8_block_linear_splitk(torch.randn(2, 64), w, ws, (16, 16), torch.float32,
+                                quant="rows")
+
+
+def test_takes_fp8_rows_where_the_linear_would_quantize_first(kernel_switches):
+    """CUDA only (the interpreter's cast is not torch's), the split-K backend, up to the
+    batch-invariant rows, and only where that launch quantizes in a kernel of its own."""
+    from hisparse.ops._gemm_splitk_triton import quantizes_first
+
+    shape = (2240, 7168)              # the stacked [q_a | wk | kv_a] of a V3.2 rank
+    assert not takes_fp8_rows(96, torch.device("cpu"), shape)
     kernel_switches(force_triton=True)
-    assert not takes_fp8_rows(8, torch.device("cpu"))   # the interpreter's cast is not torch's
+    assert not takes_fp8_rows(96, torch.device("cpu"), shape)
     if torch.cuda.is_available():
+        from hisparse.ops._gemm_triton import BATCH_INVARIANT_MAX_M
+
         cuda = torch.device("cuda")
-        assert takes_fp8_rows(1, cuda) and takes_fp8_rows(BATCH_INVARIANT_MAX_M, cuda)
-        assert not takes_fp8_rows(0, cuda)
-        assert not takes_fp8_rows(BATCH_INVARIANT_MAX_M + 1, cuda)
+        for m in (1, 8, 32, 48, 96, BATCH_INVARIANT_MAX_M):
+            assert takes_fp8_rows(m, cuda, shape) == quantizes_first(m, *shape)
+        assert takes_fp8_rows(96, cuda, shape) and not takes_fp8_rows(1, cuda, shape)
+        assert not takes_fp8_rows(0, cuda, shape)
+        assert not takes_fp8_rows(BATCH_INVARIANT_MAX_M + 1, cuda, shape)
         kernel_switches(fp8_gemm="scaled_mm")
-        assert not takes_fp8_rows(8, cuda)
+        assert not takes_fp8_rows(96, cuda, shape)
 
 
 # ----------------------------------------------------------------------------- GPU
