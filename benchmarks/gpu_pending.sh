@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge short narrow narrow32k
+#            cut36 hostpool policies merge short narrow narrow32k eff
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -40,16 +40,17 @@ skip_or_test() {   # a section's own GPU tests (GPU_TEST_FILES), unless SKIP_TES
 
 for section in "$@"; do
   case $section in
-    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~1
-             # min; the twentieth session ran them on an H100 at 54415f2 and 6dfb9cd, every
-             # file passing: the engine's stats(), the NIXL transfer's dead code, GPU-held
-             # requests and the capacity budget; the twenty-first session's GPU-held prefix
-             # hits, test_engine_gpu's last test: never run on a GPU); then run its sections
-             # with SKIP_TESTS=1
+    owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
+             # min): the engine, graphs, disaggregation and capacity tests, the bf16 router
+             # and weights_proj (thirty-second session), the norms' FP8 rows (thirty-third);
+             # every file passed on an H100 in the thirty-third session (0c57488, 10b0ddb:
+             # docs/GPU_TESTS.md) but test_disagg_gpu (nixl not carried); then run the
+             # sections with SKIP_TESTS=1
       GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py
         tests/ops/test_ops_moe_layer.py tests/ops/test_ops_fp32_linear.py
-        tests/models/test_models_moe_gpu.py" \
+        tests/models/test_models_moe_gpu.py tests/ops/test_ops_norm_fp8.py
+        tests/models/test_models_fused_sums.py" \
         bash "$0" "$out" tests ;;
     tests)   # the whole GPU suite, every file its own process, in 4 shards side by side on
              # the one GPU (~4 min; docs/GPU_TESTS.md); xgrammar, pydantic, nixl-cu13 carried
@@ -264,6 +265,22 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
             "${cut[@]}"
         )
       done ;;
+    eff)     # issue 24 (thirty-third session, H100: 0.89 / 0.80 at 41 / 68 running): HiSparse's
+             # tok/s against GPU-only's at the same running count, on an 18-layer cut at 32k (its
+             # KV fits an H100 at 68 x 32k): both modes on one GPU budget (GPU-only holds 31),
+             # then GPU-only with the whole memory at 16 and at HiSparse's count (~3 min)
+      run eff_pair 200 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --layers 18 --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --outputs 192 \
+        --profile-kernels 3 --modes gpu-only,hisparse --concurrency max --gpu-kv-gib 11.5 \
+        --host-pool-gib 30 --out "$out/eff_pair"
+      n=$(python3 -c "import json, sys; print(max(p['running_reached'] for p in json.load(open(
+        sys.argv[1])) if p['mode'] == 'hisparse'))" "$out/eff_pair/bench_decode.json")
+      run eff_wide 150 python3 -m hisparse.cli bench --model-shape deepseek-v3.2-tp8-rank \
+        --layers 18 --kv-cache-dtype fp8 --topk synthetic:0.8 --contexts 32768 --outputs 192 \
+        --profile-kernels 3 --modes gpu-only --concurrency "16,$n" --host-pool-gib 1 \
+        --out "$out/eff_wide"
+      python3 -m hisparse.bench.report "$out/eff_pair/bench_decode.json" \
+        "$out/eff_wide/bench_decode.json" | tail -n 3 ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
              # 1-512 tokens (~1.5 min; bench_moe_launch.py prints MOE_LAUNCHES to paste)
       run moe_launch 150 python3 benchmarks/bench_moe_launch.py --out "$out/moe_launch.json" ;;

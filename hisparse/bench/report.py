@@ -4,6 +4,7 @@ the plot. Pure functions of :class:`Point` lists (no device, no engine)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -209,3 +210,31 @@ def plot(points: list[Point], path: str) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def load_points(paths: list[str]) -> list[Point]:
+    """The points of ``hisparse bench`` JSON files (``bench_decode.json``), in file order."""
+    points = []
+    for path in paths:
+        with open(path) as f:
+            points += [Point(**d) for d in json.load(f)]
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hisparse.bench.report A/bench_decode.json B/bench_decode.json ...``: the
+    tables of several runs' points together, e.g. issue 24's efficiency of a HiSparse run
+    against a GPU-only run given more memory."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hisparse.bench.report", description=main.__doc__)
+    p.add_argument("paths", nargs="+", help="bench_decode.json files")
+    points = load_points(p.parse_args(argv).paths)
+    print_table(points)
+    print_ratio_table(points)
+    print_efficiency_table(points)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,3 +47,25 @@ def test_efficiency_needs_a_gpu_only_point_below_and_two_for_the_fit():
     assert report.efficiency_rows([_point("gpu-only", 31, 20.5), other]) == []
     src = replace(_point("hisparse", 56, 34.0), topk_source="synthetic:0.9")
     assert report.efficiency_rows([_point("gpu-only", 31, 20.5), src]) == []
+
+
+def test_report_joins_runs(tmp_path, capsys):
+    """``python -m hisparse.bench.report`` over two runs' JSON: the efficiency row needs the
+    GPU-only point of one and the HiSparse point of the other."""
+    import json
+    from dataclasses import asdict
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([asdict(_point("gpu-only", 31, 20.5)),
+                             asdict(_point("hisparse", 56, 34.0))]))
+    b.write_text(json.dumps([asdict(_point("gpu-only", 8, 9.0))]))
+    assert [p.mode for p in report.load_points([str(a), str(b)])] == ["gpu-only", "hisparse",
+                                                                        "gpu-only"]
+    assert report.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    point_row = "hisparse | lru | synthetic:0.8 | 32768 | 56 |"     # the points' table
+    assert sum(line.startswith(point_row) for line in out) == 1
+    rows = [line for line in out if line.startswith("hisparse | lru | 32768 | 56 | 31 |")]
+    assert len(rows) == 1           # the efficiency table's row
+    fixed, per_request = (float(v) for v in rows[0].split(" | ")[6:8])
+    assert fixed == pytest.approx(5.0, abs=1e-3) and per_request == pytest.approx(0.5, abs=1e-4)
