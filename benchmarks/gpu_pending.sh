@@ -43,9 +43,9 @@ for section in "$@"; do
     owed)    # the GPU tests of the GPU-path changes not yet run on an H200, in one pass (~3
              # min): the engine, graphs, disaggregation and capacity tests, the bf16 router
              # and weights_proj (thirty-second session), the norms' FP8 rows (thirty-third);
-             # every file passed on an H100 in the thirty-third session (0c57488, 10b0ddb:
-             # docs/GPU_TESTS.md) but test_disagg_gpu (nixl not carried); then run the
-             # sections with SKIP_TESTS=1
+             # they passed on an H100 in the thirty-third session (0c57488, 10b0ddb:
+             # docs/GPU_TESTS.md), but for test_disagg_gpu (nixl not carried) and all of
+             # test_models_fused_sums but its norm-rows test; then the sections, SKIP_TESTS=1
       GPU_TEST_FILES="tests/engine/test_engine_gpu.py tests/worker/test_cuda_graph_gpu.py
         tests/engine/test_disagg_gpu.py tests/engine/test_capacity.py
         tests/ops/test_ops_moe_layer.py tests/ops/test_ops_fp32_linear.py
