@@ -91,20 +91,26 @@ def test_model_forward_fused_sums_bitwise(tiny_fp8, kernel_switches, monkeypatch
     assert n_fused == 3 + 3 + 1, n_fused
 
 
+def _small_cuda_model(path, seed: int):
+    """A small random DSA model on CUDA (FP8 128-blocks, a dense and two MoE layers, one MTP
+    layer), dummy weights."""
+    path = make_random_checkpoint(path, "deepseek_v32", seed=seed, hidden_size=512,
+                                  num_attention_heads=16, num_key_value_heads=16,
+                                  q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+                                  v_head_dim=128, intermediate_size=1024,
+                                  moe_intermediate_size=256, n_routed_experts=16, n_group=4,
+                                  topk_group=2, num_experts_per_tok=8, num_hidden_layers=3,
+                                  first_k_dense_replace=1, index_topk=32, fp8=True,
+                                  num_nextn_predict_layers=1)
+    return load_model(path, torch.bfloat16, "cuda", load_format="dummy", num_mtp_layers=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 33, 96])
 def test_gpu_model_forward_fused_sums_bitwise(tmp_path_factory, monkeypatch, T):
     """A small random DSA model on CUDA (FP8, 128-blocks, dense + MoE layers, MTP): both switch
     settings give the same bits."""
-    path = make_random_checkpoint(tmp_path_factory.mktemp("fused_sums_gpu"), "deepseek_v32",
-                                  seed=4, hidden_size=512, num_attention_heads=16,
-                                  num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=128,
-                                  qk_nope_head_dim=64, v_head_dim=128, intermediate_size=1024,
-                                  moe_intermediate_size=256, n_routed_experts=16, n_group=4,
-                                  topk_group=2, num_experts_per_tok=8, num_hidden_layers=3,
-                                  first_k_dense_replace=1, index_topk=32, fp8=True,
-                                  num_nextn_predict_layers=1)
-    model, cfg = load_model(path, torch.bfloat16, "cuda", load_format="dummy", num_mtp_layers=1)
+    model, cfg = _small_cuda_model(tmp_path_factory.mktemp("fused_sums_gpu"), seed=4)
     assert model.finalize_weights_()[1] > 0    # the production path: bf16-pass gates too
     ids = torch.randint(2, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
     got, want, n_fused = _both(model, cfg, ids.cuda(), "cuda", monkeypatch)
@@ -168,15 +174,7 @@ def test_model_forward_norm_rows_bitwise(tiny_fp8, kernel_switches, monkeypatch,
 def test_gpu_model_forward_norm_rows_bitwise(tmp_path_factory, monkeypatch, kernel_launches, T):
     """CUDA: the norms' FP8 rows (the production path) give the bits of the linears
     quantizing their inputs themselves."""
-    path = make_random_checkpoint(tmp_path_factory.mktemp("norm_rows_gpu"), "deepseek_v32",
-                                  seed=5, hidden_size=512, num_attention_heads=16,
-                                  num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=128,
-                                  qk_nope_head_dim=64, v_head_dim=128, intermediate_size=1024,
-                                  moe_intermediate_size=256, n_routed_experts=16, n_group=4,
-                                  topk_group=2, num_experts_per_tok=8, num_hidden_layers=3,
-                                  first_k_dense_replace=1, index_topk=32, fp8=True,
-                                  num_nextn_predict_layers=1)
-    model, cfg = load_model(path, torch.bfloat16, "cuda", load_format="dummy", num_mtp_layers=1)
+    model, cfg = _small_cuda_model(tmp_path_factory.mktemp("norm_rows_gpu"), seed=5)
     model.finalize_weights_()
     ids = torch.randint(2, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
     got, want, n_rows = _with_and_without_norm_rows(model, cfg, ids.cuda(), "cuda", monkeypatch,
