@@ -250,10 +250,8 @@ class DSAAttention(nn.Module):
         # the q_a norm quantizes its output for the q projections in the same kernel
         on_q = self.proj_q if self.proj_q is not None else self.q_b_proj
         q_format = fp8_input_format(on_q, T, x.device)
-        if q_format is None:
-            q_resid, q_fp8 = self.q_a_layernorm(q_a), None
-        else:
-            q_resid, _, q_fp8 = self.q_a_layernorm.add(q_a, None, fp8_rows=q_format)
+        q_resid, _, *q_fp8 = self.q_a_layernorm.add(q_a, None, fp8_rows=q_format)
+        q_fp8 = q_fp8[0] if q_fp8 else None
         if self.proj_q is not None:
             q, q_raw = self.proj_q(q_resid, q_fp8)
         else:
@@ -483,8 +481,9 @@ class DSADecoderLayer(nn.Module):
         be one (the previous layer's). Inside the layer ``o_proj``'s partials go to the
         post-attention norm the same way. Both when :func:`fuses_sums` (bit-neutral)."""
         x_format = self.self_attn.input_format(h.shape[0], h.device)
-        x, residual, *extra = self.input_layernorm.add(h, residual, self.attn_fp32, x_format)
-        x32 = extra[:1] if self.attn_fp32 else []
+        fp32 = self.attn_fp32
+        x, residual, *extra = self.input_layernorm.add(h, residual, fp32, x_format)
+        x32 = extra[:1] if fp32 else []
         x_fp8 = extra[-1] if x_format is not None else None
         fuse = fuses_sums(x)
         a = self.self_attn(x, cos, sin, ctx, *x32, pending=fuse, x_fp8=x_fp8)

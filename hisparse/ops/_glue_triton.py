@@ -112,20 +112,24 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, q_pt
         tl.store(s_ptr + t * stride_s + tiles, sa, mask=tiles * QBK < D)
 
 
-def _fp8_outputs(T: int, D: int, device, fp8_rows: tuple[int, bool] | None):
-    """``(q, s, FP8Rows | None)`` for the norm's FP8 copy (placeholders when not asked)."""
+def _fp8_outputs(y: torch.Tensor, fp8_rows: tuple[int, bool] | None):
+    """The norm's FP8 copy of ``y [T, D]``: ``(rows, (q_ptr, s_ptr), (stride_q, stride_s),
+    meta)``, the kernel's arguments for it (``y`` in the pointers' places when not asked) and
+    its meta-parameters, the row block included (``D`` rounded up to a power of two and to
+    whole tiles; :func:`hisparse.ops.glue.add_rms_norm` checked ``block_k``)."""
+    T, D = y.shape
+    block = next_pow2(D)
     if fp8_rows is None:
-        return None, None, None
+        return None, (y, y), (0, 0), dict(QUANT=False, QBK=16, POW2=False, BLOCK=block)
     bk, pow2 = fp8_rows
-    q = torch.empty(T, D, device=device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(T, triton.cdiv(D, bk), device=device, dtype=torch.float32)
-    return q, s, FP8Rows(q, s, bk, bool(pow2))
+    q = torch.empty(T, D, device=y.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(T, triton.cdiv(D, bk), device=y.device, dtype=torch.float32)
+    meta = dict(QUANT=True, QBK=bk, POW2=bool(pow2), BLOCK=max(block, bk))
+    return FP8Rows(q, s, bk, bool(pow2)), (q, s), (q.stride(0), s.stride(0)), meta
 
 
-def _norm_block(D: int, fp8_rows: tuple[int, bool] | None) -> int:
-    """A row's block: ``D`` rounded up to a power of two, and to whole FP8 tiles (the caller,
-    :func:`hisparse.ops.glue.add_rms_norm`, checked ``block_k``)."""
-    return next_pow2(D) if fp8_rows is None else max(next_pow2(D), fp8_rows[0])
+def _norm_outputs(y, h, y32, fp32_copy: bool, rows: FP8Rows | None) -> tuple:
+    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows is not None else ())
 
 
 def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False,
@@ -141,18 +145,14 @@ def add_rms_norm_triton(x, residual, weight, eps: float, fp32_copy: bool = False
         r = residual if residual.stride(1) == 1 else residual.contiguous()
         h = torch.empty_like(x)
     y32 = torch.empty(T, D, device=x.device, dtype=torch.float32) if fp32_copy else y
-    q, s, rows = _fp8_outputs(T, D, x.device, fp8_rows)
-    block = _norm_block(D, fp8_rows)
-    _add_rms_norm_kernel[(T,)](x, r, weight, weight, y, h, y32, y if q is None else q,
-                               y if s is None else s, D, x.stride(0), 0, r.stride(0),
-                               y.stride(0), h.stride(0), y32.stride(0),
-                               0 if q is None else q.stride(0), 0 if s is None else s.stride(0),
+    rows, qs, q_strides, meta = _fp8_outputs(y, fp8_rows)
+    _add_rms_norm_kernel[(T,)](x, r, weight, weight, y, h, y32, *qs, D, x.stride(0), 0,
+                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0), *q_strides,
                                float(eps), PARTS=0, GROUP=1, HAS_BIAS=False,
                                HAS_RES=residual is not None, HAS_Y32=fp32_copy,
-                               QUANT=rows is not None, QBK=rows.block_k if rows is not None else 16,
-                               POW2=rows is not None and rows.pow2_scale, BLOCK=block,
-                               DT=_TL_DTYPE[x.dtype], num_warps=min(16, max(1, block // 512)))
-    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows is not None else ())
+                               DT=_TL_DTYPE[x.dtype],
+                               num_warps=min(16, max(1, meta["BLOCK"] // 512)), **meta)
+    return _norm_outputs(y, h, y32, fp32_copy, rows)
 
 
 def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = False,
@@ -166,20 +166,16 @@ def add_rms_norm_sum_triton(s, residual, weight, eps: float, fp32_copy: bool = F
     r = h if residual is None else (residual if residual.stride(1) == 1
                                     else residual.contiguous())
     y32 = torch.empty(T, D, device=s.device, dtype=torch.float32) if fp32_copy else y
-    q, sc, rows = _fp8_outputs(T, D, s.device, fp8_rows)
+    rows, qs, q_strides, meta = _fp8_outputs(y, fp8_rows)
     b = weight if s.bias is None else s.bias.to(dtype)
-    block = _norm_block(D, fp8_rows)
-    _add_rms_norm_kernel[(T,)](s.base, r, weight, b, y, h, y32, y if q is None else q,
-                               y if sc is None else sc, D, s.row_stride, s.part_stride,
-                               r.stride(0), y.stride(0), h.stride(0), y32.stride(0),
-                               0 if q is None else q.stride(0), 0 if sc is None else sc.stride(0),
-                               float(eps), PARTS=s.count, GROUP=s.group,
-                               HAS_BIAS=s.bias is not None, HAS_RES=residual is not None,
-                               HAS_Y32=fp32_copy, QUANT=rows is not None,
-                               QBK=rows.block_k if rows is not None else 16,
-                               POW2=rows is not None and rows.pow2_scale, BLOCK=block,
-                               DT=_TL_DTYPE[dtype], num_warps=min(16, max(1, block // 512)))
-    return (y, h) + ((y32,) if fp32_copy else ()) + ((rows,) if rows is not None else ())
+    _add_rms_norm_kernel[(T,)](s.base, r, weight, b, y, h, y32, *qs, D, s.row_stride,
+                               s.part_stride, r.stride(0), y.stride(0), h.stride(0),
+                               y32.stride(0), *q_strides, float(eps), PARTS=s.count,
+                               GROUP=s.group, HAS_BIAS=s.bias is not None,
+                               HAS_RES=residual is not None, HAS_Y32=fp32_copy,
+                               DT=_TL_DTYPE[dtype],
+                               num_warps=min(16, max(1, meta["BLOCK"] // 512)), **meta)
+    return _norm_outputs(y, h, y32, fp32_copy, rows)
 
 
 # ----------------------------------------------------------------------------- MLA rows
