@@ -107,7 +107,9 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, y32_ptr, q_pt
     if QUANT:   # the row's tiles as the rows of a [BLOCK / QBK, QBK] tile (the tail is zeros)
         q, sa = _quant_rows(tl.reshape(y.to(tl.float32), (BLOCK // QBK, QBK)), POW2)
         tiles = tl.arange(0, BLOCK // QBK)
-        at = tiles[:, None] * QBK + tl.arange(0, QBK)[None, :]
+        # 8 columns a store (the reshape's layout): a wider vector store would move the FP8
+        # tile through shared memory first (a layout conversion and two barriers)
+        at = tl.max_contiguous(tiles[:, None] * QBK + tl.arange(0, QBK)[None, :], [1, 8])
         tl.store(q_ptr + t * stride_q + at, q, mask=at < D)
         tl.store(s_ptr + t * stride_s + tiles, sa, mask=tiles * QBK < D)
 
