@@ -290,7 +290,9 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
-    offs_b = tl.arange(0, NB)
+    # one bin a thread, as tl.histogram leaves them: the coalescer's wider stores and loads
+    # would move each histogram through shared memory (a layout conversion and its barriers)
+    offs_b = tl.max_contiguous(tl.arange(0, NB), 1)
     hist_lv = h_row + LEVEL * NB
     split_lv = split_ptr + (slot0 + sp).to(tl.int64) * stride_s + LEVEL * NB
     if LEVEL > 0 and SPARSE > 0:
@@ -308,7 +310,7 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
     if LEVEL > 0 and SPARSE > 0:
         tl.atomic_add(split_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
         tl.debug_barrier()      # every thread's additions precede the slot's read
-        acc = tl.load(split_lv + offs_b, cache_modifier=".cg")
+        acc = tl.atomic_add(split_lv + offs_b, 0, sem="relaxed")   # a read, one bin a thread
     else:
         tl.store(split_lv + offs_b, acc)
     tl.atomic_add(hist_lv + offs_b, acc, mask=acc > 0, sem="relaxed")
