@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_pending.sh OUTDIR SECTION...
 #   SECTION: tests owed resolver attnprobe attnncu rankmax fused buckets step order convert topk plans
-#            cut36 hostpool policies merge short narrow narrow32k eff
+#            cut36 hostpool policies merge short narrow narrow32k eff topkstore
 #            moe rank glm gemm pinned disagg nixl kernels serve
 #
 # Each section writes its logs and JSON under OUTDIR and prints a short summary; a section that
@@ -281,6 +281,25 @@ sum(r["us"][n] for r in rows)))' "$out/attn_plans.json" 2>/dev/null)
         --out "$out/eff_wide"
       python3 -m hisparse.bench.report "$out/eff_pair/bench_decode.json" \
         "$out/eff_wide/bench_decode.json" | tail -n 3 ;;
+    topkstore) # issue 24 (thirty-fourth session, built without a GPU): the top-k's histograms
+             # one bin a thread (no layout conversion through shared memory in its four
+             # histogram phases; b8dc09c). Its GPU tests, then the top-k over the engine's
+             # 163,840-column table at 8 / 24 / 64 x 32k and 8 / 24 x 128k, this tree and, with
+             # BASE (a directory holding `git archive b30f855` unpacked: the tree before), the
+             # tree before in the same call (~5 min, any GPU: issue 24's figures are H100's)
+      GPU_TEST_FILES="tests/ops/test_ops_topk.py tests/ops/test_ops_indexer_fused.py" \
+        skip_or_test
+      base=${BASE:?topkstore: BASE=dir of git archive b30f855}
+      for tree in new base; do
+        dir=$PWD; [ $tree = base ] && dir=$(cd "$base" && pwd)
+        (
+          cd "$dir" && export PYTHONPATH=$dir HISPARSE_TRITON_AUTOTUNE=0
+          run topkstore_$tree 150 python3 benchmarks/bench_topk.py --only wide \
+            --table-width 163840 --topk-shapes \
+            32768x8x2048,32768x24x2048,32768x64x2048,131072x8x2048,131072x24x2048 \
+            --out "$out/topkstore_$tree.json"
+        )
+      done ;;
     moe)     # issue 25 item 3: the fused MoE layer's launch table vs the runtime autotune,
              # 1-512 tokens (~1.5 min; bench_moe_launch.py prints MOE_LAUNCHES to paste)
       run moe_launch 150 python3 benchmarks/bench_moe_launch.py --out "$out/moe_launch.json" ;;
