@@ -290,8 +290,8 @@ def _hist_pass(keys_ptr, len_ptr, h_row, split_ptr, row, sp, slot0, W, SPLITS, s
     lo, hi = _row_span(len_ptr, row, sp, W, SPLITS, BLOCK)
     hi = tl.where(done != 0, lo, hi)                                # resolved: read nothing
     base = keys_ptr + row.to(tl.int64) * stride_k
-    # one bin a thread, as tl.histogram leaves them: the coalescer's wider stores and loads
-    # would move each histogram through shared memory (a layout conversion and its barriers)
+    # the bins as tl.histogram lays them out (at 4 warps, the default: one a thread a pass):
+    # the coalescer's two-wide stores and loads moved each histogram through shared memory
     offs_b = tl.max_contiguous(tl.arange(0, NB), 1)
     hist_lv = h_row + LEVEL * NB
     split_lv = split_ptr + (slot0 + sp).to(tl.int64) * stride_s + LEVEL * NB
