@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass
 
 ALL_HIT = "synthetic:1.0"     # the all-hit baseline source of the ratio table
@@ -148,11 +149,8 @@ def efficiency_rows(points: list[Point]) -> list[dict]:
         for x in sorted(same, key=lambda x: x.concurrency):   # per running count: the point
             fit[x.running_reached] = x.wall_ms_per_step        # of the largest concurrency
         f = c = nan
-        if len(fit) >= 2:
-            ns = list(fit)
-            mn, my = sum(ns) / len(ns), sum(fit.values()) / len(ns)
-            c = (sum((n - mn) * (fit[n] - my) for n in ns) / sum((n - mn) ** 2 for n in ns))
-            f = my - c * mn
+        if len(fit) >= 2:   # least squares
+            c, f = statistics.linear_regression(list(fit), list(fit.values()))
         rows.append(dict(
             mode=h.mode, policy=h.hot_policy, context=h.context,
             running=n_h, gpu_only_running=n_g,
